@@ -1,0 +1,1 @@
+"""HDF5 data: dataset preprocessing, sharded loaders, the checkpoint store, inspect and verify."""

@@ -1,0 +1,101 @@
+"""The `wse` command line: version, help, doctor (a real 2-rank MPI job) and bench."""
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import pyapi.doctor
+from bench.optim import HPARAMS, numpy_adamw
+from mpi_launch import MPILaunchError, find_mpiexec
+from pyapi.cli import main
+from wse_core.optim import AdamW
+
+
+def wse(*args, timeout=120):
+    return subprocess.run([sys.executable, "-m", "pyapi.cli", *args], capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def test_version():
+    proc = wse("--version")
+    assert proc.returncode == 0 and proc.stdout.startswith("wse-cluster ")
+
+
+@pytest.mark.parametrize("cmd", [[], ["doctor"], ["demo"], ["bench"], ["bench", "optim"]])
+def test_help_on_every_command(cmd):
+    proc = wse(*cmd, "--help")
+    assert proc.returncode == 0 and "usage: wse" in proc.stdout
+
+
+def test_unknown_command_is_one_clear_error():
+    proc = wse("frobnicate")
+    assert proc.returncode == 2 and "invalid choice: 'frobnicate'" in proc.stderr
+
+
+def test_mpiexec_comes_from_the_mpich_wheel():
+    """The mpiexec found is the wheel's, in this environment's scripts directory, not PATH's."""
+    import importlib.metadata
+    import sysconfig
+    from pathlib import Path
+
+    path = find_mpiexec()
+    wheel_files = {Path(importlib.metadata.distribution("mpich").locate_file(f)).resolve()
+                   for f in importlib.metadata.distribution("mpich").files}
+    assert path in wheel_files
+    assert path.parent == Path(sysconfig.get_path("scripts")).resolve()
+
+
+def test_doctor_runs_a_real_two_rank_job():
+    proc = wse("doctor")
+    assert proc.returncode == 0, proc.stderr
+    out = proc.stdout
+    assert "mpi hello: 2 ranks ok" in out
+    for label in ("python", "numpy", "openmp", "h5py", "mpiexec", "MPI library"):
+        assert label in out
+    assert "HDF5" in out and "BLAS" in out and str(find_mpiexec()) in out
+
+
+def test_doctor_reports_a_broken_mpi_in_one_line(monkeypatch, capsys):
+    def missing():
+        raise MPILaunchError("the mpich wheel is not installed in this Python environment")
+
+    monkeypatch.setattr(pyapi.doctor, "find_mpiexec", missing)
+    monkeypatch.setattr(pyapi.doctor, "run_mpi", lambda *a, **k: (_ for _ in ()).throw(
+        MPILaunchError("cannot start mpiexec")))
+    assert pyapi.doctor.main() == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1
+    assert err[0].startswith("wse doctor: 2 problem(s); first: mpiexec: the mpich wheel is not installed")
+
+
+def test_bench_optim_writes_json(tmp_path):
+    """A small run has every reported key, with positive figures (no timing is asserted)."""
+    out = tmp_path / "optim.json"
+    proc = wse("bench", "optim", "--size", "200000", "--repeats", "3", "--json", str(out))
+    assert proc.returncode == 0, proc.stderr
+    result = json.loads(out.read_text())
+    assert result["size"] == 200000 and result["machine"]["cores"] >= 1
+    for key in ("speedup_vs_numpy", "fraction_of_copy_bandwidth"):
+        assert result[key] > 0
+    assert set(result["median_seconds"]) == {"fused_adamw", "numpy_adamw", "copy_numpy", "copy_openmp"}
+    assert "speedup vs numpy" in proc.stdout
+
+
+def test_bench_rejects_bad_size(capsys):
+    assert main(["bench", "optim", "--size", "0"]) == 1
+    assert "wse bench: error: --size and --repeats must be >= 1" in capsys.readouterr().err
+
+
+def test_bench_numpy_baseline_is_the_same_update(rng):
+    """The numpy baseline computes what the fused kernel computes, so the speedup compares like with like."""
+    p = rng.standard_normal(5000)
+    grads = [rng.standard_normal(5000) for _ in range(3)]
+    p1, m1, v1 = p.copy(), np.zeros(5000), np.zeros(5000)
+    p2 = p.copy()
+    opt, state = AdamW(**HPARAMS), AdamW(**HPARAMS).init_state(p2)
+    for t, g in enumerate(grads, start=1):
+        numpy_adamw(p1, g, m1, v1, step=t, **HPARAMS)
+        opt.update(p2, g, state, step=t)
+    np.testing.assert_allclose(p1, p2, rtol=1e-13)
