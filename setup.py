@@ -19,8 +19,10 @@ from setuptools.command.build_ext import build_ext
 
 ROOT = Path(__file__).parent
 OPENMP_FLAG = "-fopenmp"
-# -fno-math-errno lets gcc vectorise sqrt; it changes no result, only errno, which nobody reads.
-BASE_FLAGS = ["-O3", "-fno-math-errno"]
+# -fno-math-errno lets gcc vectorise sqrt, and -fno-trapping-math lets it turn the branches of
+# wse_math.h into selects; neither changes a result (only errno and floating-point trap flags,
+# which nothing here reads). No -ffast-math: it would reorder sums and change bits.
+BASE_FLAGS = ["-O3", "-fno-math-errno", "-fno-trapping-math"]
 
 OMP_PROBE = r"""
 #include <omp.h>

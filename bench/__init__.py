@@ -5,4 +5,5 @@ prints its table and writes its JSON.
 """
 BENCHMARKS = {
     "optim": "bench.optim",
+    "nn": "bench.nn",
 }

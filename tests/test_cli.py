@@ -23,7 +23,7 @@ def test_version():
     assert proc.returncode == 0 and proc.stdout.startswith("wse-cluster ")
 
 
-@pytest.mark.parametrize("cmd", [[], ["doctor"], ["demo"], ["bench"], ["bench", "optim"]])
+@pytest.mark.parametrize("cmd", [[], ["doctor"], ["demo"], ["bench"], ["bench", "optim"], ["bench", "nn"]])
 def test_help_on_every_command(cmd):
     proc = wse(*cmd, "--help")
     assert proc.returncode == 0 and "usage: wse" in proc.stdout
@@ -99,3 +99,15 @@ def test_bench_numpy_baseline_is_the_same_update(rng):
         numpy_adamw(p1, g, m1, v1, step=t, **HPARAMS)
         opt.update(p2, g, state, step=t)
     np.testing.assert_allclose(p1, p2, rtol=1e-13)
+
+
+def test_bench_nn_writes_json(tmp_path):
+    """One repetition has every reported key and positive figures (no timing is asserted)."""
+    out = tmp_path / "nn.json"
+    proc = wse("bench", "nn", "--repeats", "1", "--json", str(out), timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    result = json.loads(out.read_text())
+    assert result["block"]["hidden"] == 256 and result["block"]["seq"] == 256
+    assert result["block_speedup_vs_numpy"] > 0 and result["model_speedup_vs_numpy"] > 0
+    if "torch" in result:  # the PyTorch block computes the same function as ours
+        assert result["block_max_abs_diff_vs_torch"] < 1e-3

@@ -8,7 +8,7 @@ second pass over memory, compute ``clip_coefficient(global_norm(grads), max_norm
 import math
 
 from wse_core.optim import _kernels
-from wse_core.optim._checks import check_float_array, check_number
+from wse_core._checks import check_float_array, check_number
 
 #: Added to the norm before dividing, as PyTorch does, so a zero gradient gives no division by zero.
 NORM_EPS = 1e-6

@@ -18,7 +18,7 @@ import inspect
 import numpy as np
 
 from wse_core.optim import _kernels
-from wse_core.optim._checks import check_float_array, check_like, check_number
+from wse_core._checks import check_float_array, check_like, check_number
 
 
 class Optimizer:

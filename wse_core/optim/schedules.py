@@ -16,7 +16,7 @@ After its ``total_iters`` a schedule holds its end value.
 import math
 from dataclasses import MISSING, dataclass, fields
 
-from wse_core.optim._checks import check_number
+from wse_core._checks import check_number
 
 
 class Schedule:

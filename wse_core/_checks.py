@@ -1,4 +1,4 @@
-"""Argument checks shared by the optimizer and clipping wrappers (the kernels trust their inputs)."""
+"""Argument checks shared by the Python wrappers of every kernel (the kernels trust their inputs)."""
 import numpy as np
 
 FLOAT_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))

@@ -1,0 +1,147 @@
+"""Forward + backward of one GPT-2 block and of a small GPT-2: fused kernels against unfused numpy (and PyTorch, if installed).
+
+    wse bench nn [--json PATH] [--repeats R]
+
+The block is hidden 256, 4 heads, sequence 256, batch 8, float32. The unfused baseline is the
+same code with ``wse_core.nn.numpy_ops`` in place of the fused kernels (same GEMMs), so its
+ratio measures what fusion buys. Where PyTorch is importable, the same block (same weights) runs
+in PyTorch eager on the CPU with as many threads as the kernels use, and its output is checked
+against ours. GEMMs run through ``wse_core.nn.gemm`` (BLAS pinned to one thread per call,
+parallel over fixed row chunks) so that results are bit-identical for any thread count.
+"""
+import numpy as np
+
+from bench.harness import machine, median_seconds, table
+from wse_core.nn import TransformerBlock, build_model, numpy_ops
+from wse_core.nn import ops as fused_ops
+from wse_core.nn.models import Model
+
+BLOCK = {"hidden": 256, "heads": 4, "seq": 256, "batch": 8}
+SMALL_GPT2 = {"name": "gpt2", "vocab_size": 257, "hidden_size": 256, "num_hidden_layers": 4, "num_heads": 4,
+              "max_position_embeddings": 256}
+
+
+def add_arguments(parser):
+    parser.add_argument("--repeats", type=int, default=7, help="timed repetitions (median reported)")
+
+
+def _block(ops):
+    c = BLOCK["hidden"]
+    return TransformerBlock(0, c, BLOCK["heads"], 4 * c, 1e-5, num_layers=12, ops=ops)
+
+
+def _block_fwd_bwd(block, x, params, dy):
+    y, saved = block.forward(x, params)
+    block.backward(dy, saved, params)
+    return y
+
+
+def _torch_block(params, x, dy, threads, repeats):
+    """Time the same block in PyTorch eager; return (seconds, output) or None without torch."""
+    try:
+        import torch
+    except ImportError:
+        return None
+    torch.set_num_threads(threads)
+    f = torch.nn.functional
+    p = "blocks.0."
+    w = {k[len(p):]: torch.tensor(v, requires_grad=True) for k, v in params.items()}
+    b, t, c = x.shape
+    nh = BLOCK["heads"]
+    xt = torch.tensor(x, requires_grad=True)
+    dyt = torch.tensor(dy)
+
+    def step():
+        h = f.layer_norm(xt, (c,), w["ln_1.weight"], w["ln_1.bias"], 1e-5)
+        q, k, v = f.linear(h, w["attn.qkv.weight"], w["attn.qkv.bias"]).split(c, dim=2)
+        q, k, v = (z.view(b, t, nh, c // nh).transpose(1, 2) for z in (q, k, v))
+        a = f.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, t, c)
+        mid = xt + f.linear(a, w["attn.proj.weight"], w["attn.proj.bias"])
+        h = f.layer_norm(mid, (c,), w["ln_2.weight"], w["ln_2.bias"], 1e-5)
+        m = f.linear(f.gelu(f.linear(h, w["mlp.fc.weight"], w["mlp.fc.bias"]), approximate="tanh"),
+                     w["mlp.proj.weight"], w["mlp.proj.bias"])
+        out = mid + m
+        out.backward(dyt)
+        return out
+
+    out = step().detach().numpy()
+    return median_seconds(step, repeats), out
+
+
+def run(args):
+    if args.repeats < 1:
+        raise ValueError(f"--repeats must be >= 1, got {args.repeats}")
+    from wse_core import openmp_info
+
+    threads = openmp_info()["max_threads"]
+    rng = np.random.default_rng(0)
+    b, t, c = BLOCK["batch"], BLOCK["seq"], BLOCK["hidden"]
+    fused = _block(fused_ops)
+    params = Model("block", {}, [fused]).init_params(seed=0)
+    x = rng.standard_normal((b, t, c), dtype=np.float32)
+    dy = rng.standard_normal((b, t, c), dtype=np.float32)
+    unfused = _block(numpy_ops)
+
+    t_fused = median_seconds(lambda: _block_fwd_bwd(fused, x, params, dy), args.repeats)
+    t_numpy = median_seconds(lambda: _block_fwd_bwd(unfused, x, params, dy), args.repeats)
+    y_fused = _block_fwd_bwd(fused, x, params, dy)
+    torch_result = _torch_block(params, x, dy, threads, args.repeats)
+
+    model = build_model(SMALL_GPT2)
+    model_np = build_model(SMALL_GPT2, ops=numpy_ops)
+    mp = model.init_params(seed=0)
+    ids = rng.integers(0, SMALL_GPT2["vocab_size"], (b, t + 1)).astype(np.int32)
+    batch = {"input_ids": ids[:, :-1].copy(), "labels": ids[:, 1:].copy(), "loss_mask": np.ones((b, t), np.int32)}
+    m_fused = median_seconds(lambda: model.forward_backward(mp, batch), max(1, args.repeats // 2))
+    m_numpy = median_seconds(lambda: model_np.forward_backward(mp, batch), max(1, args.repeats // 2))
+
+    result = {
+        "benchmark": "nn",
+        "machine": machine(),
+        "repeats": args.repeats,
+        "block": dict(BLOCK, dtype="float32"),
+        "model": dict(SMALL_GPT2, params=model.num_params(), seq=t, batch=b),
+        "median_seconds": {"block_fused": t_fused, "block_numpy": t_numpy,
+                           "model_fused": m_fused, "model_numpy": m_numpy},
+        "block_speedup_vs_numpy": t_numpy / t_fused,
+        "model_speedup_vs_numpy": m_numpy / m_fused,
+        "block_tokens_per_s": b * t / t_fused,
+        "model_tokens_per_s": b * t / m_fused,
+    }
+    if torch_result is not None:
+        import torch
+
+        t_torch, y_torch = torch_result
+        result["torch"] = torch.__version__
+        result["median_seconds"]["block_torch"] = t_torch
+        result["block_speedup_vs_torch"] = t_torch / t_fused
+        result["block_max_abs_diff_vs_torch"] = float(np.abs(y_torch - y_fused).max())
+    return result
+
+
+def report(result):
+    t = result["median_seconds"]
+    rows = [["GPT-2 block, fused (wse_core)", f"{t['block_fused'] * 1e3:.1f}", "1.00"],
+            ["GPT-2 block, unfused numpy", f"{t['block_numpy'] * 1e3:.1f}",
+             f"{t['block_numpy'] / t['block_fused']:.2f}"]]
+    if "block_torch" in t:
+        rows.append([f"GPT-2 block, PyTorch {result['torch']} eager", f"{t['block_torch'] * 1e3:.1f}",
+                     f"{t['block_torch'] / t['block_fused']:.2f}"])
+    mdl = result["model"]
+    rows += [[f"GPT-2 {mdl['num_hidden_layers']} layers ({mdl['params'] / 1e6:.1f}M), fused",
+              f"{t['model_fused'] * 1e3:.1f}", "1.00"],
+             [f"GPT-2 {mdl['num_hidden_layers']} layers, unfused numpy", f"{t['model_numpy'] * 1e3:.1f}",
+              f"{t['model_numpy'] / t['model_fused']:.2f}"]]
+    m = result["machine"]
+    blk = result["block"]
+    lines = [f"forward + backward, batch {blk['batch']} x seq {blk['seq']}, hidden {blk['hidden']}, "
+             f"{blk['heads']} heads, float32; median of {result['repeats']}; {m['cpu']}, "
+             f"{m['kernel_threads']} kernel threads",
+             table(rows, ["", "ms", "time / fused time"]),
+             f"block speedup vs numpy: {result['block_speedup_vs_numpy']:.2f}x; "
+             f"model speedup vs numpy: {result['model_speedup_vs_numpy']:.2f}x; "
+             f"block {result['block_tokens_per_s']:,.0f} tokens/s"]
+    if "block_speedup_vs_torch" in result:
+        lines.append(f"block speedup vs PyTorch: {result['block_speedup_vs_torch']:.2f}x "
+                     f"(max |difference| of outputs {result['block_max_abs_diff_vs_torch']:.1e})")
+    return "\n".join(lines)

@@ -1,0 +1,199 @@
+"""Every streaming unit and both models: forward against naive float64 numpy, gradients against finite differences."""
+import math
+
+import numpy as np
+import pytest
+
+from wse_core.nn import Dense, Embedding, LMHead, TransformerBlock, build_model
+from wse_core.nn.models import Model
+
+H = 1e-5  # central-difference step (float64)
+
+
+def init(unit, rng):
+    """float64 parameters with non-trivial LayerNorm weights and biases."""
+    model = Model("test", {}, [unit])
+    params = model.init_params(seed=int(rng.integers(1 << 30)), dtype=np.float64)
+    for name, p in params.items():
+        p += rng.standard_normal(p.shape) * (0.5 if p.ndim == 1 else 0.1)
+    return params
+
+
+def fd_check(f, arrays, analytic, rng, samples=6):
+    """Compare analytic gradients with central differences of scalar f() at a few entries of each array."""
+    for name, arr in arrays.items():
+        flat = arr.reshape(-1)
+        for i in rng.choice(flat.size, size=min(samples, flat.size), replace=False):
+            old = flat[i]
+            flat[i] = old + H
+            up = f()
+            flat[i] = old - H
+            down = f()
+            flat[i] = old
+            num = (up - down) / (2 * H)
+            ana = analytic[name].reshape(-1)[i]
+            assert ana == pytest.approx(num, rel=1e-6, abs=1e-8), f"{name}[{i}]: analytic {ana}, numeric {num}"
+
+
+def check_unit(unit, x, params, rng):
+    y, saved = unit.forward(x, params)
+    r = rng.standard_normal(y.shape)
+    dx, grads = unit.backward(r, saved, params)
+    f = lambda: float((unit.forward(x, params)[0] * r).sum())  # noqa: E731
+    fd_check(f, params, grads, rng)
+    if dx is not None:
+        fd_check(f, {"x": x}, {"x": dx}, rng)
+
+
+# --- naive float64 references -------------------------------------------------------------------
+
+def ref_layernorm(x, g, b, eps):
+    return (x - x.mean(-1, keepdims=True)) / np.sqrt(x.var(-1, keepdims=True) + eps) * g + b
+
+
+def ref_gelu(x):
+    return 0.5 * x * (1 + np.tanh(math.sqrt(2 / math.pi) * (x + 0.044715 * x**3)))
+
+
+def ref_block(x, P, p, heads, eps):
+    b, t, c = x.shape
+    d = c // heads
+    h = ref_layernorm(x, P[p + "ln_1.weight"], P[p + "ln_1.bias"], eps)
+    qkv = h @ P[p + "attn.qkv.weight"].T + P[p + "attn.qkv.bias"]
+    out = np.zeros((b, t, c))
+    for s in range(b):
+        for hd in range(heads):
+            q = qkv[s, :, hd * d:(hd + 1) * d]
+            k = qkv[s, :, c + hd * d:c + (hd + 1) * d]
+            v = qkv[s, :, 2 * c + hd * d:2 * c + (hd + 1) * d]
+            scores = q @ k.T / math.sqrt(d)
+            scores[np.triu(np.ones((t, t), bool), 1)] = -np.inf
+            w = np.exp(scores - scores.max(1, keepdims=True))
+            w /= w.sum(1, keepdims=True)
+            out[s, :, hd * d:(hd + 1) * d] = w @ v
+    x = x + out @ P[p + "attn.proj.weight"].T + P[p + "attn.proj.bias"]
+    h = ref_layernorm(x, P[p + "ln_2.weight"], P[p + "ln_2.bias"], eps)
+    m = ref_gelu(h @ P[p + "mlp.fc.weight"].T + P[p + "mlp.fc.bias"])
+    return x + m @ P[p + "mlp.proj.weight"].T + P[p + "mlp.proj.bias"]
+
+
+# --- units ----------------------------------------------------------------------------------------
+
+def test_embedding(rng):
+    unit = Embedding(13, 9, 6)
+    params = init(unit, rng)
+    ids = rng.integers(0, 13, (3, 7)).astype(np.int32)
+    y, _ = unit.forward(ids, params)
+    np.testing.assert_allclose(y, params["wte.weight"][ids] + params["wpe.weight"][np.arange(7)], rtol=1e-15)
+    check_unit(unit, ids, params, rng)
+
+
+def test_transformer_block(rng):
+    unit = TransformerBlock(2, hidden_size=8, num_heads=2, filter_size=12, eps=1e-5, num_layers=3)
+    params = init(unit, rng)
+    x = rng.standard_normal((2, 5, 8))
+    y, _ = unit.forward(x, params)
+    np.testing.assert_allclose(y, ref_block(x, params, "blocks.2.", 2, 1e-5), rtol=1e-12, atol=1e-12)
+    check_unit(unit, x, params, rng)
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_lm_head(rng, tied):
+    unit = LMHead(8, 11, 1e-5, tied)
+    params = init(unit, rng)
+    x = rng.standard_normal((2, 4, 8))
+    w = params["wte.weight" if tied else "lm_head.weight"]
+    y, _ = unit.forward(x, params)
+    ref = ref_layernorm(x, params["ln_f.weight"], params["ln_f.bias"], 1e-5) @ w.T
+    np.testing.assert_allclose(y, ref, rtol=1e-12, atol=1e-12)
+    check_unit(unit, x, params, rng)
+
+
+@pytest.mark.parametrize("activation", ["relu", "gelu", None])
+def test_dense(rng, activation):
+    unit = Dense(0, 7, 5, activation)
+    params = init(unit, rng)
+    x = rng.standard_normal((6, 7))
+    y, _ = unit.forward(x, params)
+    lin = x @ params["layers.0.weight"].T + params["layers.0.bias"]
+    ref = {"relu": np.maximum(lin, 0), "gelu": ref_gelu(lin), None: lin}[activation]
+    np.testing.assert_allclose(y, ref, rtol=1e-13, atol=1e-14)
+    check_unit(unit, x, params, rng)
+
+
+def test_forward_does_not_touch_inputs(rng):
+    unit = TransformerBlock(0, 8, 2, 16, 1e-5, 1)
+    params = init(unit, rng)
+    x = rng.standard_normal((2, 3, 8))
+    before = {k: v.copy() for k, v in params.items()}, x.copy()
+    y, saved = unit.forward(x, params)
+    unit.backward(np.ones_like(y), saved, params)
+    assert all(np.array_equal(before[0][k], params[k]) for k in params) and np.array_equal(before[1], x)
+
+
+# --- whole models ---------------------------------------------------------------------------------
+
+def lm_batch(rng, vocab, b, t, masked=True):
+    ids = rng.integers(0, vocab, (b, t + 1)).astype(np.int32)
+    mask = (rng.random((b, t)) < 0.8).astype(np.int32) if masked else np.ones((b, t), np.int32)
+    return {"input_ids": ids[:, :-1].copy(), "labels": ids[:, 1:].copy(), "loss_mask": mask}
+
+
+def check_model(model, batch, rng, samples=3):
+    params = model.init_params(seed=1, dtype=np.float64)
+    for p in params.values():
+        p += rng.standard_normal(p.shape) * 0.1
+    loss, n, unit_grads = model.forward_backward(params, batch)
+    grads = model.combine_unit_grads(unit_grads)
+    assert set(grads) == set(model.param_names)
+    fd_check(lambda: model.forward_backward(params, batch)[0], params, grads, rng, samples)
+    return loss, n
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_gpt2_model_gradients(rng, tied):
+    model = build_model({"name": "gpt2", "vocab_size": 11, "hidden_size": 8, "num_hidden_layers": 2,
+                         "num_heads": 2, "max_position_embeddings": 6, "share_embedding_weights": tied})
+    names = model.param_names
+    assert ("lm_head.weight" in names) != tied and names.count("wte.weight") == 1
+    batch = lm_batch(rng, 11, 3, 5)
+    loss, n = check_model(model, batch, rng)
+    assert n == int(batch["loss_mask"].sum())
+
+
+@pytest.mark.parametrize("activation", ["relu", "gelu"])
+def test_fc_mlp_model_gradients(rng, activation):
+    model = build_model({"name": "fc_mlp", "input_size": 6, "hidden_sizes": [5, 4], "num_classes": 3,
+                         "activation": activation})
+    assert model.param_names == [f"layers.{i}.{k}" for i in range(3) for k in ("weight", "bias")]
+    batch = {"features": rng.standard_normal((7, 6)), "labels": rng.integers(0, 3, 7).astype(np.int32)}
+    loss, n = check_model(model, batch, rng)
+    assert n == 7
+
+
+def test_loss_matches_naive_cross_entropy(rng):
+    model = build_model({"name": "gpt2", "vocab_size": 11, "hidden_size": 8, "num_hidden_layers": 1,
+                         "num_heads": 2, "max_position_embeddings": 6})
+    params = model.init_params(seed=2, dtype=np.float64)
+    batch = lm_batch(rng, 11, 2, 6)
+    logits, _ = model.forward(params, batch)
+    logp = logits - np.log(np.exp(logits).sum(-1, keepdims=True))
+    picked = np.take_along_axis(logp, batch["labels"][..., None].astype(np.int64), -1)[..., 0]
+    want = -(picked * batch["loss_mask"]).sum()
+    loss, n, _ = model.loss(logits.copy(), batch)
+    assert loss == pytest.approx(want, rel=1e-12) and n == batch["loss_mask"].sum()
+
+
+def test_gpt2_initialisation(rng):
+    """normal(0, 0.02), residual projections scaled by 1/sqrt(2 layers), LayerNorm (1, 0), seeded."""
+    cfg = {"name": "gpt2", "vocab_size": 500, "hidden_size": 64, "num_hidden_layers": 8, "num_heads": 4,
+           "max_position_embeddings": 64}
+    p = build_model(cfg).init_params(seed=7)
+    assert p["wte.weight"].dtype == np.float32
+    assert p["wte.weight"].std() == pytest.approx(0.02, rel=0.05)
+    assert p["blocks.3.mlp.proj.weight"].std() == pytest.approx(0.02 / 4, rel=0.05)
+    assert np.all(p["blocks.0.ln_1.weight"] == 1) and np.all(p["blocks.0.attn.qkv.bias"] == 0)
+    q = build_model(cfg).init_params(seed=7)
+    assert all(p[k].tobytes() == q[k].tobytes() for k in p)
+    r = build_model(cfg).init_params(seed=8)
+    assert not np.array_equal(p["wte.weight"], r["wte.weight"])

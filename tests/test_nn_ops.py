@@ -1,0 +1,144 @@
+"""Fused layer kernels against the plain numpy ops and against naive float64 formulas."""
+import math
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from wse_core.nn import numpy_ops, ops
+
+DTYPES = [np.float32, np.float64]
+TOL = {np.float32: 2e-5, np.float64: 1e-12}
+
+
+def naive_gelu(x):
+    return 0.5 * x * (1 + np.tanh(math.sqrt(2 / math.pi) * (x + 0.044715 * x**3)))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_layernorm_forward_and_backward(rng, dtype):
+    x = (rng.standard_normal((67, 130)) * 3 + 1).astype(dtype)
+    g, b = rng.standard_normal(130).astype(dtype), rng.standard_normal(130).astype(dtype)
+    y, mean, rstd = ops.layernorm_forward(x, g, b, 1e-5)
+    x64 = x.astype(np.float64)
+    ref = (x64 - x64.mean(1, keepdims=True)) / np.sqrt(x64.var(1, keepdims=True) + 1e-5) * g + b
+    np.testing.assert_allclose(y, ref, rtol=TOL[dtype], atol=10 * TOL[dtype])
+    dy = rng.standard_normal(x.shape).astype(dtype)
+    got = ops.layernorm_backward(dy, x, g, mean, rstd)
+    want = numpy_ops.layernorm_backward(dy.astype(np.float64), x64, g.astype(np.float64),
+                                        x64.mean(1), 1 / np.sqrt(x64.var(1) + 1e-5))
+    for a, w in zip(got, want):
+        assert a.dtype == dtype
+        np.testing.assert_allclose(a, w, rtol=10 * TOL[dtype], atol=100 * TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_bias_gelu_and_relu(rng, dtype):
+    h = rng.standard_normal((33, 70)).astype(dtype) * 3
+    bias = rng.standard_normal(70).astype(dtype)
+    pre_ref = h.astype(np.float64) + bias
+    h1 = h.copy()
+    # float32 tanh near -1 leaves about 1e-6 absolute error in 1 + tanh for large negative inputs.
+    atol = 5e-6 if dtype == np.float32 else 1e-12
+    np.testing.assert_allclose(ops.bias_gelu_forward(h1, bias), naive_gelu(pre_ref), rtol=TOL[dtype], atol=atol)
+    np.testing.assert_allclose(h1, pre_ref, rtol=TOL[dtype])
+    h2 = h.copy()
+    np.testing.assert_array_equal(ops.bias_relu_forward(h2, bias), np.maximum(h.astype(dtype) + bias, 0))
+    dy = rng.standard_normal(h.shape).astype(dtype)
+    eps = 1e-6
+    fd = (naive_gelu(pre_ref + eps) - naive_gelu(pre_ref - eps)) / (2 * eps)
+    np.testing.assert_allclose(ops.gelu_backward(h1, dy.copy()), dy * fd, rtol=1e-4, atol=max(atol, 1e-8))
+    np.testing.assert_array_equal(ops.relu_backward(h2, dy.copy()), np.where(h2 > 0, dy, 0))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_causal_softmax(rng, dtype):
+    s = rng.standard_normal((5, 17, 17)).astype(dtype) * 4
+    p = ops.causal_softmax_forward(s.copy(), 0.25)
+    ref = np.zeros_like(s, dtype=np.float64)
+    for n in range(5):
+        for i in range(17):
+            row = 0.25 * s[n, i, : i + 1].astype(np.float64)
+            e = np.exp(row - row.max())
+            ref[n, i, : i + 1] = e / e.sum()
+    np.testing.assert_allclose(p, ref, rtol=TOL[dtype], atol=TOL[dtype])
+    dp = rng.standard_normal(s.shape).astype(dtype)
+    got = ops.causal_softmax_backward(p, dp.copy(), 0.25)
+    want = numpy_ops.causal_softmax_backward(ref, dp.astype(np.float64), 0.25)
+    np.testing.assert_allclose(got, want, rtol=10 * TOL[dtype], atol=10 * TOL[dtype])
+    assert np.all(np.triu(got[0], k=1) == 0)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_cross_entropy(rng, dtype):
+    logits = rng.standard_normal((40, 29)).astype(dtype) * 3
+    labels = rng.integers(0, 29, 40).astype(np.int32)
+    mask = (rng.random(40) < 0.7).astype(np.int32)
+    l64 = logits.astype(np.float64)
+    lse = np.log(np.exp(l64 - l64.max(1, keepdims=True)).sum(1)) + l64.max(1)
+    want_loss = float(((lse - l64[np.arange(40), labels]) * mask).sum())
+    want_grad = (np.exp(l64 - lse[:, None]) - np.eye(29)[labels]) * mask[:, None]
+    loss, grad = ops.cross_entropy(logits.copy(), labels, mask)
+    assert loss == pytest.approx(want_loss, rel=TOL[dtype])
+    np.testing.assert_allclose(grad, want_grad, rtol=TOL[dtype], atol=TOL[dtype])
+
+
+def test_cross_entropy_rejects_label_outside_vocab():
+    with pytest.raises(ValueError, match=r"labels: id 9 at row 1 is outside the vocabulary \[0, 5\)"):
+        ops.cross_entropy(np.zeros((3, 5)), np.array([0, 9, 1], np.int32), np.ones(3, np.int32))
+    # A masked-out row may carry any label (padding).
+    loss, _ = ops.cross_entropy(np.zeros((2, 5)), np.array([0, 99], np.int32), np.array([1, 0], np.int32))
+    assert loss == pytest.approx(math.log(5))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_column_sum_and_embedding_backward(rng, dtype):
+    a = rng.standard_normal((300, 150)).astype(dtype)
+    np.testing.assert_allclose(ops.column_sum(a), a.astype(np.float64).sum(0), rtol=TOL[dtype], atol=TOL[dtype])
+    ids = rng.integers(0, 11, 300).astype(np.int32)
+    want = np.zeros((11, 150))
+    np.add.at(want, ids, a.astype(np.float64))
+    np.testing.assert_allclose(ops.embedding_backward(ids, a, 11), want, rtol=1e-4, atol=1e-4)
+    with pytest.raises(ValueError, match=r"ids: expected ids in \[0, 5\)"):
+        ops.embedding_backward(ids, a, 5)
+
+
+def test_wrappers_reject_bad_arrays():
+    x = np.zeros((4, 8), np.float32)
+    with pytest.raises(ValueError, match="gamma: expected length 8, got 7"):
+        ops.layernorm_forward(x, np.ones(7, np.float32), np.zeros(8, np.float32), 1e-5)
+    with pytest.raises(TypeError, match="beta: expected float32, got float64"):
+        ops.layernorm_forward(x, np.ones(8, np.float32), np.zeros(8), 1e-5)
+    with pytest.raises(ValueError, match="h: expected a C-contiguous array"):
+        ops.bias_gelu_forward(np.zeros((8, 4), np.float32).T, np.zeros(8, np.float32))
+    with pytest.raises(ValueError, match=r"scores: expected square"):
+        ops.causal_softmax_forward(np.zeros((2, 3, 4)), 1.0)
+    with pytest.raises(TypeError, match="labels: expected an int32 array"):
+        ops.cross_entropy(np.zeros((2, 3)), np.zeros(2, np.int64), np.ones(2, np.int32))
+
+
+def test_gradients_same_bits_for_any_thread_count():
+    """A GPT-2 micro-batch gradient is bit-identical with 1 and 2 OpenMP and BLAS threads."""
+    code = """
+import hashlib, numpy as np
+from wse_core.nn import build_model
+m = build_model(dict(name="gpt2", vocab_size=97, hidden_size=64, num_hidden_layers=2, num_heads=4,
+                     max_position_embeddings=128))
+p = m.init_params(3)
+ids = np.random.default_rng(5).integers(0, 97, (4, 129)).astype(np.int32)
+b = {"input_ids": ids[:, :-1].copy(), "labels": ids[:, 1:].copy(), "loss_mask": np.ones((4, 128), np.int32)}
+loss, n, g = m.forward_backward(p, b)
+h = hashlib.sha256(repr(loss).encode())
+for unit in g:
+    for k in sorted(unit):
+        h.update(unit[k].tobytes())
+print(h.hexdigest())
+"""
+    digests = set()
+    for threads in ("1", "2"):
+        env = dict(os.environ, OMP_NUM_THREADS=threads, OPENBLAS_NUM_THREADS=threads)
+        digests.add(subprocess.run([sys.executable, "-c", code], env=env, check=True,
+                                   capture_output=True, text=True).stdout.strip())
+    assert len(digests) == 1

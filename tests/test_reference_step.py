@@ -1,0 +1,132 @@
+"""The single-process reference step: it learns real text, and its sums split exactly as the cluster will split them."""
+import sysconfig
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from wse_core.nn import accumulate, build_model, reference_step
+from wse_core.optim import AdamW
+from wse_core.tree import tree_sum
+
+EOT = 256
+TINY_GPT2 = {"name": "gpt2", "vocab_size": 257, "hidden_size": 64, "num_hidden_layers": 2, "num_heads": 4,
+             "max_position_embeddings": 32}
+
+
+def stdlib_tokens():
+    """Bytes of a few standard-library modules, documents separated by end-of-text: real text."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    ids = []
+    for name in ("textwrap.py", "argparse.py", "dataclasses.py"):
+        ids.extend((root / name).read_bytes())
+        ids.append(EOT)
+    return np.array(ids, np.int32)
+
+
+def lm_batches(tokens, batch, seq):
+    """Consecutive [batch, seq] windows of the stream with labels shifted by one."""
+    n = batch * seq
+    for start in range(0, len(tokens) - n - 1, n):
+        chunk = tokens[start:start + n + 1]
+        yield {"input_ids": chunk[:-1].reshape(batch, seq).copy(),
+               "labels": chunk[1:].reshape(batch, seq).copy(),
+               "loss_mask": np.ones((batch, seq), np.int32)}
+
+
+def grads_bytes(unit_grads):
+    return [g[k].tobytes() for g in unit_grads for k in sorted(g)]
+
+
+def test_loss_falls_on_real_text():
+    """50 AdamW steps of a tiny GPT-2 on standard-library source bring the loss well below log(257)."""
+    model = build_model(TINY_GPT2)
+    params = model.init_params(seed=0)
+    opt = AdamW(lr=3e-3, weight_decay=0.01)
+    state = {k: opt.init_state(v) for k, v in params.items()}
+    batches = lm_batches(stdlib_tokens(), 16, 32)
+    losses = [reference_step(model, params, state, opt, next(batches), micro_batch_size=4, step=t,
+                             max_gradient_norm=1.0).loss for t in range(1, 51)]
+    assert losses[0] == pytest.approx(np.log(257), abs=0.1)
+    assert np.mean(losses[-5:]) < losses[0] - 1.5, losses
+
+
+@pytest.mark.parametrize("groups", [2, 4])
+def test_gradient_sum_splits_into_contiguous_groups(groups):
+    """Partial sums over 2 or 4 contiguous groups of micro-batches, combined afterwards, give the same bits."""
+    model = build_model(TINY_GPT2)
+    params = model.init_params(seed=1)
+    batch = next(lm_batches(stdlib_tokens(), 16, 32))
+    batch["loss_mask"][3, :7] = 0
+    whole = accumulate(model, params, batch, micro_batch_size=2)
+    m = 8 // groups
+    parts = [accumulate(model, params, batch, micro_batch_size=2, lo=g * m, hi=(g + 1) * m) for g in range(groups)]
+    combined = tree_sum(parts, add=lambda a, b: (a[0] + b[0], a[1] + b[1],
+                                                 [{k: x[k] + y[k] for k in x} for x, y in zip(a[2], b[2])]))
+    assert combined[0] == whole[0] and combined[1] == whole[1] == 16 * 32 - 7
+    assert grads_bytes(combined[2]) == grads_bytes(whole[2])
+
+
+def test_same_seed_same_bits():
+    def run():
+        model = build_model(TINY_GPT2)
+        params = model.init_params(seed=3)
+        opt = AdamW(lr=1e-3)
+        state = {k: opt.init_state(v) for k, v in params.items()}
+        for t, b in zip(range(1, 4), lm_batches(stdlib_tokens(), 8, 32)):
+            reference_step(model, params, state, opt, b, micro_batch_size=2, step=t)
+        return [params[k].tobytes() for k in model.param_names]
+
+    assert run() == run()
+
+
+def test_tied_embedding_gradient_is_the_sum():
+    """The tied wte gradient equals the embedding's plus the head's contribution."""
+    model = build_model(dict(TINY_GPT2, num_hidden_layers=1))
+    params = model.init_params(seed=4)
+    batch = next(lm_batches(stdlib_tokens(), 2, 32))
+    _, _, unit_grads = model.forward_backward(params, batch)
+    grads = model.combine_unit_grads(unit_grads)
+    np.testing.assert_array_equal(grads["wte.weight"], unit_grads[0]["wte.weight"] + unit_grads[-1]["wte.weight"])
+
+
+def test_micro_batch_must_divide_batch():
+    model = build_model(TINY_GPT2)
+    batch = next(lm_batches(stdlib_tokens(), 6, 32))
+    with pytest.raises(ValueError, match="micro_batch_size: 4 does not divide the batch size 6"):
+        accumulate(model, model.init_params(0), batch, micro_batch_size=4)
+
+
+def test_batch_errors_name_the_key():
+    model = build_model(TINY_GPT2)
+    params = model.init_params(0)
+    opt = AdamW()
+    state = {k: opt.init_state(v) for k, v in params.items()}
+    batch = next(lm_batches(stdlib_tokens(), 2, 32))
+    with pytest.raises(TypeError, match=r"batch\['labels'\]: expected an int32"):
+        accumulate(model, params, dict(batch, labels=batch["labels"].astype(np.int64)), 1)
+    long = {k: np.concatenate([v, v], axis=1) for k, v in batch.items()}
+    with pytest.raises(ValueError, match="sequence length 64 exceeds model.max_position_embeddings 32"):
+        accumulate(model, params, long, 1)
+    with pytest.raises(ValueError, match="loss mask selects no token"):
+        reference_step(model, params, state, opt, dict(batch, loss_mask=np.zeros_like(batch["loss_mask"])),
+                       micro_batch_size=1, step=1)
+
+
+@pytest.mark.parametrize("cfg,match", [
+    (dict(TINY_GPT2, num_heads=5), "model.num_heads: 5 does not divide model.hidden_size 64"),
+    (dict(TINY_GPT2, num_hidden_layers=0), "model.num_hidden_layers: expected an integer >= 1, got 0"),
+    (dict(TINY_GPT2, hidden_size="big"), "model.hidden_size: expected an integer, got 'big'"),
+    (dict(TINY_GPT2, dropout=0.1), "model.dropout: unknown key"),
+    ({k: v for k, v in TINY_GPT2.items() if k != "vocab_size"}, "model.vocab_size: missing"),
+    (dict(TINY_GPT2, layer_norm_epsilon=0), "model.layer_norm_epsilon: expected a number > 0"),
+    (dict(TINY_GPT2, share_embedding_weights="yes"), "model.share_embedding_weights: expected true or false"),
+    ({"name": "fc_mlp", "input_size": 4, "num_classes": 3, "activation": "swish"},
+     "model.activation: unknown activation 'swish'"),
+    ({"name": "fc_mlp", "input_size": 4, "num_classes": 3, "hidden_sizes": [8, 0]},
+     r"model.hidden_sizes\[1\]: expected an integer >= 1, got 0"),
+    ({"name": "bert"}, "model.name: unknown model 'bert'"),
+])
+def test_bad_model_configs_name_the_key(cfg, match):
+    with pytest.raises((ValueError, TypeError), match=match):
+        build_model(cfg)

@@ -1,0 +1,218 @@
+"""Models as ordered lists of streaming units, built from the plain values of the params' ``model`` section.
+
+``build_model({"name": "gpt2", "vocab_size": 257, ...})`` returns a ``Model``; unknown keys and
+bad values raise ``ValueError``/``TypeError`` naming the key (``model.num_heads: ...``).
+
+Batches are dicts of arrays whose first axis is the sample:
+  gpt2:   ``input_ids``, ``labels``, ``loss_mask`` int32 ``[B, T]`` (T <= max_position_embeddings)
+  fc_mlp: ``features`` float ``[B, input_size]``, ``labels`` int32 ``[B]`` (every sample counts)
+"""
+import zlib
+
+import numpy as np
+
+from wse_core.nn import ops as fused_ops
+from wse_core.nn.layers import Dense, Embedding, LMHead, TransformerBlock
+
+ACTIVATIONS = ("relu", "gelu")
+
+
+class Model:
+    """An ordered list of streaming units plus the loss on the last unit's output."""
+
+    def __init__(self, kind, config, units, ops=fused_ops):
+        self.kind, self.config, self.units, self.ops = kind, dict(config), list(units), ops
+        self.param_specs = {}
+        self.unit_params = []
+        for unit in self.units:
+            specs = unit.param_specs()
+            for name, spec in specs.items():
+                if self.param_specs.setdefault(name, spec) != spec:
+                    raise ValueError(f"parameter {name}: units disagree on its shape or initialisation")
+            self.unit_params.append(list(specs))
+
+    @property
+    def param_names(self):
+        """Every parameter name once, in unit order (the order of updates and of the gradient norm)."""
+        return list(self.param_specs)
+
+    def num_params(self):
+        return sum(int(np.prod(s.shape)) for s in self.param_specs.values())
+
+    def init_params(self, seed, dtype=np.float32):
+        """Initial parameters; each is drawn from its own stream keyed by (seed, name), in float64, then cast."""
+        params = {}
+        for name, spec in self.param_specs.items():
+            rng = np.random.default_rng([int(seed), zlib.crc32(name.encode())])
+            kind = spec.init[0]
+            if kind == "normal":
+                value = rng.normal(0.0, spec.init[1], spec.shape)
+            elif kind == "uniform":
+                value = rng.uniform(-spec.init[1], spec.init[1], spec.shape)
+            elif kind == "ones":
+                value = np.ones(spec.shape)
+            else:
+                value = np.zeros(spec.shape)
+            params[name] = np.ascontiguousarray(value, dtype=dtype)
+        return params
+
+    # -- batches --------------------------------------------------------------------------------
+
+    def check_batch(self, batch):
+        """Raise a ValueError/TypeError naming the key if ``batch`` does not fit this model; return its size."""
+        cfg = self.config
+        if self.kind == "gpt2":
+            keys, ids = ("input_ids", "labels", "loss_mask"), batch.get("input_ids")
+            for key in keys:
+                a = batch.get(key)
+                if not isinstance(a, np.ndarray) or a.dtype != np.int32 or a.ndim != 2:
+                    raise TypeError(f"batch[{key!r}]: expected an int32 [batch, seq] array, got "
+                                    f"{getattr(a, 'dtype', type(a).__name__)} {getattr(a, 'shape', '')}")
+                if a.shape != ids.shape:
+                    raise ValueError(f"batch[{key!r}]: expected shape {ids.shape}, got {a.shape}")
+            if ids.shape[1] > cfg["max_position_embeddings"]:
+                raise ValueError(f"batch['input_ids']: sequence length {ids.shape[1]} exceeds "
+                                 f"model.max_position_embeddings {cfg['max_position_embeddings']}")
+            if ids.size and (ids.min() < 0 or ids.max() >= cfg["vocab_size"]):
+                raise ValueError(f"batch['input_ids']: ids must be in [0, {cfg['vocab_size']}), "
+                                 f"got {ids.min()}..{ids.max()}")
+            return ids.shape[0]
+        x, y = batch.get("features"), batch.get("labels")
+        if not isinstance(x, np.ndarray) or x.ndim != 2 or x.shape[1] != cfg["input_size"]:
+            raise ValueError(f"batch['features']: expected [batch, {cfg['input_size']}], "
+                             f"got {getattr(x, 'shape', type(x).__name__)}")
+        if not isinstance(y, np.ndarray) or y.dtype != np.int32 or y.shape != (x.shape[0],):
+            raise TypeError(f"batch['labels']: expected int32 [{x.shape[0]}], got "
+                            f"{getattr(y, 'dtype', type(y).__name__)} {getattr(y, 'shape', '')}")
+        return x.shape[0]
+
+    @staticmethod
+    def slice_batch(batch, lo, hi):
+        return {k: v[lo:hi] for k, v in batch.items()}
+
+    def first_input(self, batch, dtype):
+        if self.kind == "gpt2":
+            return np.ascontiguousarray(batch["input_ids"])
+        return np.ascontiguousarray(batch["features"], dtype=dtype)
+
+    def loss(self, y, batch):
+        """(loss_sum, n_tokens, dy): masked cross-entropy summed over the batch and its gradient."""
+        if self.kind == "gpt2":
+            b, t, v = y.shape
+            mask = np.ascontiguousarray(batch["loss_mask"]).reshape(-1)
+            loss_sum, dy = self.ops.cross_entropy(y.reshape(b * t, v), np.ascontiguousarray(
+                batch["labels"]).reshape(-1), mask)
+            return loss_sum, int(np.count_nonzero(mask)), dy.reshape(b, t, v)
+        mask = np.ones(y.shape[0], np.int32)
+        loss_sum, dy = self.ops.cross_entropy(y, np.ascontiguousarray(batch["labels"]), mask)
+        return loss_sum, y.shape[0], dy
+
+    # -- one micro-batch ------------------------------------------------------------------------
+
+    def forward(self, params, batch):
+        """Output of the last unit (logits) and what each unit saved for its backward pass."""
+        dtype = params[self.param_names[0]].dtype
+        x = self.first_input(batch, dtype)
+        saved = []
+        for unit in self.units:
+            x, s = unit.forward(x, params)
+            saved.append(s)
+        return x, saved
+
+    def forward_backward(self, params, batch):
+        """(loss_sum, n_tokens, unit_grads) for one micro-batch; unit_grads[i] holds unit i's gradients."""
+        y, saved = self.forward(params, batch)
+        loss_sum, n_tokens, dy = self.loss(y, batch)
+        unit_grads = [None] * len(self.units)
+        for i in reversed(range(len(self.units))):
+            dy, unit_grads[i] = self.units[i].backward(dy, saved[i], params)
+            saved[i] = None  # free activations as soon as the unit is done
+        return loss_sum, n_tokens, unit_grads
+
+    def combine_unit_grads(self, unit_grads):
+        """One gradient per parameter: a parameter used by several units gets their sum, in unit order."""
+        grads = {}
+        for g in unit_grads:
+            for name, value in g.items():
+                grads[name] = value if name not in grads else grads[name] + value
+        return grads
+
+
+# -- building from the params --------------------------------------------------------------------
+
+_GPT2_KEYS = {"name", "vocab_size", "hidden_size", "num_hidden_layers", "num_heads", "filter_size",
+              "max_position_embeddings", "layer_norm_epsilon", "share_embedding_weights"}
+_MLP_KEYS = {"name", "input_size", "hidden_sizes", "num_classes", "activation"}
+
+
+def _int(cfg, key, low=1):
+    v = cfg.get(key)
+    if v is None:
+        raise ValueError(f"model.{key}: missing")
+    if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
+        raise TypeError(f"model.{key}: expected an integer, got {v!r}")
+    if v < low:
+        raise ValueError(f"model.{key}: expected an integer >= {low}, got {v}")
+    return int(v)
+
+
+def _check_keys(cfg, known):
+    for key in cfg:
+        if key not in known:
+            raise ValueError(f"model.{key}: unknown key (known: {', '.join(sorted(known))})")
+
+
+def build_model(cfg, ops=fused_ops):
+    """Build a ``Model`` from the ``model`` section of the params (a plain dict)."""
+    if not isinstance(cfg, dict):
+        raise TypeError(f"model: expected a mapping, got {type(cfg).__name__}")
+    name = cfg.get("name")
+    if name == "gpt2":
+        return _build_gpt2(cfg, ops)
+    if name == "fc_mlp":
+        return _build_fc_mlp(cfg, ops)
+    raise ValueError(f"model.name: unknown model {name!r} (known: gpt2, fc_mlp)")
+
+
+def _build_gpt2(cfg, ops):
+    _check_keys(cfg, _GPT2_KEYS)
+    c = {"name": "gpt2"}
+    for key in ("vocab_size", "hidden_size", "num_hidden_layers", "num_heads", "max_position_embeddings"):
+        c[key] = _int(cfg, key)
+    c["filter_size"] = _int(cfg, "filter_size") if "filter_size" in cfg else 4 * c["hidden_size"]
+    eps = cfg.get("layer_norm_epsilon", 1e-5)
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not eps > 0:
+        raise ValueError(f"model.layer_norm_epsilon: expected a number > 0, got {eps!r}")
+    c["layer_norm_epsilon"] = float(eps)
+    tied = cfg.get("share_embedding_weights", True)
+    if not isinstance(tied, bool):
+        raise TypeError(f"model.share_embedding_weights: expected true or false, got {tied!r}")
+    c["share_embedding_weights"] = tied
+    if c["hidden_size"] % c["num_heads"]:
+        raise ValueError(f"model.num_heads: {c['num_heads']} does not divide "
+                         f"model.hidden_size {c['hidden_size']}")
+    units = [Embedding(c["vocab_size"], c["max_position_embeddings"], c["hidden_size"], ops)]
+    units += [TransformerBlock(i, c["hidden_size"], c["num_heads"], c["filter_size"], c["layer_norm_epsilon"],
+                               c["num_hidden_layers"], ops) for i in range(c["num_hidden_layers"])]
+    units.append(LMHead(c["hidden_size"], c["vocab_size"], c["layer_norm_epsilon"], tied, ops))
+    return Model("gpt2", c, units, ops)
+
+
+def _build_fc_mlp(cfg, ops):
+    _check_keys(cfg, _MLP_KEYS)
+    c = {"name": "fc_mlp", "input_size": _int(cfg, "input_size"), "num_classes": _int(cfg, "num_classes", 2)}
+    hidden = cfg.get("hidden_sizes", [])
+    if not isinstance(hidden, (list, tuple)):
+        raise TypeError(f"model.hidden_sizes: expected a list of integers, got {hidden!r}")
+    for i, h in enumerate(hidden):
+        if isinstance(h, bool) or not isinstance(h, (int, np.integer)) or h < 1:
+            raise ValueError(f"model.hidden_sizes[{i}]: expected an integer >= 1, got {h!r}")
+    c["hidden_sizes"] = [int(h) for h in hidden]
+    act = cfg.get("activation", "relu")
+    if act not in ACTIVATIONS:
+        raise ValueError(f"model.activation: unknown activation {act!r} (known: {', '.join(ACTIVATIONS)})")
+    c["activation"] = act
+    sizes = [c["input_size"], *c["hidden_sizes"], c["num_classes"]]
+    units = [Dense(i, sizes[i], sizes[i + 1], act if i < len(sizes) - 2 else None, ops)
+             for i in range(len(sizes) - 1)]
+    return Model("fc_mlp", c, units, ops)
