@@ -5,10 +5,18 @@
 The block is hidden 256, 4 heads, sequence 256, batch 8, float32. The unfused baseline is the
 same code with ``wse_core.nn.numpy_ops`` in place of the fused kernels (same GEMMs), so its
 ratio measures what fusion buys. Where PyTorch is importable, the same block (same weights) runs
-in PyTorch eager on the CPU with as many threads as the kernels use, and its output is checked
-against ours. GEMMs run through ``wse_core.nn.gemm`` (BLAS pinned to one thread per call,
-parallel over fixed row chunks) so that results are bit-identical for any thread count.
+in PyTorch eager on the CPU, in a process of its own with PyTorch's default settings and as many
+threads as the kernels use, and its output is checked against ours. Our GEMMs run through
+``wse_core.nn.gemm`` (BLAS pinned to one thread, parallel over fixed row chunks) so that results
+are bit-identical for any thread count.
 """
+import importlib.util
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
 import numpy as np
 
 from bench.harness import machine, median_seconds, table
@@ -37,35 +45,20 @@ def _block_fwd_bwd(block, x, params, dy):
 
 
 def _torch_block(params, x, dy, threads, repeats):
-    """Time the same block in PyTorch eager; return (seconds, output) or None without torch."""
-    try:
-        import torch
-    except ImportError:
+    """Time the same block in PyTorch eager in a clean process; (seconds, output, version) or None."""
+    if importlib.util.find_spec("torch") is None:
         return None
-    torch.set_num_threads(threads)
-    f = torch.nn.functional
-    p = "blocks.0."
-    w = {k[len(p):]: torch.tensor(v, requires_grad=True) for k, v in params.items()}
-    b, t, c = x.shape
-    nh = BLOCK["heads"]
-    xt = torch.tensor(x, requires_grad=True)
-    dyt = torch.tensor(dy)
-
-    def step():
-        h = f.layer_norm(xt, (c,), w["ln_1.weight"], w["ln_1.bias"], 1e-5)
-        q, k, v = f.linear(h, w["attn.qkv.weight"], w["attn.qkv.bias"]).split(c, dim=2)
-        q, k, v = (z.view(b, t, nh, c // nh).transpose(1, 2) for z in (q, k, v))
-        a = f.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, t, c)
-        mid = xt + f.linear(a, w["attn.proj.weight"], w["attn.proj.bias"])
-        h = f.layer_norm(mid, (c,), w["ln_2.weight"], w["ln_2.bias"], 1e-5)
-        m = f.linear(f.gelu(f.linear(h, w["mlp.fc.weight"], w["mlp.fc.bias"]), approximate="tanh"),
-                     w["mlp.proj.weight"], w["mlp.proj.bias"])
-        out = mid + m
-        out.backward(dyt)
-        return out
-
-    out = step().detach().numpy()
-    return median_seconds(step, repeats), out
+    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
+    with tempfile.TemporaryDirectory() as tmp:
+        src, dst = Path(tmp) / "in.npz", Path(tmp) / "out.npz"
+        np.savez(src, x=x, dy=dy, heads=BLOCK["heads"], **params)
+        proc = subprocess.run([sys.executable, "-m", "bench._torch_block", str(src), str(dst), str(repeats),
+                               str(threads)], env=env, capture_output=True, text=True)
+        if proc.returncode != 0:
+            last = (proc.stderr.strip().splitlines() or ["no output"])[-1]
+            raise RuntimeError(f"the PyTorch block failed: {last}")
+        out = np.load(dst)
+        return float(out["seconds"]), out["y"], str(out["version"])
 
 
 def run(args):
@@ -109,10 +102,7 @@ def run(args):
         "model_tokens_per_s": b * t / m_fused,
     }
     if torch_result is not None:
-        import torch
-
-        t_torch, y_torch = torch_result
-        result["torch"] = torch.__version__
+        t_torch, y_torch, result["torch"] = torch_result
         result["median_seconds"]["block_torch"] = t_torch
         result["block_speedup_vs_torch"] = t_torch / t_fused
         result["block_max_abs_diff_vs_torch"] = float(np.abs(y_torch - y_fused).max())

@@ -1,0 +1,51 @@
+"""The GPT-2 block of ``bench.nn`` in PyTorch eager, run in its own process with PyTorch's defaults.
+
+``python -m bench._torch_block IN.npz OUT.npz REPEATS THREADS``: IN holds the block's parameters
+(``blocks.0.*``), ``x`` and ``dy``; OUT gets ``seconds`` (median forward + backward) and ``y``.
+It imports nothing of wse-cluster, so the OpenMP and malloc settings that wse_core makes for its
+own kernels do not slow PyTorch down.
+"""
+import statistics
+import sys
+import time
+
+import numpy as np
+import torch
+
+
+def main(src, dst, repeats, threads):
+    torch.set_num_threads(threads)
+    data = np.load(src)
+    f = torch.nn.functional
+    p = "blocks.0."
+    w = {k[len(p):]: torch.tensor(data[k], requires_grad=True) for k in data.files if k.startswith(p)}
+    xt = torch.tensor(data["x"], requires_grad=True)
+    dyt = torch.tensor(data["dy"])
+    b, t, c = xt.shape
+    nh = int(data["heads"])
+
+    def step():
+        h = f.layer_norm(xt, (c,), w["ln_1.weight"], w["ln_1.bias"], 1e-5)
+        q, k, v = f.linear(h, w["attn.qkv.weight"], w["attn.qkv.bias"]).split(c, dim=2)
+        q, k, v = (z.view(b, t, nh, c // nh).transpose(1, 2) for z in (q, k, v))
+        a = f.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, t, c)
+        mid = xt + f.linear(a, w["attn.proj.weight"], w["attn.proj.bias"])
+        h = f.layer_norm(mid, (c,), w["ln_2.weight"], w["ln_2.bias"], 1e-5)
+        m = f.linear(f.gelu(f.linear(h, w["mlp.fc.weight"], w["mlp.fc.bias"]), approximate="tanh"),
+                     w["mlp.proj.weight"], w["mlp.proj.bias"])
+        out = mid + m
+        out.backward(dyt)
+        return out
+
+    y = step().detach().numpy()
+    step()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - t0)
+    np.savez(dst, seconds=statistics.median(times), y=y, version=torch.__version__)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]))
