@@ -6,4 +6,5 @@ prints its table and writes its JSON.
 BENCHMARKS = {
     "optim": "bench.optim",
     "nn": "bench.nn",
+    "input": "bench.input",
 }

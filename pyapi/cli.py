@@ -27,6 +27,90 @@ def _cmd_demo(args):
     return demo.main()
 
 
+def _opt(parser, name, **kwargs):
+    """Add an option under both spellings: --output_dir and --output-dir."""
+    names = [name] + ([name.replace("_", "-")] if "_" in name else [])
+    kwargs.setdefault("dest", name.lstrip("-"))
+    parser.add_argument(*names, **kwargs)
+
+
+def _print_json_or_lines(obj, as_json):
+    import json
+
+    if as_json:
+        print(json.dumps(obj, indent=2))
+    else:
+        for key, value in obj.items():
+            print(f"{key:<18} {value}")
+
+
+def _cmd_data_preprocess(args):
+    from data_tools.preprocess import preprocess_arrays, preprocess_text
+
+    if args.format == "arrays":
+        if len(args.input) != 1:
+            raise ValueError("--format arrays: expected one --input FILE.npz")
+        params = preprocess_arrays(args.input[0], args.output_dir, samples_per_file=args.samples_per_file,
+                                   compression=args.compression, overwrite=args.overwrite)
+    else:
+        if args.max_seq_length is None:
+            raise ValueError("--max_seq_length: required for text inputs")
+        params = preprocess_text(args.input, args.output_dir, args.max_seq_length, tokenizer=args.tokenizer,
+                                 samples_per_file=args.samples_per_file, processes=args.processes,
+                                 seed=args.seed, jsonl_key=args.jsonl_key, compression=args.compression,
+                                 overwrite=args.overwrite)
+    summary = f"wrote {params['n_examples']:,} examples in {len(params['files'])} files to {args.output_dir}"
+    if params["format"] == "lm":
+        summary += (f" ({params['n_tokens']:,} tokens, {params['input_bytes'] / 1e6:.1f} MB in "
+                    f"{params['seconds']:.1f} s = {params['input_bytes'] / 1e6 / params['seconds']:.2f} MB/s)")
+    print(summary)
+    return 0
+
+
+def _cmd_data_inspect(args):
+    from data_tools.dataset import inspect_dataset
+
+    _print_json_or_lines(inspect_dataset(args.dir), args.json)
+    return 0
+
+
+def _cmd_data_verify(args):
+    from data_tools.lmdata import verify_dataset
+
+    s = verify_dataset(args.dir)
+    print(f"{args.dir}: ok ({s['format']}, {s['files']} files, {s['n_examples']:,} examples)")
+    return 0
+
+
+def _cmd_checkpoint_info(args):
+    from data_tools.checkpoint import Checkpoint
+
+    info = Checkpoint(args.path).info()
+    if not args.json:
+        info["shards"] = ", ".join(f"{s['name']} ({s['parameters']:,} params, {s['bytes']:,} B)"
+                                   for s in info["shards"])
+        info["params_yaml"] = f"{len(info['params_yaml'].splitlines())} lines"
+    _print_json_or_lines(info, args.json)
+    return 0
+
+
+def _cmd_checkpoint_verify(args):
+    from data_tools.checkpoint import Checkpoint
+
+    ckpt = Checkpoint(args.path)
+    ckpt.verify()
+    print(f"{ckpt.dir}: ok (step {ckpt.step}, {ckpt.num_shards} shards, {len(ckpt.tensors)} tensors)")
+    return 0
+
+
+def _cmd_checkpoint_convert(args):
+    from data_tools.checkpoint import Checkpoint
+
+    out = Checkpoint(args.path).convert(args.to, args.output)
+    print(f"wrote {out}")
+    return 0
+
+
 def _cmd_bench(args):
     from bench.harness import write_json
 
@@ -57,6 +141,50 @@ def build_parser():
     p = sub.add_parser("demo", help="run the main demo job on built-in defaults",
                        description="Run the main demo job on built-in defaults (no data or config needed).")
     p.set_defaults(func=_cmd_demo)
+
+    p = sub.add_parser("data", help="prepare, inspect and verify HDF5 datasets",
+                       description="Prepare, inspect and verify HDF5 datasets (Model Zoo LMData layout).")
+    data_sub = p.add_subparsers(dest="data_command", metavar="ACTION", required=True)
+    dp = data_sub.add_parser("preprocess", help="tokenize text (or arrays) into HDF5 shards",
+                             description=importlib.import_module("data_tools.preprocess").__doc__,
+                             formatter_class=argparse.RawDescriptionHelpFormatter)
+    dp.add_argument("--input", nargs="+", required=True, metavar="PATH",
+                    help="files (.txt, .jsonl), directories, globs, or 'stdlib'; with --format arrays one .npz")
+    _opt(dp, "--output_dir", required=True, metavar="DIR", help="where the .h5 files and data_params.json go")
+    _opt(dp, "--max_seq_length", type=int, metavar="S", help="tokens per example (text inputs)")
+    dp.add_argument("--tokenizer", default="byte", help="'byte' (default) or a Hugging Face tokenizer.json")
+    _opt(dp, "--samples_per_file", type=int, default=50000, metavar="K", help="examples per .h5 file")
+    dp.add_argument("--processes", type=int, default=1, metavar="P", help="tokenize with P processes")
+    dp.add_argument("--seed", type=int, help="shuffle the examples with this seed (default: keep order)")
+    _opt(dp, "--jsonl_key", default="text", help="field of the .jsonl records holding the text")
+    dp.add_argument("--compression", default="gzip", choices=["gzip", "lzf", "none"])
+    dp.add_argument("--format", default="text", choices=["text", "arrays"])
+    dp.add_argument("--overwrite", action="store_true", help="replace a dataset already in --output_dir")
+    dp.set_defaults(func=_cmd_data_preprocess)
+    dp = data_sub.add_parser("inspect", help="files, examples, tokens, vocabulary, one decoded example")
+    dp.add_argument("dir", metavar="DIR")
+    dp.add_argument("--json", action="store_true", help="print JSON")
+    dp.set_defaults(func=_cmd_data_inspect)
+    dp = data_sub.add_parser("verify", help="check every file; exit 1 naming the first fault")
+    dp.add_argument("dir", metavar="DIR")
+    dp.set_defaults(func=_cmd_data_verify)
+
+    p = sub.add_parser("checkpoint", help="inspect, verify and convert checkpoints",
+                       description="Inspect, verify and convert checkpoints (a model_dir, a checkpoint "
+                                   "directory or its index.h5).")
+    ck_sub = p.add_subparsers(dest="checkpoint_command", metavar="ACTION", required=True)
+    cp = ck_sub.add_parser("info", help="step, shards, tensors, loader position")
+    cp.add_argument("path", metavar="PATH")
+    cp.add_argument("--json", action="store_true", help="print JSON")
+    cp.set_defaults(func=_cmd_checkpoint_info)
+    cp = ck_sub.add_parser("verify", help="check SHA-256 of every shard; exit 1 naming the damaged tensor")
+    cp.add_argument("path", metavar="PATH")
+    cp.set_defaults(func=_cmd_checkpoint_verify)
+    cp = ck_sub.add_parser("convert", help="write the weights as npz, h5 or a torch state_dict")
+    cp.add_argument("path", metavar="PATH")
+    cp.add_argument("--to", required=True, choices=["npz", "h5", "torch"])
+    cp.add_argument("--output", required=True, metavar="FILE")
+    cp.set_defaults(func=_cmd_checkpoint_convert)
 
     p = sub.add_parser("bench", help="run a benchmark against a baseline measured in the same run",
                        description="Run a benchmark; print its table and optionally write JSON.")

@@ -1,0 +1,277 @@
+"""The sharded checkpoint store: one HDF5 shard per MemoryX rank, an index, and an atomic commit.
+
+Layout of ``model_dir/checkpoint_<step>/``:
+  ``memoryx_<k>.h5``  datasets ``/model/<param>`` and ``/optimizer/<param>/<state>``
+  ``index.h5``        attributes ``format_version``, ``step``, ``num_shards``, ``params_yaml``,
+                      ``loader_state`` and ``rng_state`` (JSON), ``tensors`` (JSON: shard, shape,
+                      dtype and SHA-256 of every tensor), ``shard_sha256`` (JSON); and HDF5 external
+                      links ``/model/<param>`` -> shard, so one file shows every tensor.
+``model_dir/latest`` holds the name of the newest complete checkpoint and is written last.
+
+Writing is crash-safe: shards and index go to ``.checkpoint_<step>.partial/``, every file is
+fsynced, the directory is renamed into place, and only then ``latest`` is replaced (write, fsync,
+rename). A writer killed at any point leaves the previous ``latest`` intact and loadable.
+Loading checks every tensor's SHA-256, and can reshard: any subset of parameters loads from
+whichever shards hold them, so a checkpoint written by 2 MemoryX ranks loads into 1 or 3.
+"""
+import hashlib
+import json
+import os
+import shutil
+from pathlib import Path
+
+import h5py
+import numpy as np
+
+from data_tools.errors import CheckpointError
+
+FORMAT_VERSION = 1
+INDEX = "index.h5"
+LATEST = "latest"
+
+
+def shard_name(k):
+    return f"memoryx_{k}.h5"
+
+
+def _sha256(a):
+    return hashlib.sha256(np.ascontiguousarray(a).view(np.uint8)).hexdigest()
+
+
+def _file_sha256(path):
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _fsync_path(path):
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _tensor_keys(params, opt_state):
+    for name, value in params.items():
+        yield f"model/{name}", value
+        for state, arr in (opt_state or {}).get(name, {}).items():
+            yield f"optimizer/{name}/{state}", arr
+
+
+class CheckpointWriter:
+    """Writes one checkpoint: ``write_shard`` per MemoryX rank (any process), then ``commit`` once.
+
+    Every writer of one step uses the same staging directory; create it with ``prepare()`` (the
+    coordinator, before shards are written), which also clears what a killed writer left behind.
+    """
+
+    def __init__(self, model_dir, step):
+        self.model_dir = Path(model_dir)
+        self.step = int(step)
+        self.final = self.model_dir / f"checkpoint_{self.step}"
+        self.staging = self.model_dir / f".checkpoint_{self.step}.partial"
+
+    def prepare(self):
+        self.model_dir.mkdir(parents=True, exist_ok=True)
+        if self.staging.exists():
+            shutil.rmtree(self.staging)
+        self.staging.mkdir()
+        return self
+
+    def write_shard(self, k, params, opt_state=None):
+        """Write shard k (params: name -> array; opt_state: name -> {state: array}); return its tensor table."""
+        path = self.staging / shard_name(k)
+        table = {}
+        with h5py.File(path, "w") as f:
+            for key, arr in _tensor_keys(params, opt_state):
+                arr = np.ascontiguousarray(arr)
+                f.create_dataset(key, data=arr)
+                table[key] = {"shard": k, "shape": list(arr.shape), "dtype": str(arr.dtype), "sha256": _sha256(arr)}
+        _fsync_path(path)
+        return table
+
+    def commit(self, tables, *, params_yaml="", loader_state=None, rng_state=None):
+        """Write the index from the shards' tables, then move the checkpoint into place and point ``latest`` at it."""
+        tensors = {}
+        for table in tables:
+            tensors.update(table)
+        num_shards = len(tables)
+        shard_sha = {shard_name(k): _file_sha256(self.staging / shard_name(k)) for k in range(num_shards)}
+        index = self.staging / INDEX
+        with h5py.File(index, "w") as f:
+            f.attrs.update({
+                "format_version": FORMAT_VERSION, "step": self.step, "num_shards": num_shards,
+                "params_yaml": params_yaml, "loader_state": json.dumps(loader_state),
+                "rng_state": json.dumps(rng_state), "tensors": json.dumps(tensors),
+                "shard_sha256": json.dumps(shard_sha),
+            })
+            for key, meta in tensors.items():
+                f[key] = h5py.ExternalLink(shard_name(meta["shard"]), "/" + key)
+        _fsync_path(index)
+        _fsync_path(self.staging)
+        if self.final.exists():  # a re-save of the same step: keep the old one until the new one is in place
+            old = self.model_dir / f".checkpoint_{self.step}.old"
+            shutil.rmtree(old, ignore_errors=True)
+            os.rename(self.final, old)
+            os.rename(self.staging, self.final)
+            shutil.rmtree(old)
+        else:
+            os.rename(self.staging, self.final)
+        _fsync_path(self.model_dir)
+        tmp = self.model_dir / (LATEST + ".tmp")
+        tmp.write_text(self.final.name + "\n")
+        _fsync_path(tmp)
+        os.replace(tmp, self.model_dir / LATEST)
+        _fsync_path(self.model_dir)
+        return self.final
+
+
+def save_checkpoint(model_dir, step, shards, *, params_yaml="", loader_state=None, rng_state=None):
+    """Write a whole checkpoint from one process; ``shards`` is a list of (params, opt_state), one per MemoryX rank."""
+    writer = CheckpointWriter(model_dir, step).prepare()
+    tables = [writer.write_shard(k, p, s) for k, (p, s) in enumerate(shards)]
+    return writer.commit(tables, params_yaml=params_yaml, loader_state=loader_state, rng_state=rng_state)
+
+
+def resolve(path):
+    """A model_dir (-> its ``latest``), a checkpoint directory, or an ``index.h5`` -> the checkpoint directory."""
+    p = Path(path)
+    if p.is_file() and p.name == INDEX:
+        return p.parent
+    if (p / INDEX).is_file():
+        return p
+    if (p / LATEST).is_file():
+        name = (p / LATEST).read_text().strip()
+        if not (p / name / INDEX).is_file():
+            raise CheckpointError(f"{p / LATEST}: names {name!r}, which has no {INDEX}")
+        return p / name
+    if not p.exists():
+        raise CheckpointError(f"{p}: no such checkpoint or model directory")
+    raise CheckpointError(f"{p}: not a checkpoint (no {INDEX}) and not a model directory (no {LATEST})")
+
+
+class Checkpoint:
+    """A committed checkpoint: its metadata, verification, loading and conversion."""
+
+    def __init__(self, path):
+        self.dir = resolve(path)
+        index = self.dir / INDEX
+        try:
+            with h5py.File(index, "r") as f:
+                a = dict(f.attrs)
+        except OSError as exc:
+            raise CheckpointError(f"{index}: not a readable HDF5 file ({str(exc).splitlines()[0]})") from None
+        try:
+            self.format_version = int(a["format_version"])
+            self.step = int(a["step"])
+            self.num_shards = int(a["num_shards"])
+            self.params_yaml = str(a["params_yaml"])
+            self.loader_state = json.loads(a["loader_state"])
+            self.rng_state = json.loads(a["rng_state"])
+            self.tensors = json.loads(a["tensors"])
+            self.shard_sha256 = json.loads(a["shard_sha256"])
+        except (KeyError, ValueError) as exc:
+            raise CheckpointError(f"{index}: missing or malformed attribute ({exc})") from None
+        if self.format_version > FORMAT_VERSION:
+            raise CheckpointError(f"{index}: format version {self.format_version} is newer than this "
+                                  f"wse-cluster reads ({FORMAT_VERSION}): upgrade wse-cluster")
+
+    @property
+    def param_names(self):
+        return [k[len("model/"):] for k in self.tensors if k.startswith("model/")]
+
+    def state_names(self, name):
+        prefix = f"optimizer/{name}/"
+        return [k[len(prefix):] for k in self.tensors if k.startswith(prefix)]
+
+    def _read(self, key, handles):
+        meta = self.tensors[key]
+        shard = self.dir / shard_name(meta["shard"])
+        if meta["shard"] not in handles:
+            try:
+                handles[meta["shard"]] = h5py.File(shard, "r")
+            except OSError as exc:
+                raise CheckpointError(f"{shard}: not a readable HDF5 file "
+                                      f"({str(exc).splitlines()[0]}): the shard is damaged") from None
+        try:
+            arr = handles[meta["shard"]][key][()]
+        except (OSError, KeyError, ValueError) as exc:
+            raise CheckpointError(f"{shard}: tensor {key} unreadable ({str(exc).splitlines()[0]})") from None
+        if list(arr.shape) != meta["shape"] or str(arr.dtype) != meta["dtype"] or _sha256(arr) != meta["sha256"]:
+            raise CheckpointError(f"{shard}: tensor {key} is damaged (SHA-256, shape or dtype differs from the index)")
+        return arr
+
+    def load(self, names=None):
+        """(params, opt_state) of ``names`` (default: all), each tensor checked against its SHA-256."""
+        names = self.param_names if names is None else list(names)
+        missing = [n for n in names if f"model/{n}" not in self.tensors]
+        if missing:
+            raise CheckpointError(f"{self.dir}: no parameter {missing[0]!r} in this checkpoint")
+        handles = {}
+        try:
+            params = {n: self._read(f"model/{n}", handles) for n in names}
+            state = {n: {s: self._read(f"optimizer/{n}/{s}", handles) for s in self.state_names(n)} for n in names}
+        finally:
+            for f in handles.values():
+                f.close()
+        return params, state
+
+    def verify(self):
+        """Check every shard's SHA-256 and, where one differs, find the damaged tensor; raise CheckpointError."""
+        for k in range(self.num_shards):
+            shard = self.dir / shard_name(k)
+            if not shard.is_file():
+                raise CheckpointError(f"{shard}: missing")
+            if _file_sha256(shard) == self.shard_sha256.get(shard.name):
+                continue
+            handles = {}
+            try:
+                for key, meta in self.tensors.items():
+                    if meta["shard"] == k:
+                        self._read(key, handles)
+            finally:
+                for f in handles.values():
+                    f.close()
+            raise CheckpointError(f"{shard}: SHA-256 differs from the index, outside tensor data "
+                                  "(HDF5 metadata is damaged)")
+
+    def info(self):
+        shards = []
+        for k in range(self.num_shards):
+            path = self.dir / shard_name(k)
+            keys = [key for key, m in self.tensors.items() if m["shard"] == k]
+            shards.append({"name": path.name, "bytes": path.stat().st_size if path.exists() else None,
+                           "tensors": len(keys),
+                           "parameters": int(sum(np.prod(self.tensors[key]["shape"]) for key in keys
+                                                 if key.startswith("model/")))})
+        return {"path": str(self.dir), "step": self.step, "format_version": self.format_version,
+                "num_shards": self.num_shards, "shards": shards,
+                "n_params": int(sum(s["parameters"] for s in shards)),
+                "n_tensors": len(self.param_names),
+                "optimizer_states": sorted({s for n in self.param_names for s in self.state_names(n)}),
+                "loader_state": self.loader_state, "params_yaml": self.params_yaml}
+
+    def convert(self, to, output):
+        """Write the weights (parameter names as keys) as ``npz``, ``h5`` or a torch ``state_dict``."""
+        if to == "torch":
+            try:
+                import torch
+            except ImportError:
+                raise CheckpointError("--to torch: PyTorch is not installed (pip install torch); "
+                                      "use --to npz or --to h5") from None
+        params, _ = self.load()
+        if to == "npz":
+            with open(output, "wb") as f:
+                np.savez(f, **params)
+        elif to == "h5":
+            with h5py.File(output, "w") as f:
+                for name, value in params.items():
+                    f.create_dataset(name, data=value)
+        elif to == "torch":
+            torch.save({k: torch.from_numpy(v) for k, v in params.items()}, output)
+        else:
+            raise CheckpointError(f"--to: expected npz, h5 or torch, got {to!r}")
+        return output

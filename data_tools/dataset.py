@@ -1,0 +1,232 @@
+"""The high layer of datasets: ``Dataset`` (a directory as one indexed sequence of examples) and
+``Loader`` (what an input worker runs: its files, a seeded shuffle, batches, prefetch, resume).
+
+    loader = Loader("data/train", batch_size=8, worker_id=0, num_workers=2, shuffle=True, seed=1)
+    batch = loader.next_batch()          # {"input_ids", "loss_mask", "labels"}: int32 [8, S]
+    state = loader.position              # {"epoch": e, "index": i}: store it in a checkpoint
+    Loader("data/train", 8, worker_id=0, num_workers=2, shuffle=True, seed=1, position=state)
+
+Worker w reads ``files[w::num_workers]`` of the sorted file list. Its examples form an endless
+stream, epoch after epoch; epoch e visits them in file order, or, with ``shuffle``, in the
+permutation drawn from (seed, epoch). Batch k is stream examples [k*B, (k+1)*B), so a batch may
+span two epochs and no example is dropped; ``position`` is the next example of the stream.
+Batches are views into preallocated buffers, valid until the next call of ``next_batch``: copy
+a batch you want to keep longer.
+"""
+import queue
+import threading
+
+import numpy as np
+
+from data_tools.errors import DataError
+from data_tools.lmdata import dataset_format, h5_files, open_h5, read_data_params
+
+
+class Dataset:
+    """A dataset directory: its sorted files and a global example index across them."""
+
+    def __init__(self, data_dir):
+        self.dir = data_dir
+        self.files = h5_files(data_dir)
+        self.params = read_data_params(data_dir) or {}
+        self.format = dataset_format(data_dir)
+        self.counts = []
+        self.example_shape = None
+        for path in self.files:
+            with open_h5(path) as f:
+                key = "data" if self.format == "lm" else "features"
+                if key not in f:
+                    raise DataError(f"{path}: no dataset '{key}' (run `wse data verify {data_dir}`)")
+                shape = f[key].shape
+                if self.example_shape is None:
+                    self.example_shape = shape[1:]
+                elif shape[1:] != self.example_shape:
+                    raise DataError(f"{path}: dataset '{key}' examples have shape {shape[1:]}, "
+                                    f"other files {self.example_shape}")
+                self.counts.append(shape[0])
+        self.offsets = np.concatenate([[0], np.cumsum(self.counts)]).astype(np.int64)
+
+    @property
+    def n_examples(self):
+        return int(self.offsets[-1])
+
+    def read(self, start, stop):
+        """Examples [start, stop) of the whole dataset, in sorted-file order: the raw arrays."""
+        parts = []
+        for i, path in enumerate(self.files):
+            lo, hi = max(start, self.offsets[i]), min(stop, self.offsets[i + 1])
+            if lo < hi:
+                with open_h5(path) as f:
+                    sel = slice(int(lo - self.offsets[i]), int(hi - self.offsets[i]))
+                    if self.format == "lm":
+                        parts.append(f["data"][sel])
+                    else:
+                        parts.append((f["features"][sel], f["labels"][sel]))
+        if self.format == "lm":
+            return np.concatenate(parts) if parts else np.zeros((0, *self.example_shape), np.int32)
+        return np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts])
+
+
+class Loader:
+    """Batches for one input worker, read ahead by a background thread."""
+
+    def __init__(self, data_dir, batch_size, *, worker_id=0, num_workers=1, shuffle=False, seed=0,
+                 position=None, prefetch=2):
+        if batch_size < 1:
+            raise ValueError(f"batch_size: expected >= 1, got {batch_size}")
+        if not 0 <= worker_id < num_workers:
+            raise ValueError(f"worker_id: expected 0 <= worker_id < num_workers ({num_workers}), got {worker_id}")
+        self.dataset = Dataset(data_dir)
+        ds = self.dataset
+        mine = list(range(worker_id, len(ds.files), num_workers))
+        if not mine:
+            raise DataError(f"{data_dir}: {len(ds.files)} files cannot feed input worker {worker_id} "
+                            f"of {num_workers}: write more, smaller files (--samples_per_file)")
+        self.files = [ds.files[i] for i in mine]
+        counts = [ds.counts[i] for i in mine]
+        self.n_local = sum(counts)
+        if self.n_local == 0:
+            raise DataError(f"{data_dir}: the files of input worker {worker_id} hold no examples")
+        # (file number, row) of each local example, in file order.
+        self._file_of = np.repeat(np.arange(len(counts)), counts)
+        self._row_of = np.concatenate([np.arange(c) for c in counts])
+        self.batch_size, self.shuffle, self.seed = batch_size, shuffle, seed
+        pos = position or {"epoch": 0, "index": 0}
+        if not 0 <= pos["index"] < self.n_local or pos["epoch"] < 0:
+            raise ValueError(f"position: {pos} is outside this worker's {self.n_local} examples")
+        self._read_pos = (int(pos["epoch"]), int(pos["index"]))
+        self._pos = dict(epoch=int(pos["epoch"]), index=int(pos["index"]))
+        shape = (batch_size, *ds.example_shape)
+        n_buf = prefetch + 2
+        if ds.format == "lm":
+            self._buffers = [np.empty(shape, np.int32) for _ in range(n_buf)]
+        else:
+            self._buffers = [(np.empty(shape, np.float32), np.empty(batch_size, np.int32)) for _ in range(n_buf)]
+        self._queue = queue.Queue(maxsize=prefetch)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._fill, name="wse-loader", daemon=True)
+        self._thread.start()
+
+    def order(self, epoch):
+        """Local example numbers in the order epoch ``epoch`` visits them."""
+        if not self.shuffle:
+            return np.arange(self.n_local)
+        return np.random.default_rng([self.seed, epoch]).permutation(self.n_local)
+
+    @property
+    def position(self):
+        """{"epoch", "index"} of the next example the consumer will receive."""
+        return dict(self._pos)
+
+    def _fill(self):
+        handles = {}
+        try:
+            epoch, index = self._read_pos
+            order = self.order(epoch)
+            k = 0
+            while not self._stop.is_set():
+                buf = self._buffers[k % len(self._buffers)]
+                k += 1
+                picks, picked = [], 0
+                while picked < self.batch_size:
+                    take = order[index:index + self.batch_size - picked]
+                    picks.append(take)
+                    picked += len(take)
+                    index += len(take)
+                    if index == self.n_local:
+                        epoch, index = epoch + 1, 0
+                        order = self.order(epoch)
+                self._read_into(np.concatenate(picks), buf, handles)
+                item = (buf, {"epoch": epoch, "index": index})
+                while not self._stop.is_set():
+                    try:
+                        self._queue.put(item, timeout=0.1)
+                        break
+                    except queue.Full:
+                        continue
+        except BaseException as exc:  # hand the failure to the consumer instead of dying silently
+            self._queue.put(exc)
+        finally:
+            for f in handles.values():
+                f.close()
+
+    def _read_into(self, local, buf, handles):
+        import h5py
+
+        files, rows = self._file_of[local], self._row_of[local]
+        # Runs of consecutive rows of one file are read with one slice.
+        breaks = np.flatnonzero((np.diff(files) != 0) | (np.diff(rows) != 1)) + 1
+        starts = np.concatenate([[0], breaks]).astype(np.int64)
+        stops = np.concatenate([breaks, [len(local)]]).astype(np.int64)
+        for lo, hi in zip(starts.tolist(), stops.tolist()):
+            fi, r0, r1 = int(files[lo]), int(rows[lo]), int(rows[hi - 1]) + 1
+            path = self.files[fi]
+            if fi not in handles:
+                try:
+                    handles[fi] = h5py.File(path, "r")
+                except OSError as exc:
+                    raise DataError(f"{path}: not a readable HDF5 file ({str(exc).splitlines()[0]})") from None
+            f = handles[fi]
+            try:
+                if self.dataset.format == "lm":
+                    buf[lo:hi] = f["data"][r0:r1]
+                else:
+                    buf[0][lo:hi] = f["features"][r0:r1]
+                    buf[1][lo:hi] = f["labels"][r0:r1]
+            except (OSError, ValueError) as exc:
+                raise DataError(f"{path}: examples {r0}..{r1 - 1} unreadable "
+                                f"({str(exc).splitlines()[0]}): the file is damaged") from None
+
+    def next_batch(self):
+        """The next batch: views into a preallocated buffer, valid until the next call."""
+        item = self._queue.get()
+        if isinstance(item, BaseException):
+            self._stop.set()
+            raise item
+        buf, self._pos = item[0], item[1]
+        if self.dataset.format == "lm":
+            return {"input_ids": buf[:, 0], "loss_mask": buf[:, 1], "labels": buf[:, 2]}
+        return {"features": buf[0], "labels": buf[1]}
+
+    def close(self):
+        self._stop.set()
+        self._thread.join(timeout=5)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def __iter__(self):
+        while True:
+            yield self.next_batch()
+
+
+def inspect_dataset(data_dir):
+    """Files, examples, tokens, vocabulary and one decoded example of a dataset directory."""
+    from data_tools.tokenizers import get_tokenizer
+
+    ds = Dataset(data_dir)
+    p = ds.params
+    info = {"dir": str(data_dir), "format": ds.format, "files": [str(f.name) for f in ds.files],
+            "examples_per_file": [int(c) for c in ds.counts], "n_examples": ds.n_examples,
+            "example_shape": list(ds.example_shape)}
+    if ds.format == "arrays":
+        info["num_classes"] = p.get("num_classes")
+        return info
+    first = ds.read(0, min(1, ds.n_examples))
+    info.update(max_seq_length=int(ds.example_shape[-1]), vocab_size=p.get("vocab_size"),
+                tokenizer=p.get("tokenizer"), n_tokens=p.get("n_tokens"))
+    if info["n_tokens"] is None:  # other tools' files: count the tokens the loss sees
+        info["n_loss_tokens"] = int(sum(int((ds.read(i, min(i + 4096, ds.n_examples))[:, 1] != 0).sum())
+                                        for i in range(0, ds.n_examples, 4096)))
+    if len(first):
+        ids = first[0, 0]
+        info["example_0_ids"] = [int(i) for i in ids[:32]]
+        try:
+            tok = get_tokenizer(p.get("tokenizer", "byte"))
+            info["example_0_text"] = tok.decode(ids.tolist())
+        except DataError as exc:
+            info["example_0_text"] = f"(cannot decode: {exc})"
+    return info

@@ -1,0 +1,188 @@
+"""HDF5 dataset files: the layout (Model Zoo "LMData" and array datasets), writing and checking them.
+
+LM files hold one int32 dataset ``data`` of shape ``[n_examples, 3, max_seq_length]`` (rows:
+input_ids, loss mask, labels) with attribute ``n_examples``. Array files hold ``features``
+(float32 ``[n, ...]``) and ``labels`` (int32 ``[n]``). A directory of either has
+``data_params.json`` beside the ``*.h5`` files. We write one chunk per example with a Fletcher-32
+checksum, so a damaged byte is caught when read; files written by other tools in the same layout
+(no checksum, other chunking) are read and checked all the same.
+"""
+import contextlib
+import json
+from pathlib import Path
+
+import h5py
+import numpy as np
+
+from data_tools.errors import DataError
+
+DATA_PARAMS = "data_params.json"
+COMPRESSIONS = ("gzip", "lzf", "none")
+CHECK_BLOCK = 512  # examples read at once when checking a file
+
+
+def h5_files(data_dir):
+    """Sorted ``*.h5`` files of a dataset directory; a clear error if there are none."""
+    d = Path(data_dir)
+    if not d.is_dir():
+        raise DataError(f"{d}: no such dataset directory")
+    files = sorted(d.glob("*.h5"))
+    if not files:
+        raise DataError(f"{d}: no .h5 files in this directory")
+    return files
+
+
+def read_data_params(data_dir):
+    """The directory's ``data_params.json`` as a dict, or None if it has none."""
+    path = Path(data_dir) / DATA_PARAMS
+    if not path.exists():
+        return None
+    try:
+        params = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise DataError(f"{path}: not readable JSON ({exc})") from None
+    if not isinstance(params, dict):
+        raise DataError(f"{path}: expected a JSON object")
+    return params
+
+
+@contextlib.contextmanager
+def open_h5(path, mode="r"):
+    """h5py.File that turns low-level failures into one DataError naming the file."""
+    try:
+        f = h5py.File(path, mode)
+    except OSError as exc:
+        raise DataError(f"{path}: not a readable HDF5 file ({_reason(exc)})") from None
+    with f:
+        yield f
+
+
+def _reason(exc):
+    """The first line of an h5py/HDF5 error, without the stack of HDF5 internals."""
+    return str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+
+
+def _filters(compression):
+    if compression not in COMPRESSIONS:
+        raise DataError(f"--compression: expected one of {', '.join(COMPRESSIONS)}, got {compression!r}")
+    return {"compression": None if compression == "none" else compression, "fletcher32": True}
+
+
+def write_lm_file(path, examples, compression="gzip"):
+    """Write ``examples`` (int32 ``[n, 3, S]``) as an LMData file."""
+    n, three, s = examples.shape
+    with h5py.File(path, "w") as f:
+        f.create_dataset("data", data=examples.astype(np.int32, copy=False), chunks=(1, 3, s),
+                         **_filters(compression))
+        f.attrs["n_examples"] = n
+
+
+def write_array_file(path, features, labels, compression="gzip"):
+    """Write an array dataset file: float32 ``features`` and int32 ``labels``."""
+    n = len(labels)
+    with h5py.File(path, "w") as f:
+        f.create_dataset("features", data=features.astype(np.float32, copy=False),
+                         chunks=(1, *features.shape[1:]), **_filters(compression))
+        f.create_dataset("labels", data=labels.astype(np.int32, copy=False), chunks=(min(n, 4096),),
+                         **_filters(compression))
+        f.attrs["n_examples"] = n
+
+
+def _read(path, dset, sel):
+    try:
+        return dset[sel]
+    except (OSError, ValueError) as exc:
+        raise DataError(f"{path}: dataset '{dset.name.lstrip('/')}' unreadable at examples "
+                        f"{sel.start}..{sel.stop - 1} ({_reason(exc)}): the file is damaged") from None
+
+
+def check_lm_file(path, *, vocab_size=None, seq_len=None):
+    """Check one LM file entirely; return its number of examples or raise a DataError naming the first fault."""
+    with open_h5(path) as f:
+        if "data" not in f:
+            raise DataError(f"{path}: no dataset 'data' (found: {', '.join(f.keys()) or 'nothing'})")
+        d = f["data"]
+        if not isinstance(d, h5py.Dataset):
+            raise DataError(f"{path}: 'data' is a group, expected a dataset")
+        if d.dtype != np.int32:
+            raise DataError(f"{path}: dataset 'data' has dtype {d.dtype}, expected int32")
+        if d.ndim != 3 or d.shape[1] != 3:
+            raise DataError(f"{path}: dataset 'data' has shape {d.shape}, expected [n_examples, 3, max_seq_length]")
+        if seq_len is not None and d.shape[2] != seq_len:
+            raise DataError(f"{path}: dataset 'data' has max_seq_length {d.shape[2]}, expected {seq_len}")
+        n = d.shape[0]
+        if "n_examples" in f.attrs and int(f.attrs["n_examples"]) != n:
+            raise DataError(f"{path}: attribute n_examples is {int(f.attrs['n_examples'])} but dataset "
+                            f"'data' has {n} examples")
+        for lo in range(0, n, CHECK_BLOCK):
+            block = _read(path, d, slice(lo, min(lo + CHECK_BLOCK, n)))
+            ids, mask, labels = block[:, 0], block[:, 1], block[:, 2]
+            bad = ids < 0
+            if vocab_size is not None:
+                bad |= (ids >= vocab_size) | ((mask != 0) & ((labels < 0) | (labels >= vocab_size)))
+            rows = np.flatnonzero(bad.any(axis=1))
+            if rows.size:
+                e = int(rows[0])
+                tok = int(ids[e][bad[e]][0]) if bad[e].any() else None
+                raise DataError(f"{path}: dataset 'data' example {lo + e}: token id {tok} outside the "
+                                f"vocabulary [0, {vocab_size})")
+            # Where the loss is counted, the label must be the next input (labels = inputs shifted by one).
+            shifted = (mask[:, :-1] != 0) & (labels[:, :-1] != ids[:, 1:])
+            rows = np.flatnonzero(shifted.any(axis=1))
+            if rows.size:
+                e = int(rows[0])
+                j = int(np.flatnonzero(shifted[e])[0])
+                raise DataError(f"{path}: dataset 'data' example {lo + e}: label at position {j} is "
+                                f"{int(labels[e, j])} but the next input is {int(ids[e, j + 1])}")
+        return n
+
+
+def check_array_file(path, *, num_classes=None):
+    """Check one array-dataset file; return its number of examples."""
+    with open_h5(path) as f:
+        for key in ("features", "labels"):
+            if key not in f:
+                raise DataError(f"{path}: no dataset '{key}'")
+        x, y = f["features"], f["labels"]
+        if y.dtype != np.int32 or y.ndim != 1:
+            raise DataError(f"{path}: dataset 'labels' is {y.dtype} {y.shape}, expected int32 [n]")
+        if x.shape[0] != y.shape[0]:
+            raise DataError(f"{path}: dataset 'features' has {x.shape[0]} examples, 'labels' {y.shape[0]}")
+        n = y.shape[0]
+        if "n_examples" in f.attrs and int(f.attrs["n_examples"]) != n:
+            raise DataError(f"{path}: attribute n_examples is {int(f.attrs['n_examples'])}, datasets have {n}")
+        labels = _read(path, y, slice(0, n))
+        for lo in range(0, n, CHECK_BLOCK):
+            _read(path, x, slice(lo, min(lo + CHECK_BLOCK, n)))
+        if num_classes is not None and n and (labels.min() < 0 or labels.max() >= num_classes):
+            e = int(np.flatnonzero((labels < 0) | (labels >= num_classes))[0])
+            raise DataError(f"{path}: dataset 'labels' example {e}: label {int(labels[e])} outside [0, {num_classes})")
+        return n
+
+
+def dataset_format(data_dir):
+    """"lm" or "arrays", from data_params.json or, for other tools' files, from the first file."""
+    params = read_data_params(data_dir) or {}
+    if "format" in params:
+        return params["format"]
+    with open_h5(h5_files(data_dir)[0]) as f:
+        return "arrays" if "features" in f else "lm"
+
+
+def verify_dataset(data_dir):
+    """Check every file of a dataset directory; return a summary dict, or raise DataError at the first fault."""
+    files = h5_files(data_dir)
+    params = read_data_params(data_dir) or {}
+    fmt = dataset_format(data_dir)
+    counts = []
+    for path in files:
+        if fmt == "arrays":
+            counts.append(check_array_file(path, num_classes=params.get("num_classes")))
+        else:
+            counts.append(check_lm_file(path, vocab_size=params.get("vocab_size"),
+                                        seq_len=params.get("max_seq_length")))
+    total = sum(counts)
+    if "n_examples" in params and params["n_examples"] != total:
+        raise DataError(f"{Path(data_dir) / DATA_PARAMS}: n_examples is {params['n_examples']} but the "
+                        f"files hold {total}")
+    return {"format": fmt, "files": len(files), "n_examples": total}
