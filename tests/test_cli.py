@@ -23,7 +23,10 @@ def test_version():
     assert proc.returncode == 0 and proc.stdout.startswith("wse-cluster ")
 
 
-@pytest.mark.parametrize("cmd", [[], ["doctor"], ["demo"], ["bench"], ["bench", "optim"], ["bench", "nn"]])
+@pytest.mark.parametrize("cmd", [[], ["doctor"], ["demo"], ["bench"], ["bench", "optim"], ["bench", "nn"],
+                                 ["bench", "input"], ["data"], ["data", "preprocess"], ["data", "inspect"],
+                                 ["data", "verify"], ["checkpoint"], ["checkpoint", "info"],
+                                 ["checkpoint", "verify"], ["checkpoint", "convert"]])
 def test_help_on_every_command(cmd):
     proc = wse(*cmd, "--help")
     assert proc.returncode == 0 and "usage: wse" in proc.stdout
@@ -111,3 +114,18 @@ def test_bench_nn_writes_json(tmp_path):
     assert result["block_speedup_vs_numpy"] > 0 and result["model_speedup_vs_numpy"] > 0
     if "torch" in result:  # the PyTorch block computes the same function as ours
         assert result["block_max_abs_diff_vs_torch"] < 1e-3
+
+
+def test_bench_input_on_a_given_dataset(tmp_path):
+    """The loader benchmark on a small dataset reports every figure (no timing is asserted)."""
+    from data_tools.lmdata import write_lm_file
+
+    (tmp_path / "d").mkdir()
+    for i in range(3):
+        write_lm_file(tmp_path / "d" / f"data-{i}.h5", np.random.default_rng(i).integers(0, 9, (40, 3, 16)).astype(np.int32))
+    out = tmp_path / "input.json"
+    proc = wse("bench", "input", "--data", str(tmp_path / "d"), "--batch_size", "8", "--repeats", "1", "--json", str(out))
+    assert proc.returncode == 0, proc.stderr
+    result = json.loads(out.read_text())
+    assert result["n_examples"] == 120 and result["files"] == 3
+    assert all(v > 0 for v in result["mb_per_s"].values()) and "preprocess" not in result
