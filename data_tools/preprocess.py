@@ -13,6 +13,7 @@ positions [i*S, i*S + S] so every token is predicted exactly once. The last exam
 import glob
 import json
 import multiprocessing
+import os
 import sys
 import sysconfig
 import time
@@ -29,9 +30,13 @@ TEXT_SUFFIXES = (".txt", ".jsonl")
 
 def stdlib_sources():
     """The standard library's own .py files (no site-packages, no test suites), sorted."""
-    root = Path(sysconfig.get_paths()["stdlib"])
-    skip = {"site-packages", "test", "tests", "__pycache__"}
-    return sorted(p for p in root.rglob("*.py") if not skip & set(p.relative_to(root).parts))
+    root = sysconfig.get_paths()["stdlib"]
+    skip = {"site-packages", "dist-packages", "test", "tests", "__pycache__"}
+    files = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = [d for d in dirnames if d not in skip]  # prune: site-packages can be huge
+        files.extend(Path(dirpath) / f for f in filenames if f.endswith(".py"))
+    return sorted(files)
 
 
 def discover_inputs(specs):
@@ -131,26 +136,32 @@ class _Packer:
         self.s, self.pad = seq_len, pad_id
         self.pending = np.zeros(0, np.int32)
 
-    def _example(self, window, n_valid):
-        s = self.s
-        ex = np.full((3, s), self.pad, np.int32)
-        ex[1] = 0
-        ex[0, :min(s, n_valid)] = window[:min(s, n_valid)]
-        ex[2, :n_valid - 1] = window[1:n_valid]
-        ex[1, :n_valid - 1] = 1
-        return ex
-
     def feed(self, tokens):
+        """All whole examples the stream now allows, as an int32 array [n, 3, S]."""
         self.pending = np.concatenate([self.pending, tokens])
-        n = (len(self.pending) - 1) // self.s if len(self.pending) > self.s else 0
-        out = [self._example(self.pending[i * self.s:(i + 1) * self.s + 1], self.s + 1) for i in range(n)]
-        self.pending = self.pending[n * self.s:]
+        s = self.s
+        n = (len(self.pending) - 1) // s if len(self.pending) > s else 0
+        out = np.empty((n, 3, s), np.int32)
+        if n == 0:
+            return out
+        windows = np.lib.stride_tricks.sliding_window_view(self.pending, s + 1)[: n * s : s]
+        out[:, 0] = windows[:, :s]
+        out[:, 1] = 1
+        out[:, 2] = windows[:, 1:]
+        self.pending = self.pending[n * s:]
         return out
 
     def finish(self):
-        if len(self.pending) >= 2:  # a single token left is already the previous example's last label
-            return [self._example(self.pending, len(self.pending))]
-        return []
+        """The padded last example (a single token left is already the previous example's last label)."""
+        m = len(self.pending)
+        out = np.empty((0, 3, self.s), np.int32)
+        if m >= 2:
+            out = np.full((1, 3, self.s), self.pad, np.int32)
+            out[0, 1] = 0
+            out[0, 0, :m] = self.pending
+            out[0, 1, :m - 1] = 1
+            out[0, 2, :m - 1] = self.pending[1:]
+        return out
 
 
 def preprocess_text(inputs, output_dir, max_seq_length, *, tokenizer="byte", samples_per_file=50000,
@@ -164,7 +175,7 @@ def preprocess_text(inputs, output_dir, max_seq_length, *, tokenizer="byte", sam
     out = _prepare_output(output_dir, overwrite)
     t0 = time.perf_counter()
     packer = _Packer(max_seq_length, tok.eot_id)
-    shards, buffer, all_examples = [], [], []
+    shards, buffer, all_examples = [], np.empty((0, 3, max_seq_length), np.int32), []
     n_tokens = nbytes = 0
     bar = Progress(len(files)) if progress else None
 
@@ -172,11 +183,11 @@ def preprocess_text(inputs, output_dir, max_seq_length, *, tokenizer="byte", sam
 
     def flush(force=False):
         nonlocal buffer
-        while len(buffer) >= samples_per_file or (force and buffer):
+        while len(buffer) >= samples_per_file or (force and len(buffer)):
             chunk, buffer = buffer[:samples_per_file], buffer[samples_per_file:]
             name = f"data-{len(shards):05d}.h5"
             shards.append({"name": name, "n_examples": len(chunk)})
-            job = (out / name, np.stack(chunk), compression)
+            job = (out / name, chunk, compression)
             if pool is None:
                 write_lm_file(*job)
                 continue
@@ -195,21 +206,20 @@ def preprocess_text(inputs, output_dir, max_seq_length, *, tokenizer="byte", sam
             nbytes += size
             examples = packer.feed(ids)
             if seed is None:
-                buffer += examples
+                buffer = np.concatenate([buffer, examples])
                 flush()
             else:
-                all_examples += examples
+                all_examples.append(examples)
             if bar:
                 bar.update(done, n_tokens)
         tail = packer.finish()
         if n_tokens < 2:
             raise DataError(f"--input {' '.join(map(str, inputs))}: no text found (all inputs are empty)")
         if seed is None:
-            buffer += tail
+            buffer = np.concatenate([buffer, tail])
         else:
-            all_examples += tail
-            order = np.random.default_rng(seed).permutation(len(all_examples))
-            buffer = [all_examples[i] for i in order]
+            every = np.concatenate(all_examples + [tail])
+            buffer = every[np.random.default_rng(seed).permutation(len(every))]
         flush(force=True)
         for result in pending:
             result.get()
