@@ -200,7 +200,7 @@ def preprocess_text(inputs, output_dir, max_seq_length, *, tokenizer="byte", sam
     jobs = [(f, tok, jsonl_key) for f in files]
     pool = multiprocessing.get_context("spawn").Pool(processes) if processes > 1 else None
     try:
-        results = pool.imap(_tokenize_file, jobs, chunksize=1) if pool else map(_tokenize_file, jobs)
+        results = pool.imap(_tokenize_file, jobs, chunksize=8) if pool else map(_tokenize_file, jobs)
         for done, (ids, size) in enumerate(results, start=1):
             n_tokens += len(ids)
             nbytes += size
