@@ -254,3 +254,22 @@ def test_cli_preprocess_inspect_json(tmp_path, corpus):
     assert "wrote" in proc.stdout and "MB/s" in proc.stdout and "799" not in proc.stderr
     info = json.loads(wse("data", "inspect", str(out), "--json").stdout)
     assert info["max_seq_length"] == 32 and info["tokenizer"] == "byte"
+
+
+def test_hugging_face_tokenizer(tmp_path, corpus):
+    """A tokenizer.json (trained here, offline) tokenizes the corpus; ids stay below its vocabulary."""
+    tokenizers = pytest.importorskip("tokenizers")
+    tok = tokenizers.Tokenizer(tokenizers.models.BPE(unk_token="[UNK]"))
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel()
+    tok.decoder = tokenizers.decoders.ByteLevel()
+    trainer = tokenizers.trainers.BpeTrainer(vocab_size=400, special_tokens=["<|endoftext|>", "[UNK]"])
+    tok.train([p for p in corpus[0] if p.endswith(".txt")] + [str(f) for f in (tmp_path / "more").glob("*.txt")],
+              trainer)
+    tok.save(str(tmp_path / "tok.json"))
+    params = preprocess_text(corpus[0], tmp_path / "hf", 16, tokenizer=str(tmp_path / "tok.json"),
+                             processes=2, progress=False)
+    assert params["vocab_size"] == tok.get_vocab_size() and params["eot_id"] == tok.token_to_id("<|endoftext|>")
+    assert verify_dataset(tmp_path / "hf")["n_examples"] == params["n_examples"]
+    first_doc = bytes(corpus[1][:list(corpus[1]).index(EOT)].astype(np.uint8)).decode("utf-8")
+    decoded = inspect_dataset(tmp_path / "hf")["example_0_text"].strip()
+    assert len(decoded) > 10 and first_doc.startswith(decoded)
