@@ -2,15 +2,15 @@
 
 ``python -m bench._torch_block IN.npz OUT.npz REPEATS THREADS``: IN holds the block's parameters
 (``blocks.0.*``), ``x`` and ``dy``; OUT gets ``seconds`` (median forward + backward) and ``y``.
-It imports nothing of wse-cluster, so the OpenMP and malloc settings that wse_core makes for its
+It imports nothing of wse_core, so the OpenMP and malloc settings that wse_core makes for its
 own kernels do not slow PyTorch down.
 """
-import statistics
 import sys
-import time
 
 import numpy as np
 import torch
+
+from bench.harness import median_seconds  # imports nothing of wse_core at module level
 
 
 def main(src, dst, repeats, threads):
@@ -38,13 +38,7 @@ def main(src, dst, repeats, threads):
         return out
 
     y = step().detach().numpy()
-    step()
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        step()
-        times.append(time.perf_counter() - t0)
-    np.savez(dst, seconds=statistics.median(times), y=y, version=torch.__version__)
+    np.savez(dst, seconds=median_seconds(step, repeats), y=y, version=torch.__version__)
 
 
 if __name__ == "__main__":
