@@ -111,6 +111,46 @@ def _cmd_checkpoint_convert(args):
     return 0
 
 
+def _load_params(args):
+    from pyapi import params
+
+    overrides = list(args.set or [])
+    if getattr(args, "num_csx", None) is not None:
+        overrides.append(f"runconfig.num_csx={args.num_csx}")
+    return params.load(args.params, overrides)
+
+
+def _cmd_compile(args):
+    import json
+
+    from mpi_launch.plan import describe
+
+    d = describe(_load_params(args))
+    if args.json:
+        print(json.dumps(d, indent=2))
+        return 0
+    plan, mem = d["plan"], d["memory_bytes"]
+    m = d["model"]
+    print(f"model {m['name']}: {m['parameters']:,} parameters in {len(m['units'])} streaming units")
+    print(f"cluster: {plan['num_csx']} CS-2, {plan['num_wgt_servers']} MemoryX, {len(plan['swarmx'])} SwarmX "
+          f"(fan-out {plan['swarmx_fanout']}), {plan['num_workers_per_csx']} input worker(s) per CS-2: "
+          f"{plan['world_size']} MPI ranks")
+    for rank, role in enumerate(plan["roles"]):
+        detail = ""
+        if role == "memoryx":
+            k = plan["memoryx"].index(rank)
+            units = [m["units"][u] for u, o in enumerate(plan["unit_owner"]) if o == k]
+            detail = f"owns {units[0]}..{units[-1]} ({len(units)} units)"
+        elif role == "swarmx":
+            detail = f"children {plan['children'][str(rank)]}" + (" (root)" if rank == plan["swarmx"][0] else "")
+        elif role == "csx":
+            detail = f"{d['micro_batches_per_csx']} micro-batches per step"
+        print(f"  rank {rank:>3}  {role:<11} {mem[str(rank)] / 2**20:9.1f} MiB  {detail}")
+    exact = "yes" if d["bit_identical_to_reference"] else "no (num_csx and swarmx_fanout must be powers of two)"
+    print(f"bit-identical to the single-process reference: {exact}")
+    return 0
+
+
 def _cmd_bench(args):
     from bench.harness import write_json
 
@@ -141,6 +181,15 @@ def build_parser():
     p = sub.add_parser("demo", help="run the main demo job on built-in defaults",
                        description="Run the main demo job on built-in defaults (no data or config needed).")
     p.set_defaults(func=_cmd_demo)
+
+    p = sub.add_parser("compile", help="print the rank plan and per-rank memory of a params file (no training)",
+                       description="Validate PARAMS and print the rank plan: roles, MemoryX layer ownership, "
+                                   "the SwarmX tree and estimated memory per rank. Nothing is launched.")
+    p.add_argument("params", metavar="PARAMS", help="params YAML file")
+    _opt(p, "--num_csx", type=int, metavar="N", help="override runconfig.num_csx")
+    p.add_argument("--set", action="append", metavar="KEY.PATH=VALUE", help="override a params value (repeatable)")
+    p.add_argument("--json", action="store_true", help="print JSON")
+    p.set_defaults(func=_cmd_compile)
 
     p = sub.add_parser("data", help="prepare, inspect and verify HDF5 datasets",
                        description="Prepare, inspect and verify HDF5 datasets (Model Zoo LMData layout).")

@@ -39,6 +39,27 @@ class Model:
     def num_params(self):
         return sum(int(np.prod(s.shape)) for s in self.param_specs.values())
 
+    def unit_bytes(self, itemsize=4):
+        """Bytes of each unit's own parameters (a shared parameter counts for its first unit only)."""
+        seen, out = set(), []
+        for names in self.unit_params:
+            own = [n for n in names if n not in seen]
+            seen.update(own)
+            out.append(sum(int(np.prod(self.param_specs[n].shape)) for n in own) * itemsize)
+        return out
+
+    def activation_floats(self, samples, seq_len=None):
+        """Floats the units keep from forward to backward for ``samples`` samples (an estimate from the layer code)."""
+        c = self.config
+        if self.kind == "fc_mlp":
+            sizes = [c["input_size"], *c["hidden_sizes"], c["num_classes"]]
+            return samples * sum(sizes[i] + sizes[i + 1] for i in range(len(sizes) - 1))
+        t = seq_len or c["max_position_embeddings"]
+        h, f, heads = c["hidden_size"], c["filter_size"], c["num_heads"]
+        per_block = t * (8 * h + 2 * f) + heads * t * t  # x, ln_1, q, k, v, attention, mid, ln_2; fc pre/act; probs
+        head = t * (2 * h + c["vocab_size"])             # x, ln_f; logits
+        return samples * (c["num_hidden_layers"] * per_block + head)
+
     def init_params(self, seed, dtype=np.float32):
         """Initial parameters; each is drawn from its own stream keyed by (seed, name), in float64, then cast."""
         params = {}

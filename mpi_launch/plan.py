@@ -1,0 +1,174 @@
+"""The rank plan: which MPI rank plays which role, which MemoryX owns which layers, the SwarmX tree.
+
+Ranks, in order: 0 the coordinator; then ``num_wgt_servers`` MemoryX ranks; then the SwarmX
+nodes, root first, level by level; then the ``num_csx`` CS-2 ranks; then ``num_workers_per_csx``
+input workers per CS-2, grouped by CS-2. Streaming units are split into contiguous runs, one per
+MemoryX, balanced by bytes (the largest run is as small as it can be); a parameter shared by two
+units (a tied embedding) belongs to the MemoryX of the first unit that uses it. The SwarmX tree
+groups consecutive CS-2s ``swarmx_fanout`` at a time, then consecutive nodes, up to one root.
+"""
+from dataclasses import asdict, dataclass, field
+
+
+class PlanError(ValueError):
+    """The cluster asked for cannot be built (the message names the runconfig key)."""
+
+
+@dataclass
+class RankPlan:
+    num_csx: int
+    num_wgt_servers: int
+    num_workers_per_csx: int
+    swarmx_fanout: int
+    coordinator: int = 0
+    memoryx: list = field(default_factory=list)        # rank of MemoryX k
+    swarmx: list = field(default_factory=list)         # SwarmX ranks, root first
+    csx: list = field(default_factory=list)            # rank of CS-2 c
+    workers: list = field(default_factory=list)        # workers[c] = ranks of CS-2 c's input workers
+    children: dict = field(default_factory=dict)       # SwarmX rank -> ordered child ranks (SwarmX or CS-2)
+    parent: dict = field(default_factory=dict)         # SwarmX or CS-2 rank -> parent SwarmX rank (root: None)
+    unit_owner: list = field(default_factory=list)     # unit index -> MemoryX index
+    unit_bytes: list = field(default_factory=list)
+
+    @property
+    def world_size(self):
+        return 1 + len(self.memoryx) + len(self.swarmx) + len(self.csx) + sum(map(len, self.workers))
+
+    @property
+    def swarmx_root(self):
+        return self.swarmx[0]
+
+    def role_of(self, rank):
+        """(role, index within the role) of a rank."""
+        if rank == self.coordinator:
+            return "coordinator", 0
+        for role, ranks in (("memoryx", self.memoryx), ("swarmx", self.swarmx), ("csx", self.csx)):
+            if rank in ranks:
+                return role, ranks.index(rank)
+        for c, ranks in enumerate(self.workers):
+            if rank in ranks:
+                return "worker", c * self.num_workers_per_csx + ranks.index(rank)
+        raise PlanError(f"rank {rank}: not in a plan of {self.world_size} ranks")
+
+    def to_json(self):
+        d = asdict(self)
+        d["children"] = {str(k): v for k, v in self.children.items()}
+        d["parent"] = {str(k): v for k, v in self.parent.items()}
+        d["world_size"] = self.world_size
+        d["roles"] = [self.role_of(r)[0] for r in range(self.world_size)]
+        return d
+
+
+def partition_by_bytes(sizes, parts):
+    """Split ``sizes`` into ``parts`` contiguous non-empty runs minimising the largest run's sum; owner per item."""
+    if parts > len(sizes):
+        raise PlanError(f"runconfig.num_wgt_servers: {parts} MemoryX servers for {len(sizes)} streaming "
+                        "units; each server needs at least one")
+
+    def runs_needed(cap):
+        runs, total = 1, 0
+        for s in sizes:
+            if total + s > cap:
+                runs, total = runs + 1, 0
+            total += s
+        return runs
+
+    lo, hi = max(sizes), sum(sizes)
+    while lo < hi:  # the smallest capacity that fits in `parts` runs
+        mid = (lo + hi) // 2
+        if runs_needed(mid) <= parts:
+            hi = mid
+        else:
+            lo = mid + 1
+    owner, run, total = [], 0, 0
+    for i, s in enumerate(sizes):
+        # Open a new run when this one is full, or when the remaining items are needed one per run.
+        if (total + s > lo or len(sizes) - i <= parts - 1 - run) and total > 0 and run < parts - 1:
+            run, total = run + 1, 0
+        owner.append(run)
+        total += s
+    return owner
+
+
+def make_plan(*, num_csx, num_wgt_servers, num_workers_per_csx, swarmx_fanout, unit_bytes):
+    """Lay out the ranks of a weight-streaming cluster."""
+    plan = RankPlan(num_csx, num_wgt_servers, num_workers_per_csx, swarmx_fanout,
+                    unit_bytes=list(unit_bytes))
+    plan.unit_owner = partition_by_bytes(list(unit_bytes), num_wgt_servers)
+    plan.memoryx = list(range(1, 1 + num_wgt_servers))
+    # Build the SwarmX tree bottom-up as nested groups, then number it root first.
+    level = [("csx", c) for c in range(num_csx)]
+    levels = []
+    while True:
+        groups = [level[i:i + swarmx_fanout] for i in range(0, len(level), swarmx_fanout)]
+        levels.append(groups)
+        if len(groups) == 1:
+            break
+        level = [("node", len(levels) - 1, g) for g in range(len(groups))]
+    next_rank = 1 + num_wgt_servers
+    node_rank = {}
+    for depth, groups in enumerate(reversed(levels)):
+        lvl = len(levels) - 1 - depth
+        for g in range(len(groups)):
+            node_rank[(lvl, g)] = next_rank
+            plan.swarmx.append(next_rank)
+            next_rank += 1
+    plan.csx = list(range(next_rank, next_rank + num_csx))
+    next_rank += num_csx
+    for c in range(num_csx):
+        plan.workers.append(list(range(next_rank, next_rank + num_workers_per_csx)))
+        next_rank += num_workers_per_csx
+    for lvl, groups in enumerate(levels):
+        for g, members in enumerate(groups):
+            me = node_rank[(lvl, g)]
+            kids = [plan.csx[m[1]] if m[0] == "csx" else node_rank[(m[1], m[2])] for m in members]
+            plan.children[me] = kids
+            for k in kids:
+                plan.parent[k] = me
+    plan.parent[plan.swarmx_root] = None
+    return plan
+
+
+def describe(params):
+    """The plan of a validated params dict, with per-rank memory estimates: what `wse compile` prints."""
+    import numpy as np
+
+    from wse_core.nn import build_model
+    from wse_core.optim import make_optimizer
+
+    run, train, opt_cfg = params["runconfig"], params["train_input"], params["optimizer"]
+    model = build_model(params["model"])
+    unit_bytes = model.unit_bytes()
+    plan = make_plan(num_csx=run["num_csx"], num_wgt_servers=run["num_wgt_servers"],
+                     num_workers_per_csx=run["num_workers_per_csx"], swarmx_fanout=run["swarmx_fanout"],
+                     unit_bytes=unit_bytes)
+    n_states = len(make_optimizer(opt_cfg["optimizer_type"]).init_state(np.zeros(1, np.float32)))
+    if opt_cfg["optimizer_type"].lower() == "sgd" and opt_cfg["momentum"] == 0:
+        n_states = 0
+    per_csx = train["batch_size"] // run["num_csx"]
+    biggest = max(unit_bytes)
+    seq = params["model"].get("max_position_embeddings")
+    memory = {}
+    for k, rank in enumerate(plan.memoryx):
+        owned = sum(b for u, b in enumerate(unit_bytes) if plan.unit_owner[u] == k)
+        memory[rank] = owned * (2 + n_states)          # weights, gradient sum, optimizer state
+    for rank in plan.swarmx:
+        memory[rank] = biggest * (1 + len(plan.children[rank]))  # a unit in flight and one partial sum per child
+    for rank in plan.csx:
+        # Two units of weights (the next streams in while this one computes), one unit's gradients,
+        # and the activations of the CS-2's whole slice of the batch, kept for the backward pass.
+        memory[rank] = 3 * biggest + 4 * model.activation_floats(per_csx, seq)
+    example = 3 * seq * 4 if model.kind == "gpt2" else 4 * (params["model"]["input_size"] + 1)
+    for ranks in plan.workers:
+        for rank in ranks:
+            memory[rank] = 4 * train["micro_batch_size"] * example  # prefetch buffers
+    memory[plan.coordinator] = 0
+    pow2 = run["num_csx"] & (run["num_csx"] - 1) == 0 and run["swarmx_fanout"] & (run["swarmx_fanout"] - 1) == 0
+    return {
+        "plan": plan.to_json(),
+        "model": {"name": model.kind, "parameters": model.num_params(), "units": [u.name for u in model.units],
+                  "unit_bytes": unit_bytes},
+        "memory_bytes": {str(r): int(memory[r]) for r in range(plan.world_size)},
+        "micro_batches_per_csx": per_csx // train["micro_batch_size"],
+        "bit_identical_to_reference": bool(pow2),
+    }

@@ -1,0 +1,199 @@
+"""The params YAML: its schema, validation with errors that name the key path, and overrides.
+
+Sections and keys follow Model Zoo where they exist. ``model`` is checked by
+``wse_core.nn.build_model`` (which knows the models); everything else here. Every error is a
+``ParamsError`` whose message starts with the key path: ``optimizer.learning_rate: expected a
+number or a list of schedulers, got 'fast'``.
+"""
+import copy
+from dataclasses import dataclass
+from pathlib import Path
+
+import yaml
+
+
+class ParamsError(ValueError):
+    """A params file is unreadable or a key is unknown, missing or of the wrong type."""
+
+
+@dataclass(frozen=True)
+class Key:
+    """One allowed key: its type check, default (``REQUIRED`` if none) and help."""
+
+    kind: str
+    default: object
+    help: str
+
+
+REQUIRED = object()
+
+SCHEMA = {
+    "train_input": {
+        "data_dir": Key("path", REQUIRED, "directory of HDF5 training shards"),
+        "batch_size": Key("int>0", REQUIRED, "global batch size, split evenly across the CS-2s"),
+        "micro_batch_size": Key("int>0", None, "samples per micro-batch (default: batch_size / num_csx)"),
+        "shuffle": Key("bool", True, "shuffle examples each epoch"),
+        "shuffle_seed": Key("int", 0, "seed of the per-epoch shuffle"),
+    },
+    "eval_input": {
+        "data_dir": Key("path", REQUIRED, "directory of HDF5 evaluation shards"),
+        "batch_size": Key("int>0", REQUIRED, "evaluation batch size"),
+        "micro_batch_size": Key("int>0", None, "samples per micro-batch"),
+    },
+    "optimizer": {
+        "optimizer_type": Key("str", "AdamW", "SGD, Adam or AdamW"),
+        "learning_rate": Key("lr", REQUIRED, "a number, or a list of schedulers (Linear, CosineDecay, Constant)"),
+        "weight_decay": Key("float>=0", 0.0, "L2 (SGD, Adam) or decoupled (AdamW) weight decay"),
+        "betas": Key("betas", [0.9, 0.999], "Adam/AdamW moment decay rates"),
+        "eps": Key("float>=0", 1e-8, "Adam/AdamW denominator term"),
+        "momentum": Key("float>=0", 0.0, "SGD momentum"),
+        "nesterov": Key("bool", False, "SGD Nesterov momentum"),
+        "max_gradient_norm": Key("float>0?", None, "clip the global gradient norm to this value"),
+    },
+    "runconfig": {
+        "max_steps": Key("int>0", REQUIRED, "training steps"),
+        "checkpoint_steps": Key("int>=0", 0, "save a checkpoint every N steps (0: only at the end)"),
+        "save_initial_checkpoint": Key("bool", False, "also save before the first step"),
+        "log_steps": Key("int>0", 1, "log every N steps"),
+        "num_csx": Key("int>0", 1, "CS-2 systems"),
+        "num_wgt_servers": Key("int>0", 1, "MemoryX weight servers"),
+        "num_workers_per_csx": Key("int>0", 1, "input workers per CS-2"),
+        "swarmx_fanout": Key("int>1", 2, "children per SwarmX node"),
+        "model_dir": Key("path", "model_dir", "where checkpoints, logs and metrics go"),
+        "seed": Key("int", 0, "seed of the model initialisation"),
+    },
+}
+SECTIONS_REQUIRED = ("train_input", "model", "optimizer", "runconfig")
+
+
+def _check(path, kind, value):
+    def bad(expected):
+        return ParamsError(f"{path}: expected {expected}, got {value!r}")
+
+    is_int = isinstance(value, int) and not isinstance(value, bool)
+    is_num = isinstance(value, (int, float)) and not isinstance(value, bool)
+    if kind == "path" or kind == "str":
+        if not isinstance(value, str) or not value:
+            raise bad("a non-empty string")
+    elif kind == "bool":
+        if not isinstance(value, bool):
+            raise bad("true or false")
+    elif kind == "int":
+        if not is_int:
+            raise bad("an integer")
+    elif kind.startswith("int>"):
+        low = 1 if kind == "int>0" else (2 if kind == "int>1" else 0)
+        if not is_int or value < low:
+            raise bad(f"an integer >= {low}")
+    elif kind == "float>=0":
+        if not is_num or value < 0:
+            raise bad("a number >= 0")
+    elif kind == "float>0?":
+        if value is not None and (not is_num or value <= 0):
+            raise bad("a number > 0 (or null for no clipping)")
+    elif kind == "betas":
+        if not (isinstance(value, (list, tuple)) and len(value) == 2
+                and all(isinstance(b, (int, float)) and not isinstance(b, bool) and 0 <= b < 1 for b in value)):
+            raise bad("two numbers in [0, 1)")
+    elif kind == "lr":
+        from wse_core.optim import make_schedule
+
+        if isinstance(value, str):
+            raise bad("a number or a list of schedulers")
+        try:
+            make_schedule(value, key=path)
+        except (TypeError, ValueError) as exc:
+            raise ParamsError(str(exc)) from None
+    return value
+
+
+def validate(raw):
+    """Check a params dict; return a new dict with every default filled in."""
+    if not isinstance(raw, dict):
+        raise ParamsError(f"params: expected a mapping of sections, got {type(raw).__name__}")
+    for section in raw:
+        if section not in SCHEMA and section != "model":
+            raise ParamsError(f"{section}: unknown section (known: {', '.join(sorted([*SCHEMA, 'model']))})")
+    for section in SECTIONS_REQUIRED:
+        if section not in raw:
+            raise ParamsError(f"{section}: missing section")
+    out = {}
+    for section, keys in SCHEMA.items():
+        if section not in raw:
+            continue
+        given = raw[section] if raw[section] is not None else {}
+        if not isinstance(given, dict):
+            raise ParamsError(f"{section}: expected a mapping, got {given!r}")
+        for key in given:
+            if key not in keys:
+                raise ParamsError(f"{section}.{key}: unknown key (known: {', '.join(keys)})")
+        out[section] = {}
+        for key, spec in keys.items():
+            if key in given:
+                out[section][key] = _check(f"{section}.{key}", spec.kind, given[key])
+            elif spec.default is REQUIRED:
+                raise ParamsError(f"{section}.{key}: missing ({spec.help})")
+            else:
+                out[section][key] = copy.deepcopy(spec.default)
+    from wse_core.nn import build_model
+
+    try:
+        build_model(raw["model"])
+    except (TypeError, ValueError) as exc:
+        raise ParamsError(str(exc)) from None
+    out["model"] = copy.deepcopy(raw["model"])
+    _check_consistency(out)
+    return out
+
+
+def _check_consistency(p):
+    t, r = p["train_input"], p["runconfig"]
+    if t["batch_size"] % r["num_csx"]:
+        raise ParamsError(f"train_input.batch_size: {t['batch_size']} does not split evenly across "
+                          f"runconfig.num_csx {r['num_csx']}")
+    per_csx = t["batch_size"] // r["num_csx"]
+    if t["micro_batch_size"] is None:
+        t["micro_batch_size"] = per_csx
+    if per_csx % t["micro_batch_size"]:
+        raise ParamsError(f"train_input.micro_batch_size: {t['micro_batch_size']} does not divide the "
+                          f"{per_csx} samples each CS-2 gets (batch_size / num_csx)")
+    if p["optimizer"]["optimizer_type"].lower() not in ("sgd", "adam", "adamw"):
+        raise ParamsError(f"optimizer.optimizer_type: unknown optimizer {p['optimizer']['optimizer_type']!r} "
+                          "(known: SGD, Adam, AdamW)")
+
+
+def apply_overrides(raw, overrides):
+    """Apply ``key.path=value`` strings (values parsed as YAML) to a copy of ``raw``."""
+    raw = copy.deepcopy(raw)
+    for item in overrides or []:
+        if "=" not in item:
+            raise ParamsError(f"--set {item}: expected key.path=value")
+        path, text = item.split("=", 1)
+        parts = path.strip().split(".")
+        if len(parts) < 2 or not all(parts):
+            raise ParamsError(f"--set {item}: expected section.key=value")
+        try:
+            value = yaml.safe_load(text)
+        except yaml.YAMLError as exc:
+            raise ParamsError(f"--set {item}: value is not valid YAML ({exc.problem})") from None
+        node = raw
+        for part in parts[:-1]:
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise ParamsError(f"--set {item}: {part} is not a section")
+        node[parts[-1]] = value
+    return raw
+
+
+def load(path, overrides=None):
+    """Read, override and validate a params YAML file."""
+    p = Path(path)
+    try:
+        raw = yaml.safe_load(p.read_text())
+    except OSError as exc:
+        raise ParamsError(f"{p}: cannot read ({exc.strerror})") from None
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" at line {mark.line + 1}" if mark else ""
+        raise ParamsError(f"{p}: not valid YAML{where} ({getattr(exc, 'problem', exc)})") from None
+    return validate(apply_overrides(raw, overrides))

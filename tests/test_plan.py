@@ -1,0 +1,57 @@
+"""The rank plan: roles, MemoryX ownership balanced by bytes, the SwarmX tree, and `wse compile`."""
+import json
+import subprocess
+import sys
+
+import pytest
+import yaml
+
+from mpi_launch.plan import PlanError, make_plan, partition_by_bytes
+from test_params import BASE
+
+
+@pytest.mark.parametrize("sizes,parts,want", [
+    ([10, 5, 5, 5, 5, 10], 3, [0, 0, 1, 1, 1, 2]),
+    ([1, 1, 1, 100], 4, [0, 1, 2, 3]),
+    ([100, 1, 1, 1], 2, [0, 1, 1, 1]),
+    ([3, 3, 3, 3], 1, [0, 0, 0, 0]),
+])
+def test_partition_is_contiguous_and_balanced(sizes, parts, want):
+    assert partition_by_bytes(sizes, parts) == want
+
+
+def test_partition_needs_a_unit_per_server():
+    with pytest.raises(PlanError, match="runconfig.num_wgt_servers: 5 MemoryX servers for 4 streaming units"):
+        partition_by_bytes([1, 2, 3, 4], 5)
+
+
+@pytest.mark.parametrize("num_csx,fanout,nodes", [(1, 2, 1), (2, 2, 1), (4, 2, 3), (8, 2, 7), (8, 4, 3), (5, 2, 6)])
+def test_swarmx_tree(num_csx, fanout, nodes):
+    plan = make_plan(num_csx=num_csx, num_wgt_servers=2, num_workers_per_csx=2, swarmx_fanout=fanout,
+                     unit_bytes=[4, 4, 4])
+    assert len(plan.swarmx) == nodes and plan.parent[plan.swarmx_root] is None
+    roles = [plan.role_of(r)[0] for r in range(plan.world_size)]
+    assert roles.count("csx") == num_csx and roles.count("worker") == 2 * num_csx and roles[0] == "coordinator"
+    # Every CS-2 reaches the root, and the leaves in tree order are the CS-2s in order (the sum order).
+    def leaves(rank):
+        return [rank] if rank in plan.csx else [x for k in plan.children[rank] for x in leaves(k)]
+    assert leaves(plan.swarmx_root) == plan.csx
+    assert all(len(k) <= fanout for k in plan.children.values())
+
+
+def test_wse_compile(tmp_path):
+    f = tmp_path / "params.yaml"
+    f.write_text(yaml.safe_dump(BASE))
+    run = lambda *a: subprocess.run([sys.executable, "-m", "pyapi.cli", "compile", str(f), *a],  # noqa: E731
+                                    capture_output=True, text=True, timeout=60)
+    proc = run("--json", "--num_csx", "4", "--set", "train_input.batch_size=16")
+    assert proc.returncode == 0, proc.stderr
+    d = json.loads(proc.stdout)
+    assert d["plan"]["world_size"] == 1 + 1 + 3 + 4 + 4 and d["bit_identical_to_reference"]
+    assert d["model"]["units"] == ["embedding", "blocks.0", "blocks.1", "head"]
+    assert all(int(v) >= 0 for v in d["memory_bytes"].values())
+    proc = run()
+    assert proc.returncode == 0 and "memoryx" in proc.stdout and "MiB" in proc.stdout
+    proc = run("--set", "optimizer.learning_rate=fast")
+    assert proc.returncode == 1 and proc.stderr.strip() == (
+        "wse compile: error: optimizer.learning_rate: expected a number or a list of schedulers, got 'fast'")
