@@ -234,3 +234,73 @@ def inspect_dataset(data_dir):
         except DataError as exc:
             info["example_0_text"] = f"(cannot decode: {exc})"
     return info
+
+
+class GlobalStream:
+    """The whole dataset as one endless stream of examples, independent of how it is read.
+
+    Epoch e visits every example once, in sorted-file order, or with ``shuffle`` in the
+    permutation drawn from (seed, e) alone. Stream position p is example ``order(p // n)[p % n]``.
+    The cluster's input workers read their CS-2's micro-batches from it, so the global batch of
+    step t is stream positions [t*B, (t+1)*B) whatever the number of CS-2s and workers.
+    """
+
+    def __init__(self, data_dir, *, shuffle=False, seed=0):
+        self.dataset = Dataset(data_dir)
+        self.shuffle, self.seed = shuffle, seed
+        self.n = self.dataset.n_examples
+        if self.n == 0:
+            raise DataError(f"{data_dir}: the dataset holds no examples")
+        self._orders = {}
+        self._handles = {}
+
+    def order(self, epoch):
+        if epoch not in self._orders:
+            self._orders = {epoch: np.random.default_rng([self.seed, epoch]).permutation(self.n)
+                            if self.shuffle else np.arange(self.n)}
+        return self._orders[epoch]
+
+    def indices(self, start, count):
+        """Dataset example numbers at stream positions [start, start + count)."""
+        pos = np.arange(start, start + count, dtype=np.int64)
+        out = np.empty(count, np.int64)
+        for epoch in np.unique(pos // self.n).tolist():
+            sel = pos // self.n == epoch
+            out[sel] = self.order(epoch)[pos[sel] % self.n]
+        return out
+
+    def read(self, start, count):
+        """The examples at stream positions [start, start + count): LM ``[count, 3, S]`` or (features, labels)."""
+        import h5py
+
+        ds = self.dataset
+        idx = self.indices(start, count)
+        files = np.searchsorted(ds.offsets, idx, side="right") - 1
+        rows = idx - ds.offsets[files]
+        lm = ds.format == "lm"
+        out = np.empty((count, *ds.example_shape), np.int32 if lm else np.float32)
+        labels = None if lm else np.empty(count, np.int32)
+        breaks = np.flatnonzero((np.diff(files) != 0) | (np.diff(rows) != 1)) + 1
+        for lo, hi in zip(np.concatenate([[0], breaks]).tolist(), np.concatenate([breaks, [count]]).tolist()):
+            fi, r0, r1 = int(files[lo]), int(rows[lo]), int(rows[hi - 1]) + 1
+            path = ds.files[fi]
+            if fi not in self._handles:
+                try:
+                    f = h5py.File(path, "r")
+                except OSError as exc:
+                    raise DataError(f"{path}: not a readable HDF5 file ({str(exc).splitlines()[0]})") from None
+                self._handles[fi] = (f, *((f["data"],) if lm else (f["features"], f["labels"])))
+            dsets = self._handles[fi][1:]
+            try:
+                out[lo:hi] = dsets[0][r0:r1]
+                if not lm:
+                    labels[lo:hi] = dsets[1][r0:r1]
+            except (OSError, ValueError) as exc:
+                raise DataError(f"{path}: examples {r0}..{r1 - 1} unreadable "
+                                f"({str(exc).splitlines()[0]}): the file is damaged") from None
+        return out if lm else (out, labels)
+
+    def close(self):
+        for h in self._handles.values():
+            h[0].close()
+        self._handles = {}

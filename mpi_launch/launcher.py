@@ -67,3 +67,107 @@ def run_mpi(nranks, argv, *, timeout, threads_per_rank=1, env=None):
         proc.communicate()
         raise MPILaunchError(f"MPI job `{' '.join(cmd)}` did not finish within {timeout} s; killed") from None
     return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+
+def prepare_run(params, *, checkpoint=None):
+    """Write ``run.json``, ``params.yaml`` and ``plan.json`` into model_dir; return the run dict.
+
+    Resumes from ``checkpoint`` if given, else from ``model_dir/latest`` if there is one.
+    """
+    import json
+
+    import yaml
+
+    from data_tools.checkpoint import LATEST, Checkpoint
+    from mpi_launch.plan import describe
+    from wse_core.nn import build_model
+
+    model_dir = Path(params["runconfig"]["model_dir"])
+    (model_dir / "logs").mkdir(parents=True, exist_ok=True)
+    for stale in (model_dir / "logs").glob("error_rank_*.txt"):
+        stale.unlink()
+    if checkpoint is None and (model_dir / LATEST).is_file():
+        checkpoint = model_dir
+    start, ckpt_dir = 0, None
+    if checkpoint is not None:
+        ckpt = Checkpoint(checkpoint)
+        start, ckpt_dir = ckpt.step, str(ckpt.dir.resolve())
+        missing = set(build_model(params["model"]).param_names) - set(ckpt.param_names)
+        if missing:
+            raise MPILaunchError(f"{ckpt.dir}: does not hold parameter {sorted(missing)[0]!r} of this model")
+    run = {"params": params, "start_step": start, "checkpoint": ckpt_dir,
+           "unit_bytes": build_model(params["model"]).unit_bytes()}
+    (model_dir / "run.json").write_text(json.dumps(run, indent=1))
+    (model_dir / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
+    (model_dir / "plan.json").write_text(json.dumps(describe(params), indent=1))
+    return run
+
+
+def fit_command(params, *, hostfile=None, cores=None):
+    """The mpiexec command line of a training job: one MPMD segment per thread setting.
+
+    CS-2 ranks do the arithmetic and share the cores; every other role mostly waits (sleeping),
+    so it gets one thread.
+    """
+    from mpi_launch.plan import make_plan
+    from wse_core.nn import build_model
+
+    r = params["runconfig"]
+    plan = make_plan(num_csx=r["num_csx"], num_wgt_servers=r["num_wgt_servers"],
+                     num_workers_per_csx=r["num_workers_per_csx"], swarmx_fanout=r["swarmx_fanout"],
+                     unit_bytes=build_model(params["model"]).unit_bytes())
+    cores = cores or os.cpu_count() or 1
+    csx_threads = max(1, cores // r["num_csx"])
+    entry = [sys.executable, "-m", "mpi_launch.run", str(Path(r["model_dir"]).resolve())]
+    # Ranks before the CS-2s, the CS-2s, the input workers after them (the plan's order).
+    segments = [(plan.csx[0], 1), (len(plan.csx), csx_threads), (plan.world_size - plan.csx[-1] - 1, 1)]
+    cmd = [str(find_mpiexec())] + (["-f", str(hostfile)] if hostfile else [])
+    for n, threads in segments:
+        if n:
+            cmd += ([":"] if cmd[-1] != str(find_mpiexec()) and cmd[-1] != str(hostfile) else [])
+            cmd += ["-n", str(n), "-env", "OMP_NUM_THREADS", str(threads), *entry]
+    return cmd, plan
+
+
+def explain_failure(model_dir, stderr, plan):
+    """One line saying which rank failed, its role, and what happened."""
+    import re
+
+    errors = sorted(Path(model_dir, "logs").glob("error_rank_*.txt"),
+                    key=lambda p: int(p.stem.rsplit("_", 1)[1]))
+    if errors:
+        return errors[0].read_text().strip()
+    m = re.search(r"RANK (\d+) PID \d+ RUNNING AT \S+\s*=\s*KILLED BY SIGNAL: (\d+) \(([^)]*)\)", stderr)
+    if m:
+        rank = int(m.group(1))
+        role, index = plan.role_of(rank)
+        return f"rank {rank} ({role} {index}): killed by signal {m.group(2)} ({m.group(3)})"
+    m = re.search(r"RANK (\d+) PID \d+ RUNNING AT \S+\s*=\s*EXIT STATUS: (\d+)", stderr)
+    if m:
+        rank = int(m.group(1))
+        role, index = plan.role_of(rank)
+        return f"rank {rank} ({role} {index}): exited with status {m.group(2)}"
+    tail = [ln for ln in stderr.strip().splitlines() if ln.strip()]
+    return tail[-1] if tail else "the MPI job failed without a message"
+
+
+def launch(cmd, plan, model_dir, *, stream=sys.stdout):
+    """Run the job, streaming the coordinator's progress lines; return (exit code, failure line or None)."""
+    import tempfile
+
+    with tempfile.TemporaryFile("w+") as err:
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, text=True, start_new_session=True,
+                                env=mpi_env(1, {"OMP_WAIT_POLICY": "PASSIVE"}))
+        try:
+            for line in proc.stdout:
+                if line.strip() and not line.startswith("="):  # hydra's banners go to the failure line
+                    stream.write(line)
+                    stream.flush()
+            code = proc.wait()
+        except KeyboardInterrupt:
+            os.killpg(proc.pid, signal.SIGTERM)
+            proc.wait()
+            raise
+        err.seek(0)
+        stderr = err.read()
+    return code, (None if code == 0 else explain_failure(model_dir, stderr, plan))

@@ -151,6 +151,23 @@ def _cmd_compile(args):
     return 0
 
 
+def _cmd_fit(args):
+    from pyapi.job import Job, JobError
+
+    job = Job.from_yaml(args.params, num_csx=args.num_csx, model_dir=args.model_dir, overrides=args.set)
+    if args.dry_run:
+        print(" ".join(job.command(hostfile=args.hostfile)))
+        return 0
+    try:
+        result = job.fit(checkpoint_path=args.checkpoint_path, hostfile=args.hostfile)
+    except JobError as exc:
+        print(f"wse fit: {exc}", file=sys.stderr)
+        return 1
+    print(f"done: {len(result.metrics)} steps; outputs in {result.model_dir} "
+          f"(metrics.jsonl, plan.json, logs/, checkpoint_*/)")
+    return 0
+
+
 def _cmd_bench(args):
     from bench.harness import write_json
 
@@ -181,6 +198,18 @@ def build_parser():
     p = sub.add_parser("demo", help="run the main demo job on built-in defaults",
                        description="Run the main demo job on built-in defaults (no data or config needed).")
     p.set_defaults(func=_cmd_demo)
+
+    p = sub.add_parser("fit", help="train in weight-streaming mode on an emulated cluster (starts mpiexec)",
+                       description="Validate PARAMS, lay out the cluster (coordinator, MemoryX, SwarmX, CS-2s, "
+                                   "input workers) and train. Resumes from MODEL_DIR/latest if there is one.")
+    p.add_argument("params", metavar="PARAMS", help="params YAML file")
+    _opt(p, "--num_csx", type=int, metavar="N", help="override runconfig.num_csx")
+    _opt(p, "--model_dir", metavar="DIR", help="override runconfig.model_dir")
+    _opt(p, "--checkpoint_path", metavar="PATH", help="resume from this checkpoint")
+    p.add_argument("--set", action="append", metavar="KEY.PATH=VALUE", help="override a params value (repeatable)")
+    p.add_argument("--dry-run", "--dry_run", dest="dry_run", action="store_true", help="print the mpiexec command only")
+    p.add_argument("--hostfile", metavar="FILE", help="hosts for mpiexec (one per line)")
+    p.set_defaults(func=_cmd_fit)
 
     p = sub.add_parser("compile", help="print the rank plan and per-rank memory of a params file (no training)",
                        description="Validate PARAMS and print the rank plan: roles, MemoryX layer ownership, "

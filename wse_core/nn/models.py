@@ -60,10 +60,14 @@ class Model:
         head = t * (2 * h + c["vocab_size"])             # x, ln_f; logits
         return samples * (c["num_hidden_layers"] * per_block + head)
 
-    def init_params(self, seed, dtype=np.float32):
-        """Initial parameters; each is drawn from its own stream keyed by (seed, name), in float64, then cast."""
+    def init_params(self, seed, dtype=np.float32, names=None):
+        """Initial parameters (all, or ``names``); each drawn from its own stream keyed by (seed, name), in float64, then cast.
+
+        Keyed streams let every MemoryX rank initialise just the parameters it owns, with the same bits.
+        """
         params = {}
-        for name, spec in self.param_specs.items():
+        for name in (self.param_names if names is None else names):
+            spec = self.param_specs[name]
             rng = np.random.default_rng([int(seed), zlib.crc32(name.encode())])
             kind = spec.init[0]
             if kind == "normal":

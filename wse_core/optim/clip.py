@@ -20,11 +20,20 @@ def _named_arrays(arrays):
     return [(f"arrays[{i}]", v) for i, v in enumerate(arrays)]
 
 
+def sum_of_squares(x, name="x"):
+    """sum(x**2) in float64, the same bits for any thread count: one array's share of the norm."""
+    return _kernels.sumsq(check_float_array(name, x))
+
+
 def global_norm(arrays):
-    """sqrt(sum of x**2 over every element of every array), in float64; ``arrays`` is a list or dict."""
+    """sqrt(sum of x**2 over every element of every array), in float64; ``arrays`` is a list or dict.
+
+    Arrays are added in the order given; a cluster whose ranks each hold some of the arrays gets
+    the same bits by adding their ``sum_of_squares`` in the same order.
+    """
     total = 0.0
     for name, x in _named_arrays(arrays):
-        total += _kernels.sumsq(check_float_array(name, x))
+        total += sum_of_squares(x, name)
     return math.sqrt(total)
 
 

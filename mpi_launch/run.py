@@ -1,0 +1,48 @@
+"""Entry point of every rank of a training job: ``mpiexec -n N python -m mpi_launch.run MODEL_DIR``.
+
+Each rank reads ``MODEL_DIR/run.json`` (the validated params, the start step and the checkpoint to
+resume from, written by the launcher), finds its role in the rank plan and runs it. An exception
+on any rank is written as one line to ``MODEL_DIR/logs/error_rank_<r>.txt`` and aborts the whole
+job (``MPI_Abort``), so no rank is left waiting for it.
+"""
+import json
+import sys
+import traceback
+from pathlib import Path
+
+
+def main(argv=None):
+    argv = sys.argv[1:] if argv is None else argv
+    model_dir = Path(argv[0])
+    run = json.loads((model_dir / "run.json").read_text())
+    from mpi4py import MPI
+
+    from mpi_launch.plan import make_plan
+    from mpi_launch.roles import ROLES
+
+    comm = MPI.COMM_WORLD
+    params = run["params"]
+    r = params["runconfig"]
+    plan = make_plan(num_csx=r["num_csx"], num_wgt_servers=r["num_wgt_servers"],
+                     num_workers_per_csx=r["num_workers_per_csx"], swarmx_fanout=r["swarmx_fanout"],
+                     unit_bytes=run["unit_bytes"])
+    role, index = ("unknown", 0)
+    try:
+        if comm.size != plan.world_size:
+            raise RuntimeError(f"started with {comm.size} ranks, the plan needs {plan.world_size}")
+        role, index = plan.role_of(comm.rank)
+        ROLES[role](comm, plan, params, run, index).run()
+    except BaseException as exc:  # any failure ends the whole job, named in one line
+        first = (str(exc).splitlines() or [""])[0]
+        line = f"rank {comm.rank} ({role} {index}): {type(exc).__name__}: {first}"
+        logs = model_dir / "logs"
+        (logs / f"error_rank_{comm.rank}.txt").write_text(line + "\n")
+        with open(logs / f"rank_{comm.rank}.log", "a") as f:
+            traceback.print_exc(file=f)
+        sys.stderr.write(line + "\n")
+        sys.stderr.flush()
+        comm.Abort(1)
+
+
+if __name__ == "__main__":
+    main()
