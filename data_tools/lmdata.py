@@ -54,7 +54,10 @@ def open_h5(path, mode="r"):
     except OSError as exc:
         raise DataError(f"{path}: not a readable HDF5 file ({_reason(exc)})") from None
     with f:
-        yield f
+        try:
+            yield f
+        except (RuntimeError, KeyError) as exc:  # h5py's errors for damaged metadata inside the file
+            raise DataError(f"{path}: damaged HDF5 file ({_reason(exc)})") from None
 
 
 def _reason(exc):

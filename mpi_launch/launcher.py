@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import sysconfig
+import time
 from pathlib import Path
 
 
@@ -84,8 +85,9 @@ def prepare_run(params, *, checkpoint=None):
 
     model_dir = Path(params["runconfig"]["model_dir"])
     (model_dir / "logs").mkdir(parents=True, exist_ok=True)
-    for stale in (model_dir / "logs").glob("error_rank_*.txt"):
-        stale.unlink()
+    for pattern in ("error_rank_*.txt", "pid_rank_*", "done_rank_*"):
+        for stale in (model_dir / "logs").glob(pattern):
+            stale.unlink()
     if checkpoint is None and (model_dir / LATEST).is_file():
         checkpoint = model_dir
     start, ckpt_dir = 0, None
@@ -121,46 +123,94 @@ def fit_command(params, *, hostfile=None, cores=None):
     entry = [sys.executable, "-m", "mpi_launch.run", str(Path(r["model_dir"]).resolve())]
     # Ranks before the CS-2s, the CS-2s, the input workers after them (the plan's order).
     segments = [(plan.csx[0], 1), (len(plan.csx), csx_threads), (plan.world_size - plan.csx[-1] - 1, 1)]
-    cmd = [str(find_mpiexec())] + (["-f", str(hostfile)] if hostfile else [])
-    for n, threads in segments:
-        if n:
-            cmd += ([":"] if cmd[-1] != str(find_mpiexec()) and cmd[-1] != str(hostfile) else [])
-            cmd += ["-n", str(n), "-env", "OMP_NUM_THREADS", str(threads), *entry]
+    # On one machine the launcher watches the ranks itself (see launch), so hydra must not kill the
+    # survivors first: that would hide which rank died. Across machines hydra cleans up, and the
+    # survivors' timeouts name the rank they lost.
+    cleanup = ["-auto-cleanup"] if hostfile else ["-disable-auto-cleanup"]
+    cmd = [str(find_mpiexec()), *cleanup] + (["-f", str(hostfile)] if hostfile else [])
+    parts = [["-n", str(n), "-env", "OMP_NUM_THREADS", str(threads), *entry] for n, threads in segments if n]
+    for i, part in enumerate(parts):
+        cmd += ([":"] if i else []) + part
     return cmd, plan
 
 
-def explain_failure(model_dir, stderr, plan):
-    """One line saying which rank failed, its role, and what happened."""
-    import re
+def explain_failure(model_dir, stderr, plan, dead_rank=None):
+    """One line saying which rank failed, its role, and what happened.
 
-    errors = sorted(Path(model_dir, "logs").glob("error_rank_*.txt"),
-                    key=lambda p: int(p.stem.rsplit("_", 1)[1]))
+    In order: an error a rank raised itself (its ``MPI_Abort`` takes the others down); a rank
+    the watchdog saw vanish; a rank's failed exchange with a peer (the echo of a death elsewhere).
+    """
+    import json
+
+    errors = []
+    for path in sorted(Path(model_dir, "logs").glob("error_rank_*.txt"), key=lambda p: p.stat().st_mtime):
+        try:
+            errors.append(json.loads(path.read_text()))
+        except ValueError:
+            errors.append({"line": path.read_text().strip(), "kind": "cause"})
+    causes = [e["line"] for e in errors if e["kind"] == "cause"]
+    if causes:
+        return causes[0]
+    if dead_rank is not None:
+        role, index = plan.role_of(dead_rank)
+        return f"rank {dead_rank} ({role} {index}): the process died (killed by a signal or crashed) without reporting an error"
     if errors:
-        return errors[0].read_text().strip()
-    m = re.search(r"RANK (\d+) PID \d+ RUNNING AT \S+\s*=\s*KILLED BY SIGNAL: (\d+) \(([^)]*)\)", stderr)
-    if m:
-        rank = int(m.group(1))
-        role, index = plan.role_of(rank)
-        return f"rank {rank} ({role} {index}): killed by signal {m.group(2)} ({m.group(3)})"
-    m = re.search(r"RANK (\d+) PID \d+ RUNNING AT \S+\s*=\s*EXIT STATUS: (\d+)", stderr)
-    if m:
-        rank = int(m.group(1))
-        role, index = plan.role_of(rank)
-        return f"rank {rank} ({role} {index}): exited with status {m.group(2)}"
+        return errors[0]["line"]
     tail = [ln for ln in stderr.strip().splitlines() if ln.strip()]
     return tail[-1] if tail else "the MPI job failed without a message"
 
 
-def launch(cmd, plan, model_dir, *, stream=sys.stdout):
-    """Run the job, streaming the coordinator's progress lines; return (exit code, failure line or None)."""
-    import tempfile
+def _dead_rank(logs):
+    """The first rank whose process is gone without having finished or reported an error, or None."""
+    for pid_file in sorted(logs.glob("pid_rank_*"), key=lambda p: int(p.stem.rsplit("_", 1)[1])):
+        rank = int(pid_file.stem.rsplit("_", 1)[1])
+        try:
+            os.kill(int(pid_file.read_text()), 0)
+            continue  # alive
+        except (ProcessLookupError, ValueError):
+            pass
+        except PermissionError:
+            continue
+        # Gone. Checked after the pid, so a rank that finished just now is not taken for dead.
+        if not (logs / f"done_rank_{rank}").exists() and not (logs / f"error_rank_{rank}.txt").exists():
+            return rank
+    return None
 
+
+def launch(cmd, plan, model_dir, *, stream=sys.stdout, watch=True):
+    """Run the job, streaming the coordinator's progress lines; return (exit code, failure line or None).
+
+    With ``watch`` (one machine), a thread checks every 20 ms that each rank's process is alive; a
+    rank that vanishes without finishing or reporting an error ends the job at once, named.
+    """
+    import tempfile
+    import threading
+
+    logs = Path(model_dir, "logs")
+    dead = []
     with tempfile.TemporaryFile("w+") as err:
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, text=True, start_new_session=True,
                                 env=mpi_env(1, {"OMP_WAIT_POLICY": "PASSIVE"}))
+
+        def watchdog():
+            # Polled often (a few cheap syscalls): the first rank to vanish must be seen before the
+            # survivors notice the broken link and go down after it.
+            while proc.poll() is None:
+                rank = _dead_rank(logs)
+                if rank is not None:
+                    dead.append(rank)
+                    os.killpg(proc.pid, signal.SIGKILL)
+                    return
+                time.sleep(0.02)
+
+        if watch:
+            threading.Thread(target=watchdog, daemon=True).start()
+        banner = []  # hydra's failure banner comes on stdout; it goes to logs/mpiexec.log
         try:
             for line in proc.stdout:
-                if line.strip() and not line.startswith("="):  # hydra's banners go to the failure line
+                if line.startswith("=") or banner:
+                    banner.append(line)
+                elif line.strip():
                     stream.write(line)
                     stream.flush()
             code = proc.wait()
@@ -169,5 +219,8 @@ def launch(cmd, plan, model_dir, *, stream=sys.stdout):
             proc.wait()
             raise
         err.seek(0)
-        stderr = err.read()
-    return code, (None if code == 0 else explain_failure(model_dir, stderr, plan))
+        stderr = "".join(banner) + err.read()
+    logs.joinpath("mpiexec.log").write_text(stderr)  # hydra's own messages, kept for the user
+    if code == 0 and not dead:
+        return 0, None
+    return code or 1, explain_failure(model_dir, stderr, plan, dead[0] if dead else None)

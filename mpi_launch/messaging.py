@@ -13,7 +13,7 @@ import numpy as np
 from mpi4py import MPI
 
 #: Seconds a rank waits for a peer before declaring it unresponsive.
-DEFAULT_TIMEOUT = 60.0
+DEFAULT_TIMEOUT = 20.0
 _MIN_SLEEP, _MAX_SLEEP = 50e-6, 5e-3
 
 # Tags: phase (weights forward, weights backward, gradients, control ...) x unit x parameter.

@@ -6,6 +6,7 @@ on any rank is written as one line to ``MODEL_DIR/logs/error_rank_<r>.txt`` and 
 job (``MPI_Abort``), so no rank is left waiting for it.
 """
 import json
+import os
 import sys
 import traceback
 from pathlib import Path
@@ -21,6 +22,7 @@ def main(argv=None):
     from mpi_launch.roles import ROLES
 
     comm = MPI.COMM_WORLD
+    (model_dir / "logs" / f"pid_rank_{comm.rank}").write_text(str(os.getpid()))
     params = run["params"]
     r = params["runconfig"]
     plan = make_plan(num_csx=r["num_csx"], num_wgt_servers=r["num_wgt_servers"],
@@ -32,11 +34,17 @@ def main(argv=None):
             raise RuntimeError(f"started with {comm.size} ranks, the plan needs {plan.world_size}")
         role, index = plan.role_of(comm.rank)
         ROLES[role](comm, plan, params, run, index).run()
+        # A rank that finishes early (an input worker) is not a rank that died: say so.
+        (model_dir / "logs" / f"done_rank_{comm.rank}").touch()
     except BaseException as exc:  # any failure ends the whole job, named in one line
+        from mpi_launch.messaging import PeerTimeout
+
         first = (str(exc).splitlines() or [""])[0]
         line = f"rank {comm.rank} ({role} {index}): {type(exc).__name__}: {first}"
+        # A failed exchange with a peer is usually the echo of that peer's death, not the cause.
+        kind = "peer" if isinstance(exc, (MPI.Exception, PeerTimeout)) else "cause"
         logs = model_dir / "logs"
-        (logs / f"error_rank_{comm.rank}.txt").write_text(line + "\n")
+        (logs / f"error_rank_{comm.rank}.txt").write_text(json.dumps({"line": line, "kind": kind}) + "\n")
         with open(logs / f"rank_{comm.rank}.log", "a") as f:
             traceback.print_exc(file=f)
         sys.stderr.write(line + "\n")

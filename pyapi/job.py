@@ -60,7 +60,7 @@ class Job:
         self._check_data()
         prepare_run(self.params, checkpoint=checkpoint_path)
         cmd, plan = fit_command(self.params, hostfile=hostfile)
-        code, failure = launch(cmd, plan, self.model_dir, stream=stream)
+        code, failure = launch(cmd, plan, self.model_dir, stream=stream, watch=hostfile is None)
         if code != 0:
             raise JobError(failure)
         metrics = [json.loads(line) for line in (self.model_dir / "metrics.jsonl").read_text().splitlines()]

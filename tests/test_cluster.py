@@ -1,0 +1,171 @@
+"""The weight-streaming cluster under `wse fit`: exactness against the reference step, resume, failures."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import h5py
+import numpy as np
+import pytest
+import yaml
+
+from data_tools.checkpoint import Checkpoint
+from data_tools.dataset import GlobalStream
+from data_tools.preprocess import preprocess_text
+from wse_core.nn import build_model, reference_step
+from wse_core.optim import make_optimizer, make_schedule
+
+STEPS = 3
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    d = tmp_path_factory.mktemp("data")
+    preprocess_text(["stdlib"], d / "lm", 32, samples_per_file=64, progress=False)
+    return d / "lm"
+
+
+def params_file(tmp_path, data, **runconfig):
+    p = {
+        "train_input": {"data_dir": str(data), "batch_size": 8, "micro_batch_size": 2, "shuffle": True,
+                        "shuffle_seed": 4},
+        "model": {"name": "gpt2", "vocab_size": 257, "hidden_size": 32, "num_hidden_layers": 2, "num_heads": 2,
+                  "max_position_embeddings": 32},
+        "optimizer": {"optimizer_type": "AdamW", "weight_decay": 0.01, "max_gradient_norm": 1.0,
+                      "learning_rate": [{"scheduler": "Linear", "initial_learning_rate": 1e-3,
+                                         "end_learning_rate": 1e-4, "total_iters": 10}]},
+        "runconfig": {"max_steps": STEPS, "num_wgt_servers": 2, "model_dir": str(tmp_path / "model"), **runconfig},
+    }
+    path = tmp_path / "params.yaml"
+    path.write_text(yaml.safe_dump(p))
+    return path, p
+
+
+def fit(params, *args, timeout=240):
+    return subprocess.run([sys.executable, "-m", "pyapi.cli", "fit", str(params), *args], capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def reference(p, steps):
+    """Weights and optimizer state after `steps` single-process reference steps on the same data."""
+    model = build_model(p["model"])
+    params = model.init_params(0)
+    o = p["optimizer"]
+    opt = make_optimizer("AdamW", lr=0.0, weight_decay=o["weight_decay"])
+    state = {k: opt.init_state(v) for k, v in params.items()}
+    schedule = make_schedule(o["learning_rate"])
+    t_in = p["train_input"]
+    stream = GlobalStream(t_in["data_dir"], shuffle=t_in["shuffle"], seed=t_in["shuffle_seed"])
+    losses = []
+    for t in range(steps):
+        ex = stream.read(t * t_in["batch_size"], t_in["batch_size"])
+        batch = {k: np.ascontiguousarray(ex[:, i]) for i, k in enumerate(("input_ids", "loss_mask", "labels"))}
+        r = reference_step(model, params, state, opt, batch, micro_batch_size=t_in["micro_batch_size"],
+                           step=t + 1, lr=schedule(t), max_gradient_norm=o["max_gradient_norm"])
+        losses.append(r.loss)
+    stream.close()
+    return params, state, losses
+
+
+def assert_bits(ckpt_dir, params, state):
+    got, got_state = Checkpoint(ckpt_dir).load()
+    for k in params:
+        assert got[k].tobytes() == params[k].tobytes(), k
+        for s in state[k]:
+            assert got_state[k][s].tobytes() == state[k][s].tobytes(), (k, s)
+
+
+@pytest.mark.parametrize("num_csx,workers", [(1, 1), (2, 2), (4, 1)])
+def test_bit_identical_to_the_reference(tmp_path, data, num_csx, workers):
+    """Weights and optimizer state after 3 steps equal the single-process reference, bit for bit."""
+    path, p = params_file(tmp_path, data, num_workers_per_csx=workers)
+    proc = fit(path, "--num_csx", str(num_csx))
+    assert proc.returncode == 0, proc.stderr
+    params, state, losses = reference(p, STEPS)
+    assert_bits(tmp_path / "model", params, state)
+    metrics = [json.loads(x) for x in (tmp_path / "model" / "metrics.jsonl").read_text().splitlines()]
+    assert [m["loss"] for m in metrics] == losses
+    assert (tmp_path / "model" / "plan.json").exists() and any((tmp_path / "model" / "logs").iterdir())
+
+
+def test_resume_continues_bit_identically(tmp_path, data):
+    """2 steps, stop, resume from latest to 4: the same bits as 4 steps in one go."""
+    path, p = params_file(tmp_path, data, max_steps=4)
+    assert fit(path, "--num_csx", "2", "--set", "runconfig.max_steps=2").returncode == 0
+    assert Checkpoint(tmp_path / "model").step == 2
+    proc = fit(path, "--num_csx", "2")
+    assert proc.returncode == 0, proc.stderr
+    params, state, _ = reference(p, 4)
+    assert_bits(tmp_path / "model", params, state)
+
+
+def test_bad_params_fail_before_mpiexec(tmp_path, data):
+    path, _ = params_file(tmp_path, data)
+    proc = fit(path, "--set", "optimizer.learning_rate=fast")
+    assert proc.returncode == 1 and proc.stderr.strip().endswith("optimizer.learning_rate: expected a number or a "
+                                                                  "list of schedulers, got 'fast'")
+    assert not (tmp_path / "model").exists()
+    proc = fit(path, "--set", "model.max_position_embeddings=16")
+    assert proc.returncode == 1 and "model.max_position_embeddings: 16 is shorter than the data's" in proc.stderr
+
+
+def test_an_exception_in_a_role_ends_the_job_with_one_line(tmp_path, data):
+    """A damaged data file makes an input worker raise: the job ends, naming that rank and role."""
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    for f in sorted(data.glob("*.h5"))[:2]:
+        (bad / f.name).write_bytes(f.read_bytes())
+    target = bad / "data-00002.h5"
+    target.write_bytes(sorted(data.glob("*.h5"))[2].read_bytes())
+    with h5py.File(target) as f:
+        offset = f["data"].id.get_chunk_info(5).byte_offset
+    raw = bytearray(target.read_bytes())
+    raw[offset + 3] ^= 0xFF  # example 5 of the third file now fails its checksum when read
+    target.write_bytes(bytes(raw))
+    path, _ = params_file(tmp_path, bad, max_steps=40)
+    t0 = time.monotonic()
+    proc = fit(path, "--num_csx", "2", "--set", "train_input.shuffle=false")
+    assert proc.returncode == 1 and time.monotonic() - t0 < 60
+    line = proc.stderr.strip().splitlines()[-1]
+    assert line.startswith("wse fit: rank ") and "(worker " in line and "data-00002.h5" in line, proc.stderr
+
+
+def rank_pids(model_dir):
+    """pid of each rank of a running job, from the PMI_RANK in each process's environment."""
+    pids = {}
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            cmd = (proc / "cmdline").read_bytes().split(b"\0")
+            env = (proc / "environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if b"mpi_launch.run" in cmd and str(model_dir).encode() in b" ".join(cmd):
+            for kv in env:
+                if kv.startswith(b"PMI_RANK="):
+                    pids[int(kv.split(b"=")[1])] = int(proc.name)
+    return pids
+
+
+@pytest.mark.parametrize("victim", ["csx", "memoryx"])
+def test_a_killed_rank_ends_the_job_within_30_seconds(tmp_path, data, victim):
+    path, p = params_file(tmp_path, data, max_steps=10000)
+    job = subprocess.Popen([sys.executable, "-m", "pyapi.cli", "fit", str(path), "--num_csx", "2"],
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    model_dir = tmp_path / "model"
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and not (model_dir / "metrics.jsonl").exists():
+        time.sleep(0.2)
+    plan = json.loads((model_dir / "plan.json").read_text())["plan"]
+    rank = plan["csx"][1] if victim == "csx" else plan["memoryx"][0]
+    os.kill(rank_pids(model_dir)[rank], signal.SIGKILL)
+    t0 = time.monotonic()
+    out, err = job.communicate(timeout=60)
+    assert time.monotonic() - t0 < 30
+    assert job.returncode == 1
+    line = err.strip().splitlines()[-1]
+    assert line.startswith(f"wse fit: rank {rank} ({victim} ") and "died" in line, err
