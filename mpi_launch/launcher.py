@@ -134,13 +134,15 @@ def fit_command(params, *, hostfile=None, cores=None):
     return cmd, plan
 
 
-def explain_failure(model_dir, stderr, plan, dead_rank=None):
+def explain_failure(model_dir, stderr, plan, dead=()):
     """One line saying which rank failed, its role, and what happened.
 
     In order: an error a rank raised itself (its ``MPI_Abort`` takes the others down); a rank
-    the watchdog saw vanish; a rank's failed exchange with a peer (the echo of a death elsewhere).
+    the watchdog saw vanish (when several vanished together, not those MPICH itself aborted after
+    losing a peer); a rank's failed exchange with a peer (the echo of a death elsewhere).
     """
     import json
+    import re
 
     errors = []
     for path in sorted(Path(model_dir, "logs").glob("error_rank_*.txt"), key=lambda p: p.stat().st_mtime):
@@ -151,30 +153,33 @@ def explain_failure(model_dir, stderr, plan, dead_rank=None):
     causes = [e["line"] for e in errors if e["kind"] == "cause"]
     if causes:
         return causes[0]
-    if dead_rank is not None:
-        role, index = plan.role_of(dead_rank)
-        return f"rank {dead_rank} ({role} {index}): the process died (killed by a signal or crashed) without reporting an error"
+    echoes = {int(r) for r in re.findall(r"\(rank (\d+) in comm 0\): Fatal error", stderr)}
+    culprits = [r for r in dead if r not in echoes] or list(dead)
+    if culprits:
+        role, index = plan.role_of(culprits[0])
+        return f"rank {culprits[0]} ({role} {index}): the process died (killed by a signal or crashed) without reporting an error"
     if errors:
         return errors[0]["line"]
     tail = [ln for ln in stderr.strip().splitlines() if ln.strip()]
     return tail[-1] if tail else "the MPI job failed without a message"
 
 
-def _dead_rank(logs):
-    """The first rank whose process is gone without having finished or reported an error, or None."""
+def _dead_ranks(logs):
+    """Ranks whose process is gone without having finished or reported an error."""
+    dead = []
     for pid_file in sorted(logs.glob("pid_rank_*"), key=lambda p: int(p.stem.rsplit("_", 1)[1])):
         rank = int(pid_file.stem.rsplit("_", 1)[1])
         try:
             os.kill(int(pid_file.read_text()), 0)
             continue  # alive
-        except (ProcessLookupError, ValueError):
+        except ProcessLookupError:
             pass
-        except PermissionError:
-            continue
+        except (ValueError, OSError):
+            continue  # unreadable just now: judge it at the next look
         # Gone. Checked after the pid, so a rank that finished just now is not taken for dead.
         if not (logs / f"done_rank_{rank}").exists() and not (logs / f"error_rank_{rank}.txt").exists():
-            return rank
-    return None
+            dead.append(rank)
+    return dead
 
 
 def launch(cmd, plan, model_dir, *, stream=sys.stdout, watch=True):
@@ -196,9 +201,9 @@ def launch(cmd, plan, model_dir, *, stream=sys.stdout, watch=True):
             # Polled often (a few cheap syscalls): the first rank to vanish must be seen before the
             # survivors notice the broken link and go down after it.
             while proc.poll() is None:
-                rank = _dead_rank(logs)
-                if rank is not None:
-                    dead.append(rank)
+                ranks = _dead_ranks(logs)
+                if ranks:
+                    dead.extend(ranks)
                     os.killpg(proc.pid, signal.SIGKILL)
                     return
                 time.sleep(0.02)
@@ -223,4 +228,4 @@ def launch(cmd, plan, model_dir, *, stream=sys.stdout, watch=True):
     logs.joinpath("mpiexec.log").write_text(stderr)  # hydra's own messages, kept for the user
     if code == 0 and not dead:
         return 0, None
-    return code or 1, explain_failure(model_dir, stderr, plan, dead[0] if dead else None)
+    return code or 1, explain_failure(model_dir, stderr, plan, dead)

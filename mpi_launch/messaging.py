@@ -12,8 +12,8 @@ import time
 import numpy as np
 from mpi4py import MPI
 
-#: Seconds a rank waits for a peer before declaring it unresponsive.
-DEFAULT_TIMEOUT = 20.0
+#: Seconds a rank waits for a peer before declaring it unresponsive (``set_timeout`` changes it).
+_timeout = {"seconds": 300.0}
 _MIN_SLEEP, _MAX_SLEEP = 50e-6, 5e-3
 
 # Tags: phase (weights forward, weights backward, gradients, control ...) x unit x parameter.
@@ -25,32 +25,50 @@ class PeerTimeout(RuntimeError):
     """A peer did not answer in time (it stopped, hung, or died without the job noticing)."""
 
 
+class PeerLost(RuntimeError):
+    """An exchange with a peer failed in MPI: usually the echo of that peer's death."""
+
+
+def set_timeout(seconds):
+    """Set how long waits last before ``PeerTimeout``: long while 14 ranks import on 2 cores, short after."""
+    _timeout["seconds"] = float(seconds)
+
+
+def _test(test, what):
+    try:
+        return test()
+    except Exception as exc:  # mpi4py raises MPI.Exception (and plain Exception for some status errors)
+        raise PeerLost(f"MPI error while waiting for {what}: {str(exc).splitlines()[0] if str(exc) else exc}") from None
+
+
 def tag(phase, unit=0, index=0):
     """The MPI tag of message ``index`` of ``unit`` in ``phase``."""
     return (phase * MAX_UNITS + unit) * MAX_PARAMS + index
 
 
-def wait_all(requests, what, timeout=DEFAULT_TIMEOUT):
-    """Wait for every request with sleeps in between; return the statuses' sources. Never spins."""
+def wait_all(requests, what, timeout=None):
+    """Wait for every request with sleeps in between. Never spins."""
     requests = [r for r in requests if r is not None]
     if not requests:
         return
+    timeout = _timeout["seconds"] if timeout is None else timeout
     deadline = time.monotonic() + timeout
     pause = _MIN_SLEEP
-    while not MPI.Request.Testall(requests):
+    while not _test(lambda: MPI.Request.Testall(requests), what):
         if time.monotonic() > deadline:
             raise PeerTimeout(f"no answer within {timeout:.0f} s while waiting for {what}")
         time.sleep(pause)
         pause = min(pause * 2, _MAX_SLEEP)
 
 
-def recv_object(comm, source, tag_, what, timeout=DEFAULT_TIMEOUT):
+def recv_object(comm, source, tag_, what, timeout=None):
     """A small pickled message from ``source``, received without spinning."""
     req = comm.irecv(source=source, tag=tag_)
+    timeout = _timeout["seconds"] if timeout is None else timeout
     deadline = time.monotonic() + timeout
     pause = _MIN_SLEEP
     while True:
-        done, value = req.test()
+        done, value = _test(req.test, what)
         if done:
             return value
         if time.monotonic() > deadline:

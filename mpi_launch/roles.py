@@ -55,6 +55,11 @@ class Role:
         self.shapes = {n: s.shape for n, s in self.model.param_specs.items()}
         self.log_file = open(self.model_dir / "logs" / f"rank_{self.rank}.log", "a", buffering=1)
 
+    def step_done(self, step):
+        """After the first step every rank is past its imports: from now on a silent peer is a lost one."""
+        if step == self.start_step:
+            msg.set_timeout(self.params["runconfig"]["peer_timeout"])
+
     def log(self, text):
         self.log_file.write(f"{time.strftime('%H:%M:%S')} {text}\n")
 
@@ -83,6 +88,7 @@ class InputWorker(Role):
                     keep.append(parts)
                     reqs += [self.comm.Isend(a, dest=dest, tag=msg.tag(msg.DATA, m, i)) for i, a in enumerate(parts)]
                 msg.wait_all(reqs, f"CS-2 {csx} to take the micro-batches of step {step}")
+                self.step_done(step)
         finally:
             stream.close()
 
@@ -151,6 +157,7 @@ class CS2(Role):
             msg.wait_all(grad_reqs + [report], f"SwarmX rank {parent} (gradients of step {step})")
             self.log(f"step {step}: loss_sum {loss_sum:.6f} tokens {n_tokens} "
                      f"time {time.perf_counter() - t0:.3f}s waiting {t_wait:.3f}s")
+            self.step_done(step)
 
     def seq_len(self):
         from data_tools.dataset import Dataset
@@ -186,6 +193,7 @@ class SwarmX(Role):
                     self._relay(u - 1, msg.BWD_WEIGHTS, parent, kids, step)
                 self._reduce(u, parent, kids, step)
             msg.wait_all(self._pending, f"children {kids} and parent of SwarmX rank {me} (step {step})")
+            self.step_done(step)
 
     def _sources(self, u, parent):
         if parent is not None:
@@ -270,6 +278,8 @@ class MemoryX(Role):
                 writer = CheckpointWriter(self.model_dir, control["checkpoint"])
                 table = writer.write_shard(self.index, self.weights, self.state)
                 self.comm.send(table, dest=coordinator, tag=msg.tag(msg.REPORT, 2))
+            if step >= self.start_step:
+                self.step_done(step)
 
 
 class Coordinator(Role):
@@ -335,6 +345,7 @@ class Coordinator(Role):
                 print(f"step {step + 1:>5}/{self.max_steps}  loss {record['loss']:.4f}  "
                       f"grad_norm {norm:.3f}  lr {lr:.2e}  {record['samples_per_s']:.1f} samples/s", flush=True)
             control(lr, coef / n_tokens, step + 1 if save else None)
+            self.step_done(step)
         metrics.close()
 
 

@@ -8,6 +8,7 @@ job (``MPI_Abort``), so no rank is left waiting for it.
 import json
 import os
 import sys
+import time
 import traceback
 from pathlib import Path
 
@@ -22,7 +23,9 @@ def main(argv=None):
     from mpi_launch.roles import ROLES
 
     comm = MPI.COMM_WORLD
-    (model_dir / "logs" / f"pid_rank_{comm.rank}").write_text(str(os.getpid()))
+    pid_file = model_dir / "logs" / f"pid_rank_{comm.rank}"
+    pid_file.with_suffix(".tmp").write_text(str(os.getpid()))
+    os.replace(pid_file.with_suffix(".tmp"), pid_file)  # the launcher's watchdog never reads half a pid
     params = run["params"]
     r = params["runconfig"]
     plan = make_plan(num_csx=r["num_csx"], num_wgt_servers=r["num_wgt_servers"],
@@ -37,18 +40,20 @@ def main(argv=None):
         # A rank that finishes early (an input worker) is not a rank that died: say so.
         (model_dir / "logs" / f"done_rank_{comm.rank}").touch()
     except BaseException as exc:  # any failure ends the whole job, named in one line
-        from mpi_launch.messaging import PeerTimeout
+        from mpi_launch.messaging import PeerLost, PeerTimeout
 
         first = (str(exc).splitlines() or [""])[0]
         line = f"rank {comm.rank} ({role} {index}): {type(exc).__name__}: {first}"
         # A failed exchange with a peer is usually the echo of that peer's death, not the cause.
-        kind = "peer" if isinstance(exc, (MPI.Exception, PeerTimeout)) else "cause"
+        kind = "peer" if isinstance(exc, (PeerLost, PeerTimeout)) else "cause"
         logs = model_dir / "logs"
         (logs / f"error_rank_{comm.rank}.txt").write_text(json.dumps({"line": line, "kind": kind}) + "\n")
         with open(logs / f"rank_{comm.rank}.log", "a") as f:
             traceback.print_exc(file=f)
         sys.stderr.write(line + "\n")
         sys.stderr.flush()
+        if kind == "peer":
+            time.sleep(1.0)  # let the launcher's watchdog see the rank that really died first
         comm.Abort(1)
 
 

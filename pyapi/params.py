@@ -61,6 +61,7 @@ SCHEMA = {
         "swarmx_fanout": Key("int>1", 2, "children per SwarmX node"),
         "model_dir": Key("path", "model_dir", "where checkpoints, logs and metrics go"),
         "seed": Key("int", 0, "seed of the model initialisation"),
+        "peer_timeout": Key("int>0", 20, "seconds a rank waits for a silent peer (after the first step) before ending the job"),
     },
 }
 SECTIONS_REQUIRED = ("train_input", "model", "optimizer", "runconfig")
