@@ -295,6 +295,15 @@ class Coordinator(Role):
         schedule = make_schedule(o["learning_rate"], key="optimizer.learning_rate")
         names = self.model.param_names
         metrics = open(self.model_dir / "metrics.jsonl", "a", buffering=1)
+        try:  # TensorBoard event files when a writer package is installed
+            from tensorboardX import SummaryWriter
+
+            board = SummaryWriter(str(self.model_dir))
+        except ImportError:
+            board = None
+            if self.start_step < self.max_steps:
+                print("TensorBoard: tensorboardX is not installed (pip install tensorboardx); "
+                      "metrics are in metrics.jsonl", flush=True)
         params_yaml = yaml.safe_dump(self.params, sort_keys=False)
         t_start = time.perf_counter()
 
@@ -341,12 +350,17 @@ class Coordinator(Role):
                       "lr": lr, "step_seconds": dt, "samples_per_s": self.batch_size / dt,
                       "elapsed_seconds": time.perf_counter() - t_start}
             metrics.write(json.dumps(record) + "\n")
+            if board is not None:
+                for key in ("loss", "grad_norm", "lr", "samples_per_s"):
+                    board.add_scalar(f"train/{key}", record[key], step + 1)
             if (step + 1) % r["log_steps"] == 0 or last or step == self.start_step:
                 print(f"step {step + 1:>5}/{self.max_steps}  loss {record['loss']:.4f}  "
                       f"grad_norm {norm:.3f}  lr {lr:.2e}  {record['samples_per_s']:.1f} samples/s", flush=True)
             control(lr, coef / n_tokens, step + 1 if save else None)
             self.step_done(step)
         metrics.close()
+        if board is not None:
+            board.close()
 
 
 ROLES = {"coordinator": Coordinator, "memoryx": MemoryX, "swarmx": SwarmX, "csx": CS2, "worker": InputWorker}
