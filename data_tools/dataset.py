@@ -22,6 +22,49 @@ from data_tools.errors import DataError
 from data_tools.lmdata import dataset_format, h5_files, open_h5, read_data_params
 
 
+class _Reader:
+    """Open dataset files, kept open with their datasets: looking a dataset up costs as much as a small read."""
+
+    def __init__(self, paths, lm):
+        self.paths, self.lm, self.handles = paths, lm, {}
+
+    def _datasets(self, fi):
+        import h5py
+
+        if fi not in self.handles:
+            try:
+                f = h5py.File(self.paths[fi], "r")
+            except OSError as exc:
+                raise DataError(f"{self.paths[fi]}: not a readable HDF5 file ({str(exc).splitlines()[0]})") from None
+            self.handles[fi] = (f, *((f["data"],) if self.lm else (f["features"], f["labels"])))
+        return self.handles[fi][1:]
+
+    def read(self, files, rows, out, labels=None):
+        """out[i] (and labels[i]) := example rows[i] of file files[i].
+
+        One h5py call per run of consecutive rows of one file: in order, a run is a whole batch;
+        shuffled, runs are single examples (about 50 us each here, cheaper than h5py's point selections).
+        """
+        breaks = np.flatnonzero((np.diff(files) != 0) | (np.diff(rows) != 1)) + 1
+        starts = np.concatenate([[0], breaks]).astype(np.int64).tolist()
+        stops = np.concatenate([breaks, [len(files)]]).astype(np.int64).tolist()
+        for lo, hi in zip(starts, stops):
+            fi, r0, r1 = int(files[lo]), int(rows[lo]), int(rows[hi - 1]) + 1
+            dsets = self._datasets(fi)
+            try:
+                out[lo:hi] = dsets[0][r0:r1]
+                if labels is not None:
+                    labels[lo:hi] = dsets[1][r0:r1]
+            except (OSError, ValueError) as exc:
+                raise DataError(f"{self.paths[fi]}: examples {r0}..{r1 - 1} unreadable "
+                                f"({str(exc).splitlines()[0]}): the file is damaged") from None
+
+    def close(self):
+        for h in self.handles.values():
+            h[0].close()
+        self.handles = {}
+
+
 class Dataset:
     """A dataset directory: its sorted files and a global example index across them."""
 
@@ -119,7 +162,7 @@ class Loader:
         return dict(self._pos)
 
     def _fill(self):
-        handles = {}
+        reader = _Reader(self.files, self.dataset.format == "lm")
         try:
             epoch, index = self._read_pos
             order = self.order(epoch)
@@ -136,7 +179,12 @@ class Loader:
                     if index == self.n_local:
                         epoch, index = epoch + 1, 0
                         order = self.order(epoch)
-                self._read_into(np.concatenate(picks), buf, handles)
+                local = np.concatenate(picks)
+                files, rows = self._file_of[local], self._row_of[local]
+                if isinstance(buf, tuple):
+                    reader.read(files, rows, buf[0], buf[1])
+                else:
+                    reader.read(files, rows, buf)
                 item = (buf, {"epoch": epoch, "index": index})
                 while not self._stop.is_set():
                     try:
@@ -147,39 +195,7 @@ class Loader:
         except BaseException as exc:  # hand the failure to the consumer instead of dying silently
             self._queue.put(exc)
         finally:
-            for h in handles.values():
-                h[0].close()
-
-    def _read_into(self, local, buf, handles):
-        import h5py
-
-        files, rows = self._file_of[local], self._row_of[local]
-        lm = self.dataset.format == "lm"
-        # A slice per run of consecutive rows of one file: one h5py call per run (in order, a run is
-        # the whole batch; shuffled, runs are single examples: about 50 us each, measured here;
-        # h5py's point selections cost more per example than that).
-        breaks = np.flatnonzero((np.diff(files) != 0) | (np.diff(rows) != 1)) + 1
-        starts = np.concatenate([[0], breaks]).astype(np.int64).tolist()
-        stops = np.concatenate([breaks, [len(local)]]).astype(np.int64).tolist()
-        for lo, hi in zip(starts, stops):
-            fi, r0, r1 = int(files[lo]), int(rows[lo]), int(rows[hi - 1]) + 1
-            path = self.files[fi]
-            if fi not in handles:  # the open file and its datasets: a dataset lookup costs as much as a read
-                try:
-                    f = h5py.File(path, "r")
-                except OSError as exc:
-                    raise DataError(f"{path}: not a readable HDF5 file ({str(exc).splitlines()[0]})") from None
-                handles[fi] = (f, *((f["data"],) if lm else (f["features"], f["labels"])))
-            dsets = handles[fi][1:]
-            try:
-                if lm:
-                    buf[lo:hi] = dsets[0][r0:r1]
-                else:
-                    buf[0][lo:hi] = dsets[0][r0:r1]
-                    buf[1][lo:hi] = dsets[1][r0:r1]
-            except (OSError, ValueError) as exc:
-                raise DataError(f"{path}: examples {r0}..{r1 - 1} unreadable "
-                                f"({str(exc).splitlines()[0]}): the file is damaged") from None
+            reader.close()
 
     def next_batch(self):
         """The next batch: views into a preallocated buffer, valid until the next call."""
@@ -252,7 +268,7 @@ class GlobalStream:
         if self.n == 0:
             raise DataError(f"{data_dir}: the dataset holds no examples")
         self._orders = {}
-        self._handles = {}
+        self._reader = _Reader(self.dataset.files, self.dataset.format == "lm")
 
     def order(self, epoch):
         if epoch not in self._orders:
@@ -271,36 +287,14 @@ class GlobalStream:
 
     def read(self, start, count):
         """The examples at stream positions [start, start + count): LM ``[count, 3, S]`` or (features, labels)."""
-        import h5py
-
         ds = self.dataset
         idx = self.indices(start, count)
         files = np.searchsorted(ds.offsets, idx, side="right") - 1
-        rows = idx - ds.offsets[files]
         lm = ds.format == "lm"
         out = np.empty((count, *ds.example_shape), np.int32 if lm else np.float32)
         labels = None if lm else np.empty(count, np.int32)
-        breaks = np.flatnonzero((np.diff(files) != 0) | (np.diff(rows) != 1)) + 1
-        for lo, hi in zip(np.concatenate([[0], breaks]).tolist(), np.concatenate([breaks, [count]]).tolist()):
-            fi, r0, r1 = int(files[lo]), int(rows[lo]), int(rows[hi - 1]) + 1
-            path = ds.files[fi]
-            if fi not in self._handles:
-                try:
-                    f = h5py.File(path, "r")
-                except OSError as exc:
-                    raise DataError(f"{path}: not a readable HDF5 file ({str(exc).splitlines()[0]})") from None
-                self._handles[fi] = (f, *((f["data"],) if lm else (f["features"], f["labels"])))
-            dsets = self._handles[fi][1:]
-            try:
-                out[lo:hi] = dsets[0][r0:r1]
-                if not lm:
-                    labels[lo:hi] = dsets[1][r0:r1]
-            except (OSError, ValueError) as exc:
-                raise DataError(f"{path}: examples {r0}..{r1 - 1} unreadable "
-                                f"({str(exc).splitlines()[0]}): the file is damaged") from None
+        self._reader.read(files, idx - ds.offsets[files], out, labels)
         return out if lm else (out, labels)
 
     def close(self):
-        for h in self._handles.values():
-            h[0].close()
-        self._handles = {}
+        self._reader.close()
