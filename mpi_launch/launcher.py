@@ -81,7 +81,6 @@ def prepare_run(params, *, checkpoint=None):
 
     from data_tools.checkpoint import LATEST, Checkpoint
     from mpi_launch.plan import describe
-    from wse_core.nn import build_model
 
     model_dir = Path(params["runconfig"]["model_dir"])
     (model_dir / "logs").mkdir(parents=True, exist_ok=True)
@@ -94,11 +93,12 @@ def prepare_run(params, *, checkpoint=None):
     if checkpoint is not None:
         ckpt = Checkpoint(checkpoint)
         start, ckpt_dir = ckpt.step, str(ckpt.dir.resolve())
+        from wse_core.nn import build_model
+
         missing = set(build_model(params["model"]).param_names) - set(ckpt.param_names)
         if missing:
             raise MPILaunchError(f"{ckpt.dir}: does not hold parameter {sorted(missing)[0]!r} of this model")
-    run = {"params": params, "start_step": start, "checkpoint": ckpt_dir,
-           "unit_bytes": build_model(params["model"]).unit_bytes()}
+    run = {"params": params, "start_step": start, "checkpoint": ckpt_dir}
     (model_dir / "run.json").write_text(json.dumps(run, indent=1))
     (model_dir / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
     (model_dir / "plan.json").write_text(json.dumps(describe(params), indent=1))
@@ -111,13 +111,10 @@ def fit_command(params, *, hostfile=None, cores=None):
     CS-2 ranks do the arithmetic and share the cores; every other role mostly waits (sleeping),
     so it gets one thread.
     """
-    from mpi_launch.plan import make_plan
-    from wse_core.nn import build_model
+    from mpi_launch.plan import plan_for
 
     r = params["runconfig"]
-    plan = make_plan(num_csx=r["num_csx"], num_wgt_servers=r["num_wgt_servers"],
-                     num_workers_per_csx=r["num_workers_per_csx"], swarmx_fanout=r["swarmx_fanout"],
-                     unit_bytes=build_model(params["model"]).unit_bytes())
+    plan, _ = plan_for(params)
     cores = cores or os.cpu_count() or 1
     csx_threads = max(1, cores // r["num_csx"])
     entry = [sys.executable, "-m", "mpi_launch.run", str(Path(r["model_dir"]).resolve())]

@@ -129,19 +129,27 @@ def make_plan(*, num_csx, num_wgt_servers, num_workers_per_csx, swarmx_fanout, u
     return plan
 
 
+def plan_for(params):
+    """(plan, model) of a validated params dict: the one place that turns params into a rank plan."""
+    from wse_core.nn import build_model
+
+    r = params["runconfig"]
+    model = build_model(params["model"])
+    plan = make_plan(num_csx=r["num_csx"], num_wgt_servers=r["num_wgt_servers"],
+                     num_workers_per_csx=r["num_workers_per_csx"], swarmx_fanout=r["swarmx_fanout"],
+                     unit_bytes=model.unit_bytes())
+    return plan, model
+
+
 def describe(params):
     """The plan of a validated params dict, with per-rank memory estimates: what `wse compile` prints."""
     import numpy as np
 
-    from wse_core.nn import build_model
     from wse_core.optim import make_optimizer
 
     run, train, opt_cfg = params["runconfig"], params["train_input"], params["optimizer"]
-    model = build_model(params["model"])
-    unit_bytes = model.unit_bytes()
-    plan = make_plan(num_csx=run["num_csx"], num_wgt_servers=run["num_wgt_servers"],
-                     num_workers_per_csx=run["num_workers_per_csx"], swarmx_fanout=run["swarmx_fanout"],
-                     unit_bytes=unit_bytes)
+    plan, model = plan_for(params)
+    unit_bytes = plan.unit_bytes
     n_states = len(make_optimizer(opt_cfg["optimizer_type"]).init_state(np.zeros(1, np.float32)))
     if opt_cfg["optimizer_type"].lower() == "sgd" and opt_cfg["momentum"] == 0:
         n_states = 0

@@ -19,7 +19,7 @@ def main(argv=None):
     run = json.loads((model_dir / "run.json").read_text())
     from mpi4py import MPI
 
-    from mpi_launch.plan import make_plan
+    from mpi_launch.plan import plan_for
     from mpi_launch.roles import ROLES
 
     comm = MPI.COMM_WORLD
@@ -27,10 +27,7 @@ def main(argv=None):
     pid_file.with_suffix(".tmp").write_text(str(os.getpid()))
     os.replace(pid_file.with_suffix(".tmp"), pid_file)  # the launcher's watchdog never reads half a pid
     params = run["params"]
-    r = params["runconfig"]
-    plan = make_plan(num_csx=r["num_csx"], num_wgt_servers=r["num_wgt_servers"],
-                     num_workers_per_csx=r["num_workers_per_csx"], swarmx_fanout=r["swarmx_fanout"],
-                     unit_bytes=run["unit_bytes"])
+    plan, _ = plan_for(params)
     role, index = ("unknown", 0)
     try:
         if comm.size != plan.world_size:

@@ -140,8 +140,9 @@ def test_a_killed_rank_ends_the_job_within_30_seconds(tmp_path, data, victim):
                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     model_dir = tmp_path / "model"
     deadline = time.monotonic() + 60
-    while time.monotonic() < deadline and not (model_dir / "metrics.jsonl").exists():
-        time.sleep(0.2)
+    metrics = model_dir / "metrics.jsonl"
+    while time.monotonic() < deadline and not (metrics.exists() and metrics.read_text().strip()):
+        time.sleep(0.2)  # step 1 done: every rank is up and past its imports
     plan = json.loads((model_dir / "plan.json").read_text())["plan"]
     rank = plan["csx"][1] if victim == "csx" else plan["memoryx"][0]
     os.kill(int((model_dir / "logs" / f"pid_rank_{rank}").read_text()), signal.SIGKILL)
