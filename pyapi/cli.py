@@ -168,6 +168,21 @@ def _cmd_fit(args):
     return 0
 
 
+def _cmd_validate(args):
+    import json
+
+    from pyapi.job import Job
+
+    job = Job.from_yaml(args.params, model_dir=args.model_dir, overrides=args.set)
+    r = job.validate(checkpoint_path=args.checkpoint_path, batches=args.eval_steps)
+    if args.json:
+        print(json.dumps(r, indent=2))
+    else:
+        print(f"eval loss {r['eval_loss']:.4f} (perplexity {r['perplexity']:.2f}) on {r['examples']:,} examples, "
+              f"{r['tokens']:,} tokens; checkpoint of step {r['step']}: {r['checkpoint']}")
+    return 0
+
+
 def _cmd_bench(args):
     from bench.harness import write_json
 
@@ -210,6 +225,17 @@ def build_parser():
     p.add_argument("--dry-run", "--dry_run", dest="dry_run", action="store_true", help="print the mpiexec command only")
     p.add_argument("--hostfile", metavar="FILE", help="hosts for mpiexec (one per line)")
     p.set_defaults(func=_cmd_fit)
+
+    p = sub.add_parser("validate", help="eval loss of a checkpoint on eval_input (no mpiexec)",
+                       description="Load a checkpoint (default: MODEL_DIR/latest) and compute the model's loss "
+                                   "on every example of eval_input.data_dir, in order, in this process.")
+    p.add_argument("params", metavar="PARAMS", help="params YAML file (with an eval_input section)")
+    _opt(p, "--model_dir", metavar="DIR", help="override runconfig.model_dir")
+    _opt(p, "--checkpoint_path", metavar="PATH", help="checkpoint to evaluate (default: MODEL_DIR/latest)")
+    _opt(p, "--eval_steps", type=int, metavar="K", help="evaluate only the first K batches of eval_input")
+    p.add_argument("--set", action="append", metavar="KEY.PATH=VALUE", help="override a params value (repeatable)")
+    p.add_argument("--json", action="store_true", help="print JSON")
+    p.set_defaults(func=_cmd_validate)
 
     p = sub.add_parser("compile", help="print the rank plan and per-rank memory of a params file (no training)",
                        description="Validate PARAMS and print the rank plan: roles, MemoryX layer ownership, "

@@ -5,6 +5,7 @@
     job.compile()            # the rank plan and memory estimate, nothing launched
     result = job.fit()       # starts mpiexec underneath; works from a script or a notebook
     result.metrics[-1]["loss"]
+    job.validate()           # eval loss of the latest checkpoint on eval_input
 """
 import json
 import sys
@@ -57,7 +58,7 @@ class Job:
         """Train; raise JobError with one line if any rank fails."""
         from mpi_launch.launcher import fit_command, launch, prepare_run
 
-        self._check_data()
+        self._check_data("train_input")
         prepare_run(self.params, checkpoint=checkpoint_path)
         cmd, plan = fit_command(self.params, hostfile=hostfile)
         code, failure = launch(cmd, plan, self.model_dir, stream=stream, watch=hostfile is None)
@@ -66,23 +67,72 @@ class Job:
         metrics = [json.loads(line) for line in (self.model_dir / "metrics.jsonl").read_text().splitlines()]
         return FitResult(self.model_dir, metrics)
 
-    def _check_data(self):
-        """Fail before mpiexec starts if the training data cannot feed the model."""
+    def validate(self, *, checkpoint_path=None, batches=None):
+        """Eval loss of a checkpoint (default: model_dir's latest) on ``eval_input``.
+
+        Runs in this process: the forward pass of every unit over the eval set in order (or its
+        first ``batches`` batches), losses summed per micro-batch in the same balanced tree as
+        training. Returns a dict with the loss, perplexity, counts and the checkpoint's step.
+        """
+        import math
+
+        import numpy as np
+
+        from data_tools.checkpoint import Checkpoint
+        from wse_core.nn import build_model
+        from wse_core.tree import tree_sum
+
+        e = self.params.get("eval_input")
+        if not e:
+            raise params_mod.ParamsError("eval_input: required by validate (data_dir, batch_size)")
+        ds = self._check_data("eval_input")
+        ckpt = Checkpoint(checkpoint_path if checkpoint_path is not None else self.model_dir)
+        model = build_model(self.params["model"])
+        missing = set(model.param_names) - set(ckpt.param_names)
+        if missing:
+            raise params_mod.ParamsError(f"{ckpt.dir}: does not hold parameter {sorted(missing)[0]!r} of this model")
+        weights, _ = ckpt.load(model.param_names)
+        bs = e["batch_size"]
+        mbs = e["micro_batch_size"] or bs
+        n = ds.n_examples if batches is None else min(ds.n_examples, batches * bs)
+        sums, tokens = [], 0
+        for lo in range(0, n, mbs):
+            raw = ds.read(lo, min(lo + mbs, n))
+            if ds.format == "lm":
+                batch = {"input_ids": np.ascontiguousarray(raw[:, 0]), "loss_mask": np.ascontiguousarray(raw[:, 1]),
+                         "labels": np.ascontiguousarray(raw[:, 2])}
+            else:
+                batch = {"features": raw[0], "labels": raw[1]}
+            y, _ = model.forward(weights, batch)
+            loss_sum, n_tokens, _ = model.loss(y, batch)
+            sums.append(loss_sum)
+            tokens += n_tokens
+        if tokens == 0:
+            raise params_mod.ParamsError(f"eval_input.data_dir: {e['data_dir']}: the loss mask selects no token")
+        loss = tree_sum(sums) / tokens
+        return {"checkpoint": str(ckpt.dir), "step": ckpt.step, "eval_loss": loss,
+                "perplexity": math.exp(min(loss, 700.0)), "examples": n, "tokens": tokens}
+
+    def _check_data(self, section):
+        """Fail before any work starts if ``section``'s data cannot feed the model; return the Dataset."""
         from data_tools.dataset import Dataset
 
-        t = self.params["train_input"]
+        t = self.params[section]
         ds = Dataset(t["data_dir"])
+        if ds.n_examples == 0:
+            raise params_mod.ParamsError(f"{section}.data_dir: {t['data_dir']} holds no examples")
         m = self.params["model"]
         if m["name"] == "gpt2":
             if ds.format != "lm":
-                raise params_mod.ParamsError(f"train_input.data_dir: {t['data_dir']} is an array dataset; gpt2 needs LM data")
+                raise params_mod.ParamsError(f"{section}.data_dir: {t['data_dir']} is an array dataset; gpt2 needs LM data")
             seq = ds.example_shape[-1]
             if seq > m["max_position_embeddings"]:
                 raise params_mod.ParamsError(f"model.max_position_embeddings: {m['max_position_embeddings']} is shorter "
-                                             f"than the data's max_seq_length {seq}")
+                                             f"than the max_seq_length {seq} of {t['data_dir']}")
             vocab = ds.params.get("vocab_size")
             if vocab is not None and vocab > m["vocab_size"]:
-                raise params_mod.ParamsError(f"model.vocab_size: {m['vocab_size']} is smaller than the data's "
-                                             f"vocabulary {vocab}")
+                raise params_mod.ParamsError(f"model.vocab_size: {m['vocab_size']} is smaller than the vocabulary "
+                                             f"{vocab} of {t['data_dir']}")
         elif ds.format != "arrays":
-            raise params_mod.ParamsError(f"train_input.data_dir: {t['data_dir']} is LM data; fc_mlp needs an array dataset")
+            raise params_mod.ParamsError(f"{section}.data_dir: {t['data_dir']} is LM data; fc_mlp needs an array dataset")
+        return ds

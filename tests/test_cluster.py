@@ -15,7 +15,7 @@ import yaml
 from data_tools.checkpoint import Checkpoint
 from data_tools.dataset import GlobalStream
 from data_tools.preprocess import preprocess_text
-from wse_core.nn import build_model, reference_step
+from wse_core.nn import build_model, numpy_ops, reference_step
 from wse_core.optim import make_optimizer, make_schedule
 
 STEPS = 3
@@ -101,6 +101,25 @@ def test_resume_continues_bit_identically(tmp_path, data):
     params, state, _ = reference(p, 4)
     assert_bits(tmp_path / "model", params, state)
 
+    # wse validate: the eval loss of that checkpoint, against the unfused numpy layers.
+    p["eval_input"] = {"data_dir": str(data), "batch_size": 8, "micro_batch_size": 4}
+    path.write_text(yaml.safe_dump(p))
+    proc = subprocess.run([sys.executable, "-m", "pyapi.cli", "validate", str(path), "--eval_steps", "3", "--json"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    got = json.loads(proc.stdout)
+    model = build_model(p["model"], ops=numpy_ops)
+    ex = GlobalStream(str(data)).read(0, 24)
+    batch = {k: np.ascontiguousarray(ex[:, i]) for i, k in enumerate(("input_ids", "loss_mask", "labels"))}
+    loss_sum, tokens, _ = model.loss(model.forward({k: v.astype(np.float64) for k, v in params.items()}, batch)[0],
+                                     batch)
+    assert got["step"] == 4 and got["examples"] == 24 and got["tokens"] == tokens
+    assert abs(got["eval_loss"] - loss_sum / tokens) < 1e-5 * loss_sum / tokens
+    proc = subprocess.run([sys.executable, "-m", "pyapi.cli", "validate", str(path), "--checkpoint_path",
+                           str(tmp_path / "nowhere")], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1 and proc.stderr.strip() == (f"wse validate: error: {tmp_path / 'nowhere'}: "
+                                                            "no such checkpoint or model directory")
+
 
 def test_bad_params_fail_before_mpiexec(tmp_path, data):
     path, _ = params_file(tmp_path, data)
@@ -109,7 +128,7 @@ def test_bad_params_fail_before_mpiexec(tmp_path, data):
                                                                   "list of schedulers, got 'fast'")
     assert not (tmp_path / "model").exists()
     proc = fit(path, "--set", "model.max_position_embeddings=16")
-    assert proc.returncode == 1 and "model.max_position_embeddings: 16 is shorter than the data's" in proc.stderr
+    assert proc.returncode == 1 and "model.max_position_embeddings: 16 is shorter than the max_seq_length" in proc.stderr
 
 
 def test_an_exception_in_a_role_ends_the_job_with_one_line(tmp_path, data):
