@@ -7,4 +7,5 @@ BENCHMARKS = {
     "optim": "bench.optim",
     "nn": "bench.nn",
     "input": "bench.input",
+    "stream": "bench.stream",
 }

@@ -54,6 +54,7 @@ class Role:
                 self.param_owner.setdefault(n, plan.unit_owner[u])
         self.shapes = {n: s.shape for n, s in self.model.param_specs.items()}
         self.log_file = open(self.model_dir / "logs" / f"rank_{self.rank}.log", "a", buffering=1)
+        self._timing_file = None
 
     def step_done(self, step):
         """After the first step every rank is past its imports: from now on a silent peer is a lost one."""
@@ -62,6 +63,16 @@ class Role:
 
     def log(self, text):
         self.log_file.write(f"{time.strftime('%H:%M:%S')} {text}\n")
+
+    def timing(self, step, **fields):
+        """One JSON line per step in ``logs/timing_rank_<r>.jsonl``: where this rank's time went.
+
+        Durations are seconds; ``at_*`` fields are ``time.monotonic()`` stamps, comparable across the
+        ranks of one machine (``wse bench stream`` lines them up into a step breakdown).
+        """
+        if self._timing_file is None:
+            self._timing_file = open(self.model_dir / "logs" / f"timing_rank_{self.rank}.jsonl", "a", buffering=1)
+        self._timing_file.write(json.dumps({"step": step + 1, **fields}) + "\n")
 
     def unit_layout(self, u):
         return [(self.shapes[n], np.float32) for n in self.unit_params[u]]
@@ -116,6 +127,7 @@ class CS2(Role):
                 data_reqs += [self.comm.Irecv(x, source=src, tag=msg.tag(msg.DATA, m, i)) for i, x in enumerate(a)]
             weights, wreqs = msg.irecv_arrays(self.comm, self.unit_layout(0), parent, msg.FWD_WEIGHTS, 0)
             msg.wait_all(data_reqs, f"input workers {workers} (micro-batches of step {step})")
+            t_data = time.perf_counter() - t0
             batches = [self._batch(a, lm) for a in raw]
             xs = [self.model.first_input(b, np.float32) for b in batches]
             saved = [[None] * self.n_micro for _ in self.units]
@@ -154,9 +166,14 @@ class CS2(Role):
                 arrays = [total[n] for n in self.unit_params[u]]
                 keep.append(arrays)
                 grad_reqs += msg.isend_arrays(self.comm, arrays, parent, msg.GRADS, u)
+            at_backward_end = time.monotonic()
+            tg = time.perf_counter()
             msg.wait_all(grad_reqs + [report], f"SwarmX rank {parent} (gradients of step {step})")
+            t_end = time.perf_counter()
+            self.timing(step, seconds=t_end - t0, data_wait=t_data, weight_wait=t_wait,
+                        compute=tg - t0 - t_data - t_wait, grad_send_wait=t_end - tg, at_backward_end=at_backward_end)
             self.log(f"step {step}: loss_sum {loss_sum:.6f} tokens {n_tokens} "
-                     f"time {time.perf_counter() - t0:.3f}s waiting {t_wait:.3f}s")
+                     f"time {t_end - t0:.3f}s waiting {t_wait + t_data + t_end - tg:.3f}s")
             self.step_done(step)
 
     def seq_len(self):
@@ -201,30 +218,18 @@ class SwarmX(Role):
         return [self.plan.memoryx[self.param_owner[n]] for n in self.unit_params[u]]
 
     def _relay(self, u, phase, parent, kids, step):
-        arrays = [np.empty(s, d) for s, d in self.unit_layout(u)]
-        reqs = [self.comm.Irecv(a, source=src, tag=msg.tag(phase, u, i))
-                for i, (a, src) in enumerate(zip(arrays, self._sources(u, parent)))]
-        msg.wait_all(reqs, f"weights of {self.units[u].name} from rank(s) {sorted(set(self._sources(u, parent)))}")
-        for k in kids:
-            self._pending += msg.isend_arrays(self.comm, arrays, k, phase, u)
+        sources = self._sources(u, parent)
+        arrays, sends = msg.relay(self.comm, self.unit_layout(u), sources, kids, phase, u,
+                                  f"weights of {self.units[u].name} from rank(s) {sorted(set(sources))}")
+        self._pending += sends
         self._keep.append(arrays)
 
     def _reduce(self, u, parent, kids, step):
-        parts = []
-        reqs = []
-        for k in kids:
-            arrays, r = msg.irecv_arrays(self.comm, self.unit_layout(u), k, msg.GRADS, u)
-            parts.append(arrays)
-            reqs += r
-        msg.wait_all(reqs, f"gradients of {self.units[u].name} from children {kids}")
-        total = tree_sum(parts, add=lambda a, b: [x + y for x, y in zip(a, b)])
-        if parent is not None:
-            self._pending += msg.isend_arrays(self.comm, total, parent, msg.GRADS, u)
-        else:
-            for i, (n, g) in enumerate(zip(self.unit_params[u], total)):
-                dest = self.plan.memoryx[self.param_owner[n]]
-                self._pending.append(self.comm.Isend(g, dest=dest, tag=msg.tag(msg.GRADS, u, i)))
-        self._keep.append(total)
+        dests = self._sources(u, parent)  # up the tree, or from the root to each parameter's MemoryX
+        sums, sends = msg.reduce(self.comm, self.unit_layout(u), kids, dests, msg.GRADS, u,
+                                 f"gradients of {self.units[u].name} from children {kids}")
+        self._pending += sends
+        self._keep.append(sums)
 
 
 class MemoryX(Role):
@@ -258,22 +263,28 @@ class MemoryX(Role):
             if step >= self.start_step:
                 sends = []
                 for phase in (msg.FWD_WEIGHTS, msg.BWD_WEIGHTS):
-                    sends += [self.comm.Isend(self.weights[n], dest=root, tag=msg.tag(phase, u, i)) for u, i, n in uses]
+                    for u, i, n in uses:
+                        sends += msg.isend_arrays(self.comm, [self.weights[n]], root, phase, u, index=i)
                 grads, greqs = {}, []
                 for u, i, n in uses:
                     g = np.empty(self.shapes[n], np.float32)
-                    greqs.append(self.comm.Irecv(g, source=root, tag=msg.tag(msg.GRADS, u, i)))
+                    greqs += msg.irecv_into(self.comm, [g], root, msg.GRADS, u, index=i)
                     grads.setdefault(n, []).append(g)
                 msg.wait_all(sends + greqs, f"SwarmX root rank {root} (weights out, gradients in, step {step})")
+                at_grads_in = time.monotonic()
                 # A tied parameter's uses are added in unit order, as Model.combine_unit_grads does.
                 total = {n: (gs[0] if len(gs) == 1 else gs[0] + gs[1]) for n, gs in grads.items()}
                 sumsq = [(n, sum_of_squares(total[n])) for n in owned]
                 self.comm.send(sumsq, dest=coordinator, tag=msg.tag(msg.REPORT, 1))
             control = msg.recv_object(self.comm, coordinator, msg.tag(msg.CONTROL), f"the coordinator (step {step})")
             if step >= self.start_step:
+                t_opt = time.perf_counter()
                 for n in owned:
                     self.optimizer.update(self.weights[n], total[n], self.state[n], step=step + 1,
                                           lr=control["lr"], grad_scale=control["grad_scale"], name=n)
+                self.timing(step, optimizer=time.perf_counter() - t_opt, at_grads_in=at_grads_in,
+                            bytes_out=2 * sum(self.weights[n].nbytes for _, _, n in uses),
+                            bytes_in=sum(self.weights[n].nbytes for _, _, n in uses))
             if control["checkpoint"] is not None:
                 writer = CheckpointWriter(self.model_dir, control["checkpoint"])
                 table = writer.write_shard(self.index, self.weights, self.state)
@@ -325,8 +336,8 @@ class Coordinator(Role):
 
         initial = self.start_step == 0 and r["save_initial_checkpoint"]
         control(0.0, 0.0, 0 if initial else None)
+        t0 = time.perf_counter()
         for step in range(self.start_step, self.max_steps):
-            t0 = time.perf_counter()
             reports = [msg.recv_object(self.comm, rank, msg.tag(msg.REPORT), f"CS-2 rank {rank} (loss of step {step})")
                        for rank in self.plan.csx]
             loss_sum = tree_sum([x[0] for x in reports])
@@ -345,7 +356,7 @@ class Coordinator(Role):
             lr = schedule(step)
             last = step + 1 == self.max_steps
             save = bool(r["checkpoint_steps"] and (step + 1) % r["checkpoint_steps"] == 0) or last
-            dt = time.perf_counter() - t0
+            dt = time.perf_counter() - t0  # since the previous step's update was ordered: one step period
             record = {"step": step + 1, "loss": loss_sum / n_tokens, "tokens": n_tokens, "grad_norm": norm,
                       "lr": lr, "step_seconds": dt, "samples_per_s": self.batch_size / dt,
                       "elapsed_seconds": time.perf_counter() - t_start}
@@ -357,6 +368,7 @@ class Coordinator(Role):
                 print(f"step {step + 1:>5}/{self.max_steps}  loss {record['loss']:.4f}  "
                       f"grad_norm {norm:.3f}  lr {lr:.2e}  {record['samples_per_s']:.1f} samples/s", flush=True)
             control(lr, coef / n_tokens, step + 1 if save else None)
+            t0 = time.perf_counter()
             self.step_done(step)
         metrics.close()
         if board is not None:
