@@ -131,12 +131,13 @@ def fit_command(params, *, hostfile=None, cores=None):
     return cmd, plan
 
 
-def explain_failure(model_dir, stderr, plan, dead=()):
+def explain_failure(model_dir, stderr, plan, dead=(), stopped=()):
     """One line saying which rank failed, its role, and what happened.
 
     In order: an error a rank raised itself (its ``MPI_Abort`` takes the others down); a rank
     the watchdog saw vanish (when several vanished together, not those MPICH itself aborted after
-    losing a peer); a rank's failed exchange with a peer (the echo of a death elsewhere).
+    losing a peer); a rank the watchdog found stopped (SIGSTOP, a debugger) when a peer gave up on
+    it; a rank's failed exchange with or timeout on a peer (the echo of a failure elsewhere).
     """
     import json
     import re
@@ -155,6 +156,10 @@ def explain_failure(model_dir, stderr, plan, dead=()):
     if culprits:
         role, index = plan.role_of(culprits[0])
         return f"rank {culprits[0]} ({role} {index}): the process died (killed by a signal or crashed) without reporting an error"
+    if stopped:
+        role, index = plan.role_of(stopped[0])
+        waited = f"; {errors[0]['line']}" if errors else ""
+        return f"rank {stopped[0]} ({role} {index}): stopped answering (its process is stopped){waited}"
     if errors:
         return errors[0]["line"]
     tail = [ln for ln in stderr.strip().splitlines() if ln.strip()]
@@ -179,17 +184,31 @@ def _dead_ranks(logs):
     return dead
 
 
+def _stopped_ranks(logs):
+    """Ranks whose process is stopped (state T or t in /proc): alive, but never answering."""
+    stopped = []
+    for pid_file in logs.glob("pid_rank_*"):
+        try:
+            stat = Path(f"/proc/{int(pid_file.read_text())}/stat").read_text()
+        except (ValueError, OSError):
+            continue
+        if stat.rsplit(")", 1)[1].split()[0] in ("T", "t"):
+            stopped.append(int(pid_file.stem.rsplit("_", 1)[1]))
+    return sorted(stopped)
+
+
 def launch(cmd, plan, model_dir, *, stream=sys.stdout, watch=True):
     """Run the job, streaming the coordinator's progress lines; return (exit code, failure line or None).
 
     With ``watch`` (one machine), a thread checks every 20 ms that each rank's process is alive; a
-    rank that vanishes without finishing or reporting an error ends the job at once, named.
+    rank that vanishes without finishing or reporting an error ends the job at once, named. When a
+    rank reports that a peer timed out, the thread also looks for stopped processes to name.
     """
     import tempfile
     import threading
 
     logs = Path(model_dir, "logs")
-    dead = []
+    dead, stopped = [], []
     with tempfile.TemporaryFile("w+") as err:
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, text=True, start_new_session=True,
                                 env=mpi_env(1, {"OMP_WAIT_POLICY": "PASSIVE"}))
@@ -203,6 +222,8 @@ def launch(cmd, plan, model_dir, *, stream=sys.stdout, watch=True):
                     dead.extend(ranks)
                     os.killpg(proc.pid, signal.SIGKILL)
                     return
+                if not stopped and any(logs.glob("error_rank_*.txt")):
+                    stopped.extend(_stopped_ranks(logs))  # before MPI_Abort takes every process down
                 time.sleep(0.02)
 
         if watch:
@@ -225,4 +246,4 @@ def launch(cmd, plan, model_dir, *, stream=sys.stdout, watch=True):
     logs.joinpath("mpiexec.log").write_text(stderr)  # hydra's own messages, kept for the user
     if code == 0 and not dead:
         return 0, None
-    return code or 1, explain_failure(model_dir, stderr, plan, dead)
+    return code or 1, explain_failure(model_dir, stderr, plan, dead, stopped)

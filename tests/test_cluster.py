@@ -152,8 +152,11 @@ def test_an_exception_in_a_role_ends_the_job_with_one_line(tmp_path, data):
     assert line.startswith("wse fit: rank ") and "(worker " in line and "data-00002.h5" in line, proc.stderr
 
 
-@pytest.mark.parametrize("victim", ["csx", "memoryx"])
-def test_a_killed_rank_ends_the_job_within_30_seconds(tmp_path, data, victim):
+@pytest.mark.parametrize("victim,sig", [("csx", signal.SIGKILL), ("memoryx", signal.SIGKILL), ("csx", signal.SIGSTOP)],
+                         ids=["kill-csx", "kill-memoryx", "stop-csx"])
+def test_a_killed_or_stopped_rank_ends_the_job_within_30_seconds(tmp_path, data, victim, sig):
+    """SIGKILL: the watchdog sees the process vanish. SIGSTOP: its peers time out after
+    runconfig.peer_timeout (default 20 s) and the launcher finds the stopped process."""
     path, p = params_file(tmp_path, data, max_steps=10000)
     job = subprocess.Popen([sys.executable, "-m", "pyapi.cli", "fit", str(path), "--num_csx", "2"],
                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -164,10 +167,11 @@ def test_a_killed_rank_ends_the_job_within_30_seconds(tmp_path, data, victim):
         time.sleep(0.2)  # step 1 done: every rank is up and past its imports
     plan = json.loads((model_dir / "plan.json").read_text())["plan"]
     rank = plan["csx"][1] if victim == "csx" else plan["memoryx"][0]
-    os.kill(int((model_dir / "logs" / f"pid_rank_{rank}").read_text()), signal.SIGKILL)
+    os.kill(int((model_dir / "logs" / f"pid_rank_{rank}").read_text()), sig)
     t0 = time.monotonic()
     out, err = job.communicate(timeout=60)
     assert time.monotonic() - t0 < 30
     assert job.returncode == 1
     line = err.strip().splitlines()[-1]
-    assert line.startswith(f"wse fit: rank {rank} ({victim} ") and "died" in line, err
+    what = "died" if sig == signal.SIGKILL else "stopped answering"
+    assert line.startswith(f"wse fit: rank {rank} ({victim} ") and what in line, err
