@@ -3,7 +3,7 @@
 Never spin (DESIGN.md section 3): MPICH's blocking ``Wait``/``Recv`` busy-poll, and on an
 oversubscribed machine (8 ranks on 2 cores) a waiting rank then steals the core from the rank that
 computes. ``wait_all`` tests the requests and sleeps between tests with an exponential backoff
-(50 us up to 2 ms), so a rank that waits costs almost nothing; past ``timeout`` it raises
+(50 us up to 1 ms), so a rank that waits costs almost nothing; past ``timeout`` it raises
 ``PeerTimeout`` naming what it was waiting for. Bulk tensors move as numpy buffers (upper-case
 calls), cut into chunks of ``CHUNK_FLOATS`` elements; small control messages as pickled objects.
 
@@ -19,7 +19,7 @@ from mpi4py import MPI
 
 #: Seconds a rank waits for a peer before declaring it unresponsive (``set_timeout`` changes it).
 _timeout = {"seconds": 300.0}
-_MIN_SLEEP, _MAX_SLEEP = 50e-6, 2e-3
+_MIN_SLEEP, _MAX_SLEEP = 50e-6, 1e-3
 
 # Tags: phase (weights forward, weights backward, gradients, control ...) x unit x parameter.
 FWD_WEIGHTS, BWD_WEIGHTS, GRADS, DATA, CONTROL, REPORT = range(6)
