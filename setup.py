@@ -68,7 +68,7 @@ def extensions():
     for pyx in sorted(ROOT.glob("wse_core/**/*.pyx")):
         rel = pyx.relative_to(ROOT)
         name = ".".join(rel.with_suffix("").parts)
-        exts.append(Extension(name, [str(rel)], include_dirs=["wse_core"]))
+        exts.append(Extension(name, [str(rel)], include_dirs=["wse_core", str(rel.parent)]))
     return cythonize(
         exts,
         compiler_directives={
