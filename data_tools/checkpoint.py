@@ -54,11 +54,13 @@ def _fsync_path(path):
         os.close(fd)
 
 
-def _tensor_keys(params, opt_state):
+def _tensor_keys(params, opt_state, sparse=None):
     for name, value in params.items():
         yield f"model/{name}", value
         for state, arr in (opt_state or {}).get(name, {}).items():
             yield f"optimizer/{name}/{state}", arr
+        for part, arr in (sparse or {}).get(name, {}).items():
+            yield f"sparse/{name}/{part}", arr
 
 
 class CheckpointWriter:
@@ -81,12 +83,17 @@ class CheckpointWriter:
         self.staging.mkdir()
         return self
 
-    def write_shard(self, k, params, opt_state=None):
-        """Write shard k (params: name -> array; opt_state: name -> {state: array}); return its tensor table."""
+    def write_shard(self, k, params, opt_state=None, sparse=None):
+        """Write shard k; return its tensor table.
+
+        ``params``: name -> array; ``opt_state``: name -> {state: array}; ``sparse``: for a weight
+        stored as its nonzero values, name -> {"indptr", "indices", "shape"}: its CSR pattern
+        (written as ``/sparse/<name>/...``, so the checkpoint alone can rebuild the dense matrix).
+        """
         path = self.staging / shard_name(k)
         table = {}
         with h5py.File(path, "w") as f:
-            for key, arr in _tensor_keys(params, opt_state):
+            for key, arr in _tensor_keys(params, opt_state, sparse):
                 arr = np.ascontiguousarray(arr)
                 f.create_dataset(key, data=arr)
                 table[key] = {"shard": k, "shape": list(arr.shape), "dtype": str(arr.dtype), "sha256": _sha256(arr)}
@@ -183,6 +190,27 @@ class Checkpoint:
     def param_names(self):
         return [k[len("model/"):] for k in self.tensors if k.startswith("model/")]
 
+    def sparse_names(self):
+        """Parameters stored as the nonzero values of a sparse matrix."""
+        return [n for n in self.param_names if f"sparse/{n}/indptr" in self.tensors]
+
+    def dense(self, params):
+        """``params`` with every sparse weight expanded to its dense ``[out, in]`` matrix (zeros elsewhere)."""
+        out = dict(params)
+        handles = {}
+        try:
+            for n in self.sparse_names():
+                if n not in out:
+                    continue
+                indptr, indices, shape = (self._read(f"sparse/{n}/{part}", handles) for part in ("indptr", "indices", "shape"))
+                dense = np.zeros(tuple(int(x) for x in shape), out[n].dtype)
+                dense[np.repeat(np.arange(len(indptr) - 1), np.diff(indptr)), indices] = out[n]
+                out[n] = dense
+        finally:
+            for f in handles.values():
+                f.close()
+        return out
+
     def state_names(self, name):
         prefix = f"optimizer/{name}/"
         return [k[len(prefix):] for k in self.tensors if k.startswith(prefix)]
@@ -250,19 +278,22 @@ class Checkpoint:
         return {"path": str(self.dir), "step": self.step, "format_version": self.format_version,
                 "num_shards": self.num_shards, "shards": shards,
                 "n_params": int(sum(s["parameters"] for s in shards)),
-                "n_tensors": len(self.param_names),
+                "n_tensors": len(self.param_names), "sparse_tensors": len(self.sparse_names()),
                 "optimizer_states": sorted({s for n in self.param_names for s in self.state_names(n)}),
                 "loader_state": self.loader_state, "params_yaml": self.params_yaml}
 
     def convert(self, to, output):
-        """Write the weights (parameter names as keys) as ``npz``, ``h5`` or a torch ``state_dict``."""
+        """Write the weights (parameter names as keys) as ``npz``, ``h5`` or a torch ``state_dict``.
+
+        Sparse weights are written dense (``[out, in]``, zeros off the pattern), as PyTorch expects.
+        """
         if to == "torch":
             try:
                 import torch
             except ImportError:
                 raise CheckpointError("--to torch: PyTorch is not installed (pip install torch); "
                                       "use --to npz or --to h5") from None
-        params, _ = self.load()
+        params = self.dense(self.load()[0])
         if to == "npz":
             with open(output, "wb") as f:
                 np.savez(f, **params)

@@ -95,9 +95,14 @@ def prepare_run(params, *, checkpoint=None):
         start, ckpt_dir = ckpt.step, str(ckpt.dir.resolve())
         from wse_core.nn import build_model
 
-        missing = set(build_model(params["model"]).param_names) - set(ckpt.param_names)
+        model = build_model(params["model"])
+        missing = set(model.param_names) - set(ckpt.param_names)
         if missing:
             raise MPILaunchError(f"{ckpt.dir}: does not hold parameter {sorted(missing)[0]!r} of this model")
+        for name, spec in model.param_specs.items():  # e.g. a different model.sparsity
+            if ckpt.tensors[f"model/{name}"]["shape"] != list(spec.shape):
+                raise MPILaunchError(f"{ckpt.dir}: parameter {name!r} has shape {ckpt.tensors[f'model/{name}']['shape']}, "
+                                     f"this model's is {list(spec.shape)}")
     run = {"params": params, "start_step": start, "checkpoint": ckpt_dir}
     (model_dir / "run.json").write_text(json.dumps(run, indent=1))
     (model_dir / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))

@@ -254,6 +254,9 @@ class MemoryX(Role):
             self.weights = self.model.init_params(self.params["runconfig"]["seed"], names=owned)
             self.state = {n: self.optimizer.init_state(self.weights[n]) for n in owned}
         self.owned = owned
+        # The CSR pattern of owned sparse weights, saved with every checkpoint beside their values.
+        self.sparse = {n: {"indptr": st.indptr, "indices": st.indices, "shape": np.array(st.shape, np.int64)}
+                       for n, st in self.model.structures.items() if n in owned}
         root = self.plan.swarmx_root
         # (unit, index) of every use of an owned parameter: a tied parameter is used twice.
         uses = [(u, i, n) for u, names in enumerate(self.unit_params) for i, n in enumerate(names)
@@ -287,7 +290,7 @@ class MemoryX(Role):
                             bytes_in=sum(self.weights[n].nbytes for _, _, n in uses))
             if control["checkpoint"] is not None:
                 writer = CheckpointWriter(self.model_dir, control["checkpoint"])
-                table = writer.write_shard(self.index, self.weights, self.state)
+                table = writer.write_shard(self.index, self.weights, self.state, sparse=self.sparse)
                 self.comm.send(table, dest=coordinator, tag=msg.tag(msg.REPORT, 2))
             if step >= self.start_step:
                 self.step_done(step)

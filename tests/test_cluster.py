@@ -91,6 +91,38 @@ def test_bit_identical_to_the_reference(tmp_path, data, num_csx, workers):
     assert (tmp_path / "model" / "plan.json").exists() and any((tmp_path / "model" / "logs").iterdir())
 
 
+def test_sparse_gpt2_trains_bit_identically_and_checkpoints_only_nonzeros(tmp_path, data):
+    """model.sparsity 0.9: loss falls; num_csx 1 and 2 give the reference's bits; the checkpoint holds
+    the nonzeros and the mask, and converts to dense [out, in] weights."""
+    steps = 12
+    path, p = params_file(tmp_path, data, max_steps=steps)
+    p["model"]["sparsity"] = 0.9
+    p["optimizer"]["learning_rate"] = 3e-3
+    path.write_text(yaml.safe_dump(p))
+    params, state, losses = reference(p, steps)
+    model = build_model(p["model"])
+    for n in (1, 2):
+        model_dir = tmp_path / f"csx{n}"
+        proc = fit(path, "--num_csx", str(n), "--model_dir", str(model_dir))
+        assert proc.returncode == 0, proc.stderr
+        assert_bits(model_dir, params, state)
+        metrics = [json.loads(x) for x in (model_dir / "metrics.jsonl").read_text().splitlines()]
+        assert [m["loss"] for m in metrics] == losses
+    assert np.mean(losses[-3:]) < losses[0] - 0.5
+    ckpt = Checkpoint(tmp_path / "csx2")
+    name = "blocks.0.mlp.fc.weight"
+    st = model.structures[name]
+    assert ckpt.tensors[f"model/{name}"]["shape"] == [st.nnz] and st.nnz == 128 * 3  # 10% of 32 per row, 128 rows
+    assert ckpt.tensors[f"optimizer/{name}/exp_avg"]["shape"] == [st.nnz]
+    assert sorted(ckpt.sparse_names()) == sorted(model.structures)
+    dense = ckpt.dense(ckpt.load([name])[0])[name]
+    assert dense.shape == (128, 32) and np.count_nonzero(dense) <= st.nnz
+    np.testing.assert_array_equal(dense[st.row_indices(), st.indices], params[name])
+    plan_bytes = json.loads((tmp_path / "csx2" / "plan.json").read_text())["plan"]["unit_bytes"]
+    dense_bytes = build_model({k: v for k, v in p["model"].items() if k != "sparsity"}).unit_bytes()
+    assert plan_bytes[1] < 0.2 * dense_bytes[1]  # a block streams about a tenth of its dense bytes
+
+
 def test_resume_continues_bit_identically(tmp_path, data):
     """2 steps, stop, resume from latest to 4: the same bits as 4 steps in one go."""
     path, p = params_file(tmp_path, data, max_steps=4)

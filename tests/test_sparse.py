@@ -121,3 +121,47 @@ def test_bad_operands_are_named():
         sddmm(A, np.zeros((10, 2), np.float32), np.zeros((6, 3), np.float32))
     with pytest.raises(ValueError, match="read-only"):
         A.indices[0] = 1
+
+
+@pytest.mark.parametrize("cfg", [
+    {"name": "gpt2", "vocab_size": 50, "hidden_size": 32, "num_hidden_layers": 2, "num_heads": 2,
+     "max_position_embeddings": 16, "sparsity": 0.75},
+    {"name": "fc_mlp", "input_size": 20, "hidden_sizes": [24, 16], "num_classes": 5, "activation": "gelu",
+     "sparsity": 0.6, "sparsity_seed": 3},
+])
+def test_sparse_model_equals_the_dense_model_with_masked_weights(cfg):
+    """Loss and every gradient of a sparse model equal the dense model's whose weights are the
+    sparse ones expanded with zeros (float64), the sparse gradient being the dense one at the nonzeros."""
+    from wse_core.nn import build_model
+
+    sparse = build_model(cfg)
+    dense = build_model({k: v for k, v in cfg.items() if not k.startswith("sparsity")})
+    assert sparse.structures and sparse.num_params() < dense.num_params()
+    p = sparse.init_params(0, dtype=np.float64)
+    pd = {k: (st.with_data(p[k]).to_dense() if (st := sparse.param_specs[k].structure) is not None else p[k])
+          for k in dense.param_names}
+    rng = np.random.default_rng(0)
+    if cfg["name"] == "gpt2":
+        ids = rng.integers(0, 50, (3, 16)).astype(np.int32)
+        batch = {"input_ids": ids, "labels": np.roll(ids, -1, 1).astype(np.int32), "loss_mask": np.ones_like(ids)}
+    else:
+        batch = {"features": rng.standard_normal((7, 20)), "labels": rng.integers(0, 5, 7).astype(np.int32)}
+    ls, _, ug = sparse.forward_backward(p, batch)
+    lsd, _, ugd = dense.forward_backward(pd, batch)
+    g, gd = sparse.combine_unit_grads(ug), dense.combine_unit_grads(ugd)
+    assert abs(ls - lsd) < 1e-12 * abs(lsd)
+    for k in dense.param_names:
+        st = sparse.param_specs[k].structure
+        want = gd[k][st.row_indices(), st.indices] if st is not None else gd[k]
+        np.testing.assert_allclose(g[k], want, rtol=1e-10, atol=1e-14)
+    for name, st in sparse.structures.items():  # row-balanced, deterministic masks
+        counts = np.diff(st.indptr)
+        assert counts.min() == counts.max() and st.density <= 1 - cfg["sparsity"] + 1.0 / st.shape[1]
+        assert np.array_equal(st.indices, build_model(cfg).structures[name].indices)
+
+
+def test_bad_sparsity_is_named():
+    from wse_core.nn import build_model
+
+    with pytest.raises(ValueError, match=r"model.sparsity: expected a number in \[0, 1\), got 1"):
+        build_model({"name": "fc_mlp", "input_size": 4, "num_classes": 2, "sparsity": 1})

@@ -12,7 +12,8 @@ Dense products go through numpy's BLAS (``wse_core.nn.gemm.matmul``); elementwis
 (``wse_core.nn.ops`` fused kernels, or ``wse_core.nn.numpy_ops`` for the unfused baseline).
 """
 import math
-from dataclasses import dataclass
+import zlib
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -22,23 +23,74 @@ from wse_core.nn.gemm import matmul
 
 @dataclass(frozen=True)
 class ParamSpec:
-    """Shape and initialisation of one parameter: ("normal", std), ("uniform", bound), ("zeros",) or ("ones",)."""
+    """Shape and initialisation of one parameter: ("normal", std), ("uniform", bound), ("zeros",) or ("ones",).
+
+    A sparse weight has ``structure``: the CSR pattern of its dense ``[out, in]`` matrix; the
+    parameter itself is then the 1-D array of its nonzero values (``shape == (nnz,)``).
+    """
 
     shape: tuple
     init: tuple
+    structure: object = field(default=None, compare=False)
 
 
-def linear_forward(x, w, b):
-    """y := x @ w.T + b for 2-D x and w [out, in]."""
-    y = matmul(x, w.T)
+def sparse_structure(name, out_features, in_features, density, seed):
+    """The fixed mask of a sparse weight: in every row, ``round(density * in)`` columns (at least 1),
+    drawn uniformly without replacement from a stream keyed by (seed, name), sorted.
+
+    Random, not by magnitude: at initialisation the weights are random anyway, and a row-balanced
+    mask keeps the work per output row equal. The same (seed, name, shape, density) always gives
+    the same mask, so every rank rebuilds it instead of receiving it.
+    """
+    from wse_core.sparse import CSRMatrix
+
+    keep = max(1, int(round(density * in_features)))
+    rng = np.random.default_rng([int(seed), zlib.crc32(name.encode()), 1])
+    cols = np.stack([np.sort(rng.choice(in_features, keep, replace=False)) for _ in range(out_features)])
+    indptr = np.arange(0, out_features * keep + 1, keep, dtype=np.int32)
+    return CSRMatrix(indptr, cols.reshape(-1).astype(np.int32), np.zeros(out_features * keep, np.float32),
+                     (out_features, in_features))
+
+
+def weight_spec(name, out_features, in_features, init, density=1.0, seed=0):
+    """The ParamSpec of a Linear weight ``[out, in]``: dense, or sparse when density < 1."""
+    if density >= 1.0:
+        return ParamSpec((out_features, in_features), init)
+    structure = sparse_structure(name, out_features, in_features, density, seed)
+    return ParamSpec((structure.nnz,), init, structure)
+
+
+def matmul_wt(x, w, structure=None):
+    """x @ w.T for x [N, in] and w [out, in]; for a sparse w (its values and structure) through spmm.
+
+    Sparse: y^T = W x^T with W in CSR, so the transposes of x and y are formed (O(N (in + out)),
+    small next to the O(N nnz) product once in and out are a few hundred).
+    """
+    if structure is None:
+        return matmul(x, w.T)
+    from wse_core.sparse import spmm
+
+    return np.ascontiguousarray(spmm(structure.with_data(w), np.ascontiguousarray(x.T)).T)
+
+
+def linear_forward(x, w, b, structure=None):
+    """y := x @ w.T + b for 2-D x and w [out, in] (dense, or sparse values with their structure)."""
+    y = matmul_wt(x, w, structure)
     if b is not None:
         y += b
     return y
 
 
-def linear_backward(dy, x, w, ops):
-    """Gradients of y = x @ w.T + b: returns (dx, dw, db)."""
-    return matmul(dy, w), matmul(dy.T, x), ops.column_sum(dy)
+def linear_backward(dy, x, w, ops, structure=None):
+    """Gradients of y = x @ w.T + b: returns (dx, dw, db); for a sparse w, dw holds only its nonzeros."""
+    if structure is None:
+        return matmul(dy, w), matmul(dy.T, x), ops.column_sum(dy)
+    from wse_core.sparse import sddmm, spmm_t
+
+    a = structure.with_data(w)
+    dyt, xt = np.ascontiguousarray(dy.T), np.ascontiguousarray(x.T)
+    dx = np.ascontiguousarray(spmm_t(a, dyt).T)
+    return dx, sddmm(a, dyt, xt), ops.column_sum(dy)
 
 
 class Unit:
@@ -86,32 +138,49 @@ class Embedding(Unit):
 class TransformerBlock(Unit):
     """GPT-2 block: x + attn(ln_1(x)), then x + mlp(ln_2(x)); causal multi-head self-attention."""
 
-    def __init__(self, index, hidden_size, num_heads, filter_size, eps, num_layers, ops=fused_ops):
+    def __init__(self, index, hidden_size, num_heads, filter_size, eps, num_layers, ops=fused_ops,
+                 density=1.0, sparsity_seed=0):
         self.name = f"blocks.{index}"
         self.p = f"blocks.{index}."
         self.hidden, self.heads, self.filter, self.eps = hidden_size, num_heads, filter_size, eps
         self.head_dim = hidden_size // num_heads
         self.num_layers = num_layers
         self.ops = ops
+        self.specs = self._specs(density, sparsity_seed)
+        # The CSR pattern of each sparse Linear weight (none when dense).
+        self.structure = {n: s.structure for n, s in self.specs.items() if s.structure is not None}
 
-    def param_specs(self):
+    def _specs(self, density, seed):
         c, f, p = self.hidden, self.filter, self.p
         # GPT-2: residual projections are scaled by 1/sqrt(2 * layers) at initialisation.
         resid = ("normal", 0.02 / math.sqrt(2 * self.num_layers))
         return {
             p + "ln_1.weight": ParamSpec((c,), ("ones",)),
             p + "ln_1.bias": ParamSpec((c,), ("zeros",)),
-            p + "attn.qkv.weight": ParamSpec((3 * c, c), ("normal", 0.02)),
+            p + "attn.qkv.weight": weight_spec(p + "attn.qkv.weight", 3 * c, c, ("normal", 0.02), density, seed),
             p + "attn.qkv.bias": ParamSpec((3 * c,), ("zeros",)),
-            p + "attn.proj.weight": ParamSpec((c, c), resid),
+            p + "attn.proj.weight": weight_spec(p + "attn.proj.weight", c, c, resid, density, seed),
             p + "attn.proj.bias": ParamSpec((c,), ("zeros",)),
             p + "ln_2.weight": ParamSpec((c,), ("ones",)),
             p + "ln_2.bias": ParamSpec((c,), ("zeros",)),
-            p + "mlp.fc.weight": ParamSpec((f, c), ("normal", 0.02)),
+            p + "mlp.fc.weight": weight_spec(p + "mlp.fc.weight", f, c, ("normal", 0.02), density, seed),
             p + "mlp.fc.bias": ParamSpec((f,), ("zeros",)),
-            p + "mlp.proj.weight": ParamSpec((c, f), resid),
+            p + "mlp.proj.weight": weight_spec(p + "mlp.proj.weight", c, f, resid, density, seed),
             p + "mlp.proj.bias": ParamSpec((c,), ("zeros",)),
         }
+
+    def param_specs(self):
+        return dict(self.specs)
+
+    def _lin(self, x, params, key, bias=True):
+        name = self.p + key + ".weight"
+        w, st = params[name], self.structure.get(name)
+        return linear_forward(x, w, params[self.p + key + ".bias"], st) if bias else matmul_wt(x, w, st)
+
+    def _lin_back(self, dy, x, params, key, g):
+        name = self.p + key + ".weight"
+        dx, g[name], g[self.p + key + ".bias"] = linear_backward(dy, x, params[name], self.ops, self.structure.get(name))
+        return dx
 
     def forward(self, x, params):
         ops, p = self.ops, self.p
@@ -120,17 +189,17 @@ class TransformerBlock(Unit):
         scale = 1.0 / math.sqrt(hd)
         x2 = x.reshape(b * t, c)
         ln1, mu1, rs1 = ops.layernorm_forward(x2, params[p + "ln_1.weight"], params[p + "ln_1.bias"], self.eps)
-        qkv = linear_forward(ln1, params[p + "attn.qkv.weight"], params[p + "attn.qkv.bias"])
+        qkv = self._lin(ln1, params, "attn.qkv")
         qkv = qkv.reshape(b, t, 3, nh, hd).transpose(2, 0, 3, 1, 4)     # [3, b, nh, t, hd]
         q, k, v = (np.ascontiguousarray(qkv[i]) for i in range(3))
         probs = matmul(q, k.transpose(0, 1, 3, 2))                                # [b, nh, t, t]
         ops.causal_softmax_forward(probs.reshape(b * nh, t, t), scale)
         att = np.ascontiguousarray(matmul(probs, v).transpose(0, 2, 1, 3)).reshape(b * t, c)
-        mid = x2 + linear_forward(att, params[p + "attn.proj.weight"], params[p + "attn.proj.bias"])
+        mid = x2 + self._lin(att, params, "attn.proj")
         ln2, mu2, rs2 = ops.layernorm_forward(mid, params[p + "ln_2.weight"], params[p + "ln_2.bias"], self.eps)
-        pre = matmul(ln2, params[p + "mlp.fc.weight"].T)
+        pre = self._lin(ln2, params, "mlp.fc", bias=False)
         act = ops.bias_gelu_forward(pre, params[p + "mlp.fc.bias"])
-        out = mid + linear_forward(act, params[p + "mlp.proj.weight"], params[p + "mlp.proj.bias"])
+        out = mid + self._lin(act, params, "mlp.proj")
         saved = (x2, ln1, mu1, rs1, q, k, v, probs, att, mid, ln2, mu2, rs2, pre, act)
         return out.reshape(b, t, c), saved
 
@@ -143,17 +212,14 @@ class TransformerBlock(Unit):
         g = {}
         dout = np.ascontiguousarray(dy).reshape(b * t, c)
         # MLP
-        dact, g[p + "mlp.proj.weight"], g[p + "mlp.proj.bias"] = linear_backward(
-            dout, act, params[p + "mlp.proj.weight"], ops)
+        dact = self._lin_back(dout, act, params, "mlp.proj", g)
         dpre = ops.gelu_backward(pre, dact)
-        dln2, g[p + "mlp.fc.weight"], g[p + "mlp.fc.bias"] = linear_backward(
-            dpre, ln2, params[p + "mlp.fc.weight"], ops)
+        dln2 = self._lin_back(dpre, ln2, params, "mlp.fc", g)
         dmid, g[p + "ln_2.weight"], g[p + "ln_2.bias"] = ops.layernorm_backward(
             dln2, mid, params[p + "ln_2.weight"], mu2, rs2)
         dmid += dout
         # Attention
-        datt, g[p + "attn.proj.weight"], g[p + "attn.proj.bias"] = linear_backward(
-            dmid, att, params[p + "attn.proj.weight"], ops)
+        datt = self._lin_back(dmid, att, params, "attn.proj", g)
         dy_heads = np.ascontiguousarray(datt.reshape(b, t, nh, hd).transpose(0, 2, 1, 3))
         dprobs = matmul(dy_heads, v.transpose(0, 1, 3, 2))
         dv = matmul(probs.transpose(0, 1, 3, 2), dy_heads)
@@ -164,8 +230,7 @@ class TransformerBlock(Unit):
         for i, d in enumerate((dq, dk, dv)):
             dqkv[:, :, i] = d.transpose(0, 2, 1, 3)
         dqkv = dqkv.reshape(b * t, 3 * c)
-        dln1, g[p + "attn.qkv.weight"], g[p + "attn.qkv.bias"] = linear_backward(
-            dqkv, ln1, params[p + "attn.qkv.weight"], ops)
+        dln1 = self._lin_back(dqkv, ln1, params, "attn.qkv", g)
         dx, g[p + "ln_1.weight"], g[p + "ln_1.bias"] = ops.layernorm_backward(
             dln1, x2, params[p + "ln_1.weight"], mu1, rs1)
         dx += dmid
@@ -209,23 +274,25 @@ class LMHead(Unit):
 class Dense(Unit):
     """One fully connected layer, y = act(x @ W.T + b), of an MLP (``layers.<i>.weight`` [out, in])."""
 
-    def __init__(self, index, in_features, out_features, activation, ops=fused_ops):
+    def __init__(self, index, in_features, out_features, activation, ops=fused_ops, density=1.0, sparsity_seed=0):
         self.name = f"layers.{index}"
         self.p = f"layers.{index}."
         self.in_features, self.out_features, self.activation = in_features, out_features, activation
         self.ops = ops
-
-    def param_specs(self):
         # PyTorch's nn.Linear default: U(-1/sqrt(in), 1/sqrt(in)) for weight and bias.
         bound = 1.0 / math.sqrt(self.in_features)
-        return {self.p + "weight": ParamSpec((self.out_features, self.in_features), ("uniform", bound)),
-                self.p + "bias": ParamSpec((self.out_features,), ("uniform", bound))}
+        w = weight_spec(self.p + "weight", out_features, in_features, ("uniform", bound), density, sparsity_seed)
+        self.specs = {self.p + "weight": w, self.p + "bias": ParamSpec((self.out_features,), ("uniform", bound))}
+        self.structure = w.structure
+
+    def param_specs(self):
+        return dict(self.specs)
 
     def forward(self, x, params):
         w, b = params[self.p + "weight"], params[self.p + "bias"]
         if self.activation is None:
-            return linear_forward(x, w, b), (x, None)
-        pre = matmul(x, w.T)
+            return linear_forward(x, w, b, self.structure), (x, None)
+        pre = matmul_wt(x, w, self.structure)
         if self.activation == "relu":
             y = self.ops.bias_relu_forward(pre, b)
         else:
@@ -239,5 +306,5 @@ class Dense(Unit):
             dy = self.ops.relu_backward(pre, dy.copy())
         elif self.activation == "gelu":
             dy = self.ops.gelu_backward(pre, dy.copy())
-        dx, dw, db = linear_backward(dy, x, params[self.p + "weight"], self.ops)
+        dx, dw, db = linear_backward(dy, x, params[self.p + "weight"], self.ops, self.structure)
         return dx, {self.p + "weight": dw, self.p + "bias": db}

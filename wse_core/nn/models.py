@@ -32,6 +32,11 @@ class Model:
             self.unit_params.append(list(specs))
 
     @property
+    def structures(self):
+        """``{name: CSRMatrix}``: the fixed pattern of every sparse weight (whose parameter is its nonzeros)."""
+        return {n: s.structure for n, s in self.param_specs.items() if s.structure is not None}
+
+    @property
     def param_names(self):
         """Every parameter name once, in unit order (the order of updates and of the gradient norm)."""
         return list(self.param_specs)
@@ -166,8 +171,9 @@ class Model:
 # -- building from the params --------------------------------------------------------------------
 
 _GPT2_KEYS = {"name", "vocab_size", "hidden_size", "num_hidden_layers", "num_heads", "filter_size",
-              "max_position_embeddings", "layer_norm_epsilon", "share_embedding_weights"}
-_MLP_KEYS = {"name", "input_size", "hidden_sizes", "num_classes", "activation"}
+              "max_position_embeddings", "layer_norm_epsilon", "share_embedding_weights", "sparsity",
+              "sparsity_seed"}
+_MLP_KEYS = {"name", "input_size", "hidden_sizes", "num_classes", "activation", "sparsity", "sparsity_seed"}
 
 
 def _int(cfg, key, low=1):
@@ -179,6 +185,16 @@ def _int(cfg, key, low=1):
     if v < low:
         raise ValueError(f"model.{key}: expected an integer >= {low}, got {v}")
     return int(v)
+
+
+def _sparsity(cfg, c):
+    """model.sparsity (fraction of zeros in each Linear weight, 0 <= s < 1) and model.sparsity_seed."""
+    s = cfg.get("sparsity", 0.0)
+    if isinstance(s, bool) or not isinstance(s, (int, float)) or not 0 <= s < 1:
+        raise ValueError(f"model.sparsity: expected a number in [0, 1), got {s!r}")
+    c["sparsity"] = float(s)
+    c["sparsity_seed"] = _int(cfg, "sparsity_seed", low=0) if "sparsity_seed" in cfg else 0
+    return 1.0 - c["sparsity"], c["sparsity_seed"]
 
 
 def _check_keys(cfg, known):
@@ -216,9 +232,10 @@ def _build_gpt2(cfg, ops):
     if c["hidden_size"] % c["num_heads"]:
         raise ValueError(f"model.num_heads: {c['num_heads']} does not divide "
                          f"model.hidden_size {c['hidden_size']}")
+    density, seed = _sparsity(cfg, c)
     units = [Embedding(c["vocab_size"], c["max_position_embeddings"], c["hidden_size"], ops)]
     units += [TransformerBlock(i, c["hidden_size"], c["num_heads"], c["filter_size"], c["layer_norm_epsilon"],
-                               c["num_hidden_layers"], ops) for i in range(c["num_hidden_layers"])]
+                               c["num_hidden_layers"], ops, density, seed) for i in range(c["num_hidden_layers"])]
     units.append(LMHead(c["hidden_size"], c["vocab_size"], c["layer_norm_epsilon"], tied, ops))
     return Model("gpt2", c, units, ops)
 
@@ -237,7 +254,8 @@ def _build_fc_mlp(cfg, ops):
     if act not in ACTIVATIONS:
         raise ValueError(f"model.activation: unknown activation {act!r} (known: {', '.join(ACTIVATIONS)})")
     c["activation"] = act
+    density, seed = _sparsity(cfg, c)
     sizes = [c["input_size"], *c["hidden_sizes"], c["num_classes"]]
-    units = [Dense(i, sizes[i], sizes[i + 1], act if i < len(sizes) - 2 else None, ops)
+    units = [Dense(i, sizes[i], sizes[i + 1], act if i < len(sizes) - 2 else None, ops, density, seed)
              for i in range(len(sizes) - 1)]
     return Model("fc_mlp", c, units, ops)
