@@ -8,4 +8,5 @@ BENCHMARKS = {
     "nn": "bench.nn",
     "input": "bench.input",
     "stream": "bench.stream",
+    "sparse": "bench.sparse",
 }

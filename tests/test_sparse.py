@@ -91,6 +91,18 @@ def test_same_bits_for_any_thread_count():
         assert a.tobytes() == b.tobytes()
 
 
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_spmm_on_the_transpose_pattern_is_spmm_t_bit_for_bit(dtype):
+    A, _ = random_csr(300, 170, 0.1, dtype, np.int64, seed=9)
+    A = CSRMatrix(np.r_[A.indptr, A.nnz + 2], np.r_[A.indices, 5, 5], np.r_[A.data, 1.5, -2.0].astype(dtype),
+                  (301, 170))  # a last row with a repeated column
+    pattern, perm = A.transpose_pattern()
+    At = pattern.with_data(A.data[perm])
+    np.testing.assert_array_equal(At.to_dense(), A.to_dense().T)
+    X = np.random.default_rng(0).standard_normal((301, 96)).astype(dtype)
+    assert spmm(At, X).tobytes() == spmm_t(A, X).tobytes()
+
+
 @pytest.mark.parametrize("args,message", [
     (([0, 2, 1, 3], [0, 1, 2], [1.0, 2, 3], (3, 3)), "indptr: decreases at row 1 (2 -> 1)"),
     (([0, 1, 2], [0, 5], [1.0, 2], (2, 3)), "indices: column 5 at position 1 is outside [0, 3)"),

@@ -63,6 +63,7 @@ class CSRMatrix:
         self.indptr.flags.writeable = self.indices.flags.writeable = False
         self.data = np.ascontiguousarray(data)
         self.shape = (m, k)
+        self._transpose = None
 
     @property
     def dtype(self):
@@ -100,7 +101,24 @@ class CSRMatrix:
                              f"{data.dtype} {data.shape}")
         new = object.__new__(CSRMatrix)
         new.indptr, new.indices, new.data, new.shape = self.indptr, self.indices, data, self.shape
+        new._transpose = getattr(self, "_transpose", None)
         return new
+
+    def transpose_pattern(self):
+        """(pattern of A^T, perm): A^T in CSR is ``pattern.with_data(A.data[perm])``. Computed once and kept.
+
+        Rows of A^T list their entries in increasing row of A, so ``spmm`` on A^T adds each output's
+        terms in the same order as ``spmm_t`` on A: the same bits, with spmm's register blocking.
+        """
+        if getattr(self, "_transpose", None) is None:
+            m, k = self.shape
+            rows = self.row_indices()
+            perm = np.argsort(self.indices, kind="stable")  # by column, rows ascending within a column
+            indptr = np.zeros(k + 1, self.indptr.dtype)
+            np.cumsum(np.bincount(self.indices, minlength=k), out=indptr[1:])
+            pattern = CSRMatrix(indptr, rows[perm].astype(self.indptr.dtype), self.data[perm], (k, m))
+            self._transpose = (pattern, perm)
+        return self._transpose
 
     def row_indices(self):
         """The row of every nonzero, in storage order."""

@@ -101,12 +101,31 @@ WSE_CLONES static void wse_spmm_t_##SUF(const I* restrict indptr, const I* restr
     }                                                                                              \
 }                                                                                                  \
                                                                                                    \
+/* Two nonzeros at a time share each load of U's row; each keeps its own 8 partial sums. */      \
 WSE_CLONES static void wse_sddmm_##SUF(const I* restrict indptr, const I* restrict indices,       \
                             const T* restrict U, const T* restrict V_, T* restrict out,          \
                             ptrdiff_t n, ptrdiff_t r0, ptrdiff_t r1) {                             \
     for (ptrdiff_t r = r0; r < r1; r++) {                                                          \
         const T* restrict u = U + r * n;                                                           \
-        for (ptrdiff_t j = indptr[r]; j < indptr[r + 1]; j++) {                                    \
+        const ptrdiff_t hi = indptr[r + 1];                                                        \
+        ptrdiff_t j = indptr[r];                                                                   \
+        for (; j + 2 <= hi; j += 2) {                                                              \
+            const T* restrict v0 = V_ + (ptrdiff_t)indices[j] * n;                                 \
+            const T* restrict v1 = V_ + (ptrdiff_t)indices[j + 1] * n;                             \
+            V s0 = {0}, s1 = {0};                                                                  \
+            ptrdiff_t c = 0;                                                                       \
+            for (; c + 8 <= n; c += 8) {                                                           \
+                const V uc = WSE_LOAD(V, u + c);                                                   \
+                s0 += uc * WSE_LOAD(V, v0 + c);                                                    \
+                s1 += uc * WSE_LOAD(V, v1 + c);                                                    \
+            }                                                                                      \
+            T t0 = 0, t1 = 0;                                                                      \
+            for (; c < n; c++) { t0 += u[c] * v0[c]; t1 += u[c] * v1[c]; }                         \
+            s0[0] += t0; s1[0] += t1;                                                              \
+            out[j] = WSE_HSUM8(s0);                                                                \
+            out[j + 1] = WSE_HSUM8(s1);                                                            \
+        }                                                                                          \
+        for (; j < hi; j++) {                                                                      \
             const T* restrict v = V_ + (ptrdiff_t)indices[j] * n;                                  \
             V s = {0};                                                                             \
             ptrdiff_t c = 0;                                                                       \
