@@ -1,0 +1,150 @@
+"""The PE-mesh simulator: results, cycle counts on patterns with a known answer, and program errors."""
+import numpy as np
+import pytest
+
+from wse_core.fabric import Fabric, FabricError, Program, fin, fout, mem, ops
+
+
+def stream(n, hops, latency=1, depth=2):
+    """PE 0 streams n values east over `hops` hops to a PE that stores them."""
+    prog = Program(Fabric(hops + 1, 1, hop_latency=latency, queue_depth=depth))
+    src, dst = prog.region(0, 0, 1, 1), prog.region(hops, 0, 1, 1)
+    a, b = prog.alloc(src, "a", n), prog.alloc(dst, "b", n)
+    prog.route(src, 0, rx=["RAMP"], tx=["E"])
+    if hops > 1:
+        prog.route(prog.region(1, 0, hops - 1, 1), 0, rx=["W"], tx=["E"])
+    prog.route(dst, 0, rx=["W"], tx=["RAMP"])
+    prog.task(src, "send", [ops.FMOV(fout(0, n), mem(a))])
+    prog.task(dst, "recv", [ops.FMOV(mem(b), fin(0, n))], color=0)
+    c = prog.compile()
+    c.memcpy_h2d(a, src, np.arange(n) * 0.5)
+    c.launch("send")
+    r = c.run()
+    np.testing.assert_array_equal(c.memcpy_d2h(b, dst).ravel(), np.arange(n, dtype=np.float32) * 0.5)
+    return r
+
+
+@pytest.mark.parametrize("n,hops", [(1, 1), (10, 1), (10, 5), (100, 20)])
+def test_stream_of_n_wavelets_over_h_hops(n, hops):
+    # Element i leaves the sender's core at cycle i, crosses one router per cycle, reaches the
+    # receiver's core queue after h + 1 router steps and is stored one cycle later: n + h + 2 cycles.
+    r = stream(n, hops)
+    assert r.cycles == n + hops + 2
+    assert r.report()["wavelet_hops"] == n * hops and r.busy.sum() == 2 * n and r.stall.sum() == 0
+
+
+def test_hop_latency_and_queue_depth():
+    assert stream(10, 5, latency=3, depth=4).cycles == 10 + 3 * 5 + 2   # deep enough queues: full rate
+    assert stream(10, 5, latency=3, depth=2).cycles > 10 + 3 * 5 + 2    # shallow: backpressure slows the stream
+
+
+def test_row_broadcast_reaches_every_pe():
+    w, n = 9, 12
+    prog = Program(Fabric(w, 1))
+    src, mid, last = prog.region(0, 0, 1, 1), prog.region(1, 0, w - 2, 1), prog.region(w - 1, 0, 1, 1)
+    a = prog.alloc(src, "a", n)
+    rest = prog.region(1, 0, w - 1, 1)
+    b = prog.alloc(rest, "b", n)
+    prog.route(src, 0, rx=["RAMP"], tx=["E"])
+    prog.route(mid, 0, rx=["W"], tx=["E", "RAMP"])     # multicast: forward and deliver
+    prog.route(last, 0, rx=["W"], tx=["RAMP"])
+    prog.task(src, "send", [ops.FMOV(fout(0, n), mem(a))])
+    prog.task(rest, "recv", [ops.FMOV(mem(b), fin(0, n))], color=0)
+    c = prog.compile()
+    x = np.random.default_rng(0).standard_normal(n).astype(np.float32)
+    c.memcpy_h2d(a, src, x)
+    c.launch("send")
+    r = c.run()
+    np.testing.assert_array_equal(c.memcpy_d2h(b, rest), np.broadcast_to(x, (1, w - 1, n)))
+    assert r.cycles == n + (w - 1) + 2
+    assert r.report()["ramp_deliveries"] == n * (w - 1)
+
+
+def test_reduce_chain_sums_in_order_with_three_cycles_per_hop():
+    w, n = 6, 16
+    prog = Program(Fabric(w, 1))
+    x = {}
+    for q in range(w):
+        pe = prog.region(q, 0, 1, 1)
+        x[q] = prog.alloc(pe, "x", n)
+        if q > 0:
+            prog.route(pe, q % 2, rx=["RAMP"], tx=["W"])
+        if q < w - 1:
+            prog.route(pe, (q + 1) % 2, rx=["E"], tx=["RAMP"])
+        if q == w - 1:
+            prog.task(pe, "start", [ops.FMOV(fout(q % 2, n), mem(x[q]))])
+        elif q > 0:
+            prog.task(pe, "add", [ops.FADD(fout(q % 2, n), fin((q + 1) % 2, n), mem(x[q]))], color=(q + 1) % 2)
+        else:
+            out = prog.alloc(pe, "out", n)
+            prog.task(pe, "add", [ops.FADD(mem(out), fin(1, n), mem(x[q]))], color=1)
+    c = prog.compile()
+    vals = np.random.default_rng(1).standard_normal((w, n)).astype(np.float32)
+    for q in range(w):
+        c.memcpy_h2d(x[q], prog.region(q, 0, 1, 1), vals[q])
+    c.launch("start")
+    r = c.run()
+    expect = vals[w - 1].copy()
+    for q in range(w - 2, -1, -1):
+        expect = expect + vals[q]          # float32, east to west: the order the chain adds in
+    np.testing.assert_array_equal(c.memcpy_d2h(out, prog.region(0, 0, 1, 1)).ravel(), expect)
+    # Per hop: router step, ramp into the core, the core's add; the first element reaches PE 0 at
+    # cycle 3 (w - 1), the last n - 1 cycles later.
+    assert r.cycles == 3 * (w - 1) + n
+    again = prog.compile()
+    for q in range(w):
+        again.memcpy_h2d(x[q], prog.region(q, 0, 1, 1), vals[q])
+    again.launch("start")
+    assert again.run().cycles == r.cycles   # same inputs, same cycle count
+
+
+def test_a_task_waiting_forever_is_a_deadlock_named_by_pe():
+    prog = Program(Fabric(3, 1))
+    src, dst = prog.region(0, 0, 1, 1), prog.region(2, 0, 1, 1)
+    a, b = prog.alloc(src, "a", 5), prog.alloc(dst, "b", 10)
+    prog.route(src, 3, rx=["RAMP"], tx=["E"])
+    prog.route(prog.region(1, 0, 1, 1), 3, rx=["W"], tx=["E"])
+    prog.route(dst, 3, rx=["W"], tx=["RAMP"])
+    prog.task(src, "send", [ops.FMOV(fout(3, 5), mem(a))])
+    prog.task(dst, "recv", [ops.FMOV(mem(b), fin(3, 10))], color=3)   # expects 10, gets 5
+    c = prog.compile()
+    c.launch("send")
+    with pytest.raises(FabricError, match=r"deadlock at cycle \d+: PE \(2, 0\) task 'recv' waits forever"):
+        c.run()
+
+
+def test_program_errors_name_the_pe():
+    prog = Program(Fabric(4, 2))
+    prog.route(prog.region(3, 0, 1, 1), 0, rx=["RAMP"], tx=["E"])
+    with pytest.raises(FabricError, match=r"PE \(3, 0\) color 0: routes E off the edge of the fabric"):
+        prog.compile()
+    prog = Program(Fabric(4, 2))
+    prog.route(prog.region(0, 0, 1, 1), 0, rx=["RAMP"], tx=["S"])
+    with pytest.raises(FabricError, match=r"PE \(0, 0\) color 0: routes S to PE \(0, 1\), whose route for color 0 "
+                                          r"does not accept N"):
+        prog.compile()
+    prog = Program(Fabric(4, 2))
+    prog.route(prog.region(0, 0, 2, 1), 1, rx=["W"], tx=["E"])
+    with pytest.raises(FabricError, match=r"PE \(1, 0\) color 1: routed twice in conflicting ways"):
+        prog.route(prog.region(1, 0, 1, 1), 1, rx=["N"], tx=["E"])
+    prog = Program(Fabric(4, 2))
+    r = prog.region(0, 0, 2, 2)
+    prog.alloc(r, "big", 10000)
+    with pytest.raises(FabricError, match="more than the 49152 bytes of a PE's memory"):
+        prog.alloc(r, "more", 3000)
+    with pytest.raises(FabricError, match=r"region \(3, 1, 2, 1\): outside the 4 x 2 fabric"):
+        prog.region(3, 1, 2, 1)
+
+
+def test_unread_wavelets_are_reported():
+    prog = Program(Fabric(2, 1))
+    src, dst = prog.region(0, 0, 1, 1), prog.region(1, 0, 1, 1)
+    a = prog.alloc(src, "a", 1)
+    prog.alloc(dst, "b", 1)
+    prog.route(src, 2, rx=["RAMP"], tx=["E"])
+    prog.route(dst, 2, rx=["W"], tx=["RAMP"])
+    prog.task(src, "send", [ops.FMOV(fout(2, 1), mem(a))])
+    c = prog.compile()
+    c.launch("send")
+    with pytest.raises(FabricError, match=r"PE \(1, 0\): 1 wavelet\(s\) of color 2 reached the core and no task reads them"):
+        c.run()

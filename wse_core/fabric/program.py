@@ -1,0 +1,246 @@
+"""Build dataflow programs for the PE mesh in Python; compile them to the arrays the engine runs.
+
+    from wse_core.fabric import Fabric, Program, mem, fin, fout, ops
+    fab = Fabric(width=8, height=1)                      # 48 KiB per PE, queue depth 2, hop latency 1
+    prog = Program(fab)
+    everywhere = prog.region(0, 0, 8, 1)
+    a = prog.alloc(everywhere, "a", 16)                  # 16 float32 words on every PE of the region
+    prog.route(prog.region(0, 0, 1, 1), color=0, rx=["RAMP"], tx=["E"])
+    prog.route(prog.region(1, 0, 6, 1), color=0, rx=["W"], tx=["E", "RAMP"])
+    ...
+    prog.task(prog.region(0, 0, 1, 1), "send", [ops.FMOV(fout(0, 16), mem(a))])
+    run = prog.compile().run(launch=["send"])
+
+A PE has a router with ports N, E, S, W and RAMP (to and from its core) and 24 colors; per color,
+a route says which ports it accepts wavelets from (``rx``) and which it forwards them to (``tx``,
+several for a multicast). A core runs tasks: a task bound to a color (``color=``) runs when a
+wavelet of that color reaches its core; others run when launched by the host or activated by
+another task. A task body is a list of DSD vector instructions, one element per cycle, whose
+operands are memory DSDs (``mem``: symbol, offset, length, stride) or fabric DSDs (``fin``/``fout``:
+color, length); a fabric operand stalls the instruction while its input queue is empty or its
+output queue is full.
+"""
+from dataclasses import dataclass, field
+
+import numpy as np
+
+PORTS = {"N": 0, "E": 1, "S": 2, "W": 3, "RAMP": 4}
+NUM_COLORS = 24
+MAX_TASKS = 32
+
+# Operand kinds and opcodes shared with _engine.pyx.
+K_NONE, K_MEM, K_FIN, K_FOUT, K_IMM = range(5)
+OPCODES = {"FMOV": 0, "FADD": 1, "FSUB": 2, "FMUL": 3, "FMAC": 4, "FNEG": 5, "FMAX": 6,
+           "ACTIVATE": 7, "BLOCK": 8, "UNBLOCK": 9}
+
+
+class FabricError(ValueError):
+    """A program that cannot run as written; the message names the PE (x, y), color or task."""
+
+
+@dataclass(frozen=True)
+class Fabric:
+    width: int
+    height: int
+    mem_bytes: int = 48 * 1024
+    queue_depth: int = 2
+    hop_latency: int = 1
+
+    def __post_init__(self):
+        for name in ("width", "height", "mem_bytes", "queue_depth", "hop_latency"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v < 1:
+                raise FabricError(f"Fabric.{name}: expected a positive integer, got {v!r}")
+
+
+@dataclass(frozen=True)
+class Region:
+    x: int
+    y: int
+    w: int
+    h: int
+
+    def pes(self):
+        return [(x, y) for y in range(self.y, self.y + self.h) for x in range(self.x, self.x + self.w)]
+
+    def __str__(self):
+        return f"PEs x {self.x}..{self.x + self.w - 1}, y {self.y}..{self.y + self.h - 1}"
+
+
+@dataclass(frozen=True)
+class Symbol:
+    name: str
+    length: int
+
+
+@dataclass(frozen=True)
+class Operand:
+    kind: int
+    arg: object = None       # Symbol (mem), color (fin/fout), value (imm)
+    offset: int = 0
+    length: int = 0
+    stride: int = 1
+
+
+def mem(symbol, offset=0, length=None, stride=1):
+    """Memory DSD: ``length`` elements of ``symbol`` from ``offset``, ``stride`` apart."""
+    if not isinstance(symbol, Symbol):
+        raise FabricError(f"mem: expected a symbol from Program.alloc, got {symbol!r}")
+    if length is None:
+        length = (symbol.length - offset + stride - 1) // stride
+    return Operand(K_MEM, symbol, offset, length, stride)
+
+
+def fin(color, length):
+    """Fabric input DSD: the next ``length`` wavelets of ``color`` arriving at this core."""
+    return Operand(K_FIN, color, 0, length)
+
+
+def fout(color, length):
+    """Fabric output DSD: ``length`` wavelets of ``color`` sent from this core into its router."""
+    return Operand(K_FOUT, color, 0, length)
+
+
+def imm(value):
+    """A scalar operand (the same value for every element)."""
+    return Operand(K_IMM, float(value))
+
+
+@dataclass(frozen=True)
+class Instr:
+    op: str
+    dst: Operand = None
+    a: Operand = None
+    b: Operand = None
+    task: str = None
+
+
+class ops:
+    """The instruction set: d = a (FMOV), a + b, a - b, a * b, d = d + a * b (FMAC), -a, max(a, b);
+    ACTIVATE/BLOCK/UNBLOCK a task of the same PE."""
+
+    @staticmethod
+    def FMOV(d, a):
+        return Instr("FMOV", d, a)
+
+    @staticmethod
+    def FADD(d, a, b):
+        return Instr("FADD", d, a, b)
+
+    @staticmethod
+    def FSUB(d, a, b):
+        return Instr("FSUB", d, a, b)
+
+    @staticmethod
+    def FMUL(d, a, b):
+        return Instr("FMUL", d, a, b)
+
+    @staticmethod
+    def FMAC(d, a, b):
+        return Instr("FMAC", d, a, b)
+
+    @staticmethod
+    def FNEG(d, a):
+        return Instr("FNEG", d, a)
+
+    @staticmethod
+    def FMAX(d, a, b):
+        return Instr("FMAX", d, a, b)
+
+    @staticmethod
+    def ACTIVATE(task):
+        return Instr("ACTIVATE", task=task)
+
+    @staticmethod
+    def BLOCK(task):
+        return Instr("BLOCK", task=task)
+
+    @staticmethod
+    def UNBLOCK(task):
+        return Instr("UNBLOCK", task=task)
+
+
+@dataclass
+class _Code:
+    """What one region's PEs run: symbols (name -> word offset), tasks (name -> (color, instrs))."""
+    symbols: dict = field(default_factory=dict)
+    words: int = 0
+    tasks: dict = field(default_factory=dict)
+
+
+class Program:
+    """A program under construction: regions of code, routes, symbols for host I/O."""
+
+    def __init__(self, fabric):
+        self.fabric = fabric
+        self.routes = {}            # (x, y, color) -> (rx mask, tx mask)
+        self.code_of = {}           # (x, y) -> _Code
+        self.codes = []
+
+    def region(self, x, y, w, h):
+        f = self.fabric
+        if min(w, h) < 1 or x < 0 or y < 0 or x + w > f.width or y + h > f.height:
+            raise FabricError(f"region ({x}, {y}, {w}, {h}): outside the {f.width} x {f.height} fabric")
+        return Region(x, y, w, h)
+
+    def _code(self, region):
+        """The code object of a region; regions with code must not partly overlap another's."""
+        codes = {id(self.code_of[p]) for p in region.pes() if p in self.code_of}
+        if not codes:
+            code = _Code()
+            self.codes.append(code)
+            for p in region.pes():
+                self.code_of[p] = code
+            return code
+        if len(codes) == 1:
+            code = self.code_of[region.pes()[0]]
+            if all(self.code_of.get(p) is code for p in region.pes()) and \
+                    sum(c is code for c in self.code_of.values()) == region.w * region.h:
+                return code
+        raise FabricError(f"{region}: overlaps another region's code only partly; give each PE one code region")
+
+    def alloc(self, region, name, length):
+        """``length`` float32 words named ``name`` on every PE of ``region``; returns the Symbol."""
+        code = self._code(region)
+        if name in code.symbols:
+            raise FabricError(f"{region}: symbol {name!r} allocated twice")
+        if length < 1:
+            raise FabricError(f"symbol {name!r}: length must be >= 1, got {length}")
+        code.symbols[name] = (code.words, length)
+        code.words += length
+        if code.words * 4 > self.fabric.mem_bytes:
+            raise FabricError(f"{region}: symbol {name!r} needs {code.words * 4} bytes in all, more than the "
+                              f"{self.fabric.mem_bytes} bytes of a PE's memory")
+        return Symbol(name, length)
+
+    def route(self, region, color, rx, tx):
+        """On every PE of ``region``, wavelets of ``color`` are accepted from ports ``rx`` and forwarded to ``tx``."""
+        if not 0 <= color < NUM_COLORS:
+            raise FabricError(f"color {color}: expected 0..{NUM_COLORS - 1}")
+        for ports in (rx, tx):
+            for port in ports:
+                if port not in PORTS:
+                    raise FabricError(f"color {color}: unknown port {port!r} (N, E, S, W, RAMP)")
+        rxm = sum(1 << PORTS[p] for p in set(rx))
+        txm = sum(1 << PORTS[p] for p in set(tx))
+        for x, y in region.pes():
+            old = self.routes.get((x, y, color))
+            if old is not None and old != (rxm, txm):
+                raise FabricError(f"PE ({x}, {y}) color {color}: routed twice in conflicting ways")
+            self.routes[(x, y, color)] = (rxm, txm)
+
+    def task(self, region, name, body, color=None):
+        """A task on every PE of ``region``: bound to ``color`` (runs when its wavelets arrive) or local."""
+        code = self._code(region)
+        if name in code.tasks:
+            raise FabricError(f"{region}: task {name!r} defined twice")
+        if len(code.tasks) >= MAX_TASKS:
+            raise FabricError(f"{region}: more than {MAX_TASKS} tasks")
+        if color is not None and any(c == color for c, _ in code.tasks.values()):
+            raise FabricError(f"{region}: two tasks bound to color {color}")
+        code.tasks[name] = (color, list(body))
+
+    def compile(self):
+        from wse_core.fabric.run import Compiled
+
+        return Compiled(self)
