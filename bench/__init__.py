@@ -9,4 +9,5 @@ BENCHMARKS = {
     "input": "bench.input",
     "stream": "bench.stream",
     "sparse": "bench.sparse",
+    "fabric": "bench.fabric",
 }

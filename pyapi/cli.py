@@ -183,6 +183,33 @@ def _cmd_validate(args):
     return 0
 
 
+def _cmd_fabric_run(args):
+    import json
+    import time
+
+    import numpy as np
+
+    from wse_core.fabric.kernels import KERNELS
+
+    kw = {"stencil7": {"z": args.z}, "broadcast": {"n": args.n}}[args.kernel]
+    t0 = time.perf_counter()
+    got, expected, result = KERNELS[args.kernel](args.width, args.height, seed=args.seed, **kw)
+    wall = time.perf_counter() - t0
+    err = float(np.abs(got.astype(np.float64) - expected).max()) if got.size else 0.0
+    report = {"kernel": args.kernel, "width": args.width, "height": args.height, **kw,
+              "max_abs_error": err, **result.report(), "wall_seconds": wall,
+              "pe_cycles_per_second": args.width * args.height * result.cycles / wall}
+    if args.kernel == "stencil7":
+        report["cycles_per_point"] = result.cycles / args.z
+    if args.heatmap:
+        report["heatmap"] = str(result.heatmap(args.heatmap))
+    if args.json:
+        print(json.dumps(report, indent=2))
+    else:
+        _print_json_or_lines(report, False)
+    return 0
+
+
 def _cmd_bench(args):
     from bench.harness import write_json
 
@@ -289,6 +316,21 @@ def build_parser():
     cp.add_argument("--to", required=True, choices=["npz", "h5", "torch"])
     cp.add_argument("--output", required=True, metavar="FILE")
     cp.set_defaults(func=_cmd_checkpoint_convert)
+
+    p = sub.add_parser("fabric", help="run a reference program on the simulated PE mesh",
+                       description="Dataflow PE-mesh simulator: run a reference program, check it against numpy, "
+                                   "report cycles and per-PE activity.")
+    fab_sub = p.add_subparsers(dest="fabric_command", metavar="ACTION", required=True)
+    fp = fab_sub.add_parser("run", help="run KERNEL (stencil7, broadcast) and report its result error and cycles")
+    fp.add_argument("kernel", metavar="KERNEL", choices=["stencil7", "broadcast"])
+    fp.add_argument("--width", type=int, default=16, help="PEs along x")
+    fp.add_argument("--height", type=int, default=16, help="PEs along y")
+    fp.add_argument("--z", type=int, default=32, help="stencil7: points along z in each PE's memory")
+    fp.add_argument("--n", type=int, default=64, help="broadcast: values per row")
+    fp.add_argument("--seed", type=int, default=0, help="seed of the random input")
+    fp.add_argument("--json", action="store_true", help="print JSON")
+    fp.add_argument("--heatmap", metavar="FILE", help="write a PNG of per-PE activity (needs matplotlib)")
+    fp.set_defaults(func=_cmd_fabric_run)
 
     p = sub.add_parser("bench", help="run a benchmark against a baseline measured in the same run",
                        description="Run a benchmark; print its table and optionally write JSON.")

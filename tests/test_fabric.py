@@ -148,3 +148,35 @@ def test_unread_wavelets_are_reported():
     c.launch("send")
     with pytest.raises(FabricError, match=r"PE \(1, 0\): 1 wavelet\(s\) of color 2 reached the core and no task reads them"):
         c.run()
+
+
+@pytest.mark.parametrize("w,h,z", [(1, 1, 4), (2, 3, 5), (5, 4, 8), (7, 6, 1), (12, 9, 16)])
+def test_stencil7_matches_numpy(w, h, z):
+    from wse_core.fabric.kernels import stencil7
+
+    v, ref, r = stencil7(w, h, z, seed=w * h)
+    np.testing.assert_allclose(v, ref, rtol=0, atol=1e-5)
+    assert r.cycles > 0 and r.busy.shape == (h, w)
+    v2, _, r2 = stencil7(w, h, z, seed=w * h)
+    assert r2.cycles == r.cycles and v2.tobytes() == v.tobytes()
+
+
+def test_broadcast_kernel_and_cli(tmp_path):
+    import json
+    import subprocess
+    import sys
+
+    from wse_core.fabric.kernels import broadcast
+
+    got, expected, r = broadcast(9, 4, 12)
+    np.testing.assert_array_equal(got, expected)
+    assert r.cycles == 12 + 8 + 2
+    proc = subprocess.run([sys.executable, "-m", "pyapi.cli", "fabric", "run", "stencil7", "--width", "6",
+                           "--height", "5", "--z", "8", "--json"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    rep = json.loads(proc.stdout)
+    assert rep["max_abs_error"] < 1e-5 and rep["cycles"] > 0 and rep["cycles_per_point"] == rep["cycles"] / 8
+    proc = subprocess.run([sys.executable, "-m", "pyapi.cli", "fabric", "run", "stencil7", "--width", "0"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1
+    assert proc.stderr.strip() == "wse fabric: error: Fabric.width: expected a positive integer, got 0"

@@ -55,16 +55,29 @@ class Fabric:
 
 @dataclass(frozen=True)
 class Region:
+    """The PEs x, x + sx, ... below x + w and y, y + sy, ... below y + h (a rectangle when sx = sy = 1)."""
     x: int
     y: int
     w: int
     h: int
+    sx: int = 1
+    sy: int = 1
+
+    @property
+    def index(self):
+        """numpy index of this region in a [height, width] array."""
+        return slice(self.y, self.y + self.h, self.sy), slice(self.x, self.x + self.w, self.sx)
 
     def pes(self):
-        return [(x, y) for y in range(self.y, self.y + self.h) for x in range(self.x, self.x + self.w)]
+        return [(x, y) for y in range(self.y, self.y + self.h, self.sy) for x in range(self.x, self.x + self.w, self.sx)]
+
+    @property
+    def shape(self):
+        return len(range(self.y, self.y + self.h, self.sy)), len(range(self.x, self.x + self.w, self.sx))
 
     def __str__(self):
-        return f"PEs x {self.x}..{self.x + self.w - 1}, y {self.y}..{self.y + self.h - 1}"
+        step = f" step ({self.sx}, {self.sy})" if (self.sx, self.sy) != (1, 1) else ""
+        return f"PEs x {self.x}..{self.x + self.w - 1}, y {self.y}..{self.y + self.h - 1}{step}"
 
 
 @dataclass(frozen=True)
@@ -113,11 +126,21 @@ class Instr:
     a: Operand = None
     b: Operand = None
     task: str = None
+    is_async: bool = False
+
+    def asynchronous(self, then=None):
+        """Run on one of the PE's 4 microthreads while the task goes on (the SDK's async DSD ops);
+        ``then``: a task of this PE to activate when the instruction has processed every element."""
+        from dataclasses import replace
+
+        return replace(self, is_async=True, task=then)
 
 
 class ops:
     """The instruction set: d = a (FMOV), a + b, a - b, a * b, d = d + a * b (FMAC), -a, max(a, b);
-    ACTIVATE/BLOCK/UNBLOCK a task of the same PE."""
+    ACTIVATE/BLOCK/UNBLOCK a task of the same PE. A memory operand with stride 0 is a scalar (the
+    same word for every element); ``imm(v)`` a constant. ``.asynchronous(then=...)`` runs a vector
+    instruction on a microthread."""
 
     @staticmethod
     def FMOV(d, a):
@@ -173,31 +196,36 @@ class Program:
 
     def __init__(self, fabric):
         self.fabric = fabric
-        self.routes = {}            # (x, y, color) -> (rx mask, tx mask)
-        self.code_of = {}           # (x, y) -> _Code
+        # Routes as arrays [color, y, x] of port masks (0: no route), so a whole wafer stays cheap.
+        self.rx = np.zeros((NUM_COLORS, fabric.height, fabric.width), np.uint8)
+        self.tx = np.zeros((NUM_COLORS, fabric.height, fabric.width), np.uint8)
+        self.code_id = np.full((fabric.height, fabric.width), -1, np.int32)   # code region of each PE
         self.codes = []
 
-    def region(self, x, y, w, h):
+    def region(self, x, y, w, h, step=(1, 1)):
+        """A rectangle of PEs; ``step=(sx, sy)`` takes every sx-th column and sy-th row of it."""
         f = self.fabric
         if min(w, h) < 1 or x < 0 or y < 0 or x + w > f.width or y + h > f.height:
             raise FabricError(f"region ({x}, {y}, {w}, {h}): outside the {f.width} x {f.height} fabric")
-        return Region(x, y, w, h)
+        if min(step) < 1:
+            raise FabricError(f"region step {step}: expected positive integers")
+        return Region(x, y, w, h, *step)
 
     def _code(self, region):
-        """The code object of a region; regions with code must not partly overlap another's."""
-        codes = {id(self.code_of[p]) for p in region.pes() if p in self.code_of}
-        if not codes:
-            code = _Code()
-            self.codes.append(code)
-            for p in region.pes():
-                self.code_of[p] = code
-            return code
-        if len(codes) == 1:
-            code = self.code_of[region.pes()[0]]
-            if all(self.code_of.get(p) is code for p in region.pes()) and \
-                    sum(c is code for c in self.code_of.values()) == region.w * region.h:
-                return code
+        """The code object of a region; a region with code must be exactly another's or overlap none."""
+        ids = self.code_id[region.index]
+        first = int(ids.flat[0])
+        if first < 0 and (ids < 0).all():
+            self.codes.append(_Code())
+            ids[...] = len(self.codes) - 1
+            return self.codes[-1]
+        if first >= 0 and (ids == first).all() and int((self.code_id == first).sum()) == ids.size:
+            return self.codes[first]
         raise FabricError(f"{region}: overlaps another region's code only partly; give each PE one code region")
+
+    def code_at(self, x, y):
+        k = int(self.code_id[y, x])
+        return self.codes[k] if k >= 0 else None
 
     def alloc(self, region, name, length):
         """``length`` float32 words named ``name`` on every PE of ``region``; returns the Symbol."""
@@ -223,11 +251,13 @@ class Program:
                     raise FabricError(f"color {color}: unknown port {port!r} (N, E, S, W, RAMP)")
         rxm = sum(1 << PORTS[p] for p in set(rx))
         txm = sum(1 << PORTS[p] for p in set(tx))
-        for x, y in region.pes():
-            old = self.routes.get((x, y, color))
-            if old is not None and old != (rxm, txm):
-                raise FabricError(f"PE ({x}, {y}) color {color}: routed twice in conflicting ways")
-            self.routes[(x, y, color)] = (rxm, txm)
+        sl = (color, *region.index)
+        clash = ((self.rx[sl] != 0) | (self.tx[sl] != 0)) & ((self.rx[sl] != rxm) | (self.tx[sl] != txm))
+        if clash.any():
+            dy, dx = np.argwhere(clash)[0]
+            raise FabricError(f"PE ({region.x + dx * region.sx}, {region.y + dy * region.sy}) color {color}: "
+                              "routed twice in conflicting ways")
+        self.rx[sl], self.tx[sl] = rxm, txm
 
     def task(self, region, name, body, color=None):
         """A task on every PE of ``region``: bound to ``color`` (runs when its wavelets arrive) or local."""

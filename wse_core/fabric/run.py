@@ -15,33 +15,43 @@ class Compiled:
         f = program.fabric
         self.fabric, self.program = f, program
         W, H = f.width, f.height
-        colors = sorted({c for (_, _, c) in program.routes})
+        used = (program.rx != 0) | (program.tx != 0)
+        colors = [c for c in range(used.shape[0]) if used[c].any()]
         self.colors = colors
         cmap = {c: i for i, c in enumerate(colors)}
         C = max(1, len(colors))
         self.C = C
         P = W * H
-        self.rx = np.zeros(P * C, np.uint8)
-        self.tx = np.zeros(P * C, np.uint8)
-        for (x, y, c), (rxm, txm) in program.routes.items():
-            self.rx[(y * W + x) * C + cmap[c]] = rxm
-            self.tx[(y * W + x) * C + cmap[c]] = txm
+        # [y, x, color] order: a PE's colors are adjacent in the engine's queues.
+        self.rx = np.ascontiguousarray(program.rx[colors].transpose(1, 2, 0)).reshape(-1) if colors else np.zeros(P, np.uint8)
+        self.tx = np.ascontiguousarray(program.tx[colors].transpose(1, 2, 0)).reshape(-1) if colors else np.zeros(P, np.uint8)
         # Routes must lead somewhere that accepts them.
-        for (x, y, c), (rxm, txm) in program.routes.items():
-            for port in range(4):
-                if not txm & (1 << port):
+        for c in colors:
+            txc, rxc = program.tx[c], program.rx[c]
+            for port, (dx, dy) in _DIRS.items():
+                sends = (txc & (1 << port)) != 0
+                if not sends.any():
                     continue
-                dx, dy = _DIRS[port]
-                nx, ny = x + dx, y + dy
-                if not (0 <= nx < W and 0 <= ny < H):
+                off = np.zeros_like(sends)
+                if dx == 1:
+                    off[:, -1] = True
+                elif dx == -1:
+                    off[:, 0] = True
+                elif dy == 1:
+                    off[-1, :] = True
+                else:
+                    off[0, :] = True
+                bad = sends & off
+                if bad.any():
+                    y, x = np.argwhere(bad)[0]
                     raise FabricError(f"PE ({x}, {y}) color {c}: routes {_NAMES[port]} off the edge of the fabric")
-                nrx = program.routes.get((nx, ny, c), (0, 0))[0]
-                if not nrx & (1 << _OPPOSITE[port]):
-                    raise FabricError(f"PE ({x}, {y}) color {c}: routes {_NAMES[port]} to PE ({nx}, {ny}), whose route "
-                                      f"for color {c} does not accept {_NAMES[_OPPOSITE[port]]}")
+                accepts = (np.roll(rxc, (-dy, -dx), axis=(0, 1)) & (1 << _OPPOSITE[port])) != 0
+                bad = sends & ~accepts
+                if bad.any():
+                    y, x = np.argwhere(bad)[0]
+                    raise FabricError(f"PE ({x}, {y}) color {c}: routes {_NAMES[port]} to PE ({x + dx}, {y + dy}), "
+                                      f"whose route for color {c} does not accept {_NAMES[_OPPOSITE[port]]}")
         # Code: one table per code region.
-        self.pe_code = np.full(P, -1, np.int32)
-        self.mem_off = np.zeros(P, np.int64)
         codes = program.codes
         self.task_color = np.full(len(codes) * MAX_TASKS, -1, np.int32)
         self.task_start = np.zeros(len(codes) * MAX_TASKS, np.int32)
@@ -53,16 +63,19 @@ class Compiled:
             names = list(code.tasks)
             self.task_index.append({n: i for i, n in enumerate(names)})
             self.ntasks[k] = len(names)
-            pes = [p for p, cd in program.code_of.items() if cd is code]
+            y0, x0 = np.argwhere(program.code_id == k)[0]
+            pes = [(int(x0), int(y0))]   # named in errors: the region's first PE
             for t, name in enumerate(names):
                 color, body = code.tasks[name]
                 if color is not None:
-                    self._need_route(pes, color, tx=True, what=f"task {name!r} is bound to color {color}")
+                    self._need_route(k, color, tx=True, what=f"task {name!r} is bound to color {color}")
                     self.task_color[k * MAX_TASKS + t] = cmap[color]
                 self.task_start[k * MAX_TASKS + t] = len(rows)
                 self.task_len[k * MAX_TASKS + t] = len(body)
                 for ins in body:
-                    rows.append(self._encode(ins, code, names, pes, cmap))
+                    rows.append(self._encode(ins, code, names, pes, cmap, k))
+        if not rows:  # the engine takes the address of row 0; a program without code gets one unused row
+            rows.append((0, 1, [K_NONE] * 3, [0] * 3, [1] * 3, [0.0] * 3, -1, 0))
         n = len(rows)
         self.op = np.array([r[0] for r in rows], np.int32)
         self.length = np.array([r[1] for r in rows], np.int64)
@@ -71,37 +84,33 @@ class Compiled:
         self.stride = np.array([r[4] for r in rows], np.int64).reshape(n, 3)
         self.immv = np.array([r[5] for r in rows], np.float32).reshape(n, 3)
         self.target = np.array([r[6] for r in rows], np.int32)
-        off = 0
-        for y in range(H):
-            for x in range(W):
-                code = program.code_of.get((x, y))
-                if code is not None:
-                    p = y * W + x
-                    self.pe_code[p] = codes.index(code)
-                    self.mem_off[p] = off
-                    off += code.words
-        self._code_index = {id(c): i for i, c in enumerate(codes)}
+        self.asyn = np.array([r[7] for r in rows], np.uint8)
+        self.pe_code = program.code_id.reshape(-1).copy()
+        words = np.array([c.words for c in codes] + [0], np.int64)[self.pe_code]   # -1 -> 0 words
+        self.mem_off = np.concatenate([[0], np.cumsum(words)[:-1]]).astype(np.int64)
+        off = int(words.sum())
         self.mem = np.zeros(max(off, 1), np.float32)
         self.active = np.zeros(P, np.uint32)
         self.blocked = np.zeros(P, np.uint32)
         self.cycles = 0
 
-    def _need_route(self, pes, color, *, tx=False, rx=False, what):
-        for (x, y) in pes:
-            rxm, txm = self.program.routes.get((x, y, color), (0, 0))
-            if tx and not txm & (1 << PORTS["RAMP"]):
-                raise FabricError(f"PE ({x}, {y}): {what}, but its route for color {color} does not deliver to RAMP")
-            if rx and not rxm & (1 << PORTS["RAMP"]):
-                raise FabricError(f"PE ({x}, {y}): {what}, but its route for color {color} does not accept RAMP")
+    def _need_route(self, k, color, *, tx=False, rx=False, what):
+        """Every PE of code region k delivers ``color`` to its core (tx) or accepts it from the core (rx)."""
+        ramp = 1 << PORTS["RAMP"]
+        table, verb = (self.program.tx, "deliver to") if tx else (self.program.rx, "accept")
+        bad = (self.program.code_id == k) & ((table[color] & ramp) == 0)
+        if bad.any():
+            y, x = np.argwhere(bad)[0]
+            raise FabricError(f"PE ({x}, {y}): {what}, but its route for color {color} does not {verb} RAMP")
 
-    def _encode(self, ins, code, names, pes, cmap):
+    def _encode(self, ins, code, names, pes, cmap, k):
         opc = OPCODES[ins.op]
         kinds, args, strides, imms = [K_NONE] * 3, [0] * 3, [1] * 3, [0.0] * 3
         target = -1
         if ins.op in ("ACTIVATE", "BLOCK", "UNBLOCK"):
             if ins.task not in names:
-                raise FabricError(f"{ins.op}({ins.task!r}): no such task on {len(pes)} PE(s) from {pes[0]}")
-            return opc, 1, kinds, args, strides, imms, names.index(ins.task)
+                raise FabricError(f"{ins.op}({ins.task!r}): no such task on PE {pes[0]}")
+            return opc, 1, kinds, args, strides, imms, names.index(ins.task), 0
         operands = [ins.dst, ins.a, ins.b]
         n = ins.dst.length if ins.dst is not None else 0
         for i, od in enumerate(operands):
@@ -122,7 +131,7 @@ class Compiled:
                     raise FabricError(f"{ins.op}: color {od.arg} has no route on PE {pes[0]}")
                 if (od.kind == K_FOUT) != (i == 0):
                     raise FabricError(f"{ins.op}: fout is a destination and fin a source")
-                self._need_route(pes, od.arg, tx=od.kind == K_FIN, rx=od.kind == K_FOUT,
+                self._need_route(k, od.arg, tx=od.kind == K_FIN, rx=od.kind == K_FOUT,
                                  what=f"{ins.op} {'reads' if od.kind == K_FIN else 'writes'} color {od.arg}")
                 args[i] = cmap[od.arg]
             elif od.kind == K_IMM:
@@ -131,43 +140,57 @@ class Compiled:
                 raise FabricError(f"{ins.op}: operand lengths differ ({od.length} and {n}) on PE {pes[0]}")
         if n < 1:
             raise FabricError(f"{ins.op}: a destination of length >= 1 is required")
-        return opc, n, kinds, args, strides, imms, target
+        if ins.is_async and ins.task is not None:
+            if ins.task not in names:
+                raise FabricError(f"{ins.op}.asynchronous(then={ins.task!r}): no such task on PE {pes[0]}")
+            target = names.index(ins.task)
+        return opc, n, kinds, args, strides, imms, target, int(ins.is_async)
 
     # -- host side -------------------------------------------------------------------------------
 
-    def _pes(self, region, symbol):
-        prog, out = self.program, []
-        for (x, y) in region.pes():
-            code = prog.code_of.get((x, y))
-            if code is None or symbol.name not in code.symbols:
-                raise FabricError(f"memcpy: symbol {symbol.name!r} is not allocated on PE ({x}, {y})")
-            base, size = code.symbols[symbol.name]
-            out.append((self.mem_off[y * self.fabric.width + x] + base, size))
-        return out
+    def _addresses(self, region, symbol):
+        """Memory address of ``symbol`` on every PE of ``region`` ([h', w'] array)."""
+        prog = self.program
+        ids = prog.code_id[region.index]
+        base = np.full(len(prog.codes) + 1, -1, np.int64)
+        for k, code in enumerate(prog.codes):
+            if symbol.name in code.symbols:
+                base[k] = code.symbols[symbol.name][0]
+        b = base[ids]
+        if (b < 0).any():
+            dy, dx = np.argwhere(b < 0)[0]
+            raise FabricError(f"memcpy: symbol {symbol.name!r} is not allocated on PE "
+                              f"({region.x + dx * region.sx}, {region.y + dy * region.sy})")
+        ys, xs = np.meshgrid(np.arange(region.y, region.y + region.h, region.sy),
+                             np.arange(region.x, region.x + region.w, region.sx), indexing="ij")
+        return self.mem_off[ys * self.fabric.width + xs] + b
 
     def memcpy_h2d(self, symbol, region, data):
-        """Copy ``data`` [h, w, n] (or broadcastable) into ``symbol`` on the PEs of ``region``."""
-        data = np.broadcast_to(np.asarray(data, np.float32), (region.h, region.w, symbol.length))
-        for (addr, size), v in zip(self._pes(region, symbol), data.reshape(-1, symbol.length)):
-            self.mem[addr:addr + size] = v
+        """Copy ``data`` [h, w, n] (or anything that broadcasts to it) into ``symbol`` on the PEs of ``region``."""
+        addr = self._addresses(region, symbol)
+        data = np.broadcast_to(np.asarray(data, np.float32), (*addr.shape, symbol.length))
+        self.mem[addr[..., None] + np.arange(symbol.length)] = data
 
     def memcpy_d2h(self, symbol, region):
         """``symbol`` on the PEs of ``region`` as an array [h, w, n]."""
-        out = np.empty((region.h * region.w, symbol.length), np.float32)
-        for i, (addr, size) in enumerate(self._pes(region, symbol)):
-            out[i] = self.mem[addr:addr + size]
-        return out.reshape(region.h, region.w, symbol.length)
+        addr = self._addresses(region, symbol)
+        return self.mem[addr[..., None] + np.arange(symbol.length)]
 
     def launch(self, task, region=None):
         """Activate ``task`` on every PE of ``region`` (default: every PE whose code has it)."""
         W = self.fabric.width
-        pes = region.pes() if region is not None else list(self.program.code_of)
+        sel = np.zeros((self.fabric.height, W), bool)
+        if region is None:
+            sel[...] = True
+        else:
+            sel[region.index] = True
+        sel = sel.reshape(-1)
         found = False
-        for (x, y) in pes:
-            k = self.pe_code[y * W + x]
-            if k >= 0 and task in self.task_index[k]:
-                self.active[y * W + x] |= np.uint32(1 << self.task_index[k][task])
-                found = True
+        for k, index in enumerate(self.task_index):
+            if task in index:
+                hit = sel & (self.pe_code == k)
+                self.active[hit] |= np.uint32(1 << index[task])
+                found |= bool(hit.any())
         if not found:
             raise FabricError(f"launch: no PE has a task {task!r}")
 
@@ -181,7 +204,7 @@ class Compiled:
         status, cycles, state = _engine.run(
             f.width, f.height, self.C, f.queue_depth, f.hop_latency, int(max_cycles), self.rx, self.tx,
             self.pe_code, self.mem_off, self.mem, self.task_color, self.task_start, self.task_len, self.ntasks,
-            self.op, self.length, self.kind, self.arg, self.stride, self.immv, self.target,
+            self.op, self.length, self.kind, self.arg, self.stride, self.immv, self.target, self.asyn,
             self.active, self.blocked, busy, stall, link)
         if status != 0:
             raise FabricError(self._explain(status, cycles, state))
@@ -209,17 +232,38 @@ class Compiled:
 
 
 class Result:
-    """Cycles of a run and per-PE activity: busy (an element processed), stall (waiting on the fabric), link traffic."""
+    """Cycles of a run and per-PE activity [H, W]: ``busy`` elements processed (by the task or a
+    microthread: a PE can do several per cycle), ``stall`` element slots lost waiting on the fabric,
+    ``link`` wavelets sent per port (N, E, S, W, and delivered to the core)."""
 
     def __init__(self, cycles, busy, stall, link):
         self.cycles, self.busy, self.stall, self.link = cycles, busy, stall, link
 
-    @property
-    def idle(self):
-        return self.cycles - self.busy - self.stall
-
     def report(self):
-        return {"cycles": int(self.cycles), "pes": int(self.busy.size), "busy_cycles": int(self.busy.sum()),
-                "stall_cycles": int(self.stall.sum()), "wavelet_hops": int(self.link[..., :4].sum()),
-                "ramp_deliveries": int(self.link[..., 4].sum()),
-                "max_pe_busy": int(self.busy.max()), "mean_pe_utilisation": float(self.busy.mean() / max(self.cycles, 1))}
+        return {"cycles": int(self.cycles), "pes": int(self.busy.size), "element_ops": int(self.busy.sum()),
+                "stalls": int(self.stall.sum()), "wavelet_hops": int(self.link[..., :4].sum()),
+                "ramp_deliveries": int(self.link[..., 4].sum()), "max_pe_ops": int(self.busy.max()),
+                "ops_per_pe_cycle": float(self.busy.mean() / max(self.cycles, 1))}
+
+    def heatmap(self, path):
+        """Write a PNG of per-PE busy, stall and link activity (needs matplotlib, an optional extra)."""
+        try:
+            import matplotlib
+
+            matplotlib.use("Agg")
+            import matplotlib.pyplot as plt
+        except ImportError:
+            raise FabricError("--heatmap needs matplotlib (pip install matplotlib); the JSON report has the same "
+                              "figures") from None
+        fig, axes = plt.subplots(1, 3, figsize=(15, 4.5))
+        for ax, (title, data) in zip(axes, [("element ops", self.busy), ("stalls", self.stall),
+                                            ("wavelets sent (N+E+S+W)", self.link[..., :4].sum(-1))]):
+            im = ax.imshow(data, cmap="viridis", interpolation="nearest", aspect="auto")
+            ax.set_title(f"{title}, of {self.cycles} cycles")
+            ax.set_xlabel("x")
+            ax.set_ylabel("y")
+            fig.colorbar(im, ax=ax)
+        fig.tight_layout()
+        fig.savefig(path, dpi=100)
+        plt.close(fig)
+        return path
