@@ -191,7 +191,8 @@ def _cmd_fabric_run(args):
 
     from wse_core.fabric.kernels import KERNELS
 
-    kw = {"stencil7": {"z": args.z}, "broadcast": {"n": args.n}}[args.kernel]
+    kw = {"stencil7": {"z": args.z}, "broadcast": {"n": args.n}, "allreduce": {"n": args.n},
+          "gemv": {"rows_per_pe": args.tile, "cols_per_pe": args.tile}}[args.kernel]
     t0 = time.perf_counter()
     got, expected, result = KERNELS[args.kernel](args.width, args.height, seed=args.seed, **kw)
     wall = time.perf_counter() - t0
@@ -321,12 +322,13 @@ def build_parser():
                        description="Dataflow PE-mesh simulator: run a reference program, check it against numpy, "
                                    "report cycles and per-PE activity.")
     fab_sub = p.add_subparsers(dest="fabric_command", metavar="ACTION", required=True)
-    fp = fab_sub.add_parser("run", help="run KERNEL (stencil7, broadcast) and report its result error and cycles")
-    fp.add_argument("kernel", metavar="KERNEL", choices=["stencil7", "broadcast"])
+    fp = fab_sub.add_parser("run", help="run KERNEL (stencil7, broadcast, allreduce, gemv); report its error and cycles")
+    fp.add_argument("kernel", metavar="KERNEL", choices=["stencil7", "broadcast", "allreduce", "gemv"])
     fp.add_argument("--width", type=int, default=16, help="PEs along x")
     fp.add_argument("--height", type=int, default=16, help="PEs along y")
     fp.add_argument("--z", type=int, default=32, help="stencil7: points along z in each PE's memory")
-    fp.add_argument("--n", type=int, default=64, help="broadcast: values per row")
+    fp.add_argument("--n", type=int, default=64, help="broadcast, allreduce: vector length")
+    fp.add_argument("--tile", type=int, default=16, help="gemv: each PE's tile of A is TILE x TILE")
     fp.add_argument("--seed", type=int, default=0, help="seed of the random input")
     fp.add_argument("--json", action="store_true", help="print JSON")
     fp.add_argument("--heatmap", metavar="FILE", help="write a PNG of per-PE activity (needs matplotlib)")
@@ -347,6 +349,10 @@ def build_parser():
 
 
 def main(argv=None):
+    import signal
+
+    if hasattr(signal, "SIGPIPE"):  # `wse ... | head` ends quietly, as other command-line tools do
+        signal.signal(signal.SIGPIPE, signal.SIG_DFL)
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)

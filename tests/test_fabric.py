@@ -180,3 +180,23 @@ def test_broadcast_kernel_and_cli(tmp_path):
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 1
     assert proc.stderr.strip() == "wse fabric: error: Fabric.width: expected a positive integer, got 0"
+
+
+@pytest.mark.parametrize("w,h", [(1, 1), (2, 1), (1, 2), (3, 2), (4, 5), (7, 6)])
+def test_allreduce_gives_every_pe_the_sum(w, h):
+    from wse_core.fabric.kernels import allreduce, allreduce_reference
+
+    got, ref, r = allreduce(w, h, 8, seed=1)
+    x = np.random.default_rng(1).standard_normal((h, w, 8)).astype(np.float32)
+    np.testing.assert_array_equal(got, np.broadcast_to(allreduce_reference(x), (h, w, 8)))  # the mesh's order, exactly
+    np.testing.assert_allclose(got[0, 0], ref, atol=1e-5)
+
+
+@pytest.mark.parametrize("w,h,b,c", [(1, 1, 4, 3), (2, 1, 4, 3), (3, 2, 5, 4), (8, 6, 16, 8)])
+def test_gemv_on_a_checkerboard_matches_numpy(w, h, b, c):
+    from wse_core.fabric.kernels import gemv
+
+    got, ref, r = gemv(w, h, b, c, seed=2)
+    np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5 * np.sqrt(w * c))
+    # Local products take c FMACs of b elements; the row reduce adds about 3 cycles per hop.
+    assert r.cycles >= b * c + 3 * (w - 1)

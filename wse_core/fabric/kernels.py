@@ -142,3 +142,161 @@ def broadcast(width, height, n, *, seed=0, fabric=None):
 
 
 KERNELS = {"stencil7": stencil7, "broadcast": broadcast}
+
+
+def allreduce_reference(vec):
+    """The sum the mesh computes, in its order (float32): each row east to west, then column 0 south to north."""
+    h, w, n = vec.shape
+    rows = np.empty((h, n), np.float32)
+    for y in range(h):
+        s = vec[y, w - 1].copy()
+        for x in range(w - 2, -1, -1):
+            s = s + vec[y, x]
+        rows[y] = s
+    t = rows[h - 1].copy()
+    for y in range(h - 2, -1, -1):
+        t = t + rows[y]
+    return t
+
+
+def allreduce(width, height, n, *, seed=0, fabric=None):
+    """Sum a vector of n values over every PE and give every PE the sum.
+
+    Rows reduce westward along chains (each PE adds its vector to the stream passing through),
+    column 0 reduces northward, PE (0, 0) broadcasts the total down column 0 and every PE of
+    column 0 along its row. Colors: 0/1 row reduce (sender's x parity), 2/3 column reduce (sender's
+    y parity), 4 column broadcast, 5 row broadcast. Returns (what every PE holds [H, W, n], the
+    float64 sum, Result).
+    """
+    W, H = width, height
+    prog = Program(fabric or Fabric(W, H))
+    # Routes.
+    for x in range(1, W):
+        col = prog.region(x, 0, 1, H)
+        prog.route(col, x % 2, rx=["RAMP"], tx=["W"])
+        if x < W - 1:
+            prog.route(col, (x + 1) % 2, rx=["E"], tx=["RAMP"])
+        prog.route(col, 5, rx=["W"], tx=["E", "RAMP"] if x < W - 1 else ["RAMP"])
+    col0 = prog.region(0, 0, 1, H)
+    if W > 1:
+        prog.route(col0, 1, rx=["E"], tx=["RAMP"])
+        prog.route(col0, 5, rx=["RAMP"], tx=["E"])
+    for y in range(1, H):
+        pe = prog.region(0, y, 1, 1)
+        prog.route(pe, 2 + y % 2, rx=["RAMP"], tx=["N"])
+        if y < H - 1:
+            prog.route(pe, 2 + (y + 1) % 2, rx=["S"], tx=["RAMP"])
+        prog.route(pe, 4, rx=["N"], tx=["S", "RAMP"] if y < H - 1 else ["RAMP"])
+    if H > 1:
+        prog.route(prog.region(0, 0, 1, 1), 3, rx=["S"], tx=["RAMP"])
+        prog.route(prog.region(0, 0, 1, 1), 4, rx=["RAMP"], tx=["S"])
+    # Code regions and their tasks.
+    groups = []   # (region, x role, y role, x parity, y parity)
+    if W > 1:
+        for px in range(2):
+            xa = 1 + (px - 1) % 2
+            if xa <= W - 2:
+                groups.append((prog.region(xa, 0, W - 1 - xa, H, step=(2, 1)), "mid", None, px, 0))
+        groups.append((prog.region(W - 1, 0, 1, H), "east", None, (W - 1) % 2, 0))
+    for y0, y1, role in ([(0, 1, "north")] + ([(1, H - 1, "mid")] if H > 2 else []) + ([(H - 1, H, "south")] if H > 1 else [])):
+        for py in range(2):
+            ya = y0 + (py - y0) % 2
+            if ya < y1:
+                groups.append((prog.region(0, ya, 1, y1 - ya, step=(1, 2)), "west", role, 0, py))
+    vec = res = None
+    for region, xrole, yrole, px, py in groups:
+        vec = prog.alloc(region, "vec", n)
+        res = prog.alloc(region, "res", n)
+        if xrole == "east":
+            prog.task(region, "start", [ops.FMOV(fout(px, n), mem(vec))])
+        elif xrole == "mid":
+            prog.task(region, "row", [ops.FADD(fout(px, n), fin((px + 1) % 2, n), mem(vec))], color=(px + 1) % 2)
+        if xrole in ("east", "mid"):
+            prog.task(region, "bcast", [ops.FMOV(mem(res), fin(5, n))], color=5)
+            continue
+        acc = prog.alloc(region, "acc", n)
+        if W > 1:
+            prog.task(region, "row", [ops.FADD(mem(acc), fin(1, n), mem(vec)), ops.ACTIVATE("col")], color=1)
+        else:
+            prog.task(region, "start", [ops.FMOV(mem(acc), mem(vec)), ops.ACTIVATE("col")])
+        along_row = [ops.FMOV(fout(5, n), mem(res))] if W > 1 else []
+        if yrole == "south":
+            prog.task(region, "col", [ops.FMOV(fout(2 + py, n), mem(acc))])
+        elif yrole == "mid":
+            prog.task(region, "col", [ops.FADD(fout(2 + py, n), fin(2 + (py + 1) % 2, n), mem(acc))])
+        else:  # PE (0, 0): the total, then broadcast it down column 0 and along row 0
+            total = [ops.FADD(mem(res), fin(3, n), mem(acc))] if H > 1 else [ops.FMOV(mem(res), mem(acc))]
+            down = [ops.FMOV(fout(4, n), mem(res))] if H > 1 else []
+            prog.task(region, "col", total + down + along_row)
+        if yrole != "north":
+            prog.task(region, "bcast", [ops.FMOV(mem(res), fin(4, n))] + along_row, color=4)
+    c = prog.compile()
+    full = prog.region(0, 0, W, H)
+    x = np.random.default_rng(seed).standard_normal((H, W, n)).astype(np.float32)
+    c.memcpy_h2d(vec, full, x)
+    c.launch("start")
+    result = c.run()
+    return c.memcpy_d2h(res, full), x.astype(np.float64).sum(axis=(0, 1)), result
+
+
+KERNELS["allreduce"] = allreduce
+
+
+def gemv(width, height, rows_per_pe, cols_per_pe, *, seed=0, fabric=None):
+    """y = A x on a checkerboard of tiles: PE (j, i) holds A's tile (i, j) [rows_per_pe, cols_per_pe]
+    (row-major) and x's tile j, computes its partial y with one FMAC per tile column (the x element
+    as a stride-0 scalar), and the partials are summed westward along each row, as in ``allreduce``.
+    Returns (y gathered from column 0 [height * rows_per_pe], the float64 A @ x, Result).
+    """
+    W, H, b, c = width, height, rows_per_pe, cols_per_pe
+    prog = Program(fabric or Fabric(W, H))
+    for x in range(1, W):
+        col = prog.region(x, 0, 1, H)
+        prog.route(col, x % 2, rx=["RAMP"], tx=["W"])
+        if x < W - 1:
+            prog.route(col, (x + 1) % 2, rx=["E"], tx=["RAMP"])
+    if W > 1:
+        prog.route(prog.region(0, 0, 1, H), 1, rx=["E"], tx=["RAMP"])
+    groups = [(prog.region(0, 0, 1, H), "west", 0)]
+    if W > 1:
+        groups.append((prog.region(W - 1, 0, 1, H), "east", (W - 1) % 2))
+        for px in range(2):
+            xa = 1 + (px - 1) % 2
+            if xa <= W - 2:
+                groups.append((prog.region(xa, 0, W - 1 - xa, H, step=(2, 1)), "mid", px))
+    syms = None
+    for region, role, px in groups:
+        a = prog.alloc(region, "A", b * c)
+        xs = prog.alloc(region, "x", c)
+        y = prog.alloc(region, "y", b)
+        syms = (a, xs, y)
+        local = [ops.FMAC(mem(y), mem(a, k, b, c), mem(xs, k, b, 0)) for k in range(c)]
+        if role == "east":
+            prog.task(region, "start", local + [ops.FMOV(fout(px, b), mem(y))])
+        elif role == "mid":
+            prog.task(region, "start", local + [ops.ACTIVATE("pass")])
+            prog.task(region, "pass", [ops.FADD(fout(px, b), fin((px + 1) % 2, b), mem(y))])
+        elif W > 1:
+            yt = prog.alloc(region, "ytotal", b)
+            prog.task(region, "start", local + [ops.ACTIVATE("sum")])
+            prog.task(region, "sum", [ops.FADD(mem(yt), fin(1, b), mem(y))])
+            syms = syms + (yt,)
+        else:
+            prog.task(region, "start", local)
+        if role == "west":
+            out = syms[3] if W > 1 else y
+    comp = prog.compile()
+    rng = np.random.default_rng(seed)
+    A = rng.standard_normal((H * b, W * c)).astype(np.float32)
+    xv = rng.standard_normal(W * c).astype(np.float32)
+    full = prog.region(0, 0, W, H)
+    a_sym, x_sym, y_sym = syms[:3]
+    comp.memcpy_h2d(a_sym, full, A.reshape(H, b, W, c).transpose(0, 2, 1, 3).reshape(H, W, b * c))
+    comp.memcpy_h2d(x_sym, full, np.broadcast_to(xv.reshape(1, W, c), (H, W, c)))   # x tile j on column j
+    comp.launch("start")
+    result = comp.run()
+    got = comp.memcpy_d2h(out, prog.region(0, 0, 1, H)).reshape(-1)
+    return got, A.astype(np.float64) @ xv.astype(np.float64), result
+
+
+KERNELS["gemv"] = gemv
