@@ -136,13 +136,14 @@ def fit_command(params, *, hostfile=None, cores=None):
     return cmd, plan
 
 
-def explain_failure(model_dir, stderr, plan, dead=(), stopped=()):
+def explain_failure(model_dir, stderr, plan, dead=None, stopped=()):
     """One line saying which rank failed, its role, and what happened.
 
-    In order: an error a rank raised itself (its ``MPI_Abort`` takes the others down); a rank
-    the watchdog saw vanish (when several vanished together, not those MPICH itself aborted after
-    losing a peer); a rank the watchdog found stopped (SIGSTOP, a debugger) when a peer gave up on
-    it; a rank's failed exchange with or timeout on a peer (the echo of a failure elsewhere).
+    In order: an error a rank raised itself (its ``MPI_Abort`` takes the others down); a rank the
+    watchdog found stopped (SIGSTOP, a debugger) when a peer gave up on it (the abort then kills it
+    too); a rank the watchdog saw vanish (when several vanished together, the one killed by a
+    signal, not those that exited after losing a peer); a rank's failed exchange with or timeout
+    on a peer (an echo).
     """
     import json
     import re
@@ -156,36 +157,56 @@ def explain_failure(model_dir, stderr, plan, dead=(), stopped=()):
     causes = [e["line"] for e in errors if e["kind"] == "cause"]
     if causes:
         return causes[0]
-    echoes = {int(r) for r in re.findall(r"\(rank (\d+) in comm 0\): Fatal error", stderr)}
-    culprits = [r for r in dead if r not in echoes] or list(dead)
-    if culprits:
-        role, index = plan.role_of(culprits[0])
-        return f"rank {culprits[0]} ({role} {index}): the process died (killed by a signal or crashed) without reporting an error"
     if stopped:
         role, index = plan.role_of(stopped[0])
         waited = f"; {errors[0]['line']}" if errors else ""
         return f"rank {stopped[0]} ({role} {index}): stopped answering (its process is stopped){waited}"
+    dead = dead or {}  # rank -> the signal that killed it, when known
+    echoes = {int(r) for r in re.findall(r"\(rank (\d+) in comm 0\): Fatal error", stderr)}
+    signalled = [r for r, sig in dead.items() if sig]
+    culprits = signalled or [r for r in dead if r not in echoes] or list(dead)
+    if culprits:
+        role, index = plan.role_of(culprits[0])
+        sig = dead[culprits[0]]
+        how = f"killed by signal {sig} ({signal.Signals(sig).name})" if sig in signal.valid_signals() else \
+            "killed by a signal or crashed"
+        return f"rank {culprits[0]} ({role} {index}): the process died ({how}) without reporting an error"
     if errors:
         return errors[0]["line"]
     tail = [ln for ln in stderr.strip().splitlines() if ln.strip()]
     return tail[-1] if tail else "the MPI job failed without a message"
 
 
-def _dead_ranks(logs):
-    """Ranks whose process is gone without having finished or reported an error."""
-    dead = []
+def _proc_state(pid):
+    """(state letter from /proc: R, S, T, Z, ...; exit status of a zombie or None), or (None, None) once gone."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None, None
+    status = int(fields[49]) if fields[0] in ("Z", "X") and len(fields) > 49 else None
+    return fields[0], status
+
+
+def _dead_ranks(logs, only=None):
+    """{rank: signal number or None} of ranks (all, or those in ``only``) whose process is gone (or a
+    zombie not yet reaped) without having finished or reported an error. The signal is known while
+    the process is a zombie: a rank killed by a signal is a cause, one that exited after losing a
+    peer an echo."""
+    dead = {}
     for pid_file in sorted(logs.glob("pid_rank_*"), key=lambda p: int(p.stem.rsplit("_", 1)[1])):
         rank = int(pid_file.stem.rsplit("_", 1)[1])
+        if only is not None and rank not in only:
+            continue
         try:
-            os.kill(int(pid_file.read_text()), 0)
-            continue  # alive
-        except ProcessLookupError:
-            pass
+            pid = int(pid_file.read_text())
         except (ValueError, OSError):
             continue  # unreadable just now: judge it at the next look
+        state, status = _proc_state(pid)
+        if state not in (None, "Z", "X"):
+            continue  # alive
         # Gone. Checked after the pid, so a rank that finished just now is not taken for dead.
         if not (logs / f"done_rank_{rank}").exists() and not (logs / f"error_rank_{rank}.txt").exists():
-            dead.append(rank)
+            dead[rank] = (status & 0x7F) or None if status is not None else None
     return dead
 
 
@@ -194,10 +215,10 @@ def _stopped_ranks(logs):
     stopped = []
     for pid_file in logs.glob("pid_rank_*"):
         try:
-            stat = Path(f"/proc/{int(pid_file.read_text())}/stat").read_text()
+            state, _ = _proc_state(int(pid_file.read_text()))
         except (ValueError, OSError):
             continue
-        if stat.rsplit(")", 1)[1].split()[0] in ("T", "t"):
+        if state in ("T", "t"):
             stopped.append(int(pid_file.stem.rsplit("_", 1)[1]))
     return sorted(stopped)
 
@@ -205,31 +226,54 @@ def _stopped_ranks(logs):
 def launch(cmd, plan, model_dir, *, stream=sys.stdout, watch=True):
     """Run the job, streaming the coordinator's progress lines; return (exit code, failure line or None).
 
-    With ``watch`` (one machine), a thread checks every 20 ms that each rank's process is alive; a
-    rank that vanishes without finishing or reporting an error ends the job at once, named. When a
-    rank reports that a peer timed out, the thread also looks for stopped processes to name.
+    With ``watch`` (one machine), a thread waits on a pidfd of each rank (or, where there are none,
+    looks every 5 ms): a rank that vanishes without finishing or reporting an error ends the job
+    at once, named. Waking on the first exit matters: ranks that lose a peer go down ~20 ms after
+    it, and the first to go is the one to name. When a rank reports that a peer timed out, the
+    thread also looks for stopped processes to name.
     """
     import tempfile
     import threading
 
     logs = Path(model_dir, "logs")
-    dead, stopped = [], []
+    dead, stopped = {}, []
     with tempfile.TemporaryFile("w+") as err:
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, text=True, start_new_session=True,
                                 env=mpi_env(1, {"OMP_WAIT_POLICY": "PASSIVE"}))
 
         def watchdog():
-            # Polled often (a few cheap syscalls): the first rank to vanish must be seen before the
-            # survivors notice the broken link and go down after it.
+            import select
+
+            poller = select.poll() if hasattr(os, "pidfd_open") else None
+            fd_rank = {}
             while proc.poll() is None:
-                ranks = _dead_ranks(logs)
+                only = None
+                if poller is not None:
+                    for pid_file in logs.glob("pid_rank_*"):
+                        rank = int(pid_file.stem.rsplit("_", 1)[1])
+                        if rank in fd_rank.values():
+                            continue
+                        try:
+                            fd = os.pidfd_open(int(pid_file.read_text()))
+                        except (ValueError, OSError):
+                            continue
+                        fd_rank[fd] = rank
+                        poller.register(fd, select.POLLIN)
+                    events = poller.poll(5)
+                    only = {fd_rank[fd] for fd, _ in events}
+                    for fd, _ in events:  # exited: never report it again
+                        poller.unregister(fd)
+                else:
+                    time.sleep(0.005)
+                ranks = _dead_ranks(logs, only) if only is None or only else {}
                 if ranks:
-                    dead.extend(ranks)
+                    dead.update(ranks)
                     os.killpg(proc.pid, signal.SIGKILL)
-                    return
+                    break
                 if not stopped and any(logs.glob("error_rank_*.txt")):
                     stopped.extend(_stopped_ranks(logs))  # before MPI_Abort takes every process down
-                time.sleep(0.02)
+            for fd in fd_rank:
+                os.close(fd)
 
         if watch:
             threading.Thread(target=watchdog, daemon=True).start()
