@@ -14,8 +14,7 @@ on W^T's kept pattern for the input gradient (the same bits as spmm_t), sddmm fo
 gradient; against the dense layer's three GEMMs. The crossover is the largest density measured
 at which the sparse layer is faster.
 """
-import os
-import time
+import importlib.util
 from pathlib import Path
 
 import numpy as np
@@ -67,18 +66,22 @@ def _gather_sddmm(rows, cols, U, V, out, block=1 << 16):
         out[lo:lo + block] = np.einsum("ij,ij->i", U[rows[lo:lo + block]], V[cols[lo:lo + block]])
 
 
-def run(args):
+def _copy_seconds(nbytes, repeats):
+    """Median time of the OpenMP copy of ``nbytes`` bytes (the bandwidth baseline)."""
     from wse_core._openmp import parallel_copy
 
+    src = np.ones(nbytes // 4, np.float32)
+    dst = np.empty_like(src)
+    return median_seconds(lambda: parallel_copy(dst, src), repeats)
+
+
+def run(args):
     m, widths, densities, r = args.size, [int(x) for x in _floats(args.n)], _floats(args.densities), args.repeats
     if m < 1 or r < 1 or not widths or not densities or not all(0 < d <= 1 for d in densities):
         raise ValueError("--size and --repeats must be >= 1, densities in (0, 1]")
-    try:
-        from threadpoolctl import threadpool_limits
-        import scipy  # noqa: F401
-        have_scipy = True
-    except ImportError:
-        have_scipy = False
+    from threadpoolctl import threadpool_limits
+
+    have_scipy = importlib.util.find_spec("scipy") is not None
     rng = np.random.default_rng(0)
     result = {"benchmark": "sparse", "machine": machine(), "size": m, "repeats": r, "scipy": have_scipy,
               "llc_bytes": _llc_bytes(), "rows": []}
@@ -90,16 +93,13 @@ def run(args):
         # spmv: bytes it must move, against a copy of as many bytes
         t = median_seconds(lambda: spmv(A, x), r * 3)
         nbytes = A.nnz * (4 + A.indices.itemsize) + (m + 1) * A.indptr.itemsize + 2 * m * 4
-        src = np.ones(nbytes // 4, np.float32)
-        dst = np.empty_like(src)
-        t_copy = median_seconds(lambda: parallel_copy(dst, src), r * 3)
+        t_copy = _copy_seconds(nbytes, r * 3)
         row = {"density": d, "nnz": A.nnz, "spmv": {"gflops": 2 * A.nnz / t / 1e9, "gb_per_s": nbytes / t / 1e9,
                                                     "copy_gb_per_s": 2 * nbytes / t_copy / 1e9,
                                                     "bytes": nbytes}}
         row["spmv"]["fraction_of_copy_bandwidth"] = row["spmv"]["gb_per_s"] / row["spmv"]["copy_gb_per_s"]
         if have_scipy:
             row["spmv"]["vs_scipy"] = median_seconds(lambda: s @ x, r) / t
-        del src, dst
         for n in widths:
             X = rng.standard_normal((m, n), dtype=np.float32)
             U = rng.standard_normal((m, n), dtype=np.float32)
