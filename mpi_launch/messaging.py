@@ -69,7 +69,8 @@ def wait_all(requests, what, timeout=None):
         if done is None:  # every request was already complete (MPI_UNDEFINED)
             return
         if done:
-            requests = [r for i, r in enumerate(requests) if i not in set(done)]
+            finished = set(done)
+            requests = [r for i, r in enumerate(requests) if i not in finished]
             deadline, pause = time.monotonic() + timeout, _MIN_SLEEP
             continue
         if time.monotonic() > deadline:
