@@ -159,6 +159,25 @@ def allreduce_reference(vec):
     return t
 
 
+def _row_reduce(prog, W, H):
+    """Routes of a westward reduce along every row (colors 0/1 by the sender's x parity; column 0
+    receives on color 1), and the code regions east of column 0: [(region, "east" or "mid", x parity)]."""
+    for x in range(1, W):
+        col = prog.region(x, 0, 1, H)
+        prog.route(col, x % 2, rx=["RAMP"], tx=["W"])
+        if x < W - 1:
+            prog.route(col, (x + 1) % 2, rx=["E"], tx=["RAMP"])
+    groups = []
+    if W > 1:
+        prog.route(prog.region(0, 0, 1, H), 1, rx=["E"], tx=["RAMP"])
+        groups.append((prog.region(W - 1, 0, 1, H), "east", (W - 1) % 2))
+        for px in range(2):
+            xa = 1 + (px - 1) % 2
+            if xa <= W - 2:
+                groups.append((prog.region(xa, 0, W - 1 - xa, H, step=(2, 1)), "mid", px))
+    return groups
+
+
 def allreduce(width, height, n, *, seed=0, fabric=None):
     """Sum a vector of n values over every PE and give every PE the sum.
 
@@ -170,17 +189,11 @@ def allreduce(width, height, n, *, seed=0, fabric=None):
     """
     W, H = width, height
     prog = Program(fabric or Fabric(W, H))
-    # Routes.
+    row_groups = _row_reduce(prog, W, H)
     for x in range(1, W):
-        col = prog.region(x, 0, 1, H)
-        prog.route(col, x % 2, rx=["RAMP"], tx=["W"])
-        if x < W - 1:
-            prog.route(col, (x + 1) % 2, rx=["E"], tx=["RAMP"])
-        prog.route(col, 5, rx=["W"], tx=["E", "RAMP"] if x < W - 1 else ["RAMP"])
-    col0 = prog.region(0, 0, 1, H)
+        prog.route(prog.region(x, 0, 1, H), 5, rx=["W"], tx=["E", "RAMP"] if x < W - 1 else ["RAMP"])
     if W > 1:
-        prog.route(col0, 1, rx=["E"], tx=["RAMP"])
-        prog.route(col0, 5, rx=["RAMP"], tx=["E"])
+        prog.route(prog.region(0, 0, 1, H), 5, rx=["RAMP"], tx=["E"])
     for y in range(1, H):
         pe = prog.region(0, y, 1, 1)
         prog.route(pe, 2 + y % 2, rx=["RAMP"], tx=["N"])
@@ -191,13 +204,8 @@ def allreduce(width, height, n, *, seed=0, fabric=None):
         prog.route(prog.region(0, 0, 1, 1), 3, rx=["S"], tx=["RAMP"])
         prog.route(prog.region(0, 0, 1, 1), 4, rx=["RAMP"], tx=["S"])
     # Code regions and their tasks.
-    groups = []   # (region, x role, y role, x parity, y parity)
-    if W > 1:
-        for px in range(2):
-            xa = 1 + (px - 1) % 2
-            if xa <= W - 2:
-                groups.append((prog.region(xa, 0, W - 1 - xa, H, step=(2, 1)), "mid", None, px, 0))
-        groups.append((prog.region(W - 1, 0, 1, H), "east", None, (W - 1) % 2, 0))
+    # (region, x role, y role, x parity, y parity)
+    groups = [(region, role, None, px, 0) for region, role, px in row_groups]
     for y0, y1, role in ([(0, 1, "north")] + ([(1, H - 1, "mid")] if H > 2 else []) + ([(H - 1, H, "south")] if H > 1 else [])):
         for py in range(2):
             ya = y0 + (py - y0) % 2
@@ -250,20 +258,7 @@ def gemv(width, height, rows_per_pe, cols_per_pe, *, seed=0, fabric=None):
     """
     W, H, b, c = width, height, rows_per_pe, cols_per_pe
     prog = Program(fabric or Fabric(W, H))
-    for x in range(1, W):
-        col = prog.region(x, 0, 1, H)
-        prog.route(col, x % 2, rx=["RAMP"], tx=["W"])
-        if x < W - 1:
-            prog.route(col, (x + 1) % 2, rx=["E"], tx=["RAMP"])
-    if W > 1:
-        prog.route(prog.region(0, 0, 1, H), 1, rx=["E"], tx=["RAMP"])
-    groups = [(prog.region(0, 0, 1, H), "west", 0)]
-    if W > 1:
-        groups.append((prog.region(W - 1, 0, 1, H), "east", (W - 1) % 2))
-        for px in range(2):
-            xa = 1 + (px - 1) % 2
-            if xa <= W - 2:
-                groups.append((prog.region(xa, 0, W - 1 - xa, H, step=(2, 1)), "mid", px))
+    groups = [(prog.region(0, 0, 1, H), "west", 0)] + _row_reduce(prog, W, H)
     syms = None
     for region, role, px in groups:
         a = prog.alloc(region, "A", b * c)
