@@ -40,8 +40,9 @@ def _print_json_or_lines(obj, as_json):
     if as_json:
         print(json.dumps(obj, indent=2))
     else:
+        width = max(map(len, obj), default=0) + 1
         for key, value in obj.items():
-            print(f"{key:<18} {value}")
+            print(f"{key:<{width}} {value}")
 
 
 def _cmd_data_preprocess(args):
@@ -192,7 +193,9 @@ def _cmd_fabric_run(args):
     from wse_core.fabric.kernels import KERNELS
 
     kw = {"stencil7": {"z": args.z}, "broadcast": {"n": args.n}, "allreduce": {"n": args.n},
-          "gemv": {"rows_per_pe": args.tile, "cols_per_pe": args.tile}}[args.kernel]
+          "gemv": {"rows_per_pe": args.tile, "cols_per_pe": args.tile},
+          "spmv": {"rows_per_pe": args.tile, "cols_per_pe": args.tile, "density": args.density},
+          "bicgstab": {"z": args.z, "tol": args.tol, "max_iter": args.max_iter}}[args.kernel]
     t0 = time.perf_counter()
     got, expected, result = KERNELS[args.kernel](args.width, args.height, seed=args.seed, **kw)
     wall = time.perf_counter() - t0
@@ -322,13 +325,17 @@ def build_parser():
                        description="Dataflow PE-mesh simulator: run a reference program, check it against numpy, "
                                    "report cycles and per-PE activity.")
     fab_sub = p.add_subparsers(dest="fabric_command", metavar="ACTION", required=True)
-    fp = fab_sub.add_parser("run", help="run KERNEL (stencil7, broadcast, allreduce, gemv); report its error and cycles")
-    fp.add_argument("kernel", metavar="KERNEL", choices=["stencil7", "broadcast", "allreduce", "gemv"])
+    fp = fab_sub.add_parser("run", help="run KERNEL (stencil7, broadcast, allreduce, gemv, spmv, bicgstab); "
+                                        "report its error and cycles")
+    fp.add_argument("kernel", metavar="KERNEL", choices=["stencil7", "broadcast", "allreduce", "gemv", "spmv", "bicgstab"])
     fp.add_argument("--width", type=int, default=16, help="PEs along x")
     fp.add_argument("--height", type=int, default=16, help="PEs along y")
-    fp.add_argument("--z", type=int, default=32, help="stencil7: points along z in each PE's memory")
+    fp.add_argument("--z", type=int, default=32, help="stencil7, bicgstab: points along z in each PE's memory")
     fp.add_argument("--n", type=int, default=64, help="broadcast, allreduce: vector length")
-    fp.add_argument("--tile", type=int, default=16, help="gemv: each PE's tile of A is TILE x TILE")
+    fp.add_argument("--tile", type=int, default=16, help="gemv, spmv: each PE's tile of A is TILE x TILE")
+    fp.add_argument("--density", type=float, default=0.1, help="spmv: fraction of A's entries that are nonzero")
+    fp.add_argument("--tol", type=float, default=1e-5, help="bicgstab: stop when |r| <= TOL |b|")
+    fp.add_argument("--max_iter", type=int, default=200, help="bicgstab: iterations at most")
     fp.add_argument("--seed", type=int, default=0, help="seed of the random input")
     fp.add_argument("--json", action="store_true", help="print JSON")
     fp.add_argument("--heatmap", metavar="FILE", help="write a PNG of per-PE activity (needs matplotlib)")

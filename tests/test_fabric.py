@@ -2,7 +2,7 @@
 import numpy as np
 import pytest
 
-from wse_core.fabric import Fabric, FabricError, Program, fin, fout, mem, ops
+from wse_core.fabric import Fabric, FabricError, Program, fin, fout, imm, mem, ops
 
 
 def stream(n, hops, latency=1, depth=2):
@@ -200,3 +200,92 @@ def test_gemv_on_a_checkerboard_matches_numpy(w, h, b, c):
     np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5 * np.sqrt(w * c))
     # Local products take c FMACs of b elements; the row reduce adds about 3 cycles per hop.
     assert r.cycles >= b * c + 3 * (w - 1)
+
+
+def test_indexed_dsd_gathers_and_scatter_adds_in_element_order():
+    n, m = 12, 5
+    prog = Program(Fabric(1, 1))
+    pe = prog.region(0, 0, 1, 1)
+    x = prog.alloc(pe, "x", m)
+    y = prog.alloc(pe, "y", m)
+    a = prog.alloc(pe, "a", n)
+    gi = prog.alloc(pe, "gi", n, dtype="int32")
+    si = prog.alloc(pe, "si", n, dtype="int32")
+    prog.task(pe, "start", [ops.FMAC(mem(y, index=mem(si)), mem(a), mem(x, index=mem(gi)))])
+    c = prog.compile()
+    rng = np.random.default_rng(4)
+    xv, av = rng.standard_normal(m).astype(np.float32), rng.standard_normal(n).astype(np.float32)
+    g, s = rng.integers(0, m, n), rng.integers(0, m, n)      # repeated indices on both sides
+    for sym, v in ((x, xv), (a, av), (gi, g), (si, s)):
+        c.memcpy_h2d(sym, pe, v)
+    c.launch("start")
+    assert c.run().cycles == n
+    expect = np.zeros(m, np.float32)
+    for k in range(n):
+        expect[s[k]] = expect[s[k]] + av[k] * xv[g[k]]
+    np.testing.assert_array_equal(c.memcpy_d2h(y, pe).ravel(), expect)
+    np.testing.assert_array_equal(c.memcpy_d2h(gi, pe).ravel(), g)     # int32 words read back as written
+    c.memcpy_h2d(gi, pe, np.r_[g[:-1], m])                             # one index past the end of x
+    c.launch("start")
+    with pytest.raises(FabricError, match=r"^PE \(0, 0\): index 5 \(element 11\) is outside the 5 words it indexes$"):
+        c.run()
+    with pytest.raises(FabricError, match="symbol 'gi' is int32, got float"):
+        c.memcpy_h2d(gi, pe, np.zeros(n))
+    with pytest.raises(FabricError, match="expected a memory DSD of an int32 symbol"):
+        mem(x, index=mem(a))
+    prog.task(pe, "bad", [ops.FMOV(mem(x), mem(gi, 0, m))])
+    with pytest.raises(FabricError, match="symbol 'gi' is int32; use it as the index= of a memory DSD"):
+        prog.compile()
+
+
+def test_fdiv_and_scalar_operands():
+    prog = Program(Fabric(1, 1))
+    pe = prog.region(0, 0, 1, 1)
+    a = prog.alloc(pe, "a", 4)
+    q = prog.alloc(pe, "q", 4)
+    prog.task(pe, "start", [ops.FDIV(mem(q), imm(1.0), mem(a)), ops.FDIV(mem(q, 3, 1), mem(a, 0, 1), mem(a, 1, 1))])
+    c = prog.compile()
+    c.memcpy_h2d(a, pe, np.array([3.0, 0.0, -2.0, 7.0], np.float32))
+    c.launch("start")
+    c.run()
+    with np.errstate(divide="ignore"):
+        expect = np.float32(1) / np.array([3.0, 0.0, -2.0], np.float32)
+    np.testing.assert_array_equal(c.memcpy_d2h(q, pe).ravel(), np.r_[expect, np.float32(np.inf)])
+
+
+@pytest.mark.parametrize("w,h,b,c,density", [(1, 1, 4, 3, 0.5), (3, 2, 5, 4, 0.2), (8, 6, 16, 8, 0.1), (4, 4, 6, 6, 0.0)])
+def test_spmv_on_a_checkerboard_matches_numpy(w, h, b, c, density):
+    from wse_core.fabric.kernels import spmv
+
+    got, ref, r = spmv(w, h, b, c, density, seed=5)
+    np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5 * np.sqrt(w * c))
+    assert r.extra["nnz"] <= r.extra["slots_per_pe"] * w * h
+    # One FMAC per padded nonzero slot, then the row reduce.
+    assert r.cycles >= r.extra["slots_per_pe"] + 3 * (w - 1)
+
+
+@pytest.mark.parametrize("w,h,z", [(1, 1, 6), (3, 2, 5), (8, 6, 12)])
+def test_bicgstab_on_the_mesh_reaches_the_scipy_residual(w, h, z):
+    sp = pytest.importorskip("scipy.sparse")
+    from scipy.sparse.linalg import bicgstab as scipy_bicgstab
+
+    from wse_core.fabric.kernels import bicgstab, stencil7_reference
+
+    x, x_np, r = bicgstab(w, h, z, tol=1e-5, seed=6)
+
+    def lap(n):
+        return sp.diags([-np.ones(n - 1), -np.ones(n - 1)], [-1, 1])
+
+    A = (6 * sp.identity(w * h * z) + sp.kronsum(sp.kronsum(lap(w), lap(h)), lap(z))).tocsr()   # x fastest
+    b = np.random.default_rng(6).standard_normal((z, h, w)).astype(np.float32).astype(np.float64)
+    xs, info = scipy_bicgstab(A, b.ravel(), rtol=1e-5)
+    scipy_res = np.linalg.norm(b.ravel() - A @ xs) / np.linalg.norm(b)
+    assert info == 0 and r.extra["converged"]
+    np.testing.assert_allclose(A @ x.astype(np.float64).ravel(), stencil7_reference(x).ravel(), atol=1e-9)
+    assert r.extra["relative_residual"] <= max(2 * scipy_res, 1.2e-5)
+    np.testing.assert_allclose(x, xs.reshape(z, h, w), atol=1e-4 * np.abs(xs).max())
+    np.testing.assert_allclose(x, x_np, atol=1e-4 * np.abs(x_np).max())
+    # Every iteration runs the same instructions on the same routes: the same cycles each time.
+    assert r.extra["cycles_per_iteration_spread"] == 0 and r.extra["cycles_per_iteration"] > 2 * 7 * z
+    x2, _, r2 = bicgstab(w, h, z, tol=1e-5, seed=6)
+    assert x2.tobytes() == x.tobytes() and r2.cycles == r.cycles

@@ -27,6 +27,7 @@ cdef enum:
     K_FIN = 2
     K_FOUT = 3
     K_IMM = 4
+    K_IDX = 5       # indexed memory DSD: word arg + idx[e], idx int32 words from iarg with the operand's stride
     OP_FMOV = 0
     OP_FADD = 1
     OP_FSUB = 2
@@ -34,9 +35,10 @@ cdef enum:
     OP_FMAC = 4
     OP_FNEG = 5
     OP_FMAX = 6
-    OP_ACTIVATE = 7
-    OP_BLOCK = 8
-    OP_UNBLOCK = 9
+    OP_FDIV = 7
+    OP_ACTIVATE = 8
+    OP_BLOCK = 9
+    OP_UNBLOCK = 10
     MAXT = 32
     MT = 4          # microthreads per PE: async vector instructions run beside the task
 
@@ -49,9 +51,11 @@ cdef struct Eng:
     const int64_t* arg
     const int64_t* stride
     const float* immv
+    const int64_t* iarg
     const int32_t* op
     const int64_t* mem_off
     float* mem
+    const int32_t* imem   # the same memory read as int32 (index words)
     int32_t* rq_cnt
     int32_t* rq_head
     int32_t* rq_rdy
@@ -78,6 +82,14 @@ cdef inline bint _can_read(Eng* g, int64_t p, int64_t pc, int k) noexcept nogil:
     return g.cq_cnt[qi] > 0 and g.cq_rdy[qi * g.Q + g.cq_head[qi]] <= g.cycle
 
 
+cdef inline int64_t _addr(Eng* g, int64_t p, int64_t pc, int k, int64_t e) noexcept nogil:
+    """Word address of element e of memory operand k (plain or indexed) of instruction pc on PE p."""
+    cdef int64_t base = g.mem_off[p], j = pc * 3 + k
+    if g.kind[j] == K_IDX:
+        return base + g.arg[j] + g.imem[base + g.iarg[j] + e * g.stride[j]]
+    return base + g.arg[j] + e * g.stride[j]
+
+
 cdef inline bint _element(Eng* g, int64_t p, int64_t pc, int64_t e) noexcept nogil:
     """Process element e of vector instruction pc on PE p; False (and nothing done) if it must stall."""
     cdef int k, kd, o = g.op[pc]
@@ -89,8 +101,8 @@ cdef inline bint _element(Eng* g, int64_t p, int64_t pc, int64_t e) noexcept nog
         return False   # output queue full, or the ramp link already carried a wavelet this cycle
     for k in range(1, 3):
         kd = g.kind[pc * 3 + k]
-        if kd == K_MEM:
-            res = g.mem[g.mem_off[p] + g.arg[pc * 3 + k] + e * g.stride[pc * 3 + k]]
+        if kd == K_MEM or kd == K_IDX:
+            res = g.mem[_addr(g, p, pc, k, e)]
         elif kd == K_FIN:
             qi = p * g.C + g.arg[pc * 3 + k]
             res = g.cq_val[qi * g.Q + g.cq_head[qi]]
@@ -104,8 +116,9 @@ cdef inline bint _element(Eng* g, int64_t p, int64_t pc, int64_t e) noexcept nog
             va = res
         else:
             vb = res
-    if g.kind[pc * 3] == K_MEM:
-        addr = g.mem_off[p] + g.arg[pc * 3] + e * g.stride[pc * 3]
+    kd = g.kind[pc * 3]
+    if kd == K_MEM or kd == K_IDX:
+        addr = _addr(g, p, pc, 0, e)
     if o == OP_FMOV:
         vd = va
     elif o == OP_FADD:
@@ -118,6 +131,8 @@ cdef inline bint _element(Eng* g, int64_t p, int64_t pc, int64_t e) noexcept nog
         vd = (g.mem[addr] if addr >= 0 else 0) + va * vb
     elif o == OP_FNEG:
         vd = -va
+    elif o == OP_FDIV:
+        vd = va / vb
     else:
         vd = va if va > vb else vb
     if addr >= 0:
@@ -140,7 +155,7 @@ def run(int W, int H, int C, int Q, int latency, int64_t max_cycles,
         const int32_t[::1] task_color, const int32_t[::1] task_start, const int32_t[::1] task_len, const int32_t[::1] ntasks,
         const int32_t[::1] op, const int64_t[::1] length,
         const int32_t[:, ::1] kind, const int64_t[:, ::1] arg, const int64_t[:, ::1] stride, const float[:, ::1] immv,
-        const int32_t[::1] target, const uint8_t[::1] asyn,
+        const int64_t[:, ::1] iarg, const int32_t[::1] target, const uint8_t[::1] asyn,
         uint32_t[::1] active, uint32_t[::1] blocked,
         int64_t[::1] busy, int64_t[::1] stall, int64_t[::1] link):
     """Run until done, deadlock or ``max_cycles``; returns (status, cycles). State arrays are updated in place."""
@@ -183,7 +198,9 @@ def run(int W, int H, int C, int Q, int latency, int64_t max_cycles,
     mt_busy = np.zeros(P, np.int32)         # microthreads in use per PE
     g.C, g.Q = C, Q
     g.kind, g.arg, g.stride, g.immv, g.op = &kind[0, 0], &arg[0, 0], &stride[0, 0], &immv[0, 0], &op[0]
+    g.iarg = &iarg[0, 0]
     g.mem_off, g.mem = &mem_off[0], &mem[0]
+    g.imem = <const int32_t*>&mem[0]
     g.rq_cnt, g.rq_head, g.rq_rdy, g.rq_val, g.rq_mask = &rq_cnt[0], &rq_head[0], &rq_rdy[0], &rq_val[0], &rq_mask[0]
     g.cq_cnt, g.cq_head, g.cq_rdy, g.cq_val = &cq_cnt[0], &cq_head[0], &cq_rdy[0], &cq_val[0]
     g.pending = &pending[0]

@@ -19,6 +19,11 @@ another task. A task body is a list of DSD vector instructions, one element per 
 operands are memory DSDs (``mem``: symbol, offset, length, stride) or fabric DSDs (``fin``/``fout``:
 color, length); a fabric operand stalls the instruction while its input queue is empty or its
 output queue is full.
+
+Sparse data use an indexed memory DSD, ``mem(x, index=mem(idx))``: element e is x[idx[e]], where
+idx is an int32 symbol (``alloc(..., dtype="int32")``) written by the host. It stands for the
+hardware's sparse addressing (data paired with indices) and costs one element per cycle like any
+DSD; it is this model's choice, not an SDK construct.
 """
 from dataclasses import dataclass, field
 
@@ -29,9 +34,10 @@ NUM_COLORS = 24
 MAX_TASKS = 32
 
 # Operand kinds and opcodes shared with _engine.pyx.
-K_NONE, K_MEM, K_FIN, K_FOUT, K_IMM = range(5)
-OPCODES = {"FMOV": 0, "FADD": 1, "FSUB": 2, "FMUL": 3, "FMAC": 4, "FNEG": 5, "FMAX": 6,
-           "ACTIVATE": 7, "BLOCK": 8, "UNBLOCK": 9}
+K_NONE, K_MEM, K_FIN, K_FOUT, K_IMM, K_IDX = range(6)
+OPCODES = {"FMOV": 0, "FADD": 1, "FSUB": 2, "FMUL": 3, "FMAC": 4, "FNEG": 5, "FMAX": 6, "FDIV": 7,
+           "ACTIVATE": 8, "BLOCK": 9, "UNBLOCK": 10}
+DTYPES = ("float32", "int32")
 
 
 class FabricError(ValueError):
@@ -84,6 +90,7 @@ class Region:
 class Symbol:
     name: str
     length: int
+    dtype: str = "float32"
 
 
 @dataclass(frozen=True)
@@ -93,12 +100,19 @@ class Operand:
     offset: int = 0
     length: int = 0
     stride: int = 1
+    index: "Operand" = None  # indexed memory DSD: the int32 memory DSD of the indices
 
 
-def mem(symbol, offset=0, length=None, stride=1):
-    """Memory DSD: ``length`` elements of ``symbol`` from ``offset``, ``stride`` apart."""
+def mem(symbol, offset=0, length=None, stride=1, *, index=None):
+    """Memory DSD: ``length`` elements of ``symbol`` from ``offset``, ``stride`` apart; with
+    ``index=mem(idx, ...)`` (an int32 symbol), element e is ``symbol[offset + idx[e]]`` instead."""
     if not isinstance(symbol, Symbol):
         raise FabricError(f"mem: expected a symbol from Program.alloc, got {symbol!r}")
+    if index is not None:
+        if not (isinstance(index, Operand) and index.kind == K_MEM and index.index is None
+                and index.arg.dtype == "int32"):
+            raise FabricError(f"mem({symbol.name!r}, index=...): expected a memory DSD of an int32 symbol")
+        return Operand(K_IDX, symbol, offset, index.length, 1, index)
     if length is None:
         length = (symbol.length - offset + stride - 1) // stride
     return Operand(K_MEM, symbol, offset, length, stride)
@@ -137,7 +151,8 @@ class Instr:
 
 
 class ops:
-    """The instruction set: d = a (FMOV), a + b, a - b, a * b, d = d + a * b (FMAC), -a, max(a, b);
+    """The instruction set: d = a (FMOV), a + b, a - b, a * b, d = d + a * b (FMAC), -a, max(a, b),
+    a / b (FDIV, for the scalars of solvers: IEEE float32, x / 0 is inf or nan);
     ACTIVATE/BLOCK/UNBLOCK a task of the same PE. A memory operand with stride 0 is a scalar (the
     same word for every element); ``imm(v)`` a constant. ``.asynchronous(then=...)`` runs a vector
     instruction on a microthread."""
@@ -169,6 +184,10 @@ class ops:
     @staticmethod
     def FMAX(d, a, b):
         return Instr("FMAX", d, a, b)
+
+    @staticmethod
+    def FDIV(d, a, b):
+        return Instr("FDIV", d, a, b)
 
     @staticmethod
     def ACTIVATE(task):
@@ -227,19 +246,22 @@ class Program:
         k = int(self.code_id[y, x])
         return self.codes[k] if k >= 0 else None
 
-    def alloc(self, region, name, length):
-        """``length`` float32 words named ``name`` on every PE of ``region``; returns the Symbol."""
+    def alloc(self, region, name, length, dtype="float32"):
+        """``length`` 32-bit words named ``name`` on every PE of ``region``, float32 or int32 (indices
+        for indexed DSDs, written by the host); returns the Symbol."""
+        if dtype not in DTYPES:
+            raise FabricError(f"symbol {name!r}: dtype must be one of {DTYPES}, got {dtype!r}")
         code = self._code(region)
         if name in code.symbols:
             raise FabricError(f"{region}: symbol {name!r} allocated twice")
         if length < 1:
             raise FabricError(f"symbol {name!r}: length must be >= 1, got {length}")
-        code.symbols[name] = (code.words, length)
+        code.symbols[name] = (code.words, length, dtype)
         code.words += length
         if code.words * 4 > self.fabric.mem_bytes:
             raise FabricError(f"{region}: symbol {name!r} needs {code.words * 4} bytes in all, more than the "
                               f"{self.fabric.mem_bytes} bytes of a PE's memory")
-        return Symbol(name, length)
+        return Symbol(name, length, dtype)
 
     def route(self, region, color, rx, tx):
         """On every PE of ``region``, wavelets of ``color`` are accepted from ports ``rx`` and forwarded to ``tx``."""

@@ -1,7 +1,8 @@
 """A compiled fabric program: flat arrays for the engine, host memcpy, launch, and the run report."""
 import numpy as np
 
-from wse_core.fabric.program import (K_FIN, K_FOUT, K_IMM, K_MEM, K_NONE, MAX_TASKS, OPCODES, PORTS, FabricError)
+from wse_core.fabric.program import (K_FIN, K_FOUT, K_IDX, K_IMM, K_MEM, K_NONE, MAX_TASKS, OPCODES, PORTS,
+                                    FabricError, Operand)
 
 _DIRS = {0: (0, -1), 1: (1, 0), 2: (0, 1), 3: (-1, 0)}     # N, E, S, W as (dx, dy)
 _OPPOSITE = {0: 2, 1: 3, 2: 0, 3: 1}
@@ -59,6 +60,7 @@ class Compiled:
         self.ntasks = np.zeros(len(codes), np.int32)
         self.task_index = []
         rows = []
+        self.indexed = []   # (code, index address, length, stride, data words): checked before each run
         for k, code in enumerate(codes):
             names = list(code.tasks)
             self.task_index.append({n: i for i, n in enumerate(names)})
@@ -75,7 +77,7 @@ class Compiled:
                 for ins in body:
                     rows.append(self._encode(ins, code, names, pes, cmap, k))
         if not rows:  # the engine takes the address of row 0; a program without code gets one unused row
-            rows.append((0, 1, [K_NONE] * 3, [0] * 3, [1] * 3, [0.0] * 3, -1, 0))
+            rows.append((0, 1, [K_NONE] * 3, [0] * 3, [1] * 3, [0.0] * 3, -1, 0, [0] * 3))
         n = len(rows)
         self.op = np.array([r[0] for r in rows], np.int32)
         self.length = np.array([r[1] for r in rows], np.int64)
@@ -85,6 +87,7 @@ class Compiled:
         self.immv = np.array([r[5] for r in rows], np.float32).reshape(n, 3)
         self.target = np.array([r[6] for r in rows], np.int32)
         self.asyn = np.array([r[7] for r in rows], np.uint8)
+        self.iarg = np.array([r[8] for r in rows], np.int64).reshape(n, 3)
         self.pe_code = program.code_id.reshape(-1).copy()
         words = np.array([c.words for c in codes] + [0], np.int64)[self.pe_code]   # -1 -> 0 words
         self.mem_off = np.concatenate([[0], np.cumsum(words)[:-1]]).astype(np.int64)
@@ -105,12 +108,12 @@ class Compiled:
 
     def _encode(self, ins, code, names, pes, cmap, k):
         opc = OPCODES[ins.op]
-        kinds, args, strides, imms = [K_NONE] * 3, [0] * 3, [1] * 3, [0.0] * 3
+        kinds, args, strides, imms, iargs = [K_NONE] * 3, [0] * 3, [1] * 3, [0.0] * 3, [0] * 3
         target = -1
         if ins.op in ("ACTIVATE", "BLOCK", "UNBLOCK"):
             if ins.task not in names:
                 raise FabricError(f"{ins.op}({ins.task!r}): no such task on PE {pes[0]}")
-            return opc, 1, kinds, args, strides, imms, names.index(ins.task), 0
+            return opc, 1, kinds, args, strides, imms, names.index(ins.task), 0, iargs
         operands = [ins.dst, ins.a, ins.b]
         n = ins.dst.length if ins.dst is not None else 0
         for i, od in enumerate(operands):
@@ -118,14 +121,12 @@ class Compiled:
                 continue
             kinds[i] = od.kind
             if od.kind == K_MEM:
-                if od.arg.name not in code.symbols:
-                    raise FabricError(f"{ins.op}: symbol {od.arg.name!r} is not allocated on PE {pes[0]}")
-                base, size = code.symbols[od.arg.name]
-                last = od.offset + (od.length - 1) * od.stride
-                if od.offset < 0 or od.length < 1 or last >= size or last < 0:
-                    raise FabricError(f"{ins.op}: {od.arg.name}[{od.offset}:+{od.length}:{od.stride}] is outside "
-                                      f"its {size} words on PE {pes[0]}")
-                args[i], strides[i] = base + od.offset, od.stride
+                args[i], strides[i] = self._words(ins.op, od, code, pes, "float32")
+            elif od.kind == K_IDX:
+                base, _ = self._words(ins.op, Operand(K_MEM, od.arg, od.offset, 1, 1), code, pes, "float32")
+                iargs[i], strides[i] = self._words(ins.op, od.index, code, pes, "int32")
+                args[i] = base
+                self.indexed.append((k, iargs[i], od.length, strides[i], code.symbols[od.arg.name][1] - od.offset))
             elif od.kind in (K_FIN, K_FOUT):
                 if od.arg not in cmap:
                     raise FabricError(f"{ins.op}: color {od.arg} has no route on PE {pes[0]}")
@@ -144,7 +145,23 @@ class Compiled:
             if ins.task not in names:
                 raise FabricError(f"{ins.op}.asynchronous(then={ins.task!r}): no such task on PE {pes[0]}")
             target = names.index(ins.task)
-        return opc, n, kinds, args, strides, imms, target, int(ins.is_async)
+        return opc, n, kinds, args, strides, imms, target, int(ins.is_async), iargs
+
+    @staticmethod
+    def _words(op, od, code, pes, dtype):
+        """(first word, stride) of memory DSD ``od`` in ``code``, which must lie inside its symbol of ``dtype``."""
+        name = od.arg.name
+        if name not in code.symbols:
+            raise FabricError(f"{op}: symbol {name!r} is not allocated on PE {pes[0]}")
+        base, size, have = code.symbols[name]
+        if have != dtype:
+            use = "as the index= of a memory DSD" if have == "int32" else "only as data"
+            raise FabricError(f"{op}: symbol {name!r} is {have}; use it {use} (PE {pes[0]})")
+        last = od.offset + (od.length - 1) * od.stride
+        if od.offset < 0 or od.length < 1 or last >= size or last < 0:
+            raise FabricError(f"{op}: {name}[{od.offset}:+{od.length}:{od.stride}] is outside "
+                              f"its {size} words on PE {pes[0]}")
+        return base + od.offset, od.stride
 
     # -- host side -------------------------------------------------------------------------------
 
@@ -168,13 +185,16 @@ class Compiled:
     def memcpy_h2d(self, symbol, region, data):
         """Copy ``data`` [h, w, n] (or anything that broadcasts to it) into ``symbol`` on the PEs of ``region``."""
         addr = self._addresses(region, symbol)
-        data = np.broadcast_to(np.asarray(data, np.float32), (*addr.shape, symbol.length))
-        self.mem[addr[..., None] + np.arange(symbol.length)] = data
+        data = np.asarray(data)
+        if symbol.dtype == "int32" and data.size and not np.issubdtype(data.dtype, np.integer):
+            raise FabricError(f"memcpy_h2d: symbol {symbol.name!r} is int32, got {data.dtype} data")
+        data = np.broadcast_to(data.astype(symbol.dtype, copy=False), (*addr.shape, symbol.length))
+        self.mem.view(symbol.dtype)[addr[..., None] + np.arange(symbol.length)] = data
 
     def memcpy_d2h(self, symbol, region):
-        """``symbol`` on the PEs of ``region`` as an array [h, w, n]."""
+        """``symbol`` on the PEs of ``region`` as an array [h, w, n] (of the symbol's dtype)."""
         addr = self._addresses(region, symbol)
-        return self.mem[addr[..., None] + np.arange(symbol.length)]
+        return self.mem.view(symbol.dtype)[addr[..., None] + np.arange(symbol.length)]
 
     def launch(self, task, region=None):
         """Activate ``task`` on every PE of ``region`` (default: every PE whose code has it)."""
@@ -200,16 +220,30 @@ class Compiled:
 
         f = self.fabric
         P = f.width * f.height
+        self._check_indices()
         busy, stall, link = np.zeros(P, np.int64), np.zeros(P, np.int64), np.zeros(P * 5, np.int64)
         status, cycles, state = _engine.run(
             f.width, f.height, self.C, f.queue_depth, f.hop_latency, int(max_cycles), self.rx, self.tx,
             self.pe_code, self.mem_off, self.mem, self.task_color, self.task_start, self.task_len, self.ntasks,
-            self.op, self.length, self.kind, self.arg, self.stride, self.immv, self.target, self.asyn,
+            self.op, self.length, self.kind, self.arg, self.stride, self.immv, self.iarg, self.target, self.asyn,
             self.active, self.blocked, busy, stall, link)
         if status != 0:
             raise FabricError(self._explain(status, cycles, state))
         return Result(cycles, busy.reshape(f.height, f.width), stall.reshape(f.height, f.width),
                       link.reshape(f.height, f.width, 5))
+
+    def _check_indices(self):
+        """Every index an indexed DSD will read lies inside its data symbol, on every PE (the engine trusts them)."""
+        ints = self.mem.view(np.int32)
+        for k, iaddr, length, stride, size in self.indexed:
+            pes = np.flatnonzero(self.pe_code == k)
+            idx = ints[(self.mem_off[pes] + iaddr)[:, None] + stride * np.arange(length)]
+            bad = (idx < 0) | (idx >= size)
+            if bad.any():
+                j, e = np.argwhere(bad)[0]
+                p = int(pes[j])
+                raise FabricError(f"PE ({p % self.fabric.width}, {p // self.fabric.width}): index {int(idx[j, e])} "
+                                  f"(element {e}) is outside the {size} words it indexes")
 
     def _explain(self, status, cycles, state):
         W, C = self.fabric.width, self.C
@@ -236,14 +270,15 @@ class Result:
     microthread: a PE can do several per cycle), ``stall`` element slots lost waiting on the fabric,
     ``link`` wavelets sent per port (N, E, S, W, and delivered to the core)."""
 
-    def __init__(self, cycles, busy, stall, link):
+    def __init__(self, cycles, busy, stall, link, extra=None):
         self.cycles, self.busy, self.stall, self.link = cycles, busy, stall, link
+        self.extra = dict(extra or {})   # program-specific figures (iterations, padding, ...), in the report
 
     def report(self):
         return {"cycles": int(self.cycles), "pes": int(self.busy.size), "element_ops": int(self.busy.sum()),
                 "stalls": int(self.stall.sum()), "wavelet_hops": int(self.link[..., :4].sum()),
                 "ramp_deliveries": int(self.link[..., 4].sum()), "max_pe_ops": int(self.busy.max()),
-                "ops_per_pe_cycle": float(self.busy.mean() / max(self.cycles, 1))}
+                "ops_per_pe_cycle": float(self.busy.mean() / max(self.cycles, 1)), **self.extra}
 
     def heatmap(self, path):
         """Write a PNG of per-PE busy, stall and link activity (needs matplotlib, an optional extra)."""
