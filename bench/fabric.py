@@ -1,13 +1,19 @@
-"""The PE-mesh simulator's speed: simulated PE-cycles per wall second for the stencil, GEMV and a broadcast.
+"""The PE-mesh simulator's speed, and BiCGSTAB cycles per iteration next to the SC20 figures.
 
     wse bench fabric [--json PATH] [--sizes 64x64,256x256,750x994] [--z 64] [--tile 16]
+                     [--bicgstab-max-pes 65536]
 
 For each fabric size: one 7-point stencil application (Z points per PE, the SC20 mapping), one
-GEMV with a TILE x TILE tile of A per PE (a 12k x 16k matrix on the full wafer), and one row
-broadcast of Z values, each checked against numpy. PE-cycles/s = width x height x simulated
-cycles / wall seconds of the engine's run (compile and host copies reported apart). The numpy
-evaluation of the same stencil, in the same run, is the baseline: what one stencil costs when
-nothing is simulated. 750 x 994 is the WSE-2's usable program rectangle.
+GEMV and one SpMV (10% dense) with a TILE x TILE tile of A per PE, each checked against numpy,
+and (up to --bicgstab-max-pes PEs) two BiCGSTAB iterations for the stencil system. PE-cycles/s =
+width x height x simulated cycles / wall seconds of the engine's run (building, compiling and
+host copies excluded). The baseline is numpy computing the same stencil in the same run: what one
+application costs when nothing is simulated. 750 x 994 is the WSE-2's usable program rectangle.
+
+Cycles per BiCGSTAB iteration do not depend on the data (the same instructions run on the same
+routes every iteration), and grow as a Z + b (W + H) + c: Z for the vector work on each PE's
+column, W + H for the allreduce latency. The benchmark fits a, b, c on small meshes, checks the
+fit on a fourth, and predicts an iteration on the SC20 paper's 600 x 595 x 1536 mesh.
 """
 import time
 
@@ -15,11 +21,20 @@ import numpy as np
 
 from bench.harness import machine, table
 
+# One BiCGSTAB iteration per mesh point: two stencils (13 flops each), five dot products (2 each),
+# the p, s, x and r updates (4 + 2 + 4 + 2): see wse_core.fabric.kernels.bicgstab_program.
+FLOPS_PER_POINT = 2 * 13 + 5 * 2 + 12
+SC20 = {"width": 600, "height": 595, "z": 1536, "pflops": 0.86}
+FIT_MESHES = [(8, 8, 32), (8, 8, 96), (24, 16, 32)]
+CHECK_MESH = (16, 20, 64)
+
 
 def add_arguments(parser):
     parser.add_argument("--sizes", default="64x64,256x256,750x994", help="comma-separated WxH fabric sizes")
-    parser.add_argument("--z", type=int, default=64, help="stencil points per PE (and broadcast length)")
-    parser.add_argument("--tile", type=int, default=16, help="GEMV tile of A per PE (TILE x TILE)")
+    parser.add_argument("--z", type=int, default=64, help="stencil and BiCGSTAB points per PE")
+    parser.add_argument("--tile", type=int, default=16, help="GEMV/SpMV tile of A per PE (TILE x TILE)")
+    parser.add_argument("--bicgstab-max-pes", type=int, default=256 * 256,
+                        help="run BiCGSTAB iterations on fabrics of at most this many PEs")
 
 
 def _sizes(text):
@@ -32,49 +47,64 @@ def _sizes(text):
     return out
 
 
-def _stencil(w, h, z):
-    from wse_core.fabric.kernels import stencil7_program, stencil7_reference
+def _speed(r, **more):
+    return {"cycles": r.cycles, "engine_seconds": r.seconds, "pe_cycles_per_second": r.pe_cycles_per_second, **more}
 
+
+def _stencil(w, h, z):
+    from wse_core.fabric.kernels import stencil7, stencil7_reference
+
+    v, ref, r = stencil7(w, h, z)
+    u = np.random.default_rng(0).standard_normal((z, h, w)).astype(np.float32)   # stencil7's input, seed 0
     t0 = time.perf_counter()
-    prog, u_sym, v_sym, k_sym = stencil7_program(w, h, z)
-    c = prog.compile()
-    full = prog.region(0, 0, w, h)
-    u = np.random.default_rng(0).standard_normal((z, h, w)).astype(np.float32)
-    c.memcpy_h2d(u_sym, full, u.transpose(1, 2, 0))
-    c.memcpy_h2d(k_sym, full, np.array([6.0, -1.0], np.float32))
-    c.launch("start")
-    t1 = time.perf_counter()
-    r = c.run()
-    t2 = time.perf_counter()
-    v = c.memcpy_d2h(v_sym, full).transpose(2, 0, 1)
-    t3 = time.perf_counter()
-    ref = stencil7_reference(u)
-    t4 = time.perf_counter()
-    return {"cycles": r.cycles, "run_seconds": t2 - t1, "setup_seconds": t1 - t0 + t3 - t2,
-            "numpy_seconds": t4 - t3, "max_abs_error": float(np.abs(v - ref).max()),
-            "pe_cycles_per_second": w * h * r.cycles / (t2 - t1), "cycles_per_point": r.cycles / z,
-            **r.report()}
+    stencil7_reference(u)
+    numpy_seconds = time.perf_counter() - t0
+    return _speed(r, max_abs_error=float(np.abs(v - ref).max()), numpy_seconds=numpy_seconds,
+                  cycles_per_point=r.cycles / z, stalls=int(r.stall.sum()))
+
+
+def _iteration_cycles(w, h, z):
+    from wse_core.fabric.kernels import bicgstab
+
+    _, _, r = bicgstab(w, h, z, max_iter=1)
+    return r.extra["cycles_per_iteration"]
+
+
+def sc20_model():
+    """Fit cycles per iteration = a Z + b (W + H) + c on FIT_MESHES, check it on CHECK_MESH, predict SC20's mesh."""
+    X = np.array([[z, w + h, 1.0] for w, h, z in FIT_MESHES])
+    y = np.array([_iteration_cycles(*m) for m in FIT_MESHES], np.float64)
+    a, b, c = np.linalg.solve(X, y)
+    w, h, z = CHECK_MESH
+    measured = _iteration_cycles(w, h, z)
+    predicted = a * z + b * (w + h) + c
+    sc = a * SC20["z"] + b * (SC20["width"] + SC20["height"]) + c
+    return {"a_per_z": a, "b_per_w_plus_h": b, "c": c, "check_mesh": list(CHECK_MESH), "check_measured": measured,
+            "check_predicted": predicted, "sc20_cycles_per_iteration": sc,
+            "sc20_flops_per_pe_cycle": FLOPS_PER_POINT * SC20["z"] / sc}
 
 
 def run(args):
-    from wse_core.fabric.kernels import broadcast, gemv
+    from wse_core.fabric.kernels import bicgstab, gemv, spmv
 
-    if args.z < 1:
-        raise ValueError(f"--z must be >= 1, got {args.z}")
-    result = {"benchmark": "fabric", "machine": machine(), "z": args.z, "rows": []}
+    if args.z < 1 or args.tile < 1:
+        raise ValueError(f"--z and --tile must be >= 1, got {args.z} and {args.tile}")
+    result = {"benchmark": "fabric", "machine": machine(), "z": args.z, "tile": args.tile, "rows": [],
+              "flops_per_point_per_iteration": FLOPS_PER_POINT}
     for w, h in _sizes(args.sizes):
         row = {"width": w, "height": h, "stencil7": _stencil(w, h, args.z)}
-        t0 = time.perf_counter()
-        got, expected, r = broadcast(w, h, args.z)
-        wall = time.perf_counter() - t0
-        row["broadcast"] = {"cycles": r.cycles, "seconds_with_setup": wall, "correct": bool(np.array_equal(got, expected)),
-                            "pe_cycles_per_second": w * h * r.cycles / wall}
-        t0 = time.perf_counter()
         y, ref, r = gemv(w, h, args.tile, args.tile)
-        wall = time.perf_counter() - t0
-        row["gemv"] = {"cycles": r.cycles, "seconds_with_setup": wall, "pe_cycles_per_second": w * h * r.cycles / wall,
-                       "max_rel_error": float(np.abs(y - ref).max() / max(np.abs(ref).max(), 1e-30))}
+        row["gemv"] = _speed(r, max_rel_error=float(np.abs(y - ref).max() / max(np.abs(ref).max(), 1e-30)))
+        y, ref, r = spmv(w, h, args.tile, args.tile, 0.1)
+        row["spmv"] = _speed(r, max_rel_error=float(np.abs(y - ref).max() / max(np.abs(ref).max(), 1e-30)),
+                             padding=r.extra["padding"])
+        if w * h <= args.bicgstab_max_pes:
+            _, _, r = bicgstab(w, h, args.z, max_iter=2)
+            per = r.extra["cycles_per_iteration"]
+            row["bicgstab"] = _speed(r, cycles_per_iteration=per,
+                                     flops_per_pe_cycle=FLOPS_PER_POINT * args.z / per)
         result["rows"].append(row)
+    result["sc20_model"] = sc20_model()
     return result
 
 
@@ -82,16 +112,22 @@ def report(result):
     m = result["machine"]
     rows = []
     for row in result["rows"]:
-        s, b, g = row["stencil7"], row["broadcast"], row["gemv"]
+        s, g, sp, b = row["stencil7"], row["gemv"], row["spmv"], row.get("bicgstab")
         rows.append([f"{row['width']}x{row['height']}", s["cycles"], f"{s['cycles_per_point']:.2f}",
-                     f"{s['run_seconds']:.2f}", f"{s['pe_cycles_per_second']:.3g}", f"{s['max_abs_error']:.1e}",
+                     f"{s['engine_seconds']:.2f}", f"{s['pe_cycles_per_second']:.3g}", f"{s['max_abs_error']:.1e}",
                      f"{s['numpy_seconds'] * 1e3:.1f}", g["cycles"], f"{g['pe_cycles_per_second']:.3g}",
-                     f"{g['max_rel_error']:.1e}", b["cycles"], f"{b['pe_cycles_per_second']:.3g}",
-                     "yes" if b["correct"] else "NO"])
+                     f"{g['max_rel_error']:.1e}", sp["cycles"], f"{sp['pe_cycles_per_second']:.3g}",
+                     b["cycles_per_iteration"] if b else "-", f"{b['pe_cycles_per_second']:.3g}" if b else "-"])
+    sc = result["sc20_model"]
     return "\n".join([
-        f"PE-mesh simulator, Z = {result['z']}; {m['cpu']}, {m['cores']} cores (the engine runs on one)",
-        table(rows, ["fabric", "stencil cycles", "cycles/point", "run s", "PE-cycles/s", "max err", "numpy ms",
-                     "gemv cycles", "gemv PE-cycles/s", "gemv rel err", "bcast cycles", "bcast PE-cycles/s",
-                     "bcast ok"]),
-        "PE-cycles/s of gemv and broadcast include building and compiling the program.",
+        f"PE-mesh simulator, Z = {result['z']}, tile {result['tile']}; {m['cpu']}, {m['cores']} cores",
+        table(rows, ["fabric", "stencil cycles", "cycles/point", "engine s", "PE-cycles/s", "max err", "numpy ms",
+                     "gemv cycles", "gemv PE-cycles/s", "gemv rel err", "spmv cycles", "spmv PE-cycles/s",
+                     "bicgstab cycles/iter", "bicgstab PE-cycles/s"]),
+        f"BiCGSTAB cycles per iteration = {sc['a_per_z']:.2f} Z + {sc['b_per_w_plus_h']:.2f} (W + H) + "
+        f"{sc['c']:.0f} (fit on {len(FIT_MESHES)} meshes; on {'x'.join(map(str, sc['check_mesh']))} it predicts "
+        f"{sc['check_predicted']:.0f}, measured {sc['check_measured']})",
+        f"On SC20's 600 x 595 x 1536 mesh: {sc['sc20_cycles_per_iteration']:.0f} cycles per iteration, "
+        f"{sc['sc20_flops_per_pe_cycle']:.2f} flops per PE-cycle ({result['flops_per_point_per_iteration']} flops "
+        "per point); SC20 measured 0.86 PFLOPS, about a third of the machine's peak.",
     ])

@@ -1,4 +1,6 @@
 """A compiled fabric program: flat arrays for the engine, host memcpy, launch, and the run report."""
+import time
+
 import numpy as np
 
 from wse_core.fabric.program import (K_FIN, K_FOUT, K_IDX, K_IMM, K_MEM, K_NONE, MAX_TASKS, OPCODES, PORTS,
@@ -77,7 +79,7 @@ class Compiled:
                 for ins in body:
                     rows.append(self._encode(ins, code, names, pes, cmap, k))
         if not rows:  # the engine takes the address of row 0; a program without code gets one unused row
-            rows.append((0, 1, [K_NONE] * 3, [0] * 3, [1] * 3, [0.0] * 3, -1, 0, [0] * 3))
+            rows.append((0, 1, [K_NONE] * 3, [0] * 3, [1] * 3, [0.0] * 3, -1, 0, [0] * 3, (0, 0, 0, 0)))
         n = len(rows)
         self.op = np.array([r[0] for r in rows], np.int32)
         self.length = np.array([r[1] for r in rows], np.int64)
@@ -88,6 +90,7 @@ class Compiled:
         self.target = np.array([r[6] for r in rows], np.int32)
         self.asyn = np.array([r[7] for r in rows], np.uint8)
         self.iarg = np.array([r[8] for r in rows], np.int64).reshape(n, 3)
+        self.ranges = np.array([r[9] for r in rows], np.int64).reshape(n, 4)
         self.pe_code = program.code_id.reshape(-1).copy()
         words = np.array([c.words for c in codes] + [0], np.int64)[self.pe_code]   # -1 -> 0 words
         self.mem_off = np.concatenate([[0], np.cumsum(words)[:-1]]).astype(np.int64)
@@ -113,20 +116,26 @@ class Compiled:
         if ins.op in ("ACTIVATE", "BLOCK", "UNBLOCK"):
             if ins.task not in names:
                 raise FabricError(f"{ins.op}({ins.task!r}): no such task on PE {pes[0]}")
-            return opc, 1, kinds, args, strides, imms, names.index(ins.task), 0, iargs
+            return opc, 1, kinds, args, strides, imms, names.index(ins.task), 0, iargs, (0, 0, 0, 0)
         operands = [ins.dst, ins.a, ins.b]
         n = ins.dst.length if ins.dst is not None else 0
+        reads, writes = [], []   # word ranges, for the engine's batching of memory-only instructions
         for i, od in enumerate(operands):
             if od is None:
                 continue
             kinds[i] = od.kind
             if od.kind == K_MEM:
                 args[i], strides[i] = self._words(ins.op, od, code, pes, "float32")
+                span = sorted((args[i], args[i] + (od.length - 1) * od.stride))
+                (writes if i == 0 else reads).append((span[0], span[1] + 1))
             elif od.kind == K_IDX:
                 base, _ = self._words(ins.op, Operand(K_MEM, od.arg, od.offset, 1, 1), code, pes, "float32")
                 iargs[i], strides[i] = self._words(ins.op, od.index, code, pes, "int32")
                 args[i] = base
-                self.indexed.append((k, iargs[i], od.length, strides[i], code.symbols[od.arg.name][1] - od.offset))
+                size = code.symbols[od.arg.name][1] - od.offset
+                self.indexed.append((k, iargs[i], od.length, strides[i], size))
+                (writes if i == 0 else reads).append((base, base + size))
+                reads.append((iargs[i], iargs[i] + (od.length - 1) * strides[i] + 1))
             elif od.kind in (K_FIN, K_FOUT):
                 if od.arg not in cmap:
                     raise FabricError(f"{ins.op}: color {od.arg} has no route on PE {pes[0]}")
@@ -145,7 +154,10 @@ class Compiled:
             if ins.task not in names:
                 raise FabricError(f"{ins.op}.asynchronous(then={ins.task!r}): no such task on PE {pes[0]}")
             target = names.index(ins.task)
-        return opc, n, kinds, args, strides, imms, target, int(ins.is_async), iargs
+        if ins.op == "FMAC":
+            reads += writes   # d = d + a * b reads d
+        hull = [(min(lo for lo, _ in rs), max(hi for _, hi in rs)) if rs else (0, 0) for rs in (reads, writes)]
+        return opc, n, kinds, args, strides, imms, target, int(ins.is_async), iargs, (*hull[0], *hull[1])
 
     @staticmethod
     def _words(op, od, code, pes, dtype):
@@ -214,23 +226,27 @@ class Compiled:
         if not found:
             raise FabricError(f"launch: no PE has a task {task!r}")
 
-    def run(self, max_cycles=10**9):
-        """Run until every core is idle and every queue empty; returns a ``Result``."""
+    def run(self, max_cycles=10**9, threads=0):
+        """Run until every core is idle and every queue empty; returns a ``Result``. ``threads``: for
+        the cores' phase of each cycle (0: OpenMP's maximum on fabrics large enough to gain from it);
+        results and cycles do not depend on it."""
         from wse_core.fabric import _engine
 
         f = self.fabric
         P = f.width * f.height
         self._check_indices()
         busy, stall, link = np.zeros(P, np.int64), np.zeros(P, np.int64), np.zeros(P * 5, np.int64)
+        t0 = time.perf_counter()
         status, cycles, state = _engine.run(
             f.width, f.height, self.C, f.queue_depth, f.hop_latency, int(max_cycles), self.rx, self.tx,
             self.pe_code, self.mem_off, self.mem, self.task_color, self.task_start, self.task_len, self.ntasks,
-            self.op, self.length, self.kind, self.arg, self.stride, self.immv, self.iarg, self.target, self.asyn,
-            self.active, self.blocked, busy, stall, link)
+            self.op, self.length, self.kind, self.arg, self.stride, self.immv, self.iarg, self.ranges, self.target,
+            self.asyn, self.active, self.blocked, busy, stall, link, int(threads))
+        seconds = time.perf_counter() - t0
         if status != 0:
             raise FabricError(self._explain(status, cycles, state))
         return Result(cycles, busy.reshape(f.height, f.width), stall.reshape(f.height, f.width),
-                      link.reshape(f.height, f.width, 5))
+                      link.reshape(f.height, f.width, 5), seconds=seconds)
 
     def _check_indices(self):
         """Every index an indexed DSD will read lies inside its data symbol, on every PE (the engine trusts them)."""
@@ -268,17 +284,25 @@ class Compiled:
 class Result:
     """Cycles of a run and per-PE activity [H, W]: ``busy`` elements processed (by the task or a
     microthread: a PE can do several per cycle), ``stall`` element slots lost waiting on the fabric,
-    ``link`` wavelets sent per port (N, E, S, W, and delivered to the core)."""
+    ``link`` wavelets sent per port (N, E, S, W, and delivered to the core); ``seconds`` of wall
+    time in the engine (host copies and compiling excluded)."""
 
-    def __init__(self, cycles, busy, stall, link, extra=None):
+    def __init__(self, cycles, busy, stall, link, extra=None, seconds=0.0):
         self.cycles, self.busy, self.stall, self.link = cycles, busy, stall, link
         self.extra = dict(extra or {})   # program-specific figures (iterations, padding, ...), in the report
+        self.seconds = seconds
+
+    @property
+    def pe_cycles_per_second(self):
+        """The simulator's speed: PEs x simulated cycles per wall second of the engine."""
+        return self.busy.size * self.cycles / self.seconds if self.seconds > 0 else 0.0
 
     def report(self):
         return {"cycles": int(self.cycles), "pes": int(self.busy.size), "element_ops": int(self.busy.sum()),
                 "stalls": int(self.stall.sum()), "wavelet_hops": int(self.link[..., :4].sum()),
                 "ramp_deliveries": int(self.link[..., 4].sum()), "max_pe_ops": int(self.busy.max()),
-                "ops_per_pe_cycle": float(self.busy.mean() / max(self.cycles, 1)), **self.extra}
+                "ops_per_pe_cycle": float(self.busy.mean() / max(self.cycles, 1)), "engine_seconds": self.seconds,
+                "pe_cycles_per_second": self.pe_cycles_per_second, **self.extra}
 
     def heatmap(self, path):
         """Write a PNG of per-PE busy, stall and link activity (needs matplotlib, an optional extra)."""
