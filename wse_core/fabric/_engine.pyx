@@ -1,6 +1,8 @@
 """The cycle engine of the PE-mesh simulator: routers, queues and cores as flat arrays, no GIL.
 
-Each cycle has two phases, each visiting PEs in index order (the deterministic tie-break):
+Each cycle has two phases, each visiting PEs in index order (the deterministic tie-break); the
+engine runs them in one sweep, each core a row behind the routers (see ``run``), which gives the
+same result and keeps a PE's state in cache between its router and its core:
 
 * routers: for each PE with wavelets queued and each color (starting from ``cycle % colors`` so no
   color starves), the head wavelet moves when it has arrived (hop latency) and every destination
@@ -12,17 +14,13 @@ Each cycle has two phases, each visiting PEs in index order (the deterministic t
   blocked; a running instruction processes one element per cycle, stalling while a fabric input is
   empty or a fabric output queue is full. The ramp is a link like the others: a core sends at most
   one wavelet into its router per cycle (microthreads and task together) and receives at most one.
-  A core touches only its own PE's state, so this phase runs on OpenMP threads on large fabrics,
-  with the same result. A memory-only instruction that no busy microthread can observe runs all
-  its elements at once and holds the task for as many cycles (``_batch``): same bits, same cycles.
+  A memory-only instruction that no busy microthread can observe runs all its elements at once
+  and holds the task for as many cycles (``_batch``): same bits, same cycles.
 
 Return codes: 0 done (every core idle, every queue empty), 1 deadlock (nothing moved and nothing
 is in flight), 2 the cycle limit, 3 wavelets left in a core queue that no task will read.
 """
-from cython.parallel cimport prange
 from libc.stdint cimport int32_t, int64_t, uint8_t, uint32_t
-
-from wse_core._parallel cimport wse_threads_for
 
 cdef extern from *:
     int __builtin_ctz(unsigned int) nogil
@@ -47,7 +45,6 @@ cdef enum:
     OP_UNBLOCK = 10
     MAXT = 32
     MT = 4          # microthreads per PE: async vector instructions run beside the task
-    CORE_GRAIN = 8192   # PEs per thread in the core phase: below it a fork/join per cycle costs more than it saves
 
 
 cdef struct Ins:
@@ -66,9 +63,14 @@ cdef struct Ins:
 
 
 cdef struct Eng:
+    int W
     int C
     int Q
+    int latency
     int64_t cycle
+    const uint8_t* tx   # route of each [PE, color]: output ports (bits N, E, S, W, RAMP)
+    const uint8_t* rx   # and the ports it accepts from
+    int64_t* link       # wavelets sent per [PE, port]
     const Ins* ins
     const int64_t* mem_off
     float* mem
@@ -85,7 +87,8 @@ cdef struct Eng:
     int QS              # int32 words per queue: count, head, Q ready cycles, Q values (float bits)
     int32_t* rq         # router queues [PE, color]
     int32_t* cq         # core input queues [PE, color]
-    uint32_t* rq_mask
+    uint32_t* rq_mask   # colors with wavelets queued in this PE's router
+    uint32_t* rq_wait   # of those, colors whose head waits for room in a full destination queue
     int32_t* ramp_out   # the cycle this core last sent a wavelet into its router
     int32_t* pending
     int32_t* cur_task
@@ -142,6 +145,7 @@ cdef inline float _source(Eng* g, int64_t p, const Ins* I, int k, int64_t e) noe
     if kd == K_MEM or kd == K_IDX:
         return g.mem[_addr(g, p, I, k, e)]
     if kd == K_FIN:
+        g.rq_wait[p] &= ~(1u << I.arg[k])   # room in the core's queue: the router may deliver again
         return _q_pop(&g.cq[(p * g.C + I.arg[k]) * g.QS], g.Q)
     if kd == K_IMM:
         return I.immv[k]
@@ -216,6 +220,80 @@ cdef bint _batch(Eng* g, int64_t p, const Ins* I) noexcept nogil:
                     or _overlap(I.rlo, I.rhi, J.wlo, J.whi)):
                 return False
     return True
+
+
+cdef int _router(Eng* g, int64_t p, int64_t cycle, int rot) noexcept nogil:
+    """One cycle of PE p's router: for each color with wavelets queued (starting at ``rot``, so that
+    no color starves), the head wavelet moves when it has arrived and every destination has room:
+    a neighbour's queue through a link not yet used this cycle, and/or the core's queue (RAMP). A
+    multicast moves all its copies at once. Returns bit 1 if a wavelet moved, bit 2 if one waits
+    for its arrival cycle."""
+    # A head waiting for room is not tried again until its destination pops (``rq_wait``): the
+    # same outcome as trying it every cycle, for a fraction of the work on a congested fabric.
+    cdef uint32_t bits = g.rq_mask[p] & ~g.rq_wait[p]
+    cdef int C = g.C, Q = g.Q, QS = g.QS, k, ci, port, flags = 0, moved_ports = 0
+    cdef unsigned int ports
+    cdef int64_t qi, qn
+    cdef int64_t nbr[4]
+    cdef int32_t* qp
+    cdef uint8_t txm
+    cdef bint ok
+    cdef float va
+    if bits == 0:
+        return 0
+    nbr[0] = p - g.W                                       # N (routes never point off the edge)
+    nbr[1] = p + 1                                         # E
+    nbr[2] = p + g.W                                       # S
+    nbr[3] = p - 1                                         # W
+    if rot:
+        bits = ((bits >> rot) | (bits << (C - rot))) & ((1u << C) - 1)
+    while bits:
+        k = __builtin_ctz(bits)
+        bits &= bits - 1
+        ci = rot + k
+        if ci >= C:
+            ci -= C
+        qi = p * C + ci
+        txm = g.tx[qi]
+        if txm & moved_ports:
+            continue   # a link it needs carried a wavelet this cycle (so this cycle made progress)
+        qp = &g.rq[qi * QS]
+        if qp[2 + qp[1]] > cycle:
+            flags |= 2
+            continue
+        ok = not ((txm & 16) and g.cq[qi * QS] >= Q)
+        ports = txm & 15
+        while ok and ports:
+            port = __builtin_ctz(ports)
+            ports &= ports - 1
+            ok = g.rq[(nbr[port] * C + ci) * QS] < Q
+        if not ok:
+            g.rq_wait[p] |= 1u << ci
+            continue
+        va = _q_pop(qp, Q)
+        if qp[0] == 0:
+            g.rq_mask[p] &= ~(1u << ci)
+        g.pending[p] -= 1
+        ports = g.rx[qi] & 15          # the neighbours that feed this queue may send again
+        while ports:
+            port = __builtin_ctz(ports)
+            ports &= ports - 1
+            g.rq_wait[nbr[port]] &= ~(1u << ci)
+        ports = txm & 15
+        while ports:
+            port = __builtin_ctz(ports)
+            ports &= ports - 1
+            qn = nbr[port] * C + ci
+            _q_push(&g.rq[qn * QS], Q, va, cycle + g.latency)
+            g.rq_mask[nbr[port]] |= 1u << ci
+            g.pending[nbr[port]] += 1
+            g.link[p * 5 + port] += 1
+        if txm & 16:
+            _q_push(&g.cq[qi * QS], Q, va, cycle + 1)
+            g.link[p * 5 + 4] += 1
+        moved_ports |= txm
+        flags |= 1
+    return flags
 
 
 cdef int _core(Eng* g, int64_t p) noexcept nogil:
@@ -327,18 +405,14 @@ def run(int W, int H, int C, int Q, int latency, int64_t max_cycles,
         const int32_t[:, ::1] kind, const int64_t[:, ::1] arg, const int64_t[:, ::1] stride, const float[:, ::1] immv,
         const int64_t[:, ::1] iarg, const int64_t[:, ::1] ranges, const int32_t[::1] target, const uint8_t[::1] asyn,
         uint32_t[::1] active, uint32_t[::1] blocked,
-        int64_t[::1] busy, int64_t[::1] stall, int64_t[::1] link, int threads=0):
+        int64_t[::1] busy, int64_t[::1] stall, int64_t[::1] link):
     """Run until done, deadlock or ``max_cycles``; returns (status, cycles, state). State arrays are
-    updated in place. ``threads``: threads for the core phase (0: as many as OpenMP allows, for
-    fabrics large enough); the result does not depend on it."""
+    updated in place."""
     if max_cycles > 2**31 - 2:
         max_cycles = 2**31 - 2   # arrival cycles are int32
-    cdef int64_t P = <int64_t>W * H, p, qi, qn, slot, cycle = 0, i
-    cdef int c, ci, port, k, moved_ports, rot, nt, f, nprog, nfut
-    cdef bint ok, progress, future
-    cdef float va
-    cdef uint8_t txm
-    cdef uint32_t bits
+    cdef int64_t P = <int64_t>W * H, S = W + 1, p, q, qi, cycle = 0
+    cdef int rot, f, k
+    cdef bint progress, future
     cdef Eng g
     import numpy as np
 
@@ -358,24 +432,21 @@ def run(int W, int H, int C, int Q, int latency, int64_t max_cycles,
     cdef int QS = 2 + 2 * Q
     rq_arr, cq_arr = np.zeros((P * C, QS), np.int32), np.zeros((P * C, QS), np.int32)
     cdef int32_t[:, ::1] rq = rq_arr, cq = cq_arr
-    cdef int32_t* qp
-    cdef uint32_t[::1] rq_mask = np.zeros(P, np.uint32)      # colors with wavelets queued in this PE's router
+    cdef uint32_t[::1] rq_mask = np.zeros(P, np.uint32), rq_wait = np.zeros(P, np.uint32)
     cdef int32_t[::1] ramp_out = np.full(P, -1, np.int32)
     cdef int32_t[::1] cur_task = np.full(P, -1, np.int32), pending = np.zeros(P, np.int32)
     cdef int64_t[::1] cur_pc = np.zeros(P, np.int64), cur_e = np.zeros(P, np.int64), wake = np.zeros(P, np.int64)
     cdef int64_t[::1] mt_pc = np.full(P * MT, -1, np.int64), mt_e = np.zeros(P * MT, np.int64)
     cdef int32_t[::1] mt_busy = np.zeros(P, np.int32)
-    g.C, g.Q, g.ins = C, Q, ins
+    g.W, g.C, g.Q, g.latency, g.ins, g.tx, g.link = W, C, Q, latency, ins, &tx[0], &link[0]
     g.mem_off, g.mem, g.imem = &mem_off[0], &mem[0], <const int32_t*>&mem[0]
     g.pe_code, g.task_color, g.task_start = &pe_code[0], &task_color[0], &task_start[0]
     g.task_len, g.ntasks, g.active, g.blocked = &task_len[0], &ntasks[0], &active[0], &blocked[0]
     g.busy, g.stall = &busy[0], &stall[0]
-    g.QS, g.rq, g.cq, g.rq_mask = QS, &rq[0, 0], &cq[0, 0], &rq_mask[0]
+    g.QS, g.rq, g.cq, g.rq_mask, g.rq_wait, g.rx = QS, &rq[0, 0], &cq[0, 0], &rq_mask[0], &rq_wait[0], &rx[0]
     g.pending, g.ramp_out = &pending[0], &ramp_out[0]
     g.cur_task, g.cur_pc, g.cur_e, g.wake = &cur_task[0], &cur_pc[0], &cur_e[0], &wake[0]
     g.mt_pc, g.mt_e, g.mt_busy = &mt_pc[0], &mt_e[0], &mt_busy[0]
-    nt = threads if threads > 0 else wse_threads_for(P, CORE_GRAIN)
-    cdef int64_t nbr[4]
     cdef int status = 0
     with nogil:
         while True:
@@ -384,76 +455,21 @@ def run(int W, int H, int C, int Q, int latency, int64_t max_cycles,
                 break
             progress = False
             future = False
-            # ---- routers ----
-            rot = <int>(cycle % C)
-            for p in range(P):
-                bits = rq_mask[p]
-                if bits == 0:
-                    continue
-                nbr[0] = p - W                                         # N (routes never point off the edge)
-                nbr[1] = p + 1                                         # E
-                nbr[2] = p + W                                         # S
-                nbr[3] = p - 1                                         # W
-                moved_ports = 0
-                # Colors with something queued, starting at `rot` so that no color starves.
-                if rot:
-                    bits = ((bits >> rot) | (bits << (C - rot))) & ((1u << C) - 1)
-                while bits:
-                    k = __builtin_ctz(bits)
-                    bits &= bits - 1
-                    ci = rot + k
-                    if ci >= C:
-                        ci -= C
-                    qi = p * C + ci
-                    qp = &rq[qi, 0]
-                    if qp[2 + qp[1]] > cycle:
-                        future = True
-                        continue
-                    txm = tx[qi]
-                    ok = (txm & moved_ports) == 0
-                    port = 0
-                    while ok and port < 4:
-                        if txm & (1 << port):
-                            qn = nbr[port] * C + ci
-                            if rq[qn, 0] >= Q:
-                                ok = False
-                        port += 1
-                    if ok and (txm & 16) and cq[qi, 0] >= Q:
-                        ok = False
-                    if not ok:
-                        continue
-                    va = _q_pop(qp, Q)
-                    if qp[0] == 0:
-                        rq_mask[p] &= ~(1u << ci)
-                    pending[p] -= 1
-                    for port in range(4):
-                        if txm & (1 << port):
-                            qn = nbr[port] * C + ci
-                            _q_push(&rq[qn, 0], Q, va, cycle + latency)
-                            rq_mask[nbr[port]] |= 1u << ci
-                            pending[nbr[port]] += 1
-                            link[p * 5 + port] += 1
-                    if txm & 16:
-                        _q_push(&cq[qi, 0], Q, va, cycle + 1)
-                        link[p * 5 + 4] += 1
-                    moved_ports |= txm
-                    progress = True
-            # ---- cores: each touches only its own PE's state ----
             g.cycle = cycle
-            nprog = 0
-            nfut = 0
-            if nt > 1:
-                for p in prange(P, num_threads=nt, schedule="static"):
-                    f = _core(&g, p)
-                    nprog += f & 1
-                    nfut += f >> 1
-            else:
-                for p in range(P):
-                    f = _core(&g, p)
-                    nprog += f & 1
-                    nfut += f >> 1
-            progress = progress or nprog > 0
-            future = future or nfut > 0
+            rot = <int>(cycle % C)
+            # One sweep does the routers of every PE and then the cores, skewed by a row and one PE:
+            # the core of q runs after the routers of its neighbours (up to q + W) and before any of
+            # their cores, which is all the two-phase cycle asks, and its state is still in cache.
+            for p in range(P + S):
+                if p < P:
+                    f = _router(&g, p, cycle, rot)
+                    progress |= f & 1
+                    future |= f >> 1
+                q = p - S
+                if q >= 0:
+                    f = _core(&g, q)
+                    progress |= f & 1
+                    future |= f >> 1
             cycle += 1
             if not progress and not future:
                 # Nothing moved and nothing is on its way: finished, or stuck.

@@ -226,10 +226,8 @@ class Compiled:
         if not found:
             raise FabricError(f"launch: no PE has a task {task!r}")
 
-    def run(self, max_cycles=10**9, threads=0):
-        """Run until every core is idle and every queue empty; returns a ``Result``. ``threads``: for
-        the cores' phase of each cycle (0: OpenMP's maximum on fabrics large enough to gain from it);
-        results and cycles do not depend on it."""
+    def run(self, max_cycles=10**9):
+        """Run until every core is idle and every queue empty; returns a ``Result``."""
         from wse_core.fabric import _engine
 
         f = self.fabric
@@ -241,7 +239,7 @@ class Compiled:
             f.width, f.height, self.C, f.queue_depth, f.hop_latency, int(max_cycles), self.rx, self.tx,
             self.pe_code, self.mem_off, self.mem, self.task_color, self.task_start, self.task_len, self.ntasks,
             self.op, self.length, self.kind, self.arg, self.stride, self.immv, self.iarg, self.ranges, self.target,
-            self.asyn, self.active, self.blocked, busy, stall, link, int(threads))
+            self.asyn, self.active, self.blocked, busy, stall, link)
         seconds = time.perf_counter() - t0
         if status != 0:
             raise FabricError(self._explain(status, cycles, state))
