@@ -320,3 +320,24 @@ def test_memory_only_instructions_take_one_cycle_per_element_even_when_run_at_on
     # Cycle 0 hands the send off; FADD runs in cycles 1..n, FMUL n+1..2n; the last wavelet
     # (sent at cycle n) is stored by the receiver 3 cycles later.
     assert r.cycles == 2 * n + 1 and r.busy[0, 0] == 3 * n + 1
+
+
+def test_a_task_waiting_on_its_input_counts_one_stall_per_cycle():
+    # The receiver's task starts at cycle 0 and waits for the stream: the engine lets it sleep
+    # until its router delivers, and must still count a stall for every cycle it waited.
+    n, hops = 6, 4
+    prog = Program(Fabric(hops + 1, 1))
+    src, dst = prog.region(0, 0, 1, 1), prog.region(hops, 0, 1, 1)
+    a, b = prog.alloc(src, "a", n), prog.alloc(dst, "b", n)
+    prog.route(src, 0, rx=["RAMP"], tx=["E"])
+    prog.route(prog.region(1, 0, hops - 1, 1), 0, rx=["W"], tx=["E"])
+    prog.route(dst, 0, rx=["W"], tx=["RAMP"])
+    prog.task(src, "start", [ops.FMOV(fout(0, n), mem(a))])
+    prog.task(dst, "start", [ops.FMOV(mem(b), fin(0, n))])
+    c = prog.compile()
+    c.memcpy_h2d(a, src, np.arange(n))
+    c.launch("start")
+    r = c.run()
+    np.testing.assert_array_equal(c.memcpy_d2h(b, dst).ravel(), np.arange(n))
+    # The first wavelet reaches the receiver's queue at cycle hops + 1 and may be read at hops + 2.
+    assert r.cycles == n + hops + 2 and r.stall[0, hops] == hops + 2 and r.stall.sum() == hops + 2

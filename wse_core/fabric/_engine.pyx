@@ -15,7 +15,10 @@ same result and keeps a PE's state in cache between its router and its core:
   empty or a fabric output queue is full. The ramp is a link like the others: a core sends at most
   one wavelet into its router per cycle (microthreads and task together) and receives at most one.
   A memory-only instruction that no busy microthread can observe runs all its elements at once
-  and holds the task for as many cycles (``_batch``): same bits, same cycles.
+  and holds the task for as many cycles (``_batch``); a core whose task waits on an empty input
+  with no microthread running sleeps until its router delivers a wavelet; a router does not retry
+  a head waiting for room until its destination pops. Each gives the same bits, cycles and
+  per-PE counts as checking everything every cycle, for less work.
 
 Return codes: 0 done (every core idle, every queue empty), 1 deadlock (nothing moved and nothing
 is in flight), 2 the cycle limit, 3 wavelets left in a core queue that no task will read.
@@ -95,6 +98,7 @@ cdef struct Eng:
     int64_t* cur_pc
     int64_t* cur_e
     int64_t* wake       # a batched instruction occupies the task until this cycle
+    int64_t* sleep      # a task stalled on an empty input sleeps from this cycle (-1: awake); see _core
     int64_t* mt_pc      # instruction of each microthread (-1: free)
     int64_t* mt_e
     int32_t* mt_busy    # microthreads in use per PE
@@ -202,6 +206,15 @@ cdef void _compute(Eng* g, int64_t p, const Ins* I, int64_t e) noexcept nogil:
         g.pending[p] += 1
 
 
+cdef inline bint _input_empty(Eng* g, int64_t p, const Ins* I) noexcept nogil:
+    """Whether a fabric input of I has no wavelet at all (not merely one still arriving)."""
+    cdef int k
+    for k in range(1, 3):
+        if I.kind[k] == K_FIN and g.cq[(p * g.C + I.arg[k]) * g.QS] == 0:
+            return True
+    return False
+
+
 cdef inline bint _overlap(int64_t alo, int64_t ahi, int64_t blo, int64_t bhi) noexcept nogil:
     return alo < bhi and blo < ahi
 
@@ -291,6 +304,9 @@ cdef int _router(Eng* g, int64_t p, int64_t cycle, int rot) noexcept nogil:
         if txm & 16:
             _q_push(&g.cq[qi * QS], Q, va, cycle + 1)
             g.link[p * 5 + 4] += 1
+            if g.sleep[p] >= 0:   # wake the core: it stalled every cycle it slept, and tries again this cycle
+                g.stall[p] += cycle - g.sleep[p]
+                g.sleep[p] = -1
         moved_ports |= txm
         flags |= 1
     return flags
@@ -302,7 +318,7 @@ cdef int _core(Eng* g, int64_t p) noexcept nogil:
     cdef int code = g.pe_code[p], m, t, best, c, o, flags = 0
     cdef int64_t i, pc, e, qi, n, cycle = g.cycle
     cdef const Ins* I
-    if code < 0:
+    if code < 0 or g.sleep[p] >= 0:
         return 0
     # Microthreads first, in slot order: one element each per cycle.
     if g.mt_busy[p]:
@@ -384,6 +400,11 @@ cdef int _core(Eng* g, int64_t p) noexcept nogil:
         e += 1
     else:
         g.stall[p] += 1
+        # Waiting for an input that is not there, with no microthread running: nothing can happen
+        # on this core until its router delivers a wavelet, which wakes it (_router) and counts the
+        # stalls it slept through. So it is not visited meanwhile.
+        if g.mt_busy[p] == 0 and _input_empty(g, p, I):
+            g.sleep[p] = cycle + 1
         return flags
     g.busy[p] += n
     flags |= 1
@@ -436,6 +457,7 @@ def run(int W, int H, int C, int Q, int latency, int64_t max_cycles,
     cdef int32_t[::1] ramp_out = np.full(P, -1, np.int32)
     cdef int32_t[::1] cur_task = np.full(P, -1, np.int32), pending = np.zeros(P, np.int32)
     cdef int64_t[::1] cur_pc = np.zeros(P, np.int64), cur_e = np.zeros(P, np.int64), wake = np.zeros(P, np.int64)
+    cdef int64_t[::1] sleep = np.full(P, -1, np.int64)
     cdef int64_t[::1] mt_pc = np.full(P * MT, -1, np.int64), mt_e = np.zeros(P * MT, np.int64)
     cdef int32_t[::1] mt_busy = np.zeros(P, np.int32)
     g.W, g.C, g.Q, g.latency, g.ins, g.tx, g.link = W, C, Q, latency, ins, &tx[0], &link[0]
@@ -445,7 +467,7 @@ def run(int W, int H, int C, int Q, int latency, int64_t max_cycles,
     g.busy, g.stall = &busy[0], &stall[0]
     g.QS, g.rq, g.cq, g.rq_mask, g.rq_wait, g.rx = QS, &rq[0, 0], &cq[0, 0], &rq_mask[0], &rq_wait[0], &rx[0]
     g.pending, g.ramp_out = &pending[0], &ramp_out[0]
-    g.cur_task, g.cur_pc, g.cur_e, g.wake = &cur_task[0], &cur_pc[0], &cur_e[0], &wake[0]
+    g.cur_task, g.cur_pc, g.cur_e, g.wake, g.sleep = &cur_task[0], &cur_pc[0], &cur_e[0], &wake[0], &sleep[0]
     g.mt_pc, g.mt_e, g.mt_busy = &mt_pc[0], &mt_e[0], &mt_busy[0]
     cdef int status = 0
     with nogil:

@@ -255,9 +255,9 @@ KERNELS["allreduce"] = allreduce
 
 
 def _tiles(fabric, b, local):
-    """A program in which PE (j, i) computes a partial y tile (b words) with ``local(prog, region)``
-    -> (symbols, instructions), and the partials of each row sum westward into column 0's "ytotal".
-    Returns (compiled program, program, symbols, the symbol holding y on column 0)."""
+    """A program in which PE (j, i) computes a partial y tile (b words, symbol y) with
+    ``local(prog, region, y)`` -> (symbols, instructions), and the partials of each row sum westward
+    into column 0. Returns (compiled program, program, symbols, the symbol holding y on column 0)."""
     W, H = fabric.width, fabric.height
     prog = Program(fabric)
     groups = [(prog.region(0, 0, 1, H), "west", 0)] + _row_reduce(prog, W, H)
@@ -454,6 +454,8 @@ def bicgstab(width, height, z, *, tol=1e-5, max_iter=200, seed=0, fabric=None):
     cycles of an iteration and their spread, the true relative residual of x computed in float64)."""
     from wse_core.fabric.run import Result
 
+    if not tol > 0 or max_iter < 0:
+        raise FabricError(f"bicgstab: expected tol > 0 and max_iter >= 0, got tol={tol}, max_iter={max_iter}")
     prog, syms = bicgstab_program(width, height, z, fabric=fabric)
     c = prog.compile()
     full = prog.region(0, 0, width, height)
