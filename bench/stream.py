@@ -95,10 +95,12 @@ def _read_jsonl(path):
 
 def _breakdown(model_dir, plan):
     """Median over the timed steps of each part of a step (seconds)."""
-    logs = Path(model_dir, "logs")
-    metrics = _read_jsonl(Path(model_dir, "metrics.jsonl"))
-    csx = [{r["step"]: r for r in _read_jsonl(logs / f"timing_rank_{rank}.jsonl")} for rank in plan.csx]
-    mx = [{r["step"]: r for r in _read_jsonl(logs / f"timing_rank_{rank}.jsonl")} for rank in plan.memoryx]
+    from mpi_launch.rundir import RunDir
+
+    run_dir = RunDir(model_dir)
+    metrics = run_dir.read_metrics()
+    csx = [{r["step"]: r for r in _read_jsonl(run_dir.timing_log(rank))} for rank in plan.csx]
+    mx = [{r["step"]: r for r in _read_jsonl(run_dir.timing_log(rank))} for rank in plan.memoryx]
     parts = {k: [] for k in ("step", "broadcast", "compute", "reduce", "optimizer", "waiting")}
     for m in metrics[SKIP:]:
         s = m["step"]
@@ -118,7 +120,7 @@ def _breakdown(model_dir, plan):
 
 
 def _reduce_bandwidth(num_csx, sizes, repeats):
-    from mpi_launch.launcher import run_mpi
+    from mpi_launch.mpiexec import run_mpi
     from mpi_launch.plan import make_plan
 
     plan = make_plan(num_csx=num_csx, num_wgt_servers=1, num_workers_per_csx=1, swarmx_fanout=2, unit_bytes=[1])

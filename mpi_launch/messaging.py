@@ -1,6 +1,6 @@
 """Messaging helpers every role uses: waiting without spinning, tags, and dicts of arrays.
 
-Never spin (DESIGN.md section 3): MPICH's blocking ``Wait``/``Recv`` busy-poll, and on an
+Never spin (docs/design.md section 3): MPICH's blocking ``Wait``/``Recv`` busy-poll, and on an
 oversubscribed machine (8 ranks on 2 cores) a waiting rank then steals the core from the rank that
 computes. ``wait_all`` tests the requests and sleeps between tests with an exponential backoff
 (50 us up to 1 ms), so a rank that waits costs almost nothing; past ``timeout`` it raises

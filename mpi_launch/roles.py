@@ -1,6 +1,6 @@
 """The roles of the weight-streaming cluster, one class each with a ``run()``.
 
-One training step (DESIGN.md section 2), for streaming units u = 0..U-1:
+One training step (docs/design.md section 2), for streaming units u = 0..U-1:
 
 * input workers send each CS-2 its micro-batches of the global batch (stream positions
   [t*B, (t+1)*B) of ``GlobalStream``; CS-2 c owns a contiguous run of them);
@@ -21,11 +21,11 @@ reference step for num_csx = 1, 2, 4, ... (power-of-two fan-out).
 import json
 import math
 import time
-from pathlib import Path
 
 import numpy as np
 
 from mpi_launch import messaging as msg
+from mpi_launch.rundir import RunDir
 from wse_core.tree import tree_sum
 
 
@@ -40,7 +40,8 @@ class Role:
         self.model = build_model(params["model"])
         self.units = self.model.units
         self.unit_params = self.model.unit_params
-        self.model_dir = Path(params["runconfig"]["model_dir"])
+        self.run_dir = RunDir(params["runconfig"]["model_dir"])
+        self.model_dir = self.run_dir.path
         self.max_steps = params["runconfig"]["max_steps"]
         self.start_step = run["start_step"]
         t = params["train_input"]
@@ -53,7 +54,7 @@ class Role:
             for n in names:
                 self.param_owner.setdefault(n, plan.unit_owner[u])
         self.shapes = {n: s.shape for n, s in self.model.param_specs.items()}
-        self.log_file = open(self.model_dir / "logs" / f"rank_{self.rank}.log", "a", buffering=1)
+        self.log_file = open(self.run_dir.rank_log(self.rank), "a", buffering=1)
         self._timing_file = None
 
     def step_done(self, step):
@@ -71,7 +72,7 @@ class Role:
         ranks of one machine (``wse bench stream`` lines them up into a step breakdown).
         """
         if self._timing_file is None:
-            self._timing_file = open(self.model_dir / "logs" / f"timing_rank_{self.rank}.jsonl", "a", buffering=1)
+            self._timing_file = open(self.run_dir.timing_log(self.rank), "a", buffering=1)
         self._timing_file.write(json.dumps({"step": step + 1, **fields}) + "\n")
 
     def unit_layout(self, u):
@@ -308,11 +309,12 @@ class Coordinator(Role):
         o, r = self.params["optimizer"], self.params["runconfig"]
         schedule = make_schedule(o["learning_rate"], key="optimizer.learning_rate")
         names = self.model.param_names
-        metrics = open(self.model_dir / "metrics.jsonl", "a", buffering=1)
+        metrics = open(self.run_dir.metrics, "a", buffering=1)
         try:  # TensorBoard event files when a writer package is installed
             from tensorboardX import SummaryWriter
 
-            board = SummaryWriter(str(self.model_dir))
+            # On a resume, TensorBoard drops what earlier runs logged after the start step.
+            board = SummaryWriter(str(self.model_dir), purge_step=self.start_step + 1 if self.start_step else None)
         except ImportError:
             board = None
             if self.start_step < self.max_steps:

@@ -153,19 +153,32 @@ def _cmd_compile(args):
 
 
 def _cmd_fit(args):
+    from pathlib import Path
+
+    from mpi_launch.watchdog import JobInterrupted
     from pyapi.job import Job, JobError
 
     job = Job.from_yaml(args.params, num_csx=args.num_csx, model_dir=args.model_dir, overrides=args.set)
     if args.dry_run:
-        print(" ".join(job.command(hostfile=args.hostfile)))
+        print(" ".join(job.command(checkpoint_path=args.checkpoint_path, hostfile=args.hostfile)))
         return 0
     try:
         result = job.fit(checkpoint_path=args.checkpoint_path, hostfile=args.hostfile)
     except JobError as exc:
         print(f"wse fit: {exc}", file=sys.stderr)
         return 1
-    print(f"done: {len(result.metrics)} steps; outputs in {result.model_dir} "
-          f"(metrics.jsonl, plan.json, logs/, checkpoint_*/)")
+    except JobInterrupted as exc:
+        from data_tools.checkpoint import LATEST
+
+        latest = job.model_dir / LATEST
+        kept = f"; the latest checkpoint is {latest.read_text().strip()}" if latest.is_file() else ""
+        print(f"wse fit: interrupted by {exc}: the job's ranks were stopped{kept}", file=sys.stderr)
+        return 128 + exc.signal
+    if result.steps_trained:
+        resumed = f" from {Path(result.checkpoint).name}" if result.checkpoint else ""
+        print(f"done: trained steps {result.start_step + 1}..{result.end_step}{resumed} "
+              f"({result.steps_trained} steps); outputs in {result.model_dir} "
+              "(metrics.jsonl, plan.json, logs/, checkpoint_*/)")
     return 0
 
 
@@ -226,7 +239,10 @@ def _cmd_bench(args):
     return 0
 
 
-def build_parser():
+def build_parser(argv=()):
+    """The argument parser for ``argv``: the modules behind long help texts and benchmark options are
+    imported only for the subcommand ``argv`` names, so ``wse --help`` stays quick."""
+    chosen = tuple(argv[:2])
     from bench import BENCHMARKS
 
     parser = argparse.ArgumentParser(
@@ -280,7 +296,8 @@ def build_parser():
                        description="Prepare, inspect and verify HDF5 datasets (Model Zoo LMData layout).")
     data_sub = p.add_subparsers(dest="data_command", metavar="ACTION", required=True)
     dp = data_sub.add_parser("preprocess", help="tokenize text (or arrays) into HDF5 shards",
-                             description=importlib.import_module("data_tools.preprocess").__doc__,
+                             description=(importlib.import_module("data_tools.preprocess").__doc__
+                                          if chosen == ("data", "preprocess") else None),
                              formatter_class=argparse.RawDescriptionHelpFormatter)
     dp.add_argument("--input", nargs="+", required=True, metavar="PATH",
                     help="files (.txt, .jsonl), directories, globs, or 'stdlib'; with --format arrays one .npz")
@@ -343,10 +360,12 @@ def build_parser():
     p = sub.add_parser("bench", help="run a benchmark against a baseline measured in the same run",
                        description="Run a benchmark; print its table and optionally write JSON.")
     bench_sub = p.add_subparsers(dest="bench", metavar="NAME", required=True)
-    for name, module_name in BENCHMARKS.items():
+    for name, (module_name, summary) in BENCHMARKS.items():
+        if chosen != ("bench", name):  # only the chosen benchmark is imported, for its own options
+            bench_sub.add_parser(name, help=summary, description=summary)
+            continue
         module = importlib.import_module(module_name)
-        bp = bench_sub.add_parser(name, help=module.__doc__.splitlines()[0],
-                                  description=module.__doc__,
+        bp = bench_sub.add_parser(name, help=summary, description=module.__doc__,
                                   formatter_class=argparse.RawDescriptionHelpFormatter)
         bp.add_argument("--json", metavar="PATH", help="also write the results as JSON to PATH ('-' for stdout)")
         module.add_arguments(bp)
@@ -359,8 +378,12 @@ def main(argv=None):
 
     if hasattr(signal, "SIGPIPE"):  # `wse ... | head` ends quietly, as other command-line tools do
         signal.signal(signal.SIGPIPE, signal.SIG_DFL)
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args = build_parser(argv).parse_args(argv)
     try:
+        from wse_core import configure_process
+
+        configure_process()
         return args.func(args)
     except (ValueError, TypeError, OSError, MPILaunchError) as exc:
         # User-facing failures are one line; WSE_DEBUG=1 shows the traceback behind it.

@@ -22,7 +22,14 @@ class JobError(RuntimeError):
 @dataclass
 class FitResult:
     model_dir: Path
-    metrics: list = field(default_factory=list)
+    metrics: list = field(default_factory=list)   # every step's record in metrics.jsonl, resumed ones included
+    start_step: int = 0                            # the step this run started from (its checkpoint's)
+    end_step: int = 0                              # the last step trained (runconfig.max_steps)
+    checkpoint: str = None                         # the checkpoint this run resumed from
+
+    @property
+    def steps_trained(self):
+        return self.end_step - self.start_step
 
 
 class Job:
@@ -49,23 +56,58 @@ class Job:
 
         return describe(self.params)
 
-    def command(self, hostfile=None):
-        from mpi_launch.launcher import fit_command
+    def command(self, *, checkpoint_path=None, hostfile=None):
+        """Prepare model_dir for a run and return the mpiexec command that runs it (``wse fit --dry-run``).
 
-        return fit_command(self.params, hostfile=hostfile)[0]
-
-    def fit(self, *, checkpoint_path=None, hostfile=None, stream=sys.stdout):
-        """Train; raise JobError with one line if any rank fails."""
-        from mpi_launch.launcher import fit_command, launch, prepare_run
+        The command runs the job as it stands, without the launcher's watchdog: put it in a batch
+        script, or run it by hand.
+        """
+        from mpi_launch.rundir import RunDir
 
         self._check_data("train_input")
-        prepare_run(self.params, checkpoint=checkpoint_path)
+        cmd, _ = self._command(hostfile)
+        with RunDir(self.model_dir).lock("wse fit --dry-run") as run_dir:
+            run_dir.prepare(self.params, checkpoint=checkpoint_path)
+        return cmd
+
+    def _command(self, hostfile):
+        from mpi_launch.mpiexec import check_capacity, fit_command
+
         cmd, plan = fit_command(self.params, hostfile=hostfile)
-        code, failure = launch(cmd, plan, self.model_dir, stream=stream, watch=hostfile is None)
-        if code != 0:
-            raise JobError(failure)
-        metrics = [json.loads(line) for line in (self.model_dir / "metrics.jsonl").read_text().splitlines()]
-        return FitResult(self.model_dir, metrics)
+        check_capacity(plan, hostfile=hostfile)
+        return cmd, plan
+
+    def fit(self, *, checkpoint_path=None, hostfile=None, stream=sys.stdout):
+        """Train; raise JobError with one line if any rank fails.
+
+        Only one job runs in a model_dir at a time (RunDirBusy names the one that does). SIGTERM,
+        SIGINT or SIGHUP to this process end the job's ranks and raise
+        ``mpi_launch.watchdog.JobInterrupted`` (when called from the main thread).
+        """
+        from mpi_launch.rundir import RunDir
+        from mpi_launch.watchdog import launch
+
+        self._check_data("train_input")
+        cmd, plan = self._command(hostfile)
+        r = self.params["runconfig"]
+        with RunDir(self.model_dir).lock() as run_dir:
+            run = run_dir.prepare(self.params, checkpoint=checkpoint_path)
+            result = FitResult(self.model_dir, start_step=run["start_step"], end_step=r["max_steps"],
+                               checkpoint=run["checkpoint"])
+            if run["checkpoint"]:
+                stream.write(f"resuming from {Path(run['checkpoint']).name} (step {run['start_step']})\n")
+            if result.start_step >= result.end_step:
+                stream.write(f"nothing to train: the checkpoint is at step {result.start_step}, "
+                             f"runconfig.max_steps is {result.end_step}\n")
+                result.end_step = result.start_step
+            else:
+                code, failure = launch(cmd, plan, run_dir, peer_timeout=r["peer_timeout"],
+                                       startup_timeout=r.get("startup_timeout", 300), hostfile=hostfile,
+                                       stream=stream)
+                if code != 0:
+                    raise JobError(failure)
+            result.metrics = run_dir.read_metrics()
+        return result
 
     def validate(self, *, checkpoint_path=None, batches=None):
         """Eval loss of a checkpoint (default: model_dir's latest) on ``eval_input``.

@@ -1,6 +1,10 @@
-"""Shared fixtures: per-dtype tolerances and a seeded random generator."""
+"""Shared fixtures: per-dtype tolerances, a seeded random generator, and test jobs that leak no processes."""
 import numpy as np
 import pytest
+
+from wse_core import configure_process
+
+configure_process()  # the tests run the kernels as the ranks and the CLI do
 
 # Tolerances of a float32 or float64 kernel against a float64 reference of the same formula.
 RTOL = {np.float32: 2e-5, np.float64: 1e-12}
@@ -9,3 +13,79 @@ RTOL = {np.float32: 2e-5, np.float64: 1e-12}
 @pytest.fixture
 def rng():
     return np.random.default_rng(1234)
+
+
+def job_processes(marker):
+    """Live processes of the jobs whose command lines mention ``marker`` (a test's tmp_path): those
+    processes, their descendants (hydra's proxies start sessions of their own) and everything in
+    their sessions."""
+    import os
+    from pathlib import Path
+
+    procs = {}  # pid -> (ppid, session, command line)
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit() or int(d.name) == os.getpid():
+            continue
+        try:
+            cmd = (d / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            fields = (d / "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if fields[0] not in ("Z", "X"):
+            procs[int(d.name)] = (int(fields[1]), int(fields[3]), cmd)
+    found = {pid for pid, (_, _, cmd) in procs.items() if str(marker) in cmd}
+    while True:
+        sessions = {procs[pid][1] for pid in found} - {os.getsid(0)}  # never the test run's own
+        more = {pid for pid, (ppid, sid, _) in procs.items() if ppid in found or sid in sessions} - found
+        if not more:
+            return sorted(found)
+        found |= more
+
+
+class Jobs:
+    """`wse` commands started as jobs of a test: each in a session of its own, and every process they
+    leave behind killed at the end of the test (a failed or timed-out test leaks no ranks)."""
+
+    def __init__(self, marker):
+        self.marker = marker
+
+    def start(self, *args, **kwargs):
+        import subprocess
+        import sys
+
+        return subprocess.Popen([sys.executable, "-m", "pyapi.cli", *map(str, args)], stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True, start_new_session=True, **kwargs)
+
+    def run(self, *args, timeout=240):
+        """Run to completion (a generous timeout that only a hang reaches); return a CompletedProcess."""
+        import subprocess
+
+        proc = self.start(*args)
+        try:
+            out, err = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.kill_all()
+            out, err = proc.communicate()
+            raise AssertionError(f"`wse {' '.join(map(str, args))}` did not end within {timeout} s:\n{err}") from None
+        return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+    def leftovers(self):
+        """Processes of this test's jobs that are still alive."""
+        return job_processes(self.marker)
+
+    def kill_all(self):
+        import os
+        import signal
+
+        for pid in job_processes(self.marker):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
+@pytest.fixture
+def jobs(tmp_path):
+    j = Jobs(tmp_path)
+    yield j
+    j.kill_all()

@@ -32,6 +32,48 @@ def test_help_on_every_command(cmd):
     assert proc.returncode == 0 and "usage: wse" in proc.stdout
 
 
+def test_help_imports_nothing_heavy_and_the_bench_table_matches_the_modules():
+    """`wse --help` and `wse bench --help` load no numerics (and no benchmark); each benchmark's
+    one-line help in the table is its module's docstring."""
+    import importlib
+
+    from bench import BENCHMARKS
+
+    code = ("import sys\nfrom pyapi.cli import main\n"
+            "for argv in (['--help'], ['bench', '--help'], ['fit', '--help']):\n"
+            "    try:\n        main(argv)\n    except SystemExit:\n        pass\n"
+            "print(sorted(m for m in sys.modules if m.split('.')[0] in "
+            "('numpy', 'h5py', 'mpi4py', 'wse_core', 'bench', 'data_tools', 'yaml') and m != 'bench'))")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0 and proc.stdout.strip().splitlines()[-1] == "[]", proc.stdout + proc.stderr
+    for name, (module, summary) in BENCHMARKS.items():
+        assert importlib.import_module(module).__doc__.splitlines()[0] == summary, name
+
+
+def test_importing_wse_core_leaves_the_process_alone():
+    """No environment variable set and BLAS threads as they were, even after a product; configure_process()
+    is what sets them (and matmul's bits do not depend on it)."""
+    code = """
+import os, numpy as np
+from threadpoolctl import threadpool_info
+blas = lambda: [i["num_threads"] for i in threadpool_info() if i["user_api"] == "blas"]
+before = blas()
+import wse_core, wse_core.nn, wse_core.optim, wse_core.sparse
+from wse_core.nn.gemm import matmul
+a = np.random.default_rng(0).standard_normal((300, 64), dtype=np.float32)
+b = np.random.default_rng(1).standard_normal((64, 96), dtype=np.float32)
+free = matmul(a, b)
+print("OMP_WAIT_POLICY" in os.environ, blas() == before)
+wse_core.configure_process()
+print(os.environ["OMP_WAIT_POLICY"], set(blas()), matmul(a, b).tobytes() == free.tobytes())
+"""
+    env = {k: v for k, v in __import__("os").environ.items() if k not in ("OMP_WAIT_POLICY", "OPENBLAS_NUM_THREADS",
+                                                                          "OMP_NUM_THREADS")}
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=env)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split("\n")[:2] == ["False True", "PASSIVE {1} True"], proc.stdout + proc.stderr
+
+
 def test_unknown_command_is_one_clear_error():
     proc = wse("frobnicate")
     assert proc.returncode == 2 and "invalid choice: 'frobnicate'" in proc.stderr

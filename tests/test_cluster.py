@@ -1,10 +1,12 @@
 """The weight-streaming cluster under `wse fit`: exactness against the reference step, resume, failures."""
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import h5py
 import numpy as np
@@ -14,6 +16,7 @@ import yaml
 from data_tools.checkpoint import Checkpoint
 from data_tools.dataset import GlobalStream
 from data_tools.preprocess import preprocess_text
+from mpi_launch.rundir import RunDir
 from wse_core.nn import build_model, numpy_ops, reference_step
 from wse_core.optim import make_optimizer, make_schedule
 
@@ -23,7 +26,7 @@ STEPS = 3
 @pytest.fixture(scope="module")
 def data(tmp_path_factory):
     d = tmp_path_factory.mktemp("data")
-    preprocess_text(["stdlib"], d / "lm", 32, samples_per_file=64, progress=False)
+    preprocess_text(["stdlib"], d / "lm", 32, samples_per_file=4000, progress=False)  # about 100 files
     return d / "lm"
 
 
@@ -43,9 +46,9 @@ def params_file(tmp_path, data, **runconfig):
     return path, p
 
 
-def fit(params, *args, timeout=240):
-    return subprocess.run([sys.executable, "-m", "pyapi.cli", "fit", str(params), *args], capture_output=True,
-                          text=True, timeout=timeout)
+def one_line(proc):
+    """The one line a failed `wse` command printed last."""
+    return proc.stderr.strip().splitlines()[-1]
 
 
 def reference(p, steps):
@@ -78,10 +81,10 @@ def assert_bits(ckpt_dir, params, state):
 
 
 @pytest.mark.parametrize("num_csx,workers", [(1, 1), (2, 2), (4, 1)])
-def test_bit_identical_to_the_reference(tmp_path, data, num_csx, workers):
+def test_bit_identical_to_the_reference(tmp_path, data, jobs, num_csx, workers):
     """Weights and optimizer state after 3 steps equal the single-process reference, bit for bit."""
     path, p = params_file(tmp_path, data, num_workers_per_csx=workers)
-    proc = fit(path, "--num_csx", str(num_csx))
+    proc = jobs.run("fit", path, "--num_csx", num_csx)
     assert proc.returncode == 0, proc.stderr
     params, state, losses = reference(p, STEPS)
     assert_bits(tmp_path / "model", params, state)
@@ -90,7 +93,7 @@ def test_bit_identical_to_the_reference(tmp_path, data, num_csx, workers):
     assert (tmp_path / "model" / "plan.json").exists() and any((tmp_path / "model" / "logs").iterdir())
 
 
-def test_sparse_gpt2_trains_bit_identically_and_checkpoints_only_nonzeros(tmp_path, data):
+def test_sparse_gpt2_trains_bit_identically_and_checkpoints_only_nonzeros(tmp_path, data, jobs):
     """model.sparsity 0.9: loss falls; num_csx 1 and 2 give the reference's bits; the checkpoint holds
     the nonzeros and the mask, and converts to dense [out, in] weights."""
     steps = 12
@@ -102,7 +105,7 @@ def test_sparse_gpt2_trains_bit_identically_and_checkpoints_only_nonzeros(tmp_pa
     model = build_model(p["model"])
     for n in (1, 2):
         model_dir = tmp_path / f"csx{n}"
-        proc = fit(path, "--num_csx", str(n), "--model_dir", str(model_dir))
+        proc = jobs.run("fit", path, "--num_csx", n, "--model_dir", model_dir)
         assert proc.returncode == 0, proc.stderr
         assert_bits(model_dir, params, state)
         metrics = [json.loads(x) for x in (model_dir / "metrics.jsonl").read_text().splitlines()]
@@ -122,21 +125,35 @@ def test_sparse_gpt2_trains_bit_identically_and_checkpoints_only_nonzeros(tmp_pa
     assert plan_bytes[1] < 0.2 * dense_bytes[1]  # a block streams about a tenth of its dense bytes
 
 
-def test_resume_continues_bit_identically(tmp_path, data):
-    """2 steps, stop, resume from latest to 4: the same bits as 4 steps in one go."""
+def test_resume_continues_bit_identically_and_keeps_its_books(tmp_path, data, jobs):
+    """2 steps, a run killed at step 3 (metrics past the checkpoint), resume to 4: the same bits as
+    4 steps in one go; metrics hold each step once; the output says where it resumed and what it trained;
+    the params.yaml written into model_dir loads again (wse validate)."""
     path, p = params_file(tmp_path, data, max_steps=4)
-    assert fit(path, "--num_csx", "2", "--set", "runconfig.max_steps=2").returncode == 0
+    proc = jobs.run("fit", path, "--num_csx", 2, "--set", "runconfig.max_steps=2")
+    assert proc.returncode == 0 and "done: trained steps 1..2 (2 steps)" in proc.stdout, proc.stderr
     assert Checkpoint(tmp_path / "model").step == 2
-    proc = fit(path, "--num_csx", "2")
+    run_dir = RunDir(tmp_path / "model")
+    with open(run_dir.metrics, "a") as f:  # what a run killed after logging step 3 leaves behind
+        f.write(json.dumps({"step": 3, "loss": 0.0}) + "\n" + '{"step": 4, "lo')
+    proc = jobs.run("fit", path, "--num_csx", 2)
     assert proc.returncode == 0, proc.stderr
-    params, state, _ = reference(p, 4)
+    assert "resuming from checkpoint_2 (step 2)" in proc.stdout
+    assert "done: trained steps 3..4 from checkpoint_2 (2 steps)" in proc.stdout
+    params, state, losses = reference(p, 4)
     assert_bits(tmp_path / "model", params, state)
+    assert [(m["step"], m["loss"]) for m in run_dir.read_metrics()] == list(enumerate(losses, 1))
+    proc = jobs.run("fit", path, "--num_csx", 2)
+    assert proc.returncode == 0 and "nothing to train: the checkpoint is at step 4, runconfig.max_steps is 4" \
+        in proc.stdout and "done" not in proc.stdout, proc.stdout
+    assert len(run_dir.read_metrics()) == 4
 
-    # wse validate: the eval loss of that checkpoint, against the unfused numpy layers.
-    p["eval_input"] = {"data_dir": str(data), "batch_size": 8, "micro_batch_size": 4}
-    path.write_text(yaml.safe_dump(p))
-    proc = subprocess.run([sys.executable, "-m", "pyapi.cli", "validate", str(path), "--eval_steps", "3", "--json"],
-                          capture_output=True, text=True, timeout=120)
+    # wse validate with the params.yaml the run wrote: the eval loss of that checkpoint, against the
+    # unfused numpy layers.
+    resolved = yaml.safe_load(run_dir.params_yaml.read_text())
+    resolved["eval_input"] = {"data_dir": str(data), "batch_size": 8, "micro_batch_size": 4}
+    run_dir.params_yaml.write_text(yaml.safe_dump(resolved))
+    proc = jobs.run("validate", run_dir.params_yaml, "--eval_steps", 3, "--json")
     assert proc.returncode == 0, proc.stderr
     got = json.loads(proc.stdout)
     model = build_model(p["model"], ops=numpy_ops)
@@ -146,23 +163,28 @@ def test_resume_continues_bit_identically(tmp_path, data):
                                      batch)
     assert got["step"] == 4 and got["examples"] == 24 and got["tokens"] == tokens
     assert abs(got["eval_loss"] - loss_sum / tokens) < 1e-5 * loss_sum / tokens
-    proc = subprocess.run([sys.executable, "-m", "pyapi.cli", "validate", str(path), "--checkpoint_path",
-                           str(tmp_path / "nowhere")], capture_output=True, text=True, timeout=120)
+    proc = jobs.run("validate", run_dir.params_yaml, "--checkpoint_path", tmp_path / "nowhere")
     assert proc.returncode == 1 and proc.stderr.strip() == (f"wse validate: error: {tmp_path / 'nowhere'}: "
                                                             "no such checkpoint or model directory")
 
 
-def test_bad_params_fail_before_mpiexec(tmp_path, data):
+def test_bad_params_fail_before_mpiexec(tmp_path, data, jobs):
     path, _ = params_file(tmp_path, data)
-    proc = fit(path, "--set", "optimizer.learning_rate=fast")
+    proc = jobs.run("fit", path, "--set", "optimizer.learning_rate=fast")
     assert proc.returncode == 1 and proc.stderr.strip().endswith("optimizer.learning_rate: expected a number or a "
                                                                   "list of schedulers, got 'fast'")
     assert not (tmp_path / "model").exists()
-    proc = fit(path, "--set", "model.max_position_embeddings=16")
+    proc = jobs.run("fit", path, "--set", "model.max_position_embeddings=16")
     assert proc.returncode == 1 and "model.max_position_embeddings: 16 is shorter than the max_seq_length" in proc.stderr
+    proc = jobs.run("fit", path, "--num_csx", 1000, "--set", "train_input.batch_size=2000")
+    assert proc.returncode == 1 and re.fullmatch(
+        r"wse fit: error: runconfig.num_csx: 1000 CS-2s need 3,\d\d\d MPI ranks, more than 16 per core on this "
+        r"machine's \d+ cores; use fewer CS-2s or spread the ranks over several machines with --hostfile",
+        proc.stderr.strip()), proc.stderr
+    assert not (tmp_path / "model").exists()
 
 
-def test_an_exception_in_a_role_ends_the_job_with_one_line(tmp_path, data):
+def test_an_exception_in_a_role_ends_the_job_with_one_line(tmp_path, data, jobs):
     """A damaged data file makes an input worker raise: the job ends, naming that rank and role."""
     bad = tmp_path / "bad"
     bad.mkdir()
@@ -175,34 +197,140 @@ def test_an_exception_in_a_role_ends_the_job_with_one_line(tmp_path, data):
     raw = bytearray(target.read_bytes())
     raw[offset + 3] ^= 0xFF  # example 5 of the third file now fails its checksum when read
     target.write_bytes(bytes(raw))
-    path, _ = params_file(tmp_path, bad, max_steps=40)
-    t0 = time.monotonic()
-    proc = fit(path, "--num_csx", "2", "--set", "train_input.shuffle=false")
-    assert proc.returncode == 1 and time.monotonic() - t0 < 60
-    line = proc.stderr.strip().splitlines()[-1]
+    path, _ = params_file(tmp_path, bad, max_steps=4000)
+    proc = jobs.run("fit", path, "--num_csx", 2, "--set", "train_input.shuffle=false")
+    assert proc.returncode == 1
+    line = one_line(proc)
     assert line.startswith("wse fit: rank ") and "(worker " in line and "data-00002.h5" in line, proc.stderr
 
 
-@pytest.mark.parametrize("victim,sig", [("csx", signal.SIGKILL), ("memoryx", signal.SIGKILL), ("csx", signal.SIGSTOP)],
-                         ids=["kill-csx", "kill-memoryx", "stop-csx"])
-def test_a_killed_or_stopped_rank_ends_the_job_within_30_seconds(tmp_path, data, victim, sig):
-    """SIGKILL: the watchdog sees the process vanish. SIGSTOP: its peers time out after
-    runconfig.peer_timeout (default 20 s) and the launcher finds the stopped process."""
-    path, p = params_file(tmp_path, data, max_steps=10000)
-    job = subprocess.Popen([sys.executable, "-m", "pyapi.cli", "fit", str(path), "--num_csx", "2"],
-                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    model_dir = tmp_path / "model"
-    deadline = time.monotonic() + 60
-    metrics = model_dir / "metrics.jsonl"
-    while time.monotonic() < deadline and not (metrics.exists() and metrics.read_text().strip()):
-        time.sleep(0.2)  # step 1 done: every rank is up and past its imports
-    plan = json.loads((model_dir / "plan.json").read_text())["plan"]
-    rank = plan["csx"][1] if victim == "csx" else plan["memoryx"][0]
-    os.kill(int((model_dir / "logs" / f"pid_rank_{rank}").read_text()), sig)
-    t0 = time.monotonic()
-    out, err = job.communicate(timeout=60)
-    assert time.monotonic() - t0 < 30
-    assert job.returncode == 1
-    line = err.strip().splitlines()[-1]
-    what = "died" if sig == signal.SIGKILL else "stopped answering"
-    assert line.startswith(f"wse fit: rank {rank} ({victim} ") and what in line, err
+def start_long_job(jobs, tmp_path, data, *extra, steps=100000):
+    """A `wse fit` of 2 CS-2s that runs until stopped; returns (process, plan, run dir) once every
+    rank is ready and step 1 is done."""
+    path, _ = params_file(tmp_path, data, max_steps=steps, log_steps=100000, peer_timeout=5)
+    job = jobs.start("fit", path, "--num_csx", 2, *extra)
+    run_dir = RunDir(tmp_path / "model")
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and not run_dir.read_metrics():
+        assert job.poll() is None, job.communicate()
+        time.sleep(0.1)
+    return job, json.loads(run_dir.plan_json.read_text())["plan"], run_dir
+
+
+def pid_of(run_dir, rank):
+    return int(run_dir.pid_file(rank).read_text())
+
+
+def ended(job, timeout=120):
+    """(exit code, last line) of a job that must end; the timeout is one only a hang reaches."""
+    out, err = job.communicate(timeout=timeout)
+    return job.returncode, (err.strip().splitlines() or [""])[-1]
+
+
+@pytest.mark.parametrize("role", ["coordinator", "memoryx", "swarmx", "csx", "worker"])
+def test_a_killed_rank_is_named_with_its_signal(tmp_path, data, jobs, role):
+    """SIGKILL of any role while training: that rank is named, with the signal, and nothing is left running."""
+    job, plan, run_dir = start_long_job(jobs, tmp_path, data)
+    rank = {"coordinator": plan["coordinator"], "memoryx": plan["memoryx"][0], "swarmx": plan["swarmx"][0],
+            "csx": plan["csx"][1], "worker": plan["workers"][0][0]}[role]
+    os.kill(pid_of(run_dir, rank), signal.SIGKILL)
+    code, line = ended(job)
+    assert code == 1
+    assert line.startswith(f"wse fit: rank {rank} ({role} ") and "killed by signal 9 (SIGKILL)" in line, line
+    assert not jobs.leftovers()
+
+
+def wait_for_event(run_dir, rank, event, job, timeout=120):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        log = run_dir.watchdog_log.read_text() if run_dir.watchdog_log.exists() else ""
+        if any(json.loads(x).get("rank") == rank and json.loads(x).get("event") == event for x in log.splitlines()):
+            return
+        assert job.poll() is None, job.communicate()
+        time.sleep(0.05)
+    raise AssertionError(f"rank {rank} never reported {event}")
+
+
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGSTOP], ids=["kill", "stop"])
+def test_an_input_worker_that_has_sent_everything_is_named_when_it_dies_or_stops(tmp_path, data, jobs, sig):
+    """Killed after its last send: named, with its signal. Stopped there: the training ends, the last
+    checkpoint is written, and the worker is named at shutdown instead of the job hanging forever."""
+    job, plan, run_dir = start_long_job(jobs, tmp_path, data, steps=40)
+    rank = plan["workers"][1][0]
+    wait_for_event(run_dir, rank, "done", job)
+    os.kill(pid_of(run_dir, rank), sig)
+    code, line = ended(job)
+    assert code == 1 and line.startswith(f"wse fit: rank {rank} (worker 1): "), line
+    if sig == signal.SIGKILL:
+        assert "killed by signal 9 (SIGKILL)) after finishing its work" in line, line
+    else:
+        assert "finished its work but did not exit (its process is stopped, SIGSTOP)" in line, line
+        assert Checkpoint(tmp_path / "model").step == 40
+    assert not jobs.leftovers()
+
+
+@pytest.mark.parametrize("role", ["csx", "memoryx"])
+def test_a_stopped_rank_is_named(tmp_path, data, jobs, role):
+    """SIGSTOP while training: named once it has been silent for runconfig.peer_timeout (5 s here)."""
+    job, plan, run_dir = start_long_job(jobs, tmp_path, data)
+    rank = plan["csx"][0] if role == "csx" else plan["memoryx"][1]
+    os.kill(pid_of(run_dir, rank), signal.SIGSTOP)
+    code, line = ended(job)
+    assert code == 1 and line.startswith(f"wse fit: rank {rank} ({role} ") and "stopped answering" in line, line
+    assert not jobs.leftovers()
+
+
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM, signal.SIGINT], ids=["kill", "term", "int"])
+def test_a_dead_launcher_takes_its_whole_job_with_it(tmp_path, data, jobs, sig):
+    """SIGKILL, SIGTERM or SIGINT to `wse fit`: every rank, supervisor, proxy and mpiexec goes too."""
+    job, plan, run_dir = start_long_job(jobs, tmp_path, data)
+    assert len(jobs.leftovers()) > 2 * len(plan["roles"])  # ranks, supervisors, mpiexec, proxy, launcher
+    job.send_signal(sig)
+    code, line = ended(job)
+    assert code == 128 + sig if sig != signal.SIGKILL else code == -signal.SIGKILL
+    if sig != signal.SIGKILL:
+        assert line.startswith(f"wse fit: interrupted by {signal.Signals(sig).name}: the job's ranks were stopped")
+    deadline = time.monotonic() + 60  # seconds when it works; only a leak reaches this
+    while jobs.leftovers() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not jobs.leftovers()
+
+
+def test_a_killed_mpi_proxy_is_noticed(tmp_path, data, jobs):
+    job, plan, run_dir = start_long_job(jobs, tmp_path, data)
+    proxies = [p for p in jobs.leftovers() if b"hydra_pmi_proxy" in Path(f"/proc/{p}/cmdline").read_bytes()]
+    assert proxies
+    os.kill(proxies[0], signal.SIGKILL)
+    code, line = ended(job)
+    assert code == 1 and "its MPI process manager (hydra_pmi_proxy)" in line and "died" in line, line
+    assert not jobs.leftovers()
+
+
+def test_a_second_run_on_the_same_model_dir_is_refused_and_the_lock_never_sticks(tmp_path, data, jobs):
+    """While a run trains, a second `wse fit` (or --dry-run) on its model_dir is refused at once, naming
+    the first; once the first is killed with SIGKILL, a new run starts."""
+    job, plan, run_dir = start_long_job(jobs, tmp_path, data)
+    path = tmp_path / "params.yaml"
+    for extra in ([], ["--dry-run"]):
+        proc = jobs.run("fit", path, "--num_csx", 1, "--set", "runconfig.max_steps=2", *extra, timeout=60)
+        assert proc.returncode == 1 and proc.stderr.strip() == (
+            f"wse fit: error: {tmp_path / 'model'}: in use by wse fit (pid {job.pid} on {os.uname().nodename}, "
+            f"started {json.loads((tmp_path / 'model' / '.wse.lock').read_text())['started']}); wait for it to end "
+            "or use another --model_dir"), proc.stderr
+    job.kill()
+    ended(job)
+    proc = jobs.run("fit", path, "--num_csx", 1, "--set", "runconfig.max_steps=2")
+    assert proc.returncode == 0 and "done: trained steps 1..2" in proc.stdout, proc.stderr
+
+
+def test_dry_run_prints_a_command_that_runs(tmp_path, data, jobs):
+    """--dry-run prepares model_dir and prints the mpiexec command; run by hand it trains (no watchdog)."""
+    path, p = params_file(tmp_path, data, max_steps=2)
+    proc = jobs.run("fit", path, "--num_csx", 2, "--dry-run")
+    assert proc.returncode == 0, proc.stderr
+    cmd = proc.stdout.split()
+    assert cmd[0].endswith("mpiexec") and "-auto-cleanup" not in cmd
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=240, start_new_session=True)
+    assert out.returncode == 0, out.stderr
+    params, state, _ = reference(p, 2)
+    assert_bits(tmp_path / "model", params, state)

@@ -8,7 +8,7 @@ import pytest
 from mpi4py import MPI
 
 from mpi_launch import messaging as msg
-from mpi_launch.launcher import run_mpi
+from mpi_launch.mpiexec import run_mpi
 
 
 def test_chunked_tree_reduce_is_the_pairwise_tree_sum():

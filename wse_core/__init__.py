@@ -1,23 +1,59 @@
-"""The wafer: compiled performance core of wse-cluster (Cython + OpenMP) and its thin wrappers."""
+"""The wafer: compiled performance core of wse-cluster (Cython + OpenMP) and its thin wrappers.
+
+Importing ``wse_core`` changes nothing in the calling process. ``configure_process()`` sets the
+process up the way the cluster's ranks and the ``wse`` command line run (docs/design.md
+section 3); call it first thing if you want the same behaviour in a script of your own.
+"""
 import os
 import warnings
 
-# OpenMP threads that finish a parallel loop otherwise spin for a while before sleeping, stealing
-# the core from the BLAS call or the MPI rank that runs next (DESIGN.md section 3: never spin).
-# libgomp reads this once, when the first kernel module loads it, so it is set before that import.
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+_configured = {"done": False}
 
-from wse_core._openmp import openmp_info  # noqa: E402
+
+def openmp_info():
+    """OpenMP build flag and thread count of the compiled kernels (loads them)."""
+    from wse_core._openmp import openmp_info as info
+
+    return info()
+
+
+def configure_process():
+    """Set this process up for the kernels, once: idle OpenMP threads sleep, freed activations are
+    kept for reuse, and BLAS runs on one thread. Call it before anything imports the kernels.
+
+    * ``OMP_WAIT_POLICY=PASSIVE`` (unless set): OpenMP threads that finish a parallel loop otherwise
+      spin for a while, stealing the core from the BLAS call or MPI rank that runs next. libgomp
+      reads it once, when the first kernel module loads it, hence "before".
+    * glibc's mmap and trim thresholds raised: layers allocate and free arrays of several MB per
+      call, which glibc would otherwise serve with fresh pages every time (measured: a quarter of a
+      GPT-2 block's forward + backward time went to page faults). Up to 256 MiB of freed memory is
+      kept for reuse. glibc only; elsewhere a no-op.
+    * BLAS pinned to one thread for good (``wse_core.nn.gemm.pin_blas``): OpenBLAS gives other bits
+      with other thread counts; ``matmul`` parallelises on its own, in fixed chunks.
+    """
+    if _configured["done"]:
+        return
+    _configured["done"] = True
+    import sys
+
+    if "OMP_WAIT_POLICY" not in os.environ and "wse_core._openmp" in sys.modules:
+        warnings.warn("wse_core.configure_process(): the kernels were loaded before it was called, so idle "
+                      "OpenMP threads may spin; call it before importing them", RuntimeWarning, stacklevel=2)
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    _keep_freed_memory()
+    from wse_core.nn.gemm import pin_blas
+
+    pin_blas()
+    if not openmp_info()["openmp"]:
+        warnings.warn(
+            "wse_core was built without OpenMP: every kernel runs on one thread "
+            "(reinstall with a compiler that supports -fopenmp; see `wse doctor`)",
+            RuntimeWarning,
+            stacklevel=2,
+        )
 
 
 def _keep_freed_memory():
-    """Let glibc reuse freed activations instead of returning them to the OS after every layer.
-
-    Layers allocate and free arrays of several MB per call; by default glibc serves those with
-    fresh mmap pages (or trims the heap), so every step page-faults its activations back in:
-    measured here, a quarter of a GPT-2 block's forward + backward time. Raising the mmap and trim
-    thresholds keeps up to 256 MiB of freed memory for reuse. glibc only; elsewhere a no-op.
-    """
     import ctypes
 
     try:
@@ -29,14 +65,4 @@ def _keep_freed_memory():
     mallopt(m_trim_threshold, 256 << 20)
 
 
-_keep_freed_memory()
-
-if not openmp_info()["openmp"]:
-    warnings.warn(
-        "wse_core was built without OpenMP: every kernel runs on one thread "
-        "(reinstall with a compiler that supports -fopenmp; see `wse doctor`)",
-        RuntimeWarning,
-        stacklevel=2,
-    )
-
-__all__ = ["openmp_info"]
+__all__ = ["configure_process", "openmp_info"]

@@ -2,29 +2,40 @@
 
 OpenBLAS gives different bits for the same product with 1 and 2 threads (measured here on
 x @ W.T, [512, 64] x [64, 192] float32), which would break the promise that the cluster and the
-reference step agree bit for bit whatever the threads per rank. So the first product pins BLAS
-to one thread for the whole process (through threadpoolctl), and ``matmul`` parallelises on its
-own: a 2-D product is split into fixed chunks of ``CHUNK_ROWS`` rows of the left operand, a
+reference step agree bit for bit whatever the threads per rank. So BLAS runs on one thread:
+for good once ``pin_blas()`` was called (``wse_core.configure_process`` does, in the ranks and the
+CLI), else for the duration of each product (threadpoolctl, about 11 us a call measured here,
+restoring the caller's setting after). ``matmul`` parallelises on its own: a 2-D product is split into fixed chunks of ``CHUNK_ROWS`` rows of the left operand, a
 batched product into groups of whole matrices. The chunking depends only on the shapes, so the
 result is the same for any number of workers; the workers are the kernels' OpenMP thread count.
 """
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
-from threadpoolctl import threadpool_limits
+from threadpoolctl import ThreadpoolController
 
 from wse_core._openmp import openmp_info
 
 #: Rows of the left operand per task of a 2-D product (fixed: it decides the bits).
 CHUNK_ROWS = 128
 
-_state = {"pool": None, "workers": None, "limits": None}
+_state = {"pool": None, "workers": None, "controller": None, "pinned": None}
+
+
+def _controller():
+    if _state["controller"] is None:
+        _state["controller"] = ThreadpoolController()
+    return _state["controller"]
+
+
+def pin_blas():
+    """Run BLAS on one thread for the rest of the process (kept: restoring it would change bits)."""
+    if _state["pinned"] is None:
+        _state["pinned"] = _controller().limit(limits=1, user_api="blas")
 
 
 def _pool():
     if _state["workers"] is None:
-        # Kept for the life of the process: restoring it would let BLAS threads change bits.
-        _state["limits"] = threadpool_limits(limits=1, user_api="blas")
         _state["workers"] = openmp_info()["max_threads"]
         if _state["workers"] > 1:
             _state["pool"] = ThreadPoolExecutor(_state["workers"], thread_name_prefix="wse-gemm")
@@ -33,6 +44,13 @@ def _pool():
 
 def matmul(a, b):
     """a @ b for 2-D a, or for stacks of matrices (numpy broadcasting rules), thread-count independent."""
+    if _state["pinned"] is None:
+        with _controller().limit(limits=1, user_api="blas"):
+            return _matmul(a, b)
+    return _matmul(a, b)
+
+
+def _matmul(a, b):
     pool, workers = _pool()
     if a.ndim == 2:
         m = a.shape[0]

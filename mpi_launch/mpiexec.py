@@ -1,0 +1,108 @@
+"""The ``mpiexec`` of the installed ``mpich`` wheel, and the command lines the project gives it.
+
+The wheel puts ``mpiexec`` in the environment's scripts directory, next to the Python executable.
+We take it from the wheel's own file list rather than from PATH, so a system MPI elsewhere on the
+machine can never be mixed with the ``libmpi`` that mpi4py loads from the wheel.
+"""
+import importlib.metadata
+import os
+import signal
+import subprocess
+import sys
+import sysconfig
+from pathlib import Path
+
+
+class MPILaunchError(RuntimeError):
+    """mpiexec is missing, or an MPI job failed or timed out (the message is one line)."""
+
+
+def find_mpiexec():
+    """Path of the ``mpiexec`` installed by the ``mpich`` wheel of this Python environment."""
+    try:
+        dist = importlib.metadata.distribution("mpich")
+    except importlib.metadata.PackageNotFoundError:
+        raise MPILaunchError(
+            "the mpich wheel is not installed in this Python environment "
+            f"({sys.prefix}): run `pip install mpich`") from None
+    candidates = [Path(dist.locate_file(f)) for f in (dist.files or [])
+                  if f.name == "mpiexec" and f.parent.name == "bin"]
+    # Fallbacks for installers that write no file list: the scripts directory, then beside python.
+    candidates += [Path(sysconfig.get_path("scripts")) / "mpiexec",
+                   Path(sys.executable).parent / "mpiexec"]
+    for path in candidates:
+        path = path.resolve()
+        if path.is_file() and os.access(path, os.X_OK):
+            return path
+    raise MPILaunchError(
+        f"mpich {dist.version} is installed but its mpiexec is missing or not executable "
+        f"(looked in {candidates[-1].parent}): reinstall with `pip install --force-reinstall mpich`")
+
+
+def mpi_env(threads_per_rank=1, extra=None):
+    """Environment for MPI ranks: thread counts pinned so ranks x threads fits the cores."""
+    env = dict(os.environ)
+    for var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
+        env[var] = str(threads_per_rank)
+    env.update(extra or {})
+    return env
+
+
+def run_mpi(nranks, argv, *, timeout, threads_per_rank=1, env=None):
+    """Run ``mpiexec -n nranks argv...`` to completion and return its CompletedProcess (text output).
+
+    The job runs in its own process group so that a timeout kills every rank, not just mpiexec.
+    Raises MPILaunchError naming the command on timeout, or when mpiexec cannot start.
+    """
+    cmd = [str(find_mpiexec()), "-n", str(nranks), *map(str, argv)]
+    try:
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                env=mpi_env(threads_per_rank, env), start_new_session=True)
+    except OSError as exc:
+        raise MPILaunchError(f"cannot start {cmd[0]}: {exc.strerror}") from None
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        raise MPILaunchError(f"MPI job `{' '.join(cmd)}` did not finish within {timeout} s; killed") from None
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+
+def fit_command(params, *, hostfile=None, cores=None):
+    """The mpiexec command line of a training job: one MPMD segment per thread setting.
+
+    CS-2 ranks do the arithmetic and share the cores; every other role mostly waits (sleeping),
+    so it gets one thread.
+    """
+    from mpi_launch.plan import plan_for
+
+    r = params["runconfig"]
+    plan, _ = plan_for(params)
+    cores = cores or os.cpu_count() or 1
+    csx_threads = max(1, cores // r["num_csx"])
+    entry = [sys.executable, "-m", "mpi_launch.run", str(Path(r["model_dir"]).resolve())]
+    # Ranks before the CS-2s, the CS-2s, the input workers after them (the plan's order).
+    segments = [(plan.csx[0], 1), (len(plan.csx), csx_threads), (plan.world_size - plan.csx[-1] - 1, 1)]
+    # The watchdog ends the job when a rank fails (mpi_launch.watchdog), on one host or several,
+    # so hydra must not kill the survivors first: their deaths would hide which rank died.
+    cmd = [str(find_mpiexec()), "-disable-auto-cleanup"] + (["-f", str(hostfile)] if hostfile else [])
+    parts = [["-n", str(n), "-env", "OMP_NUM_THREADS", str(threads), *entry] for n, threads in segments if n]
+    for i, part in enumerate(parts):
+        cmd += ([":"] if i else []) + part
+    return cmd, plan
+
+
+#: More ranks than this per core on one machine is a mistake, not a plan: every rank is a Python
+#: process with numpy, h5py and MPI loaded (about 100 MB), and they all share the cores.
+MAX_RANKS_PER_CORE = 16
+
+
+def check_capacity(plan, *, hostfile=None, cores=None):
+    """Refuse a plan that cannot run on this machine (without a hostfile), in one line."""
+    cores = cores or os.cpu_count() or 1
+    if hostfile is None and plan.world_size > MAX_RANKS_PER_CORE * cores:
+        raise MPILaunchError(
+            f"runconfig.num_csx: {plan.num_csx} CS-2s need {plan.world_size:,} MPI ranks, more than "
+            f"{MAX_RANKS_PER_CORE} per core on this machine's {cores} cores; use fewer CS-2s or spread "
+            "the ranks over several machines with --hostfile")

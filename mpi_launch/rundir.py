@@ -1,0 +1,181 @@
+"""The run directory (``model_dir``): its layout, its lock, and preparing it for a run.
+
+Layout (docs/design.md section 4); no other module spells these names:
+
+    model_dir/
+      .wse.lock               held (flock) by the launcher while a job runs; says which job
+      run.json                what every rank reads: validated params, start step, checkpoint
+      params.yaml             the resolved params (loads again with `wse fit` / `wse validate`)
+      plan.json               the rank plan and memory estimates (`wse compile --json`)
+      metrics.jsonl           one JSON object per step
+      logs/rank_<r>.log       each rank's log (tracebacks of failures go here too)
+      logs/timing_rank_<r>.jsonl  where each rank's step time went
+      logs/pid_rank_<r>       each rank's pid (for people and tests that want to signal one)
+      logs/mpiexec.log        hydra's own messages
+      logs/watchdog.log       every report of the ranks' supervisors, as the watchdog received it
+      checkpoint_<step>/, latest   the checkpoint store (data_tools.checkpoint)
+"""
+import fcntl
+import json
+import os
+import socket
+import time
+from pathlib import Path
+
+from mpi_launch.mpiexec import MPILaunchError
+
+LOCK = ".wse.lock"
+
+
+class RunDirBusy(MPILaunchError):
+    """Another job holds the run directory's lock."""
+
+
+class RunDir:
+    """One run directory: paths of everything in it, the lock, metrics, and ``prepare``."""
+
+    def __init__(self, model_dir):
+        self.path = Path(model_dir)
+        self._lock_fd = None
+
+    # -- paths ---------------------------------------------------------------------------------
+    @property
+    def logs(self):
+        return self.path / "logs"
+
+    @property
+    def run_json(self):
+        return self.path / "run.json"
+
+    @property
+    def params_yaml(self):
+        return self.path / "params.yaml"
+
+    @property
+    def plan_json(self):
+        return self.path / "plan.json"
+
+    @property
+    def metrics(self):
+        return self.path / "metrics.jsonl"
+
+    @property
+    def mpiexec_log(self):
+        return self.logs / "mpiexec.log"
+
+    @property
+    def watchdog_log(self):
+        return self.logs / "watchdog.log"
+
+    def rank_log(self, rank):
+        return self.logs / f"rank_{rank}.log"
+
+    def timing_log(self, rank):
+        return self.logs / f"timing_rank_{rank}.jsonl"
+
+    def pid_file(self, rank):
+        return self.logs / f"pid_rank_{rank}"
+
+    # -- the lock ------------------------------------------------------------------------------
+    def lock(self, what="wse fit"):
+        """Take the run directory for this process, or raise RunDirBusy naming the job that holds it.
+
+        An flock: the kernel drops it when the holder dies, however it dies, so a crashed run
+        never leaves it stuck. The file says who holds it, for the message the next job prints.
+        """
+        self.path.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.path / LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.read(fd, 4096).decode(errors="replace")
+            os.close(fd)
+            try:
+                h = json.loads(holder)
+                who = f"{h['what']} (pid {h['pid']} on {h['host']}, started {h['started']})"
+            except (ValueError, KeyError, TypeError):
+                who = "another job"
+            raise RunDirBusy(f"{self.path}: in use by {who}; wait for it to end or use another "
+                             "--model_dir") from None
+        os.ftruncate(fd, 0)
+        os.write(fd, json.dumps({"what": what, "pid": os.getpid(), "host": socket.gethostname(),
+                                 "started": time.strftime("%Y-%m-%d %H:%M:%S")}).encode())
+        self._lock_fd = fd
+        return self
+
+    def unlock(self):
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)  # closing the descriptor releases the flock
+            self._lock_fd = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.unlock()
+
+    # -- metrics -------------------------------------------------------------------------------
+    def read_metrics(self):
+        """The records of metrics.jsonl (a torn last line, from a killed writer, is skipped)."""
+        if not self.metrics.exists():
+            return []
+        records = []
+        for line in self.metrics.read_text().splitlines():
+            try:
+                records.append(json.loads(line))
+            except ValueError:
+                continue
+        return records
+
+    def truncate_metrics(self, step):
+        """Keep only the records of steps <= ``step``: a resumed run rewrites what comes after."""
+        kept = [r for r in self.read_metrics() if r.get("step", 0) <= step]
+        tmp = self.metrics.with_suffix(".tmp")
+        tmp.write_text("".join(json.dumps(r) + "\n" for r in kept))
+        os.replace(tmp, self.metrics)
+
+    # -- preparing a run -----------------------------------------------------------------------
+    def prepare(self, params, *, checkpoint=None):
+        """Write ``run.json``, ``params.yaml`` and ``plan.json``; return the run dict.
+
+        Resumes from ``checkpoint`` if given, else from ``latest`` if there is one; metrics of
+        steps after the start step are dropped (they are about to be trained again).
+        """
+        import yaml
+
+        from data_tools.checkpoint import LATEST, Checkpoint
+        from mpi_launch.plan import describe
+
+        self.logs.mkdir(parents=True, exist_ok=True)
+        for stale in self.logs.glob("pid_rank_*"):
+            stale.unlink()
+        if checkpoint is None and (self.path / LATEST).is_file():
+            checkpoint = self.path
+        start, ckpt_dir = 0, None
+        if checkpoint is not None:
+            ckpt = Checkpoint(checkpoint)
+            start, ckpt_dir = ckpt.step, str(ckpt.dir.resolve())
+            _check_compatible(ckpt, params)
+        self.truncate_metrics(start)
+        run = {"params": params, "start_step": start, "checkpoint": ckpt_dir}
+        self.run_json.write_text(json.dumps(run, indent=1))
+        self.params_yaml.write_text(yaml.safe_dump(params, sort_keys=False))
+        self.plan_json.write_text(json.dumps(describe(params), indent=1))
+        return run
+
+    def read_run(self):
+        return json.loads(self.run_json.read_text())
+
+
+def _check_compatible(ckpt, params):
+    """The checkpoint holds every parameter of this model, with this model's shapes."""
+    from wse_core.nn import build_model
+
+    model = build_model(params["model"])
+    missing = set(model.param_names) - set(ckpt.param_names)
+    if missing:
+        raise MPILaunchError(f"{ckpt.dir}: does not hold parameter {sorted(missing)[0]!r} of this model")
+    for name, spec in model.param_specs.items():  # e.g. a different model.sparsity
+        shape = ckpt.tensors[f"model/{name}"]["shape"]
+        if shape != list(spec.shape):
+            raise MPILaunchError(f"{ckpt.dir}: parameter {name!r} has shape {shape}, this model's is {list(spec.shape)}")

@@ -1,0 +1,433 @@
+"""The launcher side of fault handling: run a job under watch, end it on the first fault, name that fault.
+
+Every rank runs under a supervisor (mpi_launch.supervisor) that holds a TCP connection to the
+``Watchdog`` here and reports, with a timestamp: hello (the rank's pid and host), ready, done, an
+error the rank raised, the rank stopped or continued, and how it exited. The watchdog turns them
+into incidents and ends the job on the first fault:
+
+* a rank that raised an error, exited without finishing, or was killed (with its signal) —
+  also after it finished its work, and on any host;
+* a rank stopped (SIGSTOP, a debugger) for ``peer_timeout`` seconds, or stopped while a peer
+  timed out waiting;
+* a rank that lost its supervisor or its MPI proxy (``hydra_pmi_proxy`` killed, a host lost);
+* start-up: a rank not ready within ``startup_timeout`` of the launch;
+* shutdown: a rank still running ``peer_timeout`` seconds after the coordinator finished;
+* a peer timeout (a rank waited too long for a peer) when nothing above explains it.
+
+When several incidents come close together, the earliest by the supervisors' clocks is the
+cause; errors that only report a lost peer (``PeerLost``/``PeerTimeout``) are echoes of it.
+Ending the job closes every supervisor's connection (each kills its rank) and kills mpiexec's
+process group; a launcher that dies closes them just the same, so no rank outlives it.
+See docs/design.md section 3.
+"""
+import json
+import os
+import secrets
+import selectors
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+
+from mpi_launch.mpiexec import mpi_env
+from mpi_launch.supervisor import CONTROL_ENV
+
+#: Seconds to wait after an incident for others from the same moment, so the earliest is named.
+SETTLE_SECONDS = 0.3
+#: Seconds to wait after a peer's timeout or lost peer for the incident it echoes.
+ECHO_SECONDS = 2.0
+#: Seconds mpiexec gets to exit after the job was ended, before its process group is killed again.
+TEARDOWN_SECONDS = 5.0
+
+
+def _signame(sig):
+    try:
+        return signal.Signals(sig).name
+    except ValueError:
+        return f"signal {sig}"
+
+
+@dataclass
+class RankState:
+    pid: int = None
+    host: str = None
+    ready: bool = False
+    done: bool = False
+    stopped_at: float = None      # supervisor time of the stop, while stopped
+    stop_signal: int = None
+    exited: bool = False
+    connected: bool = False
+    reported: bool = False        # an incident about this rank's silence is on record
+
+
+@dataclass(order=True)
+class Incident:
+    time: float
+    primary: bool = field(compare=False)  # a cause; False for an echo (a peer's timeout or lost peer)
+    rank: int = field(compare=False)
+    line: str = field(compare=False)
+
+
+class Watchdog:
+    """Listens for the ranks' supervisors, keeps what they report, and ends the job at the first fault."""
+
+    def __init__(self, plan, *, peer_timeout, startup_timeout, hostfile=None, log=None):
+        self.plan, self.log = plan, log
+        self.peer_timeout, self.startup_timeout = float(peer_timeout), float(startup_timeout)
+        self.token = secrets.token_hex(16)
+        self.host = "127.0.0.1" if hostfile is None else _reachable_address(hostfile)
+        self.listener = socket.create_server(("127.0.0.1" if hostfile is None else "", 0), backlog=1024)
+        self.port = self.listener.getsockname()[1]
+        self.ranks = {r: RankState() for r in range(plan.world_size)}
+        self.incidents = []
+        self.verdict = None          # the one line, once the job has been ended for a fault
+        self.ended_at = None         # time.time() when the job was ended (faults after it are casualties)
+        self.proc = None
+        self._lock = threading.Lock()
+        self._conns = {}             # socket -> rank (None until its hello)
+        self._buffers = {}
+        self._wake_r, self._wake_w = os.pipe()
+        self._started = None
+        self._coordinator_done = None
+        self._thread = None
+
+    # -- what the launcher calls ---------------------------------------------------------------
+    def env(self):
+        return {CONTROL_ENV: f"{self.host}:{self.port}:{self.token}"}
+
+    def start(self, proc):
+        self.proc, self._started = proc, time.time()
+        self._thread = threading.Thread(target=self._loop, name="wse-watchdog", daemon=True)
+        self._thread.start()
+
+    def end(self, line=None):
+        """End the job now: every supervisor kills its rank, and mpiexec's process group is killed."""
+        with self._lock:
+            if self.ended_at is None:
+                self.ended_at = time.time()
+                if line is not None and self.verdict is None:
+                    self.verdict = line
+        os.write(self._wake_w, b"e")  # the watching thread closes the connections: each supervisor kills its rank
+        if self.proc is not None and self.proc.poll() is None:
+            try:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+    def conclude(self):
+        """mpiexec has exited: let reports still on their way arrive, and name the fault if there was one."""
+        deadline = time.time() + ECHO_SECONDS
+        while time.time() < deadline:
+            with self._lock:
+                if self.verdict is not None or (not self.incidents and all(s.exited or not s.connected
+                                                                           for s in self.ranks.values())):
+                    break
+                if self._decide_at is not None and time.time() >= self._decide_at:
+                    break
+            time.sleep(0.05)
+        with self._lock:
+            if self.verdict is None and self.incidents:
+                self.verdict = self._cause().line
+        return self.verdict
+
+    def _cause(self):
+        primaries = sorted(i for i in self.incidents if i.primary)
+        return primaries[0] if primaries else min(self.incidents)
+
+    def stop(self):
+        """The job is over: stop the watching thread and release the port."""
+        os.write(self._wake_w, b"q")
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+        for conn in list(self._conns):
+            self._close(conn)
+        self.listener.close()
+        os.close(self._wake_r)
+        os.close(self._wake_w)
+
+    def hosts(self):
+        return sorted({s.host for s in self.ranks.values() if s.host})
+
+    # -- the watching thread -------------------------------------------------------------------
+    def _loop(self):
+        sel = selectors.DefaultSelector()
+        sel.register(self.listener, selectors.EVENT_READ)
+        sel.register(self._wake_r, selectors.EVENT_READ)
+        while True:
+            timeout = self._next_deadline()
+            events = sel.select(None if timeout is None else max(0.0, timeout - time.time()))
+            for key, _ in events:
+                if key.fileobj is self._wake_r:
+                    wake = os.read(self._wake_r, 64)
+                    if b"e" in wake:
+                        for conn in list(self._conns):
+                            sel.unregister(conn)
+                            self._close(conn)
+                    if b"q" in wake:
+                        sel.close()
+                        return
+                    continue
+                if key.fileobj is self.listener:
+                    try:
+                        conn, _ = self.listener.accept()
+                    except OSError:
+                        continue
+                    conn.setblocking(False)
+                    self._conns[conn], self._buffers[conn] = None, b""
+                    sel.register(conn, selectors.EVENT_READ)
+                else:
+                    self._receive(key.fileobj, sel)
+            self._check_timers()
+
+    def _receive(self, conn, sel):
+        if conn not in self._conns:  # closed while this event was pending
+            return
+        try:
+            data = conn.recv(65536)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:
+            data = b""
+        rank = self._conns.get(conn)
+        if not data:
+            sel.unregister(conn)
+            self._close(conn)
+            if rank is not None and not self.ranks[rank].exited:
+                self._incident(time.time(), True, rank, "lost its supervisor process (killed, or its host is "
+                                                      "unreachable)")
+            return
+        self._buffers[conn] += data
+        *lines, self._buffers[conn] = self._buffers[conn].split(b"\n")
+        for line in lines:
+            try:
+                msg = json.loads(line)
+            except ValueError:
+                continue
+            if rank is None:  # the first message says who this is, with the job's token
+                if msg.get("event") != "hello" or msg.get("token") != self.token or msg.get("rank") not in self.ranks:
+                    sel.unregister(conn)
+                    self._close(conn)
+                    return
+                rank = self._conns[conn] = msg["rank"]
+            self._event(rank, msg)
+
+    def _close(self, conn):
+        self._conns.pop(conn, None)
+        self._buffers.pop(conn, None)
+        try:
+            conn.close()
+        except OSError:
+            pass
+
+    def _event(self, rank, msg):
+        s, kind, t = self.ranks[rank], msg.get("event"), float(msg.get("time", time.time()))
+        if self.log is not None:
+            self.log.write(json.dumps({k: v for k, v in msg.items() if k != "token"}) + "\n")
+            self.log.flush()
+        if kind == "hello":
+            s.pid, s.host, s.connected = msg.get("pid"), msg.get("host"), True
+        elif kind == "ready":
+            s.ready = True
+        elif kind == "done":
+            s.done = True
+            if rank == self.plan.coordinator:
+                self._coordinator_done = time.time()
+        elif kind == "error":
+            primary = msg.get("kind") != "peer"
+            self._incident(t, primary, rank, msg.get("line", "failed"), named=True)
+            if not primary:  # a peer gave up waiting: a stopped rank is the reason
+                for r, other in self.ranks.items():
+                    if other.stopped_at is not None and not other.done:
+                        self._stopped_incident(r, t)
+        elif kind == "stopped":
+            s.stopped_at, s.stop_signal = t, msg.get("signal")
+        elif kind == "continued":
+            s.stopped_at = None
+        elif kind == "proxy_lost":
+            self._incident(t, True, rank, f"its MPI process manager (hydra_pmi_proxy) on {s.host} died")
+        elif kind == "exit":
+            s.exited = True
+            if "signal" in msg:
+                sig = msg["signal"]
+                after = " after finishing its work" if s.done else ""
+                self._incident(t, True, rank, f"the process died (killed by signal {sig} ({_signame(sig)})){after}")
+            elif msg.get("code") != 0:
+                self._incident(t, True, rank, f"the process exited with code {msg.get('code')}", quiet=True)
+            elif not s.done:
+                self._incident(t, True, rank, "the process exited (code 0) before finishing its work")
+
+    def _stopped_incident(self, rank, t):
+        s = self.ranks[rank]
+        if s.reported:
+            return
+        s.reported = True
+        self._incident(t, True, rank, f"stopped answering: its process has been stopped ({self._stop_name(s)}) "
+                                      f"for {max(0.0, t - s.stopped_at):.0f} s", stamp=s.stopped_at)
+
+    @staticmethod
+    def _stop_name(s):
+        return _signame(s.stop_signal) if s.stop_signal else "a signal"
+
+    def _incident(self, t, primary, rank, text, named=False, quiet=False, stamp=None):
+        """Record a fault. ``named``: ``text`` already starts with the rank; ``quiet``: only a cause
+        if the rank reported no error of its own (its exit code then just follows that error)."""
+        if quiet and any(i.rank == rank for i in self.incidents):
+            return
+        if not named:
+            role, index = self.plan.role_of(rank)
+            where = f" on {self.ranks[rank].host}" if len(self.hosts()) > 1 and self.ranks[rank].host else ""
+            text = f"rank {rank} ({role} {index}){where}: {text}"
+        with self._lock:
+            if self.ended_at is not None and t > self.ended_at:
+                return  # a casualty of ending the job
+            # Ordered by when the fault happened: a stop counts from the moment the rank stopped.
+            self.incidents.append(Incident(t if stamp is None else stamp, primary, rank, text))
+            if self._decide_at is None or (primary and self._decide_at > time.time() + SETTLE_SECONDS):
+                self._decide_at = time.time() + (SETTLE_SECONDS if primary else ECHO_SECONDS)
+
+    _decide_at = None
+    _startup_reported = _shutdown_reported = False
+
+    def _next_deadline(self):
+        deadlines = [self._decide_at]
+        if not self._startup_reported and not all(s.ready or s.exited for s in self.ranks.values()):
+            deadlines.append(self._started + self.startup_timeout)
+        for s in self.ranks.values():  # a rank stopped after its work is judged at the end of training
+            if s.stopped_at is not None and not (s.exited or s.reported or s.done):
+                deadlines.append(s.stopped_at + self.peer_timeout)
+        if self._coordinator_done is not None and not self._shutdown_reported:
+            deadlines.append(self._coordinator_done + self.peer_timeout)
+        deadlines = [d for d in deadlines if d is not None]
+        return min(deadlines) if deadlines and self.ended_at is None else None
+
+    def _check_timers(self):
+        if self.ended_at is not None:
+            return
+        now = time.time()
+        for r, s in self.ranks.items():
+            if s.stopped_at is not None and not (s.exited or s.done) and now >= s.stopped_at + self.peer_timeout:
+                self._stopped_incident(r, now)
+        late = [r for r, s in self.ranks.items() if not (s.ready or s.exited)]
+        if late and not self._startup_reported and now >= self._started + self.startup_timeout:
+            self._startup_reported = True
+            late.sort(key=lambda r: self.ranks[r].connected)  # one never started is the likelier cause
+            for r in late[:1]:
+                s = self.ranks[r]
+                what = (f"started (pid {s.pid}) but was not ready" if s.connected else "was not started")
+                self._incident(now, True, r, f"{what} within runconfig.startup_timeout ({self.startup_timeout:g} s)")
+        if (self._coordinator_done is not None and not self._shutdown_reported
+                and now >= self._coordinator_done + self.peer_timeout):
+            self._shutdown_reported = True
+            left = [r for r, s in self.ranks.items() if not s.exited]
+            left.sort(key=lambda r: self.ranks[r].done)  # a rank that never finished its work is the silent one
+            for r in left[:1]:
+                s = self.ranks[r]
+                state = "finished its work but did not exit" if s.done else "did not finish its work"
+                if s.stopped_at is not None:
+                    state += f" (its process is stopped, {self._stop_name(s)})"
+                self._incident(now, True, r, f"{state} within runconfig.peer_timeout ({self.peer_timeout:g} s) "
+                                             "after the training ended")
+        if self._decide_at is not None and now >= self._decide_at:
+            with self._lock:
+                chosen = self._cause()
+            self.end(chosen.line)
+
+
+def _reachable_address(hostfile):
+    """This machine's address as the hosts of ``hostfile`` see it (WSE_CONTROL_HOST overrides)."""
+    if os.environ.get("WSE_CONTROL_HOST"):
+        return os.environ["WSE_CONTROL_HOST"]
+    hosts = []
+    for line in open(hostfile):
+        line = line.split("#", 1)[0].strip()
+        if line:
+            hosts.append(line.split(":", 1)[0].split()[0])
+    for host in hosts:
+        try:
+            with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+                s.connect((host, 9))  # no packet is sent: this only asks the kernel for the route
+                address = s.getsockname()[0]
+        except OSError:
+            continue
+        if not address.startswith("127."):
+            return address
+    return socket.gethostbyname(socket.gethostname())
+
+
+def hydra_reason(stderr):
+    """The informative line of hydra's complaint (mpiexec.log keeps all of it)."""
+    lines = [ln.strip() for ln in stderr.splitlines() if ln.strip() and not ln.startswith("=")]
+    for ln in lines:
+        low = ln.lower()
+        if "error" in low or "unable" in low or "cannot" in low or "failed" in low:
+            return ln
+    return lines[-1] if lines else "mpiexec failed without a message"
+
+
+class JobInterrupted(BaseException):
+    """The launcher was asked to stop (SIGTERM, SIGINT, SIGHUP) and ended the job."""
+
+    def __init__(self, sig):
+        super().__init__(_signame(sig))
+        self.signal = sig
+
+
+def launch(cmd, plan, run_dir, *, peer_timeout, startup_timeout, hostfile=None, stream=sys.stdout):
+    """Run the job under a watchdog, streaming the coordinator's lines; return (exit code, failure line or None).
+
+    SIGTERM, SIGINT and SIGHUP end the job cleanly and raise JobInterrupted (from the main thread;
+    elsewhere only the caller's own KeyboardInterrupt handling applies).
+    """
+    log = open(run_dir.watchdog_log, "w")
+    watchdog = Watchdog(plan, peer_timeout=peer_timeout, startup_timeout=startup_timeout, hostfile=hostfile,
+                        log=log)
+    previous = {}
+
+    def interrupted(sig, frame):
+        raise JobInterrupted(sig)
+
+    if threading.current_thread() is threading.main_thread():
+        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+            previous[sig] = signal.signal(sig, interrupted)
+    try:
+        with tempfile.TemporaryFile("w+") as err:
+            proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, text=True, start_new_session=True,
+                                    env=mpi_env(1, {"OMP_WAIT_POLICY": "PASSIVE", **watchdog.env()}))
+            watchdog.start(proc)
+            banner = []  # hydra's failure banner comes on stdout; it goes to logs/mpiexec.log
+            try:
+                for line in proc.stdout:
+                    if line.startswith("=") or banner:
+                        banner.append(line)
+                    elif line.strip():
+                        stream.write(line)
+                        stream.flush()
+                deadline = time.monotonic() + TEARDOWN_SECONDS
+                while proc.poll() is None and time.monotonic() < deadline:
+                    time.sleep(0.05)
+                if proc.poll() is None:  # mpiexec outlived its ranks: end it
+                    watchdog.end()
+                code = proc.wait()
+                watchdog.conclude()
+            except BaseException:
+                watchdog.end()
+                proc.wait()
+                raise
+            finally:
+                watchdog.stop()
+            err.seek(0)
+            stderr = "".join(banner) + err.read()
+        run_dir.mpiexec_log.write_text(stderr)
+    finally:
+        log.close()
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    if watchdog.verdict is not None:
+        return code or 1, watchdog.verdict
+    if code != 0:
+        return code, hydra_reason(stderr)
+    return 0, None
