@@ -4,17 +4,26 @@ Layout of ``model_dir/checkpoint_<step>/``:
   ``memoryx_<k>.h5``  datasets ``/model/<param>`` and ``/optimizer/<param>/<state>``
   ``index.h5``        attributes ``format_version``, ``step``, ``num_shards``, ``params_yaml``,
                       ``loader_state`` and ``rng_state`` (JSON), ``tensors`` (JSON: shard, shape,
-                      dtype and SHA-256 of every tensor), ``shard_sha256`` (JSON); and HDF5 external
-                      links ``/model/<param>`` -> shard, so one file shows every tensor.
+                      dtype and SHA-256 of every tensor), ``shard_sha256`` (JSON), and
+                      ``metadata_sha256``: the SHA-256 of all of these, so the index protects itself;
+                      and HDF5 external links ``/model/<param>`` -> shard, so one file shows every tensor.
 ``model_dir/latest`` holds the name of the newest complete checkpoint and is written last.
 
 Writing is crash-safe: shards and index go to ``.checkpoint_<step>.partial/``, every file is
 fsynced, the directory is renamed into place, and only then ``latest`` is replaced (write, fsync,
-rename). A writer killed at any point leaves the previous ``latest`` intact and loadable.
-Loading checks every tensor's SHA-256, and can reshard: any subset of parameters loads from
-whichever shards hold them, so a checkpoint written by 2 MemoryX ranks loads into 1 or 3.
+rename). A writer killed at any point leaves the previous ``latest`` intact and loadable; a re-save
+of an existing step killed between its two renames leaves the committed copy in
+``.checkpoint_<step>.old``, which readers fall back to and ``clean_up`` puts back. A write that
+fails (a full disk) raises CheckpointError naming the file and removes what it wrote.
+
+Verifying and loading share one check, so they give the same verdict and name the damaged file:
+the index's metadata against ``metadata_sha256`` and its links against the tensor table, then each
+shard touched against its file SHA-256 (naming the damaged tensor where one is), then each tensor
+read against its own. Loading can reshard: any subset of parameters loads from whichever shards
+hold them, so a checkpoint written by 2 MemoryX ranks loads into 1 or 3. See docs/design.md section 4.
 """
 import hashlib
+import io
 import json
 import os
 import shutil
@@ -25,7 +34,8 @@ import numpy as np
 
 from data_tools.errors import CheckpointError
 
-FORMAT_VERSION = 1
+#: 2 added ``metadata_sha256``; format 1 checkpoints still load, without that check of the index.
+FORMAT_VERSION = 2
 INDEX = "index.h5"
 LATEST = "latest"
 
@@ -44,6 +54,47 @@ def _file_sha256(path):
         for block in iter(lambda: f.read(1 << 20), b""):
             h.update(block)
     return h.hexdigest()
+
+
+def _metadata_sha256(attrs):
+    """SHA-256 of an index's metadata (every attribute but itself), in one canonical form."""
+    canonical = {k: (v if isinstance(v, str) else int(v)) for k, v in attrs.items() if k != "metadata_sha256"}
+    return hashlib.sha256(json.dumps(canonical, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
+def _write_failed(path, exc, model_dir):
+    """The CheckpointError for a write that failed (a full disk, a quota): the file, the reason, and
+    that the checkpoint ``latest`` names is untouched."""
+    reason = os.strerror(exc.errno) if getattr(exc, "errno", None) else str(exc).splitlines()[0]
+    try:
+        kept = f"{(Path(model_dir) / LATEST).read_text().strip()} is intact"
+    except OSError:
+        kept = "no earlier checkpoint"
+    return CheckpointError(f"{path}: {reason} while writing a checkpoint; it was not saved ({kept})")
+
+
+def clean_up(model_dir):
+    """Finish what interrupted writers left in ``model_dir``: put back a committed checkpoint a re-save
+    stranded in ``.checkpoint_<step>.old``, and remove staging directories. Only the one job that owns
+    ``model_dir`` (it holds its lock) may call this, before it writes."""
+    model_dir = Path(model_dir)
+    for old in model_dir.glob(".checkpoint_*.old"):
+        final = model_dir / old.name[1:-len(".old")]
+        if final.exists():  # killed after the new copy was in place: the old one is garbage
+            shutil.rmtree(old)
+        else:               # killed between the renames: the old copy is the committed one
+            os.rename(old, final)
+    for partial in model_dir.glob(".checkpoint_*.partial"):
+        shutil.rmtree(partial)
+
+
+def _write_file(path, buf):
+    """Write an HDF5 file built in memory, and fsync it. HDF5 itself is never the one to meet a full
+    disk: its library can crash the process when a write fails half-way (seen with ENOSPC)."""
+    with open(path, "wb") as f:
+        f.write(buf.getbuffer())
+        f.flush()
+        os.fsync(f.fileno())
 
 
 def _fsync_path(path):
@@ -78,9 +129,11 @@ class CheckpointWriter:
 
     def prepare(self):
         self.model_dir.mkdir(parents=True, exist_ok=True)
-        if self.staging.exists():
-            shutil.rmtree(self.staging)
-        self.staging.mkdir()
+        clean_up(self.model_dir)  # also what a failed save of another step left (a full disk)
+        try:
+            self.staging.mkdir()
+        except OSError as exc:
+            raise _write_failed(self.staging, exc, self.model_dir) from None
         return self
 
     def write_shard(self, k, params, opt_state=None, sparse=None):
@@ -92,12 +145,17 @@ class CheckpointWriter:
         """
         path = self.staging / shard_name(k)
         table = {}
-        with h5py.File(path, "w") as f:
+        buf = io.BytesIO()
+        with h5py.File(buf, "w") as f:
             for key, arr in _tensor_keys(params, opt_state, sparse):
                 arr = np.ascontiguousarray(arr)
                 f.create_dataset(key, data=arr)
                 table[key] = {"shard": k, "shape": list(arr.shape), "dtype": str(arr.dtype), "sha256": _sha256(arr)}
-        _fsync_path(path)
+        try:
+            _write_file(path, buf)
+        except OSError as exc:
+            path.unlink(missing_ok=True)  # the rest of the staging directory goes at the next prepare()
+            raise _write_failed(path, exc, self.model_dir) from None
         return table
 
     def commit(self, tables, *, params_yaml="", loader_state=None, rng_state=None):
@@ -108,17 +166,22 @@ class CheckpointWriter:
         num_shards = len(tables)
         shard_sha = {shard_name(k): _file_sha256(self.staging / shard_name(k)) for k in range(num_shards)}
         index = self.staging / INDEX
-        with h5py.File(index, "w") as f:
-            f.attrs.update({
-                "format_version": FORMAT_VERSION, "step": self.step, "num_shards": num_shards,
-                "params_yaml": params_yaml, "loader_state": json.dumps(loader_state),
-                "rng_state": json.dumps(rng_state), "tensors": json.dumps(tensors),
-                "shard_sha256": json.dumps(shard_sha),
-            })
+        attrs = {"format_version": FORMAT_VERSION, "step": self.step, "num_shards": num_shards,
+                 "params_yaml": params_yaml, "loader_state": json.dumps(loader_state),
+                 "rng_state": json.dumps(rng_state), "tensors": json.dumps(tensors),
+                 "shard_sha256": json.dumps(shard_sha)}
+        attrs["metadata_sha256"] = _metadata_sha256(attrs)
+        buf = io.BytesIO()
+        with h5py.File(buf, "w") as f:
+            f.attrs.update(attrs)
             for key, meta in tensors.items():
                 f[key] = h5py.ExternalLink(shard_name(meta["shard"]), "/" + key)
-        _fsync_path(index)
-        _fsync_path(self.staging)
+        try:
+            _write_file(index, buf)
+            _fsync_path(self.staging)
+        except OSError as exc:
+            shutil.rmtree(self.staging, ignore_errors=True)
+            raise _write_failed(index, exc, self.model_dir) from None
         if self.final.exists():  # a re-save of the same step: keep the old one until the new one is in place
             old = self.model_dir / f".checkpoint_{self.step}.old"
             shutil.rmtree(old, ignore_errors=True)
@@ -129,8 +192,12 @@ class CheckpointWriter:
             os.rename(self.staging, self.final)
         _fsync_path(self.model_dir)
         tmp = self.model_dir / (LATEST + ".tmp")
-        tmp.write_text(self.final.name + "\n")
-        _fsync_path(tmp)
+        try:
+            tmp.write_text(self.final.name + "\n")
+            _fsync_path(tmp)
+        except OSError as exc:  # the checkpoint is complete, but ``latest`` still names the one before
+            tmp.unlink(missing_ok=True)
+            raise _write_failed(tmp, exc, self.model_dir) from None
         os.replace(tmp, self.model_dir / LATEST)
         _fsync_path(self.model_dir)
         return self.final
@@ -152,9 +219,11 @@ def resolve(path):
         return p
     if (p / LATEST).is_file():
         name = (p / LATEST).read_text().strip()
-        if not (p / name / INDEX).is_file():
-            raise CheckpointError(f"{p / LATEST}: names {name!r}, which has no {INDEX}")
-        return p / name
+        if (p / name / INDEX).is_file():
+            return p / name
+        if not (p / name).exists() and (p / f".{name}.old" / INDEX).is_file():
+            return p / f".{name}.old"  # a re-save killed between its renames (see clean_up)
+        raise CheckpointError(f"{p / LATEST}: names {name!r}, which has no {INDEX}")
     if not p.exists():
         raise CheckpointError(f"{p}: no such checkpoint or model directory")
     raise CheckpointError(f"{p}: not a checkpoint (no {INDEX}) and not a model directory (no {LATEST})")
@@ -168,11 +237,37 @@ class Checkpoint:
         index = self.dir / INDEX
         try:
             with h5py.File(index, "r") as f:
-                a = dict(f.attrs)
+                self._read_metadata(index, dict(f.attrs))
+                links = {key: f.get(key, getlink=True) for key in self.tensors}
         except OSError as exc:
-            raise CheckpointError(f"{index}: not a readable HDF5 file ({str(exc).splitlines()[0]})") from None
+            raise CheckpointError(f"{index}: not a readable HDF5 file ({str(exc).splitlines()[0]}): "
+                                  "the index is damaged") from None
+        for key, meta in self.tensors.items():
+            link = links[key]
+            if not (isinstance(link, h5py.ExternalLink) and link.filename == shard_name(meta["shard"])
+                    and link.path == "/" + key):
+                raise CheckpointError(f"{index}: the index is damaged: its link /{key} does not point to "
+                                      f"{shard_name(meta['shard'])}")
+        self._checked = set()  # shards whose file SHA-256 matched
+
+    def _read_metadata(self, index, a):
+        """Check the index's metadata against its own SHA-256 before anything in it is believed."""
         try:
             self.format_version = int(a["format_version"])
+        except (KeyError, ValueError, TypeError):
+            raise CheckpointError(f"{index}: missing or malformed attribute format_version") from None
+        if self.format_version > FORMAT_VERSION:
+            raise CheckpointError(f"{index}: format version {self.format_version} is newer than this "
+                                  f"wse-cluster reads ({FORMAT_VERSION}): upgrade wse-cluster")
+        if self.format_version >= 2:
+            try:
+                intact = a["metadata_sha256"] == _metadata_sha256(a)
+            except (KeyError, ValueError, TypeError):
+                intact = False
+            if not intact:
+                raise CheckpointError(f"{index}: the index is damaged: its metadata (step, tensor table, "
+                                      "SHA-256 entries, ...) does not match its metadata_sha256")
+        try:
             self.step = int(a["step"])
             self.num_shards = int(a["num_shards"])
             self.params_yaml = str(a["params_yaml"])
@@ -180,11 +275,10 @@ class Checkpoint:
             self.rng_state = json.loads(a["rng_state"])
             self.tensors = json.loads(a["tensors"])
             self.shard_sha256 = json.loads(a["shard_sha256"])
-        except (KeyError, ValueError) as exc:
+            if not (isinstance(self.tensors, dict) and isinstance(self.shard_sha256, dict)):
+                raise ValueError("tensors and shard_sha256 must be JSON objects")
+        except (KeyError, ValueError, TypeError) as exc:
             raise CheckpointError(f"{index}: missing or malformed attribute ({exc})") from None
-        if self.format_version > FORMAT_VERSION:
-            raise CheckpointError(f"{index}: format version {self.format_version} is newer than this "
-                                  f"wse-cluster reads ({FORMAT_VERSION}): upgrade wse-cluster")
 
     @property
     def param_names(self):
@@ -232,29 +326,15 @@ class Checkpoint:
             raise CheckpointError(f"{shard}: tensor {key} is damaged (SHA-256, shape or dtype differs from the index)")
         return arr
 
-    def load(self, names=None):
-        """(params, opt_state) of ``names`` (default: all), each tensor checked against its SHA-256."""
-        names = self.param_names if names is None else list(names)
-        missing = [n for n in names if f"model/{n}" not in self.tensors]
-        if missing:
-            raise CheckpointError(f"{self.dir}: no parameter {missing[0]!r} in this checkpoint")
-        handles = {}
-        try:
-            params = {n: self._read(f"model/{n}", handles) for n in names}
-            state = {n: {s: self._read(f"optimizer/{n}/{s}", handles) for s in self.state_names(n)} for n in names}
-        finally:
-            for f in handles.values():
-                f.close()
-        return params, state
-
-    def verify(self):
-        """Check every shard's SHA-256 and, where one differs, find the damaged tensor; raise CheckpointError."""
-        for k in range(self.num_shards):
-            shard = self.dir / shard_name(k)
-            if not shard.is_file():
-                raise CheckpointError(f"{shard}: missing")
-            if _file_sha256(shard) == self.shard_sha256.get(shard.name):
-                continue
+    def _check_shard(self, k):
+        """The one check of shard k that verify and load share: present, and its file's SHA-256 as the
+        index says; where it differs, the damaged tensor is named (else the HDF5 metadata is)."""
+        if k in self._checked:
+            return
+        shard = self.dir / shard_name(k)
+        if not shard.is_file():
+            raise CheckpointError(f"{shard}: missing")
+        if _file_sha256(shard) != self.shard_sha256.get(shard.name):
             handles = {}
             try:
                 for key, meta in self.tensors.items():
@@ -265,6 +345,31 @@ class Checkpoint:
                     f.close()
             raise CheckpointError(f"{shard}: SHA-256 differs from the index, outside tensor data "
                                   "(HDF5 metadata is damaged)")
+        self._checked.add(k)
+
+    def load(self, names=None):
+        """(params, opt_state) of ``names`` (default: all): each shard they come from is checked
+        whole, as ``verify`` does, and each tensor against its own SHA-256."""
+        names = self.param_names if names is None else list(names)
+        missing = [n for n in names if f"model/{n}" not in self.tensors]
+        if missing:
+            raise CheckpointError(f"{self.dir}: no parameter {missing[0]!r} in this checkpoint")
+        keys = [f"model/{n}" for n in names] + [f"optimizer/{n}/{s}" for n in names for s in self.state_names(n)]
+        for k in sorted({self.tensors[key]["shard"] for key in keys}):
+            self._check_shard(k)
+        handles = {}
+        try:
+            params = {n: self._read(f"model/{n}", handles) for n in names}
+            state = {n: {s: self._read(f"optimizer/{n}/{s}", handles) for s in self.state_names(n)} for n in names}
+        finally:
+            for f in handles.values():
+                f.close()
+        return params, state
+
+    def verify(self):
+        """Check the whole checkpoint as ``load`` does; raise CheckpointError naming the damaged file."""
+        for k in range(self.num_shards):
+            self._check_shard(k)
 
     def info(self):
         shards = []

@@ -25,7 +25,7 @@ import time
 import numpy as np
 
 from mpi_launch import messaging as msg
-from mpi_launch.rundir import RunDir
+from mpi_launch.rundir import LineLog, RunDir
 from wse_core.tree import tree_sum
 
 
@@ -54,7 +54,7 @@ class Role:
             for n in names:
                 self.param_owner.setdefault(n, plan.unit_owner[u])
         self.shapes = {n: s.shape for n, s in self.model.param_specs.items()}
-        self.log_file = open(self.run_dir.rank_log(self.rank), "a", buffering=1)
+        self.log_file = LineLog(self.run_dir.rank_log(self.rank))
         self._timing_file = None
 
     def step_done(self, step):
@@ -72,7 +72,7 @@ class Role:
         ranks of one machine (``wse bench stream`` lines them up into a step breakdown).
         """
         if self._timing_file is None:
-            self._timing_file = open(self.run_dir.timing_log(self.rank), "a", buffering=1)
+            self._timing_file = LineLog(self.run_dir.timing_log(self.rank))
         self._timing_file.write(json.dumps({"step": step + 1, **fields}) + "\n")
 
     def unit_layout(self, u):
@@ -309,7 +309,7 @@ class Coordinator(Role):
         o, r = self.params["optimizer"], self.params["runconfig"]
         schedule = make_schedule(o["learning_rate"], key="optimizer.learning_rate")
         names = self.model.param_names
-        metrics = open(self.run_dir.metrics, "a", buffering=1)
+        metrics = LineLog(self.run_dir.metrics)
         try:  # TensorBoard event files when a writer package is installed
             from tensorboardX import SummaryWriter
 

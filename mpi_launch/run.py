@@ -34,12 +34,12 @@ def main(argv=None):
     from mpi_launch.roles import ROLES
 
     comm = MPI.COMM_WORLD
-    pid_file = run_dir.pid_file(comm.rank)
-    pid_file.with_suffix(".tmp").write_text(str(os.getpid()))
-    os.replace(pid_file.with_suffix(".tmp"), pid_file)  # a reader never sees half a pid
     params = run["params"]
     role, index = ("unknown", 0)
     try:
+        pid_file = run_dir.pid_file(comm.rank)
+        pid_file.with_suffix(".tmp").write_text(str(os.getpid()))
+        os.replace(pid_file.with_suffix(".tmp"), pid_file)  # a reader never sees half a pid
         plan, _ = plan_for(params)
         if comm.size != plan.world_size:
             raise RuntimeError(f"started with {comm.size} ranks, the plan needs {plan.world_size}")
@@ -55,12 +55,16 @@ def main(argv=None):
         line = f"rank {comm.rank} ({role} {index}): {type(exc).__name__}: {first}"
         # A failed exchange with a peer is usually the echo of that peer's death, not the cause.
         kind = "peer" if isinstance(exc, (PeerLost, PeerTimeout)) else "cause"
-        with open(run_dir.rank_log(comm.rank), "a") as f:
-            traceback.print_exc(file=f)
-        sys.stderr.write(line + "\n")
-        sys.stderr.flush()
         if supervisor.supervised():
             supervisor.report("error", line=line, kind=kind)
+        sys.stderr.write(line + "\n")
+        sys.stderr.flush()
+        try:  # the traceback too, unless the disk is full: the line above is what matters
+            with open(run_dir.rank_log(comm.rank), "a") as f:
+                traceback.print_exc(file=f)
+        except OSError:
+            pass
+        if supervisor.supervised():
             time.sleep(_ABORT_AFTER)  # the watchdog ends the job (and this rank) long before this
         comm.Abort(1)
     MPI.Finalize()

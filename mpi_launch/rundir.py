@@ -27,6 +27,26 @@ from mpi_launch.mpiexec import MPILaunchError
 LOCK = ".wse.lock"
 
 
+class LineLog:
+    """An append-only, line-buffered text file whose write errors name it: a full disk says where."""
+
+    def __init__(self, path):
+        self.path = Path(path)
+        self._file = open(self.path, "a", buffering=1)
+
+    def write(self, line):
+        try:
+            self._file.write(line)
+        except OSError as exc:
+            raise OSError(exc.errno, exc.strerror, str(self.path)) from None
+
+    def close(self):
+        try:
+            self._file.close()
+        except OSError as exc:
+            raise OSError(exc.errno, exc.strerror, str(self.path)) from None
+
+
 class RunDirBusy(MPILaunchError):
     """Another job holds the run directory's lock."""
 
@@ -143,9 +163,10 @@ class RunDir:
         """
         import yaml
 
-        from data_tools.checkpoint import LATEST, Checkpoint
+        from data_tools.checkpoint import LATEST, Checkpoint, clean_up
         from mpi_launch.plan import describe
 
+        clean_up(self.path)  # what a killed or failed save left (this job holds the lock)
         self.logs.mkdir(parents=True, exist_ok=True)
         for stale in self.logs.glob("pid_rank_*"):
             stale.unlink()

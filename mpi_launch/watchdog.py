@@ -14,8 +14,11 @@ into incidents and ends the job on the first fault:
 * shutdown: a rank still running ``peer_timeout`` seconds after the coordinator finished;
 * a peer timeout (a rank waited too long for a peer) when nothing above explains it.
 
-When several incidents come close together, the earliest by the supervisors' clocks is the
-cause; errors that only report a lost peer (``PeerLost``/``PeerTimeout``) are echoes of it.
+When several incidents come close together, the cause is the earliest that came from outside the
+job (a signal another process sent: SIGKILL, SIGTERM, ..., a stop, a lost proxy), else the earliest
+by the supervisors' clocks: a rank can crash (SIGSEGV, SIGABRT, an error) because a peer died, and
+on a loaded machine its supervisor may report first, but nothing in the job sends a SIGKILL.
+Errors that only report a lost peer (``PeerLost``/``PeerTimeout``) are echoes.
 Ending the job closes every supervisor's connection (each kills its rank) and kills mpiexec's
 process group; a launcher that dies closes them just the same, so no rank outlives it.
 See docs/design.md section 3.
@@ -40,6 +43,10 @@ from mpi_launch.supervisor import CONTROL_ENV
 SETTLE_SECONDS = 0.3
 #: Seconds to wait after a peer's timeout or lost peer for the incident it echoes.
 ECHO_SECONDS = 2.0
+#: Signals only another process sends (a user, a scheduler, the OOM killer): never a consequence of
+#: a peer's death, unlike SIGSEGV, SIGBUS, SIGABRT or SIGPIPE, which a lost connection can cause.
+EXTERNAL_SIGNALS = {signal.SIGKILL, signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT,
+                    signal.SIGUSR2, signal.SIGALRM}
 #: Seconds mpiexec gets to exit after the job was ended, before its process group is killed again.
 TEARDOWN_SECONDS = 5.0
 
@@ -70,6 +77,7 @@ class Incident:
     primary: bool = field(compare=False)  # a cause; False for an echo (a peer's timeout or lost peer)
     rank: int = field(compare=False)
     line: str = field(compare=False)
+    external: bool = field(compare=False, default=False)  # came from outside the job (see EXTERNAL_SIGNALS)
 
 
 class Watchdog:
@@ -135,7 +143,7 @@ class Watchdog:
         return self.verdict
 
     def _cause(self):
-        primaries = sorted(i for i in self.incidents if i.primary)
+        primaries = sorted((i for i in self.incidents if i.primary), key=lambda i: (not i.external, i.time))
         return primaries[0] if primaries else min(self.incidents)
 
     def stop(self):
@@ -198,7 +206,7 @@ class Watchdog:
             self._close(conn)
             if rank is not None and not self.ranks[rank].exited:
                 self._incident(time.time(), True, rank, "lost its supervisor process (killed, or its host is "
-                                                      "unreachable)")
+                                                      "unreachable)", external=True)
             return
         self._buffers[conn] += data
         *lines, self._buffers[conn] = self._buffers[conn].split(b"\n")
@@ -248,13 +256,15 @@ class Watchdog:
         elif kind == "continued":
             s.stopped_at = None
         elif kind == "proxy_lost":
-            self._incident(t, True, rank, f"its MPI process manager (hydra_pmi_proxy) on {s.host} died")
+            self._incident(t, True, rank, f"its MPI process manager (hydra_pmi_proxy) on {s.host} died",
+                           external=True)
         elif kind == "exit":
             s.exited = True
             if "signal" in msg:
                 sig = msg["signal"]
                 after = " after finishing its work" if s.done else ""
-                self._incident(t, True, rank, f"the process died (killed by signal {sig} ({_signame(sig)})){after}")
+                self._incident(t, True, rank, f"the process died (killed by signal {sig} ({_signame(sig)})){after}",
+                               external=sig in EXTERNAL_SIGNALS)
             elif msg.get("code") != 0:
                 self._incident(t, True, rank, f"the process exited with code {msg.get('code')}", quiet=True)
             elif not s.done:
@@ -266,13 +276,13 @@ class Watchdog:
             return
         s.reported = True
         self._incident(t, True, rank, f"stopped answering: its process has been stopped ({self._stop_name(s)}) "
-                                      f"for {max(0.0, t - s.stopped_at):.0f} s", stamp=s.stopped_at)
+                                      f"for {max(0.0, t - s.stopped_at):.0f} s", stamp=s.stopped_at, external=True)
 
     @staticmethod
     def _stop_name(s):
         return _signame(s.stop_signal) if s.stop_signal else "a signal"
 
-    def _incident(self, t, primary, rank, text, named=False, quiet=False, stamp=None):
+    def _incident(self, t, primary, rank, text, named=False, quiet=False, stamp=None, external=False):
         """Record a fault. ``named``: ``text`` already starts with the rank; ``quiet``: only a cause
         if the rank reported no error of its own (its exit code then just follows that error)."""
         if quiet and any(i.rank == rank for i in self.incidents):
@@ -285,7 +295,7 @@ class Watchdog:
             if self.ended_at is not None and t > self.ended_at:
                 return  # a casualty of ending the job
             # Ordered by when the fault happened: a stop counts from the moment the rank stopped.
-            self.incidents.append(Incident(t if stamp is None else stamp, primary, rank, text))
+            self.incidents.append(Incident(t if stamp is None else stamp, primary, rank, text, external))
             if self._decide_at is None or (primary and self._decide_at > time.time() + SETTLE_SECONDS):
                 self._decide_at = time.time() + (SETTLE_SECONDS if primary else ECHO_SECONDS)
 

@@ -89,3 +89,32 @@ def jobs(tmp_path):
     j = Jobs(tmp_path)
     yield j
     j.kill_all()
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """``small_disk(bytes)``: a directory on a tmpfs of that size (a disk that fills up), or a skip
+    where this process may not mount one. ``small_disk.resize(bytes)`` makes room again."""
+    import subprocess
+
+    where = tmp_path / "small_disk"
+    where.mkdir()
+
+    class Disk:
+        mounted = False
+
+        def __call__(self, size):
+            proc = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(where)],
+                                  capture_output=True, text=True)
+            if proc.returncode != 0:
+                pytest.skip(f"cannot mount a tmpfs here: {proc.stderr.strip()}")
+            self.mounted = True
+            return where
+
+        def resize(self, size):
+            subprocess.run(["mount", "-o", f"remount,size={size}", str(where)], check=True)
+
+    disk = Disk()
+    yield disk
+    if disk.mounted:
+        subprocess.run(["umount", "-l", str(where)], check=False)

@@ -1,5 +1,8 @@
 """The sharded checkpoint store: round trip, resharding, damage detection and crash safety."""
+import json
 import os
+import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -9,7 +12,7 @@ import h5py
 import numpy as np
 import pytest
 
-from data_tools.checkpoint import Checkpoint, save_checkpoint
+from data_tools.checkpoint import Checkpoint, clean_up, save_checkpoint
 from data_tools.errors import CheckpointError
 from wse_core.nn import build_model
 from wse_core.optim import AdamW
@@ -90,34 +93,127 @@ def test_latest_follows_the_newest_and_resave_replaces(tmp_path):
     assert sorted(x.name for x in tmp_path.iterdir()) == ["checkpoint_1", "checkpoint_2", "latest"]
 
 
-def test_flipped_byte_is_caught_by_verify_and_load(tmp_path):
-    _, params, state = model_state()
-    path = save(tmp_path, 5, params, state)
+def verdicts(model_dir):
+    """What ``verify`` and ``load`` say about a checkpoint (None: all is well), and ``wse checkpoint verify``."""
+    said = []
+    for check in (lambda c: c.verify(), lambda c: c.load()):
+        try:
+            check(Checkpoint(model_dir))
+            said.append(None)
+        except CheckpointError as exc:
+            said.append(str(exc))
+    proc = wse("checkpoint", "verify", str(model_dir))
+    return said, proc
+
+
+def set_attr(key, value):
+    def damage(path):
+        with h5py.File(path / "index.h5", "r+") as f:
+            f.attrs[key] = value(f.attrs[key])
+    return damage
+
+
+def edit_json_attr(key, edit):
+    def change(text):
+        table = json.loads(text)
+        edit(table)
+        return json.dumps(table)
+    return set_attr(key, change)
+
+
+def first_tensor_sha(table):
+    key = next(iter(table))
+    table[key]["sha256"] = "0" * 64
+
+
+def retarget_link(path):
+    with h5py.File(path / "index.h5", "r+") as f:
+        del f["model/wte.weight"]
+        f["model/wte.weight"] = h5py.ExternalLink("memoryx_1.h5", "/model/wte.weight")
+
+
+def flip_tensor_byte(path):
     shard = path / "memoryx_1.h5"
-    name = "blocks.2.attn.qkv.weight"
     with h5py.File(shard) as f:
-        offset = f[f"model/{name}"].id.get_offset()
+        offset = f["model/blocks.2.attn.qkv.weight"].id.get_offset()
     raw = bytearray(shard.read_bytes())
     raw[offset + 17] ^= 0x40
     shard.write_bytes(bytes(raw))
-    proc = wse("checkpoint", "verify", str(path))
-    assert proc.returncode == 1 and len(proc.stderr.strip().splitlines()) == 1
-    assert "memoryx_1.h5" in proc.stderr and f"model/{name}" in proc.stderr and "damaged" in proc.stderr
-    with pytest.raises(CheckpointError, match=f"memoryx_1.h5: tensor model/{name} is damaged"):
-        Checkpoint(path).load()
-    Checkpoint(path).load([n for n in params if n != name])  # the undamaged tensors still load
+
+
+def truncate(name):
+    def damage(path):
+        (path / name).write_bytes((path / name).read_bytes()[:1000])
+    return damage
+
+
+DAMAGE = {  # what is done to checkpoint_4 -> the file named, and what the message says
+    "step 4 -> 5": (set_attr("step", lambda v: v + 1), "index.h5", "the index is damaged"),
+    "a tensor's SHA-256 entry": (edit_json_attr("tensors", first_tensor_sha), "index.h5", "the index is damaged"),
+    "a shard's SHA-256 entry": (edit_json_attr("shard_sha256", lambda t: t.update({"memoryx_0.h5": "0" * 64})),
+                                "index.h5", "the index is damaged"),
+    "the loader position": (edit_json_attr("loader_state", lambda t: t.update(index=8)), "index.h5",
+                            "the index is damaged"),
+    "metadata_sha256 itself": (set_attr("metadata_sha256", lambda v: "0" * 64), "index.h5", "the index is damaged"),
+    "a link to another shard": (retarget_link, "index.h5", "link /model/wte.weight does not point to memoryx_0.h5"),
+    "truncated index": (truncate("index.h5"), "index.h5", "not a readable HDF5 file"),
+    "a byte of tensor data": (flip_tensor_byte, "memoryx_1.h5", "tensor model/blocks.2.attn.qkv.weight is damaged"),
+    "bytes after the HDF5 data": (lambda p: open(p / "memoryx_1.h5", "ab").write(b"x"), "memoryx_1.h5",
+                                  "outside tensor data (HDF5 metadata is damaged)"),
+    "truncated shard": (truncate("memoryx_0.h5"), "memoryx_0.h5", "not a readable HDF5 file"),
+    "missing shard": (lambda p: (p / "memoryx_0.h5").unlink(), "memoryx_0.h5", "missing"),
+}
+
+
+@pytest.mark.parametrize("damage", DAMAGE)
+def test_verify_and_load_name_the_damaged_file_alike(tmp_path, damage):
+    """Whatever is damaged, verify and load refuse with the same message, which names the damaged
+    file; the index protects its own metadata (a changed step would otherwise resume elsewhere)."""
+    _, params, state = model_state()
+    path = save(tmp_path, 4, params, state)
+    assert verdicts(tmp_path)[0] == [None, None]
+    do, name, says = DAMAGE[damage]
+    do(path)
+    (verify_says, load_says), proc = verdicts(tmp_path)
+    assert verify_says == load_says, (verify_says, load_says)
+    assert verify_says.startswith(f"{path / name}: ") and says in verify_says, verify_says
+    assert proc.returncode == 1 and proc.stderr.strip().splitlines() == [f"wse checkpoint: error: {verify_says}"]
+
+
+def test_a_damaged_shard_fails_every_load_from_it_and_no_other(tmp_path):
+    _, params, state = model_state()
+    path = save(tmp_path, 5, params, state)
+    flip_tensor_byte(path)
+    with pytest.raises(CheckpointError, match="memoryx_1.h5: tensor model/blocks.2.attn.qkv.weight is damaged"):
+        Checkpoint(path).load(["blocks.2.mlp.fc.weight"])  # intact, but in the damaged shard
+    first = split(list(params), 2)[0]
+    Checkpoint(path).load(first)  # the other shard's tensors still load
+
+
+def test_format_1_checkpoints_still_load(tmp_path):
+    """Written before the index protected itself: loaded, each shard and tensor still checked."""
+    _, params, state = model_state()
+    path = save(tmp_path, 2, params, state)
+    with h5py.File(path / "index.h5", "r+") as f:
+        del f.attrs["metadata_sha256"]
+        f.attrs["format_version"] = 1
+    assert_same(Checkpoint(tmp_path).load()[0], params)
+    with h5py.File(path / "index.h5", "r+") as f:
+        f.attrs["format_version"] = 3
+    with pytest.raises(CheckpointError, match="format version 3 is newer"):
+        Checkpoint(tmp_path)
 
 
 def test_truncated_shard_and_missing_things(tmp_path):
     _, params, state = model_state()
     path = save(tmp_path, 5, params, state)
-    (path / "memoryx_0.h5").write_bytes((path / "memoryx_0.h5").read_bytes()[:1000])
-    proc = wse("checkpoint", "verify", str(tmp_path))
-    assert proc.returncode == 1 and "memoryx_0.h5" in proc.stderr and "Traceback" not in proc.stderr
     proc = wse("checkpoint", "info", str(tmp_path / "nothing"))
     assert proc.returncode == 1 and "no such checkpoint or model directory" in proc.stderr
     with pytest.raises(CheckpointError, match="no parameter 'nope'"):
         Checkpoint(path).load(["nope"])
+    (tmp_path / "latest").write_text("checkpoint_9\n")
+    with pytest.raises(CheckpointError, match=f"{tmp_path / 'latest'}: names 'checkpoint_9', which has no index.h5"):
+        Checkpoint(tmp_path)
 
 
 def test_killed_writer_leaves_latest_intact(tmp_path):
@@ -147,13 +243,67 @@ def test_killed_writer_leaves_latest_intact(tmp_path):
     assert_same(Checkpoint(tmp_path).load()[0], p2)
 
 
+@pytest.mark.parametrize("killed", ["between the renames", "before removing the old copy"])
+def test_a_resave_killed_midway_leaves_a_loadable_checkpoint(tmp_path, killed):
+    """Re-saving checkpoint_2 moves the old copy aside, moves the new one in, removes the old: a
+    writer killed in between leaves ``latest`` naming a checkpoint that loads, and the next job's
+    clean_up leaves exactly one checkpoint_2."""
+    _, p0, s0 = model_state(0)
+    save(tmp_path, 2, p0, s0)
+    script = textwrap.dedent(f"""
+        import os, shutil, signal, sys
+        sys.path.insert(0, {os.path.dirname(__file__)!r})
+        from test_checkpoint import model_state, save
+        def die(*args, **kwargs):
+            os.kill(os.getpid(), signal.SIGKILL)
+        if {killed!r} == "between the renames":
+            real = os.rename
+            os.rename = lambda src, dst: die() if str(src).endswith(".partial") else real(src, dst)
+        else:
+            real = shutil.rmtree
+            shutil.rmtree = lambda path, **kw: die() if os.path.isdir(path) and str(path).endswith(".old") else real(path, **kw)
+        _, p1, s1 = model_state(1)
+        save({str(tmp_path)!r}, 2, p1, s1)
+    """)
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr
+    assert (tmp_path / ".checkpoint_2.old").is_dir()
+    _, p1, _ = model_state(1)
+    committed = p0 if killed == "between the renames" else p1
+    ckpt = Checkpoint(tmp_path)
+    ckpt.verify()
+    assert_same(ckpt.load()[0], committed)
+    clean_up(tmp_path)
+    assert sorted(x.name for x in tmp_path.iterdir()) == ["checkpoint_2", "latest"]
+    assert_same(Checkpoint(tmp_path).load()[0], committed)
+
+
+def test_a_full_disk_names_the_file_keeps_the_last_checkpoint_and_leaks_nothing(tmp_path, small_disk):
+    _, params, state = model_state()
+    one = sum(f.stat().st_size for f in save(tmp_path / "measure", 1, params, state).iterdir())
+    disk = small_disk(int(2.5 * one))
+    save(disk, 1, params, state)
+    save(disk, 2, params, state)
+    with pytest.raises(CheckpointError) as err:
+        save(disk, 3, params, state)
+    said = str(err.value)
+    assert re.match(rf"{disk}/\.checkpoint_3\.partial/(memoryx_\d\.h5|index\.h5): No space left on device "
+                    r"while writing a checkpoint; it was not saved \(checkpoint_2 is intact\)$", said), said
+    ckpt = Checkpoint(disk)
+    assert ckpt.step == 2
+    ckpt.verify()
+    assert_same(ckpt.load()[0], params)
+    (disk / "checkpoint_1" / "memoryx_0.h5").unlink()  # the user makes room (and loses checkpoint_1)
+    shutil.rmtree(disk / "checkpoint_1")
+    save(disk, 4, params, state)  # what the failed save left is gone, so this one fits
+    assert sorted(x.name for x in disk.iterdir()) == ["checkpoint_2", "checkpoint_4", "latest"]
+
+
 def test_cli_info_and_convert(tmp_path):
     model, params, state = model_state()
     save(tmp_path, 3, params, state)
     proc = wse("checkpoint", "info", str(tmp_path), "--json")
     assert proc.returncode == 0, proc.stderr
-    import json
-
     info = json.loads(proc.stdout)
     assert info["step"] == 3 and info["num_shards"] == 2 and info["n_params"] == model.num_params()
     assert info["optimizer_states"] == ["exp_avg", "exp_avg_sq"]

@@ -167,6 +167,43 @@ def test_resume_continues_bit_identically_and_keeps_its_books(tmp_path, data, jo
     assert proc.returncode == 1 and proc.stderr.strip() == (f"wse validate: error: {tmp_path / 'nowhere'}: "
                                                             "no such checkpoint or model directory")
 
+    # A damaged index is refused before anything runs (its step, changed, would resume elsewhere).
+    with h5py.File(tmp_path / "model" / "checkpoint_4" / "index.h5", "r+") as f:
+        f.attrs["step"] = 3
+    proc = jobs.run("fit", path, "--num_csx", 2)
+    assert proc.returncode == 1 and one_line(proc) == (
+        f"wse fit: error: {tmp_path / 'model' / 'checkpoint_4' / 'index.h5'}: the index is damaged: its metadata "
+        "(step, tensor table, SHA-256 entries, ...) does not match its metadata_sha256"), proc.stderr
+
+
+def test_a_full_disk_names_rank_and_file_keeps_the_last_checkpoint_and_the_run_resumes(tmp_path, data, jobs,
+                                                                                       small_disk):
+    """model_dir on a disk with room for about three checkpoints, one saved per step: the job ends
+    naming the rank and the file it could not write; the last checkpoint verifies; with room made,
+    the run resumes from it and ends with the reference's bits, nothing of the failed save left."""
+    steps = 8
+    path, p = params_file(tmp_path, data, max_steps=steps, checkpoint_steps=1)
+    one = 3 * 4 * build_model(p["model"]).num_params()  # weights and two AdamW states, float32
+    model_dir = small_disk(int(3.5 * one)) / "model"
+    proc = jobs.run("fit", path, "--num_csx", 2, "--model_dir", model_dir)
+    assert proc.returncode == 1, proc.stdout
+    line = one_line(proc)
+    m = re.fullmatch(r"wse fit: rank \d+ \((coordinator|memoryx) \d+\): CheckpointError: (.+): No space left on "
+                     r"device while writing a checkpoint; it was not saved \((checkpoint_\d+) is intact\)", line)
+    # (a log line can be what meets the full disk first: then that file is named, by the rank writing it)
+    m = m or re.fullmatch(r"wse fit: rank \d+ \(\w+ \d+\): OSError: \[Errno 28\] No space left on device: '(.+)'", line)
+    assert m and m.group(2 if m.lastindex > 1 else 1).startswith(str(model_dir)), proc.stderr
+    ckpt = Checkpoint(model_dir)
+    ckpt.verify()
+    assert 1 <= ckpt.step < steps and (m.lastindex < 3 or m.group(3) == ckpt.dir.name)
+    small_disk.resize(20 * one)
+    proc = jobs.run("fit", path, "--num_csx", 2, "--model_dir", model_dir)
+    assert proc.returncode == 0 and f"resuming from checkpoint_{ckpt.step} (step {ckpt.step})" in proc.stdout, \
+        proc.stderr
+    params, state, _ = reference(p, steps)
+    assert_bits(model_dir, params, state)
+    assert not [x.name for x in model_dir.iterdir() if x.name.startswith(".checkpoint_")]
+
 
 def test_bad_params_fail_before_mpiexec(tmp_path, data, jobs):
     path, _ = params_file(tmp_path, data)

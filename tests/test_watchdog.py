@@ -70,6 +70,16 @@ def test_the_earliest_death_is_named_with_its_signal_whatever_the_arrival_order(
     assert all(s.closed_by_watchdog() for s in sups)  # every supervisor is told to kill its rank
 
 
+def test_a_kill_from_outside_is_named_before_a_crash_it_caused_even_if_that_was_stamped_first(watchdog):
+    """A peer's death can make a rank crash (a lost TCP connection inside the MPI library), and on a
+    loaded machine that rank's supervisor may stamp its report first; nothing in a job sends SIGKILL."""
+    sups = connect_all(watchdog)
+    t = time.time()
+    sups[2].send("exit", t=t, signal=11)
+    sups[4].send("exit", t=t + 0.01, signal=9)
+    assert verdict(watchdog) == "rank 4 (csx 1): the process died (killed by signal 9 (SIGKILL))"
+
+
 def test_an_error_a_rank_raised_is_named_and_its_exit_code_is_not(watchdog):
     sups = connect_all(watchdog)
     sups[5].send("error", line="rank 5 (worker 0): DataError: data-00002.h5: damaged", kind="cause")
