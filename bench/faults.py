@@ -29,6 +29,7 @@ import time
 from pathlib import Path
 
 from bench.harness import machine, table
+from mpi_launch.watchdog import job_processes
 
 ROLES = ("coordinator", "memoryx", "swarmx", "csx", "worker")
 MODEL = {"name": "gpt2", "vocab_size": 257, "hidden_size": 32, "num_hidden_layers": 2, "num_heads": 2,
@@ -43,32 +44,10 @@ def add_arguments(parser):
     parser.add_argument("--steps", type=int, default=60, help="training steps of each job")
 
 
-def _job_processes(marker):
-    """Live processes whose command line mentions ``marker``, their descendants and their sessions."""
-    procs = {}
-    for d in Path("/proc").iterdir():
-        if not d.name.isdigit():
-            continue
-        try:
-            cmd = (d / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-            fields = (d / "stat").read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if fields[0] not in ("Z", "X"):
-            procs[int(d.name)] = (int(fields[1]), int(fields[3]), cmd)
-    found = {pid for pid, (_, _, cmd) in procs.items() if marker in cmd}
-    while True:
-        sessions = {procs[p][1] for p in found} - {os.getsid(0)}
-        more = {p for p, (ppid, sid, _) in procs.items() if ppid in found or sid in sessions} - found
-        if not more:
-            return sorted(found)
-        found |= more
-
-
 def _rank_pid(marker, rank):
     """The pid of ``rank``'s process (the rank itself, not its supervisor), from any moment after mpiexec started it."""
     candidates = {}
-    for pid in _job_processes(marker):
+    for pid in job_processes(marker):
         try:
             env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
             ppid = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
@@ -120,7 +99,7 @@ class Campaign:
         try:
             out, err = proc.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:
-            for pid in _job_processes(str(self.work)):
+            for pid in job_processes(str(self.work)):
                 os.kill(pid, signal.SIGKILL)
             out, err = proc.communicate()
             return None, "hung"
@@ -188,9 +167,9 @@ class Campaign:
     def leftovers(model_dir, seconds=5.0):
         """Processes of the job still alive ``seconds`` after ``wse fit`` returned (0 as soon as none are)."""
         deadline = time.monotonic() + seconds
-        while _job_processes(str(model_dir)) and time.monotonic() < deadline:
+        while job_processes(str(model_dir)) and time.monotonic() < deadline:
             time.sleep(0.05)
-        return len(_job_processes(str(model_dir)))
+        return len(job_processes(str(model_dir)))
 
     def stop_trial(self, role):
         proc, model_dir = self.start(100000)
@@ -214,12 +193,12 @@ class Campaign:
         metrics = model_dir / "metrics.jsonl"
         while proc.poll() is None and not (metrics.exists() and metrics.read_text().strip()):
             time.sleep(0.05)
-        before = len(_job_processes(str(model_dir)))
+        before = len(job_processes(str(model_dir)))
         proc.send_signal(sig)
         t0 = time.monotonic()
         left = []
         while time.monotonic() - t0 < 5.0:
-            left = _job_processes(str(model_dir))
+            left = job_processes(str(model_dir))
             if not left:
                 break
             time.sleep(0.05)

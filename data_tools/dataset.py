@@ -19,7 +19,8 @@ import threading
 import numpy as np
 
 from data_tools.errors import DataError
-from data_tools.lmdata import dataset_format, h5_files, open_h5, read_data_params
+from data_tools.lmdata import (array_data, dataset_format, h5_files, lm_data, open_h5, read_data_params,
+                               read_examples)
 
 
 class _Reader:
@@ -36,7 +37,11 @@ class _Reader:
                 f = h5py.File(self.paths[fi], "r")
             except OSError as exc:
                 raise DataError(f"{self.paths[fi]}: not a readable HDF5 file ({str(exc).splitlines()[0]})") from None
-            self.handles[fi] = (f, *((f["data"],) if self.lm else (f["features"], f["labels"])))
+            try:
+                self.handles[fi] = (f, *((lm_data(self.paths[fi], f),) if self.lm else array_data(self.paths[fi], f)))
+            except BaseException:
+                f.close()
+                raise
         return self.handles[fi][1:]
 
     def read(self, files, rows, out, labels=None):
@@ -75,18 +80,15 @@ class Dataset:
         self.format = dataset_format(data_dir)
         self.counts = []
         self.example_shape = None
-        for path in self.files:
+        for path in self.files:  # the layout of every file (metadata only): a rank must never meet a surprise
             with open_h5(path) as f:
-                key = "data" if self.format == "lm" else "features"
-                if key not in f:
-                    raise DataError(f"{path}: no dataset '{key}' (run `wse data verify {data_dir}`)")
-                shape = f[key].shape
+                d = lm_data(path, f) if self.format == "lm" else array_data(path, f)[0]
                 if self.example_shape is None:
-                    self.example_shape = shape[1:]
-                elif shape[1:] != self.example_shape:
-                    raise DataError(f"{path}: dataset '{key}' examples have shape {shape[1:]}, "
+                    self.example_shape = d.shape[1:]
+                elif d.shape[1:] != self.example_shape:
+                    raise DataError(f"{path}: dataset '{d.name.lstrip('/')}' examples have shape {d.shape[1:]}, "
                                     f"other files {self.example_shape}")
-                self.counts.append(shape[0])
+                self.counts.append(d.shape[0])
         self.offsets = np.concatenate([[0], np.cumsum(self.counts)]).astype(np.int64)
 
     @property
@@ -102,9 +104,9 @@ class Dataset:
                 with open_h5(path) as f:
                     sel = slice(int(lo - self.offsets[i]), int(hi - self.offsets[i]))
                     if self.format == "lm":
-                        parts.append(f["data"][sel])
+                        parts.append(read_examples(path, lm_data(path, f), sel))
                     else:
-                        parts.append((f["features"][sel], f["labels"][sel]))
+                        parts.append(tuple(read_examples(path, d, sel) for d in array_data(path, f)))
         if self.format == "lm":
             return np.concatenate(parts) if parts else np.zeros((0, *self.example_shape), np.int32)
         return np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts])

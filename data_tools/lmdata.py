@@ -91,7 +91,8 @@ def write_array_file(path, features, labels, compression="gzip"):
         f.attrs["n_examples"] = n
 
 
-def _read(path, dset, sel):
+def read_examples(path, dset, sel):
+    """``dset[sel]``; a damaged file is named, with the examples that could not be read."""
     try:
         return dset[sel]
     except (OSError, ValueError) as exc:
@@ -99,26 +100,49 @@ def _read(path, dset, sel):
                         f"{sel.start}..{sel.stop - 1} ({_reason(exc)}): the file is damaged") from None
 
 
+def _dataset(path, f, key):
+    if key not in f:
+        raise DataError(f"{path}: no dataset '{key}' (found: {', '.join(f.keys()) or 'nothing'})")
+    d = f[key]
+    if not isinstance(d, h5py.Dataset):
+        raise DataError(f"{path}: '{key}' is a group, expected a dataset")
+    return d
+
+
+def lm_data(path, f, seq_len=None):
+    """The ``data`` dataset of an open LM file, its layout checked (metadata only, nothing read)."""
+    d = _dataset(path, f, "data")
+    if d.dtype != np.int32:
+        raise DataError(f"{path}: dataset 'data' has dtype {d.dtype}, expected int32")
+    if d.ndim != 3 or d.shape[1] != 3:
+        raise DataError(f"{path}: dataset 'data' has shape {d.shape}, expected [n_examples, 3, max_seq_length]")
+    if seq_len is not None and d.shape[2] != seq_len:
+        raise DataError(f"{path}: dataset 'data' has max_seq_length {d.shape[2]}, expected {seq_len}")
+    return d
+
+
+def array_data(path, f):
+    """The ``features`` and ``labels`` datasets of an open array file, their layout checked."""
+    x, y = _dataset(path, f, "features"), _dataset(path, f, "labels")
+    if y.dtype != np.int32 or y.ndim != 1:
+        raise DataError(f"{path}: dataset 'labels' is {y.dtype} {y.shape}, expected int32 [n]")
+    if x.dtype.kind not in "fiu" or x.ndim < 2:
+        raise DataError(f"{path}: dataset 'features' is {x.dtype} {x.shape}, expected numbers [n, ...]")
+    if x.shape[0] != y.shape[0]:
+        raise DataError(f"{path}: dataset 'features' has {x.shape[0]} examples, 'labels' {y.shape[0]}")
+    return x, y
+
+
 def check_lm_file(path, *, vocab_size=None, seq_len=None):
     """Check one LM file entirely; return its number of examples or raise a DataError naming the first fault."""
     with open_h5(path) as f:
-        if "data" not in f:
-            raise DataError(f"{path}: no dataset 'data' (found: {', '.join(f.keys()) or 'nothing'})")
-        d = f["data"]
-        if not isinstance(d, h5py.Dataset):
-            raise DataError(f"{path}: 'data' is a group, expected a dataset")
-        if d.dtype != np.int32:
-            raise DataError(f"{path}: dataset 'data' has dtype {d.dtype}, expected int32")
-        if d.ndim != 3 or d.shape[1] != 3:
-            raise DataError(f"{path}: dataset 'data' has shape {d.shape}, expected [n_examples, 3, max_seq_length]")
-        if seq_len is not None and d.shape[2] != seq_len:
-            raise DataError(f"{path}: dataset 'data' has max_seq_length {d.shape[2]}, expected {seq_len}")
+        d = lm_data(path, f, seq_len)
         n = d.shape[0]
         if "n_examples" in f.attrs and int(f.attrs["n_examples"]) != n:
             raise DataError(f"{path}: attribute n_examples is {int(f.attrs['n_examples'])} but dataset "
                             f"'data' has {n} examples")
         for lo in range(0, n, CHECK_BLOCK):
-            block = _read(path, d, slice(lo, min(lo + CHECK_BLOCK, n)))
+            block = read_examples(path, d, slice(lo, min(lo + CHECK_BLOCK, n)))
             ids, mask, labels = block[:, 0], block[:, 1], block[:, 2]
             bad = ids < 0
             if vocab_size is not None:
@@ -143,20 +167,13 @@ def check_lm_file(path, *, vocab_size=None, seq_len=None):
 def check_array_file(path, *, num_classes=None):
     """Check one array-dataset file; return its number of examples."""
     with open_h5(path) as f:
-        for key in ("features", "labels"):
-            if key not in f:
-                raise DataError(f"{path}: no dataset '{key}'")
-        x, y = f["features"], f["labels"]
-        if y.dtype != np.int32 or y.ndim != 1:
-            raise DataError(f"{path}: dataset 'labels' is {y.dtype} {y.shape}, expected int32 [n]")
-        if x.shape[0] != y.shape[0]:
-            raise DataError(f"{path}: dataset 'features' has {x.shape[0]} examples, 'labels' {y.shape[0]}")
+        x, y = array_data(path, f)
         n = y.shape[0]
         if "n_examples" in f.attrs and int(f.attrs["n_examples"]) != n:
             raise DataError(f"{path}: attribute n_examples is {int(f.attrs['n_examples'])}, datasets have {n}")
-        labels = _read(path, y, slice(0, n))
+        labels = read_examples(path, y, slice(0, n))
         for lo in range(0, n, CHECK_BLOCK):
-            _read(path, x, slice(lo, min(lo + CHECK_BLOCK, n)))
+            read_examples(path, x, slice(lo, min(lo + CHECK_BLOCK, n)))
         if num_classes is not None and n and (labels.min() < 0 or labels.max() >= num_classes):
             e = int(np.flatnonzero((labels < 0) | (labels >= num_classes))[0])
             raise DataError(f"{path}: dataset 'labels' example {e}: label {int(labels[e])} outside [0, {num_classes})")

@@ -35,6 +35,7 @@ import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from mpi_launch.mpiexec import mpi_env
 from mpi_launch.supervisor import CONTROL_ENV
@@ -345,6 +346,31 @@ class Watchdog:
             with self._lock:
                 chosen = self._cause()
             self.end(chosen.line)
+
+
+def job_processes(marker):
+    """Live processes of the jobs whose command lines mention ``marker`` (a model_dir, a test's
+    tmp_path): those processes, their descendants (hydra's proxies start sessions of their own) and
+    everything in their sessions; never the caller or its session. What tests and ``wse bench
+    faults`` count to prove a job left nothing behind."""
+    procs = {}  # pid -> (ppid, session, command line)
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit() or int(d.name) == os.getpid():
+            continue
+        try:
+            cmd = (d / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            fields = (d / "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if fields[0] not in ("Z", "X"):
+            procs[int(d.name)] = (int(fields[1]), int(fields[3]), cmd)
+    found = {pid for pid, (_, _, cmd) in procs.items() if str(marker) in cmd}
+    while True:
+        sessions = {procs[pid][1] for pid in found} - {os.getsid(0)}
+        more = {pid for pid, (ppid, sid, _) in procs.items() if ppid in found or sid in sessions} - found
+        if not more:
+            return sorted(found)
+        found |= more
 
 
 def _reachable_address(hostfile):

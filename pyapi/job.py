@@ -102,7 +102,7 @@ class Job:
                 result.end_step = result.start_step
             else:
                 code, failure = launch(cmd, plan, run_dir, peer_timeout=r["peer_timeout"],
-                                       startup_timeout=r.get("startup_timeout", 300), hostfile=hostfile,
+                                       startup_timeout=r["startup_timeout"], hostfile=hostfile,
                                        stream=stream)
                 if code != 0:
                     raise JobError(failure)

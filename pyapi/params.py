@@ -3,13 +3,29 @@
 Sections and keys follow Model Zoo where they exist. ``model`` is checked by
 ``wse_core.nn.build_model`` (which knows the models); everything else here. Every error is a
 ``ParamsError`` whose message starts with the key path: ``optimizer.learning_rate: expected a
-number or a list of schedulers, got 'fast'``.
+number or a list of schedulers, got 'fast'``. A key whose default is null may be given as null
+(the default), so the resolved ``params.yaml`` a run writes loads again.
+
+YAML is read by one loader (``parse_yaml``) for files and ``--set`` values alike: it refuses
+duplicate keys (naming the key path and both lines), a document that expands to more than
+``MAX_VALUES`` values (an alias bomb) or nests deeper than ``MAX_DEPTH``; values in messages are
+shortened (``show``), so no message is ever larger than a line.
 """
 import copy
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
 import yaml
+
+from wse_core._checks import show
+
+#: Values (scalars, lists, mappings; an alias counted each time it is used) a params document may
+#: expand to: a real one has a few hundred; an alias bomb has billions.
+MAX_VALUES = 100_000
+#: Levels of nesting a params document may have: a real one has four or five.
+MAX_DEPTH = 32
+
 
 
 class ParamsError(ValueError):
@@ -33,7 +49,7 @@ SCHEMA = {
         "batch_size": Key("int>0", REQUIRED, "global batch size, split evenly across the CS-2s"),
         "micro_batch_size": Key("int>0", None, "samples per micro-batch (default: batch_size / num_csx)"),
         "shuffle": Key("bool", True, "shuffle examples each epoch"),
-        "shuffle_seed": Key("int", 0, "seed of the per-epoch shuffle"),
+        "shuffle_seed": Key("int>=0", 0, "seed of the per-epoch shuffle"),
     },
     "eval_input": {
         "data_dir": Key("path", REQUIRED, "directory of HDF5 evaluation shards"),
@@ -60,28 +76,32 @@ SCHEMA = {
         "num_workers_per_csx": Key("int>0", 1, "input workers per CS-2"),
         "swarmx_fanout": Key("int>1", 2, "children per SwarmX node"),
         "model_dir": Key("path", "model_dir", "where checkpoints, logs and metrics go"),
-        "seed": Key("int", 0, "seed of the model initialisation"),
+        "seed": Key("int>=0", 0, "seed of the model initialisation"),
         "peer_timeout": Key("int>0", 20, "seconds a rank waits for a silent peer (after the first step) before ending the job"),
+        "startup_timeout": Key("int>0", 300, "seconds every rank has to start (imports, connecting, loading its "
+                                            "checkpoint) before the job is ended"),
     },
 }
 SECTIONS_REQUIRED = ("train_input", "model", "optimizer", "runconfig")
 
 
+def _name(key):
+    """A key for a message: as written, unless it is long or not a string."""
+    return key if isinstance(key, str) and len(key) <= 60 else show(key)
+
+
 def _check(path, kind, value):
     def bad(expected):
-        return ParamsError(f"{path}: expected {expected}, got {value!r}")
+        return ParamsError(f"{path}: expected {expected}, got {show(value)}")
 
     is_int = isinstance(value, int) and not isinstance(value, bool)
-    is_num = isinstance(value, (int, float)) and not isinstance(value, bool)
+    is_num = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
     if kind == "path" or kind == "str":
         if not isinstance(value, str) or not value:
             raise bad("a non-empty string")
     elif kind == "bool":
         if not isinstance(value, bool):
             raise bad("true or false")
-    elif kind == "int":
-        if not is_int:
-            raise bad("an integer")
     elif kind.startswith("int>"):
         low = 1 if kind == "int>0" else (2 if kind == "int>1" else 0)
         if not is_int or value < low:
@@ -114,7 +134,7 @@ def validate(raw):
         raise ParamsError(f"params: expected a mapping of sections, got {type(raw).__name__}")
     for section in raw:
         if section not in SCHEMA and section != "model":
-            raise ParamsError(f"{section}: unknown section (known: {', '.join(sorted([*SCHEMA, 'model']))})")
+            raise ParamsError(f"{_name(section)}: unknown section (known: {', '.join(sorted([*SCHEMA, 'model']))})")
     for section in SECTIONS_REQUIRED:
         if section not in raw:
             raise ParamsError(f"{section}: missing section")
@@ -124,13 +144,13 @@ def validate(raw):
             continue
         given = raw[section] if raw[section] is not None else {}
         if not isinstance(given, dict):
-            raise ParamsError(f"{section}: expected a mapping, got {given!r}")
+            raise ParamsError(f"{section}: expected a mapping, got {show(given)}")
         for key in given:
             if key not in keys:
-                raise ParamsError(f"{section}.{key}: unknown key (known: {', '.join(keys)})")
+                raise ParamsError(f"{section}.{_name(key)}: unknown key (known: {', '.join(keys)})")
         out[section] = {}
         for key, spec in keys.items():
-            if key in given:
+            if key in given and not (given[key] is None and spec.default is None):
                 out[section][key] = _check(f"{section}.{key}", spec.kind, given[key])
             elif spec.default is REQUIRED:
                 raise ParamsError(f"{section}.{key}: missing ({spec.help})")
@@ -165,36 +185,113 @@ def _check_consistency(p):
 
 def apply_overrides(raw, overrides):
     """Apply ``key.path=value`` strings (values parsed as YAML) to a copy of ``raw``."""
+    if not isinstance(raw, dict):
+        raise ParamsError(f"params: expected a mapping of sections, got {type(raw).__name__}")
     raw = copy.deepcopy(raw)
     for item in overrides or []:
         if "=" not in item:
-            raise ParamsError(f"--set {item}: expected key.path=value")
+            raise ParamsError(f"--set {_name(item)}: expected key.path=value")
         path, text = item.split("=", 1)
         parts = path.strip().split(".")
         if len(parts) < 2 or not all(parts):
-            raise ParamsError(f"--set {item}: expected section.key=value")
+            raise ParamsError(f"--set {_name(item)}: expected section.key=value")
         try:
-            value = yaml.safe_load(text)
+            value = parse_yaml(text, f"--set {_name(item)}")
         except yaml.YAMLError as exc:
-            raise ParamsError(f"--set {item}: value is not valid YAML ({exc.problem})") from None
+            raise ParamsError(f"--set {_name(item)}: value is not valid YAML ({getattr(exc, 'problem', exc)})") from None
         node = raw
         for part in parts[:-1]:
-            node = node.setdefault(part, {})
+            if node.get(part) is None:  # absent, or an empty section (``train_input:``)
+                node[part] = {}
+            node = node[part]
             if not isinstance(node, dict):
-                raise ParamsError(f"--set {item}: {part} is not a section")
+                raise ParamsError(f"--set {_name(item)}: {part} is not a section")
         node[parts[-1]] = value
     return raw
+
+
+class _Loader(yaml.SafeLoader):
+    """PyYAML's safe loader; ``parse_yaml`` checks what it composes before anything is built."""
+
+
+def parse_yaml(text, where):
+    """One YAML document, refused (ParamsError naming ``where``, the line and the key path) if it
+    repeats a key, nests deeper than MAX_DEPTH or expands to more than MAX_VALUES values."""
+    loader = _Loader(text)
+    try:
+        try:
+            node = loader.get_single_node()
+        except RecursionError:
+            raise ParamsError(f"{where}: nested too deeply (more than {MAX_DEPTH} levels)") from None
+        if node is None:
+            return None
+        _check_node(node, where)
+        return loader.construct_document(node)
+    finally:
+        loader.dispose()
+
+
+def _check_node(root, where):
+    sizes = {}     # id(node) -> values it expands to: each node is walked once, however often it is aliased
+    active = set()
+
+    def walk(node, path, depth):
+        key = id(node)
+        if key in sizes:
+            return sizes[key]
+        line = node.start_mark.line + 1
+        if key in active:
+            raise ParamsError(f"{where}: line {line}: {path or 'the document'}: contains itself (a recursive alias)")
+        if depth > MAX_DEPTH:
+            raise ParamsError(f"{where}: line {line}: {path}: nested too deeply (more than {MAX_DEPTH} levels)")
+        active.add(key)
+        size = 1
+        if isinstance(node, yaml.MappingNode):
+            first = {}
+            for k, v in node.value:
+                name = k.value if isinstance(k, yaml.ScalarNode) else "?"
+                inner = f"{path}.{name}" if path else name
+                if isinstance(k, yaml.ScalarNode) and name != "<<":
+                    if name in first:
+                        raise ParamsError(f"{where}: line {k.start_mark.line + 1}: duplicate key {_name(inner)} "
+                                          f"(first at line {first[name]})")
+                    first[name] = k.start_mark.line + 1
+                size += walk(k, inner, depth + 1) + walk(v, inner, depth + 1)
+                if size > MAX_VALUES:
+                    break
+        elif isinstance(node, yaml.SequenceNode):
+            for i, v in enumerate(node.value):
+                size += walk(v, f"{path}[{i}]", depth + 1)
+                if size > MAX_VALUES:
+                    break
+        if size > MAX_VALUES:
+            raise ParamsError(f"{where}: line {line}: {path or 'the document'}: expands to more than "
+                              f"{MAX_VALUES:,} values (aliases of aliases?)")
+        active.discard(key)
+        sizes[key] = size
+        return size
+
+    walk(root, "", 0)
 
 
 def load(path, overrides=None):
     """Read, override and validate a params YAML file."""
     p = Path(path)
     try:
-        raw = yaml.safe_load(p.read_text())
+        data = p.read_bytes()
     except OSError as exc:
         raise ParamsError(f"{p}: cannot read ({exc.strerror})") from None
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ParamsError(f"{p}: not UTF-8 text (byte 0x{data[exc.start]:02x} at offset {exc.start})") from None
+    try:
+        raw = parse_yaml(text, str(p))
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f" at line {mark.line + 1}" if mark else ""
         raise ParamsError(f"{p}: not valid YAML{where} ({getattr(exc, 'problem', exc)})") from None
+    if not isinstance(raw, dict):
+        raise ParamsError(f"{p}: expected a mapping of sections (train_input, model, optimizer, runconfig), "
+                          f"got {'nothing' if raw is None else type(raw).__name__}")
     return validate(apply_overrides(raw, overrides))

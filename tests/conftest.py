@@ -2,6 +2,7 @@
 import numpy as np
 import pytest
 
+from mpi_launch.watchdog import job_processes
 from wse_core import configure_process
 
 configure_process()  # the tests run the kernels as the ranks and the CLI do
@@ -13,33 +14,6 @@ RTOL = {np.float32: 2e-5, np.float64: 1e-12}
 @pytest.fixture
 def rng():
     return np.random.default_rng(1234)
-
-
-def job_processes(marker):
-    """Live processes of the jobs whose command lines mention ``marker`` (a test's tmp_path): those
-    processes, their descendants (hydra's proxies start sessions of their own) and everything in
-    their sessions."""
-    import os
-    from pathlib import Path
-
-    procs = {}  # pid -> (ppid, session, command line)
-    for d in Path("/proc").iterdir():
-        if not d.name.isdigit() or int(d.name) == os.getpid():
-            continue
-        try:
-            cmd = (d / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-            fields = (d / "stat").read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if fields[0] not in ("Z", "X"):
-            procs[int(d.name)] = (int(fields[1]), int(fields[3]), cmd)
-    found = {pid for pid, (_, _, cmd) in procs.items() if str(marker) in cmd}
-    while True:
-        sessions = {procs[pid][1] for pid in found} - {os.getsid(0)}  # never the test run's own
-        more = {pid for pid, (ppid, sid, _) in procs.items() if ppid in found or sid in sessions} - found
-        if not more:
-            return sorted(found)
-        found |= more
 
 
 class Jobs:

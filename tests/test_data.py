@@ -180,13 +180,18 @@ def test_verify_accepts_good_data_and_other_tools_files(good, tmp_path):
     assert wse("data", "verify", str(other)).returncode == 0
 
 
-def test_corrupt_byte(good):
-    path = sorted(good.glob("*.h5"))[1]
+def damage_example(path, e):
+    """Flip a byte of example ``e``'s chunk: its checksum fails when it is read."""
     raw = bytearray(path.read_bytes())
     with h5py.File(path) as f:
-        offset = f["data"].id.get_chunk_info(2).byte_offset
+        offset = f["data"].id.get_chunk_info(e).byte_offset
     raw[offset + 5] ^= 0xFF
     path.write_bytes(bytes(raw))
+
+
+def test_corrupt_byte(good):
+    path = sorted(good.glob("*.h5"))[1]
+    damage_example(path, 2)
     assert_one_line_error(wse("data", "verify", str(good)), path.name, "'data'", "examples")
 
 
@@ -273,3 +278,65 @@ def test_hugging_face_tokenizer(tmp_path, corpus):
     first_doc = bytes(corpus[1][:list(corpus[1]).index(EOT)].astype(np.uint8)).decode("utf-8")
     decoded = inspect_dataset(tmp_path / "hf")["example_0_text"].strip()
     assert len(decoded) > 10 and first_doc.startswith(decoded)
+
+
+def _lm_file(path, data):
+    with h5py.File(path, "w") as f:
+        if isinstance(data, str):
+            f.create_group("data")
+        else:
+            f["data"] = data
+
+
+BAD_LAYOUTS = {  # what the second of two files holds -> what the message says
+    "a group named data": ("group", "'data' is a group, expected a dataset"),
+    "2-D data": (np.zeros((4, 32), np.int32), "dataset 'data' has shape (4, 32), expected [n_examples, 3, max_seq_length]"),
+    "float64 data": (np.zeros((4, 3, 32)), "dataset 'data' has dtype float64, expected int32"),
+    "another sequence length": (np.zeros((4, 3, 16), np.int32), "dataset 'data' examples have shape (3, 16), other files (3, 32)"),
+    "no data": (None, "no dataset 'data' (found: other)"),
+}
+
+
+@pytest.mark.parametrize("name", BAD_LAYOUTS)
+def test_a_bad_layout_is_refused_before_anything_is_read(tmp_path, good, name):
+    """Dataset (which `wse fit` and `wse validate` open before any rank starts) checks every file's
+    layout, so no rank ever reads a group, a 2-D array or floats as token ids."""
+    data, says = BAD_LAYOUTS[name]
+    d = tmp_path / "bad"
+    d.mkdir()
+    (d / "a.h5").write_bytes(sorted(good.glob("*.h5"))[0].read_bytes())
+    if data is None:
+        with h5py.File(d / "b.h5", "w") as f:
+            f["other"] = np.zeros(3)
+    else:
+        _lm_file(d / "b.h5", data)
+    with pytest.raises(DataError) as err:
+        Dataset(d)
+    assert str(err.value) == f"{d / 'b.h5'}: {says}"
+    assert_one_line_error(wse("data", "inspect", str(d)), f"{d / 'b.h5'}: {says}")
+    params = {"train_input": {"data_dir": str(d), "batch_size": 2},
+              "model": {"name": "gpt2", "vocab_size": 257, "hidden_size": 16, "num_hidden_layers": 1,
+                        "num_heads": 2, "max_position_embeddings": 32},
+              "optimizer": {"learning_rate": 1e-3},
+              "runconfig": {"max_steps": 1, "model_dir": str(tmp_path / "model")}}
+    (tmp_path / "p.yaml").write_text(json.dumps(params))
+    assert_one_line_error(wse("fit", str(tmp_path / "p.yaml")), f"wse fit: error: {d / 'b.h5'}: {says}")
+    assert not (tmp_path / "model").exists()
+
+
+def test_array_layouts_are_checked_too(tmp_path):
+    d = tmp_path / "arrays"
+    d.mkdir()
+    with h5py.File(d / "a.h5", "w") as f:
+        f["features"] = np.zeros(4, np.float32)
+        f["labels"] = np.zeros(4, np.int32)
+    with pytest.raises(DataError, match=r"a.h5: dataset 'features' is float32 \(4,\), expected numbers \[n, \.\.\.\]"):
+        Dataset(d)
+
+
+def test_inspect_and_read_name_a_damaged_file(good):
+    path = sorted(good.glob("*.h5"))[0]
+    damage_example(path, 0)
+    assert_one_line_error(wse("data", "inspect", str(good)), f"{path}: dataset 'data' unreadable at examples 0..0")
+    with pytest.raises(DataError, match=f"{path}: dataset 'data' unreadable at examples 0..1"):
+        Dataset(good).read(0, 2)

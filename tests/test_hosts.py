@@ -10,10 +10,9 @@ import sys
 import time
 
 import pytest
-import yaml
 
-from data_tools.preprocess import preprocess_text
 from mpi_launch.rundir import RunDir
+from test_cluster import assert_bits, data, params_file, reference  # noqa: F401 (data: a fixture)
 
 HOSTS = {"a": "10.213.0.1", "b": "10.213.0.2"}
 
@@ -70,26 +69,8 @@ def rx_bytes(ns, dev):
     return json.loads(out)[0]["stats64"]["rx"]["bytes"]
 
 
-@pytest.fixture(scope="module")
-def data(tmp_path_factory):
-    d = tmp_path_factory.mktemp("data")
-    preprocess_text(["stdlib"], d / "lm", 32, samples_per_file=4000, progress=False)
-    return d / "lm"
-
-
 def start_fit(hosts, tmp_path, data, max_steps):
-    p = {
-        "train_input": {"data_dir": str(data), "batch_size": 8, "micro_batch_size": 2, "shuffle": True,
-                        "shuffle_seed": 4},
-        "model": {"name": "gpt2", "vocab_size": 257, "hidden_size": 32, "num_hidden_layers": 2, "num_heads": 2,
-                  "max_position_embeddings": 32},
-        "optimizer": {"optimizer_type": "AdamW", "weight_decay": 0.01, "max_gradient_norm": 1.0,
-                      "learning_rate": 1e-3},
-        "runconfig": {"max_steps": max_steps, "num_wgt_servers": 2, "num_csx": 2, "log_steps": 100000,
-                      "peer_timeout": 5, "model_dir": str(tmp_path / "model")},
-    }
-    path = tmp_path / "params.yaml"
-    path.write_text(yaml.safe_dump(p))
+    path, p = params_file(tmp_path, data, max_steps=max_steps, num_csx=2, log_steps=100000, peer_timeout=5)
     # The namespaces share this machine's memory, so force UCX onto TCP as separate machines would be.
     env = dict(os.environ, HYDRA_LAUNCHER="ssh", HYDRA_LAUNCHER_EXEC=str(hosts["ssh"]), UCX_TLS="tcp,self")
     cmd = f"hostname host-a; exec {sys.executable} -m pyapi.cli fit {path} --hostfile {hosts['hostfile']}"
@@ -106,8 +87,6 @@ def hosts_of(run_dir):
 def test_a_job_spread_over_two_hosts_trains_bit_identically(two_hosts, tmp_path, data, jobs):
     """8 ranks, 4 per host: the weights equal the single-process reference (and so the one-host run)
     bit for bit, and the weight stream crossed the link between the hosts."""
-    from test_cluster import assert_bits, reference
-
     before = rx_bytes(two_hosts["ns"]["b"], two_hosts["veth_b"])
     job, p = start_fit(two_hosts, tmp_path, data, max_steps=3)
     out, err = job.communicate(timeout=300)

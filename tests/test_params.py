@@ -1,4 +1,6 @@
 """The params schema: defaults, overrides, and errors that name the key path."""
+import re
+
 import pytest
 import yaml
 
@@ -58,3 +60,74 @@ def test_load_reports_bad_yaml_with_its_line(tmp_path):
     assert load(f, ["runconfig.max_steps=9"])["runconfig"]["max_steps"] == 9
     with pytest.raises(ParamsError, match="--set nodot=1: expected section.key=value"):
         load(f, ["nodot=1"])
+
+
+def test_the_resolved_params_load_again():
+    """What `wse fit` writes into model_dir (every default filled in, nulls included) validates to itself."""
+    p = validate(dict(BASE, eval_input={"data_dir": "e", "batch_size": 4}))
+    assert p["eval_input"]["micro_batch_size"] is None and p["optimizer"]["max_gradient_norm"] is None
+    assert validate(yaml.safe_load(yaml.safe_dump(p))) == p
+
+
+BAD_FILES = {  # file text -> the one line it must give (after "<file>: ")
+    "bomb": ("a: &a [x, x, x, x, x, x, x, x, x, x]\n" + "".join(
+        f"{chr(98 + i)}: &{chr(98 + i)} [*{chr(97 + i)}, *{chr(97 + i)}, *{chr(97 + i)}, *{chr(97 + i)}, "
+        f"*{chr(97 + i)}, *{chr(97 + i)}, *{chr(97 + i)}, *{chr(97 + i)}, *{chr(97 + i)}, *{chr(97 + i)}]\n"
+        for i in range(9)), r"line \d+: \w: expands to more than 100,000 values \(aliases of aliases\?\)"),
+    "deep": ("runconfig: " + "[" * 5000 + "]" * 5000 + "\n", r"nested too deeply \(more than 32 levels\)"),
+    "deep but parseable": ("runconfig: " + "[" * 40 + "]" * 40 + "\n",
+                           r"line 1: runconfig(\[0\])+: nested too deeply \(more than 32 levels\)"),
+    "recursive": ("a: &a [1, *a]\n", r"line 1: a\[1\]: contains itself \(a recursive alias\)"),
+    "duplicate": (yaml.safe_dump(BASE, sort_keys=False) + "runconfig:\n  max_steps: 9\n",
+                  r"line \d+: duplicate key runconfig \(first at line \d+\)"),
+    "duplicate inside": ("runconfig:\n  max_steps: 5\n  num_csx: 2\n  max_steps: 50\n",
+                         r"line 4: duplicate key runconfig.max_steps \(first at line 2\)"),
+    "empty": ("", r"expected a mapping of sections \(train_input, model, optimizer, runconfig\), got nothing"),
+    "a list": ("- 1\n- 2\n", r"expected a mapping of sections .*, got list"),
+}
+
+
+@pytest.mark.parametrize("name", BAD_FILES)
+def test_hostile_or_malformed_yaml_is_one_line_naming_the_file(tmp_path, name):
+    text, says = BAD_FILES[name]
+    f = tmp_path / "p.yaml"
+    f.write_text(text)
+    with pytest.raises(ParamsError) as err:
+        load(f, ["runconfig.num_csx=2"])  # what --set and --num_csx add
+    assert re.fullmatch(f"{re.escape(str(f))}: {says}", str(err.value)), str(err.value)
+
+
+def test_a_params_file_that_is_not_utf8_is_named(tmp_path):
+    f = tmp_path / "p.yaml"
+    f.write_bytes(yaml.safe_dump(BASE).encode() + b"# caf\xe9\n")
+    with pytest.raises(ParamsError, match=re.escape(f"{f}: not UTF-8 text (byte 0xe9 at offset ")):
+        load(f)
+
+
+@pytest.mark.parametrize("override,match", [
+    ("optimizer.weight_decay=.nan", "optimizer.weight_decay: expected a number >= 0, got nan"),
+    ("optimizer.eps=.inf", "optimizer.eps: expected a number >= 0, got inf"),
+    ("optimizer.max_gradient_norm=.inf", "optimizer.max_gradient_norm: expected a number > 0"),
+    ("optimizer.momentum=.nan", "optimizer.momentum: expected a number >= 0, got nan"),
+    ("runconfig.seed=-1", "runconfig.seed: expected an integer >= 0, got -1"),
+    ("train_input.shuffle_seed=-7", "train_input.shuffle_seed: expected an integer >= 0, got -7"),
+    ("model.layer_norm_epsilon=.nan", "model.layer_norm_epsilon: expected a number > 0"),
+])
+def test_non_finite_numbers_and_negative_seeds_are_refused(override, match):
+    with pytest.raises(ParamsError, match=re.escape(match)):
+        validate(apply_overrides(BASE, [override]))
+
+
+def test_a_huge_value_is_shown_short():
+    with pytest.raises(ParamsError) as err:
+        validate(apply_overrides(BASE, ["optimizer.betas=[" + ", ".join(["0.5"] * 50_000) + "]"]))
+    assert str(err.value).startswith("optimizer.betas: expected two numbers in [0, 1), got [0.5, 0.5,")
+    assert len(str(err.value)) < 200
+
+
+def test_set_fills_an_empty_section():
+    raw = dict(BASE, eval_input=None)
+    p = validate(apply_overrides(raw, ["eval_input.data_dir=e", "eval_input.batch_size=2"]))
+    assert p["eval_input"]["batch_size"] == 2
+    with pytest.raises(ParamsError, match=r"--set runconfig.max_steps={a: 1, a: 2}: line 1: duplicate key a \(first at line 1\)"):
+        apply_overrides(BASE, ["runconfig.max_steps={a: 1, a: 2}"])

@@ -1,7 +1,20 @@
 """Argument checks shared by the Python wrappers of every kernel (the kernels trust their inputs)."""
+import reprlib
+
 import numpy as np
 
 FLOAT_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
+
+_REPR = reprlib.Repr()
+_REPR.maxstring = _REPR.maxother = 60
+_REPR.maxlist = _REPR.maxdict = _REPR.maxtuple = _REPR.maxset = 6
+_REPR.maxlevel = 3
+
+
+def show(value):
+    """A value for an error message: its repr, bounded in length and in the work it takes (a value
+    from a user's YAML can be huge)."""
+    return _REPR.repr(value)
 
 
 def check_float_array(name, x, *, writeable=False):
@@ -30,7 +43,7 @@ def check_like(name, x, ref_name, ref, *, writeable=False):
 def check_number(name, value, *, low=None, high=None, high_open=False):
     """Return ``value`` as a float after checking it is a finite number within [low, high] (or [low, high))."""
     if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
-        raise TypeError(f"{name}: expected a number, got {value!r}")
+        raise TypeError(f"{name}: expected a number, got {show(value)}")
     value = float(value)
     if not np.isfinite(value):
         raise ValueError(f"{name}: expected a finite number, got {value}")

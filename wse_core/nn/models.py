@@ -11,6 +11,7 @@ import zlib
 
 import numpy as np
 
+from wse_core._checks import show
 from wse_core.nn import ops as fused_ops
 from wse_core.nn.layers import Dense, Embedding, LMHead, TransformerBlock
 
@@ -181,7 +182,7 @@ def _int(cfg, key, low=1):
     if v is None:
         raise ValueError(f"model.{key}: missing")
     if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
-        raise TypeError(f"model.{key}: expected an integer, got {v!r}")
+        raise TypeError(f"model.{key}: expected an integer, got {show(v)}")
     if v < low:
         raise ValueError(f"model.{key}: expected an integer >= {low}, got {v}")
     return int(v)
@@ -191,7 +192,7 @@ def _sparsity(cfg, c):
     """model.sparsity (fraction of zeros in each Linear weight, 0 <= s < 1) and model.sparsity_seed."""
     s = cfg.get("sparsity", 0.0)
     if isinstance(s, bool) or not isinstance(s, (int, float)) or not 0 <= s < 1:
-        raise ValueError(f"model.sparsity: expected a number in [0, 1), got {s!r}")
+        raise ValueError(f"model.sparsity: expected a number in [0, 1), got {show(s)}")
     c["sparsity"] = float(s)
     c["sparsity_seed"] = _int(cfg, "sparsity_seed", low=0) if "sparsity_seed" in cfg else 0
     return 1.0 - c["sparsity"], c["sparsity_seed"]
@@ -212,7 +213,7 @@ def build_model(cfg, ops=fused_ops):
         return _build_gpt2(cfg, ops)
     if name == "fc_mlp":
         return _build_fc_mlp(cfg, ops)
-    raise ValueError(f"model.name: unknown model {name!r} (known: gpt2, fc_mlp)")
+    raise ValueError(f"model.name: unknown model {show(name)} (known: gpt2, fc_mlp)")
 
 
 def _build_gpt2(cfg, ops):
@@ -223,11 +224,11 @@ def _build_gpt2(cfg, ops):
     c["filter_size"] = _int(cfg, "filter_size") if "filter_size" in cfg else 4 * c["hidden_size"]
     eps = cfg.get("layer_norm_epsilon", 1e-5)
     if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not eps > 0:
-        raise ValueError(f"model.layer_norm_epsilon: expected a number > 0, got {eps!r}")
+        raise ValueError(f"model.layer_norm_epsilon: expected a number > 0, got {show(eps)}")
     c["layer_norm_epsilon"] = float(eps)
     tied = cfg.get("share_embedding_weights", True)
     if not isinstance(tied, bool):
-        raise TypeError(f"model.share_embedding_weights: expected true or false, got {tied!r}")
+        raise TypeError(f"model.share_embedding_weights: expected true or false, got {show(tied)}")
     c["share_embedding_weights"] = tied
     if c["hidden_size"] % c["num_heads"]:
         raise ValueError(f"model.num_heads: {c['num_heads']} does not divide "
@@ -245,14 +246,14 @@ def _build_fc_mlp(cfg, ops):
     c = {"name": "fc_mlp", "input_size": _int(cfg, "input_size"), "num_classes": _int(cfg, "num_classes", 2)}
     hidden = cfg.get("hidden_sizes", [])
     if not isinstance(hidden, (list, tuple)):
-        raise TypeError(f"model.hidden_sizes: expected a list of integers, got {hidden!r}")
+        raise TypeError(f"model.hidden_sizes: expected a list of integers, got {show(hidden)}")
     for i, h in enumerate(hidden):
         if isinstance(h, bool) or not isinstance(h, (int, np.integer)) or h < 1:
-            raise ValueError(f"model.hidden_sizes[{i}]: expected an integer >= 1, got {h!r}")
+            raise ValueError(f"model.hidden_sizes[{i}]: expected an integer >= 1, got {show(h)}")
     c["hidden_sizes"] = [int(h) for h in hidden]
     act = cfg.get("activation", "relu")
     if act not in ACTIVATIONS:
-        raise ValueError(f"model.activation: unknown activation {act!r} (known: {', '.join(ACTIVATIONS)})")
+        raise ValueError(f"model.activation: unknown activation {show(act)} (known: {', '.join(ACTIVATIONS)})")
     c["activation"] = act
     density, seed = _sparsity(cfg, c)
     sizes = [c["input_size"], *c["hidden_sizes"], c["num_classes"]]

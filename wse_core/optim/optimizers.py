@@ -18,7 +18,7 @@ import inspect
 import numpy as np
 
 from wse_core.optim import _kernels
-from wse_core._checks import check_float_array, check_like, check_number
+from wse_core._checks import check_float_array, check_like, check_number, show
 
 
 class Optimizer:
@@ -60,7 +60,7 @@ class Optimizer:
         bufs = {k: check_like(f"state[{k!r}] of {name}", state[k], name, param, writeable=True)
                 for k in self.state_names}
         if isinstance(step, bool) or not isinstance(step, (int, np.integer)) or step < 1:
-            raise ValueError(f"step: expected an integer >= 1 (1-based update count), got {step!r}")
+            raise ValueError(f"step: expected an integer >= 1 (1-based update count), got {show(step)}")
         lr = self.lr if lr is None else check_number("lr", lr, low=0.0)
         grad_scale = check_number("grad_scale", grad_scale, low=0.0)
         self._apply(p, g, bufs, int(step), lr, grad_scale)
@@ -83,7 +83,7 @@ class SGD(Optimizer):
         self.dampening = check_number("dampening", dampening, low=0.0, high=1.0)
         self.weight_decay = check_number("weight_decay", weight_decay, low=0.0)
         if not isinstance(nesterov, bool):
-            raise TypeError(f"nesterov: expected true or false, got {nesterov!r}")
+            raise TypeError(f"nesterov: expected true or false, got {show(nesterov)}")
         if nesterov and (self.momentum == 0.0 or self.dampening != 0.0):
             raise ValueError("nesterov: requires momentum > 0 and dampening = 0")
         self.nesterov = nesterov
@@ -110,7 +110,7 @@ class Adam(Optimizer):
     def __init__(self, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0):
         super().__init__(lr)
         if not isinstance(betas, (tuple, list)) or len(betas) != 2:
-            raise TypeError(f"betas: expected two numbers (beta1, beta2), got {betas!r}")
+            raise TypeError(f"betas: expected two numbers (beta1, beta2), got {show(betas)}")
         self.betas = (check_number("betas[0]", betas[0], low=0.0, high=1.0, high_open=True),
                       check_number("betas[1]", betas[1], low=0.0, high=1.0, high_open=True))
         self.eps = check_number("eps", eps, low=0.0)
@@ -140,7 +140,7 @@ def make_optimizer(optimizer_type, **hparams):
     """Build an optimizer by name (``"SGD"``, ``"Adam"``, ``"AdamW"``; any case) and hyperparameters."""
     cls = _OPTIMIZERS.get(str(optimizer_type).lower())
     if cls is None:
-        raise ValueError(f"optimizer_type: unknown optimizer {optimizer_type!r} "
+        raise ValueError(f"optimizer_type: unknown optimizer {show(optimizer_type)} "
                          f"(known: SGD, Adam, AdamW)")
     known = [k for k in inspect.signature(cls.__init__).parameters if k != "self"]
     for key in hparams:

@@ -16,7 +16,7 @@ After its ``total_iters`` a schedule holds its end value.
 import math
 from dataclasses import MISSING, dataclass, fields
 
-from wse_core._checks import check_number
+from wse_core._checks import check_number, show
 
 
 class Schedule:
@@ -84,12 +84,12 @@ _SCHEDULERS = {"constant": Constant, "constantlr": Constant, "linear": Linear, "
 
 def _one(spec, key, last):
     if not isinstance(spec, dict):
-        raise TypeError(f"{key}: expected a number or a mapping with a 'scheduler' key, got {spec!r}")
+        raise TypeError(f"{key}: expected a number or a mapping with a 'scheduler' key, got {show(spec)}")
     if "scheduler" not in spec:
         raise ValueError(f"{key}.scheduler: missing (one of Constant, Linear, CosineDecay)")
     cls = _SCHEDULERS.get(str(spec["scheduler"]).lower())
     if cls is None:
-        raise ValueError(f"{key}.scheduler: unknown scheduler {spec['scheduler']!r} "
+        raise ValueError(f"{key}.scheduler: unknown scheduler {show(spec['scheduler'])} "
                          f"(known: Constant, Linear, CosineDecay)")
     names = [f.name for f in fields(cls)]
     kwargs = {}
@@ -100,7 +100,7 @@ def _one(spec, key, last):
             raise ValueError(f"{key}.{k}: unknown key for {cls.__name__} (known: {', '.join(names)})")
         if k == "total_iters":
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ValueError(f"{key}.{k}: expected an integer >= 1, got {v!r}")
+                raise ValueError(f"{key}.{k}: expected an integer >= 1, got {show(v)}")
             kwargs[k] = v
         else:
             kwargs[k] = check_number(f"{key}.{k}", v, low=0.0)
