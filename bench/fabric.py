@@ -14,6 +14,10 @@ Cycles per BiCGSTAB iteration do not depend on the data (the same instructions r
 routes every iteration), and grow as a Z + b (W + H) + c: Z for the vector work on each PE's
 column, W + H for the allreduce latency. The benchmark fits a, b, c on small meshes, checks the
 fit on a fourth, and predicts an iteration on the SC20 paper's 600 x 595 x 1536 mesh.
+
+It also calibrates the simulated-time model (wse_core.perf.calibration): the weight-streaming GEMM
+and the mesh allreduce on small rectangles, each formula fitted and checked on sizes the fit did
+not see, and prints the fitted constants next to those the model uses.
 """
 import time
 
@@ -105,6 +109,9 @@ def run(args):
                                      flops_per_pe_cycle=FLOPS_PER_POINT * args.z / per)
         result["rows"].append(row)
     result["sc20_model"] = sc20_model()
+    from wse_core.perf.calibration import calibrate
+
+    result["calibration"] = calibrate()
     return result
 
 
@@ -130,4 +137,25 @@ def report(result):
         f"On SC20's 600 x 595 x 1536 mesh: {sc['sc20_cycles_per_iteration']:.0f} cycles per iteration, "
         f"{sc['sc20_flops_per_pe_cycle']:.2f} flops per PE-cycle ({result['flops_per_point_per_iteration']} flops "
         "per point); SC20 measured 0.86 PFLOPS, about a third of the machine's peak.",
+        *_calibration_report(result["calibration"]),
     ])
+
+
+def _calibration_report(cal):
+    from wse_core.perf.calibration import ALLREDUCE_COEF, GEMM_COEF
+
+    g, a = cal["gemm"], cal["allreduce"]
+    lines = ["Simulated-time calibration (fit on {} + {} sizes, checked on sizes not in the fit):".format(
+        len(g["fit_sizes"]), len(a["fit_sizes"]))]
+    a1, a2, b, c, d = g["coef"]
+    lines.append(f"  stream GEMM cycles = {a1:.4f} kb n mb + {a2:.4f} kb n + {b:.4f} mb n + {c:.3f} (W + H) "
+                 f"{d:+.2f}   (model uses {', '.join(f'{x:g}' for x in GEMM_COEF)})")
+    e, f, g0 = a["coef"]
+    lines.append(f"  mesh allreduce cycles = {e:.3f} n + {f:.3f} (W + H) {g0:+.2f}   (model uses "
+                 f"{', '.join(f'{x:g}' for x in ALLREDUCE_COEF)})")
+    rows = [["gemm", "x".join(map(str, r["size"])), r["cycles"], f"{r['predicted']:.0f}", f"{r['error']:+.2%}"]
+            for r in g["check"]]
+    rows += [["allreduce", "x".join(map(str, r["size"])), r["cycles"], f"{r['predicted']:.0f}", f"{r['error']:+.2%}"]
+             for r in a["check"]]
+    lines.append(table(rows, ["program", "held-out size (W x H x ...)", "simulator cycles", "model", "error"]))
+    return lines

@@ -146,6 +146,8 @@ def describe(params):
     import numpy as np
 
     from wse_core.optim import make_optimizer
+    from wse_core.perf import Hardware
+    from wse_core.perf.memory import rank_memory_bytes, wafer_bytes
 
     run, train, opt_cfg = params["runconfig"], params["train_input"], params["optimizer"]
     plan, model = plan_for(params)
@@ -154,23 +156,10 @@ def describe(params):
     if opt_cfg["optimizer_type"].lower() == "sgd" and opt_cfg["momentum"] == 0:
         n_states = 0
     per_csx = train["batch_size"] // run["num_csx"]
-    biggest = max(unit_bytes)
     seq = params["model"].get("max_position_embeddings")
-    memory = {}
-    for k, rank in enumerate(plan.memoryx):
-        owned = sum(b for u, b in enumerate(unit_bytes) if plan.unit_owner[u] == k)
-        memory[rank] = owned * (2 + n_states)          # weights, gradient sum, optimizer state
-    for rank in plan.swarmx:
-        memory[rank] = biggest * (1 + len(plan.children[rank]))  # a unit in flight and one partial sum per child
-    for rank in plan.csx:
-        # Two units of weights (the next streams in while this one computes), one unit's gradients,
-        # and the activations of the CS-2's whole slice of the batch, kept for the backward pass.
-        memory[rank] = 3 * biggest + 4 * model.activation_floats(per_csx, seq)
     example = 3 * seq * 4 if model.kind == "gpt2" else 4 * (params["model"]["input_size"] + 1)
-    for ranks in plan.workers:
-        for rank in ranks:
-            memory[rank] = 4 * train["micro_batch_size"] * example  # prefetch buffers
-    memory[plan.coordinator] = 0
+    memory = rank_memory_bytes(plan, model, n_states=n_states, per_csx=per_csx, seq_len=seq,
+                               micro_batch_size=train["micro_batch_size"], example_bytes=example)
     pow2 = run["num_csx"] & (run["num_csx"] - 1) == 0 and run["swarmx_fanout"] & (run["swarmx_fanout"] - 1) == 0
     return {
         "plan": plan.to_json(),
@@ -178,5 +167,6 @@ def describe(params):
                   "unit_bytes": unit_bytes},
         "memory_bytes": {str(r): int(memory[r]) for r in range(plan.world_size)},
         "micro_batches_per_csx": per_csx // train["micro_batch_size"],
+        "wafer_bytes": wafer_bytes(model, per_csx, seq, Hardware.from_params(run["hardware"])),
         "bit_identical_to_reference": bool(pow2),
     }

@@ -78,6 +78,8 @@ SCHEMA = {
         "model_dir": Key("path", "model_dir", "where checkpoints, logs and metrics go"),
         "seed": Key("int>=0", 0, "seed of the model initialisation"),
         "peer_timeout": Key("int>0", 20, "seconds a rank waits for a silent peer (after the first step) before ending the job"),
+        "hardware": Key("hardware", {}, "constants of the emulated hardware to override (wse_core.perf.Hardware: "
+                                        "io_gbps, clock_hz, precision, ...)"),
         "startup_timeout": Key("int>0", 300, "seconds every rank has to start (imports, connecting, loading its "
                                             "checkpoint) before the job is ended"),
     },
@@ -116,6 +118,15 @@ def _check(path, kind, value):
         if not (isinstance(value, (list, tuple)) and len(value) == 2
                 and all(isinstance(b, (int, float)) and not isinstance(b, bool) and 0 <= b < 1 for b in value)):
             raise bad("two numbers in [0, 1)")
+    elif kind == "hardware":
+        from wse_core.perf import Hardware
+
+        if not isinstance(value, dict):
+            raise bad("a mapping of hardware constants")
+        try:
+            Hardware.from_params(value)
+        except (TypeError, ValueError) as exc:
+            raise ParamsError(str(exc)) from None
     elif kind == "lr":
         from wse_core.optim import make_schedule
 

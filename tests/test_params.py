@@ -131,3 +131,12 @@ def test_set_fills_an_empty_section():
     assert p["eval_input"]["batch_size"] == 2
     with pytest.raises(ParamsError, match=r"--set runconfig.max_steps={a: 1, a: 2}: line 1: duplicate key a \(first at line 1\)"):
         apply_overrides(BASE, ["runconfig.max_steps={a: 1, a: 2}"])
+
+
+def test_hardware_constants_are_params():
+    p = validate(apply_overrides(BASE, ["runconfig.hardware={io_gbps: 600}"]))
+    assert p["runconfig"]["hardware"] == {"io_gbps": 600} and validate(BASE)["runconfig"]["hardware"] == {}
+    with pytest.raises(ParamsError, match="runconfig.hardware.io_gpbs: unknown constant"):
+        validate(apply_overrides(BASE, ["runconfig.hardware.io_gpbs=1"]))
+    with pytest.raises(ParamsError, match=r"runconfig.hardware.clock_hz: expected a finite number > 0, got \.inf|inf"):
+        validate(apply_overrides(BASE, ["runconfig.hardware.clock_hz=.inf"]))

@@ -1,0 +1,110 @@
+"""The emulated hardware's constants: one ``Hardware`` value, WSE-2 / CS-2 cluster defaults.
+
+Every constant says where it comes from: a public Cerebras document (the seeds of this project,
+``../shared/seeds``), the Cerebras SDK's conventions, or **assumption** where nothing public gives
+the figure. Any field can be overridden from the params (``runconfig.hardware: {io_gbps: 600}``)
+or in Python (``Hardware(io_gbps=600)``); the model is only as good as these numbers, and says so.
+See docs/design.md section 8.
+"""
+from dataclasses import asdict, dataclass, fields, replace
+
+
+@dataclass(frozen=True)
+class Hardware:
+    # -- the wafer (WSE-2) ---------------------------------------------------------------------
+    #: Processing elements of a WSE-2. Source: Cerebras system overview ("850,000 cores"), seed 003.
+    pes: int = 850_000
+    #: The rectangle a program may use, width x height PEs: the Cerebras SDK's usable WSE-2
+    #: program rectangle (750 x 994 of the 757 x 996 fabric). The compute model maps GEMMs onto it.
+    program_width: int = 750
+    program_height: int = 994
+    #: SRAM per PE, bytes. Source: seed 003 ("48 KB of SRAM" per core).
+    pe_memory_bytes: int = 48 * 1024
+    #: Clock, Hz: the factor the Cerebras SDK uses to turn PE cycles into seconds (DESIGN.md
+    #: section 8). Not a measured frequency of a running CS-2.
+    clock_hz: float = 850e6
+    #: Multiply-adds per PE per cycle, fp16 and fp32 (DESIGN.md section 8: 4-wide fp16, 1-wide fp32
+    #: FMAC, the SDK's SIMD widths). The fabric
+    #: simulator, which calibrates the compute model, runs fp32 one lane wide; fp16 divides the FMAC
+    #: term of the calibrated formula by 4 (**assumption**: the rest of the formula is unchanged).
+    fmac_lanes_fp16: int = 4
+    fmac_lanes_fp32: int = 1
+    #: Values per 32-bit fabric wavelet: 2 fp16 or 1 fp32 (wavelets carry 32 bits of data).
+    values_per_wavelet_fp16: int = 2
+    values_per_wavelet_fp32: int = 1
+    #: Precision of weights and activations on the wafer ("fp16": mixed precision, as Cerebras
+    #: trains; "fp32": as this emulator computes). Sets lanes, wavelet packing and stream bytes.
+    precision: str = "fp16"
+    # -- a CS-2 system ---------------------------------------------------------------------------
+    #: I/O bandwidth of one CS-2 into and out of the wafer, Gb/s each way. Source: the CS-2's
+    #: published 12 x 100 GbE system I/O (1.2 Tb/s), as DESIGN.md section 8 cites it.
+    io_gbps: float = 1200.0
+    # -- SwarmX ---------------------------------------------------------------------------------
+    #: Bandwidth of one SwarmX port, Gb/s: 100 GbE, as DESIGN.md section 8 cites it (seeds 002 and
+    #: 004 describe SwarmX as the broadcast/reduce network, without port speeds).
+    swarmx_port_gbps: float = 100.0
+    #: Ports between one SwarmX node and one child (a CS-2 or a lower node): a child gets the
+    #: full CS-2 I/O rate when its link bundles io_gbps / swarmx_port_gbps ports (**assumption**:
+    #: the tree is built so every CS-2 can stream at its I/O rate).
+    swarmx_ports_per_child: int = 12
+    #: Fan-out of a SwarmX broadcast/reduce node (one 1:4, or two 1:2). Source: Cerebras' public
+    #: descriptions of SwarmX as DESIGN.md section 8 cites them (not in the seeds). A run's tree
+    #: takes its fan-out from runconfig.swarmx_fanout; this is the scaling model's default.
+    swarmx_fanout: int = 4
+    #: Latency a wavelet of data takes through one SwarmX node (store, reduce, forward), seconds.
+    #: **Assumption** (no public figure): 2 us, a switch hop plus a reduce at line rate.
+    swarmx_hop_latency_s: float = 2e-6
+    # -- MemoryX --------------------------------------------------------------------------------
+    #: Bytes of weights and optimizer state one MemoryX holds. Source: Cerebras quotes MemoryX
+    #: configurations from 4 TB up to 2.4 PB; 4 TB is the smallest.
+    memoryx_bytes: float = 4e12
+    #: Rate at which MemoryX applies the optimizer update, bytes of weights per second.
+    #: **Assumption**: no public figure. 100 GB/s: a few CPU servers' memory bandwidth, each
+    #: AdamW update touching about 7 words per weight (this project's fused kernel measures it).
+    memoryx_update_bytes_per_s: float = 100e9
+    #: Bandwidth between MemoryX and the root of the SwarmX tree, Gb/s. **Assumption**: as fast
+    #: as one CS-2's I/O, so MemoryX is never the narrower end of the stream.
+    memoryx_gbps: float = 1200.0
+
+    def __post_init__(self):
+        for f in fields(self):
+            v = getattr(self, f.name)
+            if f.name == "precision":
+                if v not in ("fp16", "fp32"):
+                    raise ValueError(f"runconfig.hardware.precision: expected fp16 or fp32, got {v!r}")
+            elif isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0 or v != v or v == float("inf"):
+                raise ValueError(f"runconfig.hardware.{f.name}: expected a finite number > 0, got {v!r}")
+
+    @classmethod
+    def from_params(cls, overrides=None):
+        """The defaults with ``runconfig.hardware`` applied; unknown keys name the key."""
+        known = {f.name for f in fields(cls)}
+        for key in overrides or {}:
+            if key not in known:
+                raise ValueError(f"runconfig.hardware.{key}: unknown constant (known: {', '.join(sorted(known))})")
+        return replace(cls(), **(overrides or {}))
+
+    def to_dict(self):
+        return asdict(self)
+
+    # -- derived figures ---------------------------------------------------------------------------
+    @property
+    def bytes_per_value(self):
+        return 2 if self.precision == "fp16" else 4
+
+    @property
+    def fmac_lanes(self):
+        return self.fmac_lanes_fp16 if self.precision == "fp16" else self.fmac_lanes_fp32
+
+    @property
+    def values_per_wavelet(self):
+        return self.values_per_wavelet_fp16 if self.precision == "fp16" else self.values_per_wavelet_fp32
+
+    @property
+    def io_bytes_per_s(self):
+        return self.io_gbps * 1e9 / 8
+
+    @property
+    def peak_flops(self):
+        """Multiply-adds of every PE of the program rectangle on every lane, as flops per second."""
+        return 2 * self.program_width * self.program_height * self.fmac_lanes * self.clock_hz
