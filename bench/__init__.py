@@ -17,6 +17,8 @@ BENCHMARKS = {
                                "dense numpy, spmv against copy bandwidth."),
     "faults": ("bench.faults", "Fault campaign: kill and stop every role at random moments, kill the launcher; "
                                "count what is named right."),
+    "scaling": ("bench.scaling", "Scaling of the emulated cluster, from the simulated-time model: samples/s and "
+                                 "speed-up for 1 to 192 CS-2s."),
     "fabric": ("bench.fabric", "The PE-mesh simulator's speed, and BiCGSTAB cycles per iteration next to the "
                                "SC20 figures."),
 }

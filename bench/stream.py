@@ -15,6 +15,7 @@ CS-2's forward, loss and backward (mean); ``reduce`` from the last CS-2's end of
 MemoryX has every gradient sum (the part of the reduce not hidden behind the backward pass);
 ``optimizer`` the MemoryX update; ``waiting`` the rest of the step (input, losses and norms to the
 coordinator, its control message). Every run's weights are also checked bit-identical across num_csx.
+Beside the wall clock: the simulated step of the emulated hardware for the same run (wse_core.perf).
 
 Then the SwarmX reduce alone (``messaging.reduce`` at every node of the tree of the largest
 num_csx) against MPI_Reduce and MPI_Allreduce on the same ranks and buffer sizes, in one mpiexec.
@@ -119,6 +120,13 @@ def _breakdown(model_dir, plan):
     return out
 
 
+def _simulated(params):
+    """The simulated step of the same run (wse_core.perf's walk, as `wse compile` prints it)."""
+    from mpi_launch.plan import describe
+
+    return describe(params)["simulated"]
+
+
 def _reduce_bandwidth(num_csx, sizes, repeats):
     from mpi_launch.mpiexec import run_mpi
     from mpi_launch.plan import make_plan
@@ -162,7 +170,7 @@ def run(args):
                 Job(params).fit(stream=out)
             plan, _ = plan_for(params)
             b = _breakdown(model_dir, plan)
-            b.update(samples_per_s=BATCH / b["step"], ranks=plan.world_size)
+            b.update(samples_per_s=BATCH / b["step"], ranks=plan.world_size, simulated=_simulated(params))
             result["runs"][str(n)] = b
             got, _ = Checkpoint(model_dir).load()
             identical &= all(got[k].tobytes() == ref_weights[k].tobytes() for k in ref_weights)
@@ -186,14 +194,15 @@ def report(result):
     for n, b in result["runs"].items():
         rows.append([n, b["ranks"], f"{b['step'] * 1e3:.0f}", f"{b['samples_per_s']:.1f}",
                      *(f"{b[k] * 1e3:.0f}" for k in ("broadcast", "compute", "reduce", "optimizer", "waiting")),
-                     f"{b['bytes_per_step'] / 1e6:.1f}"])
+                     f"{b['bytes_per_step'] / 1e6:.1f}", f"{b['simulated']['step_s'] * 1e3:.3f}",
+                     f"{b['simulated']['samples_per_s']:.0f}"])
     m = result["machine"]
     lines = [
         f"weight streaming, GPT-2 {MODEL['num_hidden_layers']} layers x {MODEL['hidden_size']}, seq {result['seq']}, "
         f"global batch {result['batch_size']}, micro-batch {result['micro_batch_size']}; median of "
         f"{result['timed_steps']} steps; {m['cpu']}, {m['cores']} cores",
         table(rows, ["num_csx", "ranks", "step ms", "samples/s", "broadcast", "compute", "reduce", "optimizer",
-                     "waiting", "MB streamed"]),
+                     "waiting", "MB streamed", "simulated step ms", "simulated samples/s"]),
         f"single-process reference step (median of {2 * result['timed_steps']}, before and after): "
         f"{result['reference_step_seconds'] * 1e3:.0f} ms"
         + (f"; num_csx=1 / reference = {result['csx1_over_reference']:.2f} (goal <= 1.3)"

@@ -9,6 +9,8 @@ groups consecutive CS-2s ``swarmx_fanout`` at a time, then consecutive nodes, up
 """
 from dataclasses import asdict, dataclass, field
 
+from wse_core.perf.step import balance
+
 
 class PlanError(ValueError):
     """The cluster asked for cannot be built (the message names the runconfig key)."""
@@ -64,30 +66,7 @@ def partition_by_bytes(sizes, parts):
     if parts > len(sizes):
         raise PlanError(f"runconfig.num_wgt_servers: {parts} MemoryX servers for {len(sizes)} streaming "
                         "units; each server needs at least one")
-
-    def runs_needed(cap):
-        runs, total = 1, 0
-        for s in sizes:
-            if total + s > cap:
-                runs, total = runs + 1, 0
-            total += s
-        return runs
-
-    lo, hi = max(sizes), sum(sizes)
-    while lo < hi:  # the smallest capacity that fits in `parts` runs
-        mid = (lo + hi) // 2
-        if runs_needed(mid) <= parts:
-            hi = mid
-        else:
-            lo = mid + 1
-    owner, run, total = [], 0, 0
-    for i, s in enumerate(sizes):
-        # Open a new run when this one is full, or when the remaining items are needed one per run.
-        if (total + s > lo or len(sizes) - i <= parts - 1 - run) and total > 0 and run < parts - 1:
-            run, total = run + 1, 0
-        owner.append(run)
-        total += s
-    return owner
+    return balance(sizes, parts)  # the simulated-time walk shares it (wse_core.perf.step)
 
 
 def make_plan(*, num_csx, num_wgt_servers, num_workers_per_csx, swarmx_fanout, unit_bytes):
@@ -148,6 +127,7 @@ def describe(params):
     from wse_core.optim import make_optimizer
     from wse_core.perf import Hardware
     from wse_core.perf.memory import rank_memory_bytes, wafer_bytes
+    from wse_core.perf.step import walk_step
 
     run, train, opt_cfg = params["runconfig"], params["train_input"], params["optimizer"]
     plan, model = plan_for(params)
@@ -160,6 +140,7 @@ def describe(params):
     example = 3 * seq * 4 if model.kind == "gpt2" else 4 * (params["model"]["input_size"] + 1)
     memory = rank_memory_bytes(plan, model, n_states=n_states, per_csx=per_csx, seq_len=seq,
                                micro_batch_size=train["micro_batch_size"], example_bytes=example)
+    hw = Hardware.from_params(run["hardware"])
     pow2 = run["num_csx"] & (run["num_csx"] - 1) == 0 and run["swarmx_fanout"] & (run["swarmx_fanout"] - 1) == 0
     return {
         "plan": plan.to_json(),
@@ -167,6 +148,10 @@ def describe(params):
                   "unit_bytes": unit_bytes},
         "memory_bytes": {str(r): int(memory[r]) for r in range(plan.world_size)},
         "micro_batches_per_csx": per_csx // train["micro_batch_size"],
-        "wafer_bytes": wafer_bytes(model, per_csx, seq, Hardware.from_params(run["hardware"])),
+        "wafer_bytes": wafer_bytes(model, per_csx, seq, hw),
+        "simulated": walk_step(model, num_csx=run["num_csx"], samples_per_csx=per_csx,
+                               micro_batch_size=train["micro_batch_size"], seq_len=seq,
+                               num_wgt_servers=run["num_wgt_servers"], swarmx_fanout=run["swarmx_fanout"],
+                               hw=hw).to_dict(),
         "bit_identical_to_reference": bool(pow2),
     }

@@ -147,6 +147,15 @@ def _cmd_compile(args):
         elif role == "csx":
             detail = f"{d['micro_batches_per_csx']} micro-batches per step"
         print(f"  rank {rank:>3}  {role:<11} {mem[str(rank)] / 2**20:9.1f} MiB  {detail}")
+    sim, wafer = d["simulated"], d["wafer_bytes"]
+    print(f"simulated step (a model of the hardware, wse_core.perf; {sim['detail']['precision']}, "
+          f"{sim['detail']['io_gbps']:g} Gb/s per CS-2): {sim['step_s'] * 1e3:.3f} ms, "
+          f"{sim['samples_per_s']:.1f} samples/s")
+    print(f"  compute {sim['compute_s'] * 1e3:.3f} ms, waiting for weights {sim['exposed_stream_s'] * 1e3:.3f} ms "
+          f"(their bytes alone, and the gradients', take {sim['stream_s'] * 1e3:.3f} ms of the CS-2's I/O), "
+          f"reduce tail {sim['reduce_tail_s'] * 1e3:.3f} ms, MemoryX update {sim['optimizer_s'] * 1e3:.3f} ms")
+    print(f"  wafer memory per CS-2: activations {wafer['activations'] / 2**20:.1f} MiB, weights in flight "
+          f"{wafer['weights_in_flight'] / 2**20:.1f} MiB, of {wafer['capacity'] / 2**30:.1f} GiB of SRAM")
     exact = "yes" if d["bit_identical_to_reference"] else "no (num_csx and swarmx_fanout must be powers of two)"
     print(f"bit-identical to the single-process reference: {exact}")
     return 0
@@ -208,6 +217,7 @@ def _cmd_fabric_run(args):
     kw = {"stencil7": {"z": args.z}, "broadcast": {"n": args.n}, "allreduce": {"n": args.n},
           "gemv": {"rows_per_pe": args.tile, "cols_per_pe": args.tile},
           "spmv": {"rows_per_pe": args.tile, "cols_per_pe": args.tile, "density": args.density},
+          "stream_gemm": {"tokens_per_pe": args.tile, "k_per_pe": args.tile, "n": args.n},
           "bicgstab": {"z": args.z, "tol": args.tol, "max_iter": args.max_iter}}[args.kernel]
     t0 = time.perf_counter()
     got, expected, result = KERNELS[args.kernel](args.width, args.height, seed=args.seed, **kw)
@@ -341,14 +351,17 @@ def build_parser(argv=()):
                        description="Dataflow PE-mesh simulator: run a reference program, check it against numpy, "
                                    "report cycles and per-PE activity.")
     fab_sub = p.add_subparsers(dest="fabric_command", metavar="ACTION", required=True)
-    fp = fab_sub.add_parser("run", help="run KERNEL (stencil7, broadcast, allreduce, gemv, spmv, bicgstab); "
+    fp = fab_sub.add_parser("run", help="run KERNEL (stencil7, broadcast, allreduce, gemv, spmv, stream_gemm, "
+                                        "bicgstab); "
                                         "report its error and cycles")
-    fp.add_argument("kernel", metavar="KERNEL", choices=["stencil7", "broadcast", "allreduce", "gemv", "spmv", "bicgstab"])
+    fp.add_argument("kernel", metavar="KERNEL", choices=["stencil7", "broadcast", "allreduce", "gemv", "spmv", "stream_gemm",
+                                                        "bicgstab"])
     fp.add_argument("--width", type=int, default=16, help="PEs along x")
     fp.add_argument("--height", type=int, default=16, help="PEs along y")
     fp.add_argument("--z", type=int, default=32, help="stencil7, bicgstab: points along z in each PE's memory")
-    fp.add_argument("--n", type=int, default=64, help="broadcast, allreduce: vector length")
-    fp.add_argument("--tile", type=int, default=16, help="gemv, spmv: each PE's tile of A is TILE x TILE")
+    fp.add_argument("--n", type=int, default=64, help="broadcast, allreduce: vector length; stream_gemm: output columns")
+    fp.add_argument("--tile", type=int, default=16,
+                    help="gemv, spmv: each PE's tile of A is TILE x TILE; stream_gemm: tokens and weight rows per PE")
     fp.add_argument("--density", type=float, default=0.1, help="spmv: fraction of A's entries that are nonzero")
     fp.add_argument("--tol", type=float, default=1e-5, help="bicgstab: stop when |r| <= TOL |b|")
     fp.add_argument("--max_iter", type=int, default=200, help="bicgstab: iterations at most")

@@ -171,3 +171,16 @@ def test_bench_input_on_a_given_dataset(tmp_path):
     result = json.loads(out.read_text())
     assert result["n_examples"] == 120 and result["files"] == 3
     assert all(v > 0 for v in result["mb_per_s"].values()) and "preprocess" not in result
+
+
+def test_bench_scaling_from_the_model(tmp_path):
+    """`wse bench scaling` (model only): every shape and CS-2 count, speed-ups against one CS-2."""
+    out = tmp_path / "s.json"
+    proc = wse("bench", "scaling", "--real", "", "--json", str(out))
+    assert proc.returncode == 0, proc.stderr
+    result = json.loads(out.read_text())
+    assert len(result["models"]) == 4 and result["counts"] == [1, 2, 4, 8, 16, 32, 64, 192]
+    for m in result["models"].values():
+        fixed = m["per_csx_fixed"]
+        assert fixed["16"]["samples_per_s"] >= 0.9 * 16 * fixed["1"]["samples_per_s"]
+    assert "(b) global batch 512" in proc.stdout and "GPT-NeoX 20B" in proc.stdout

@@ -58,3 +58,65 @@ def test_unit_costs_of_a_gpt_block():
     work = unit_work(block, 1, 2048)
     macs = sum(M * K * N for M, K, N in work.gemms) + work.other_macs
     assert one["forward"] >= 2 * macs / Hardware().peak_flops
+
+
+SHAPES = {"GPT-3 XL": (2048, 24, 16, 50257), "GPT-J 6B": (4096, 28, 16, 50400), "GPT-3 13B": (5120, 40, 40, 50257),
+          "GPT-NeoX 20B": (6144, 44, 64, 50432)}
+
+
+def gpt(shape, seq=2048):
+    from wse_core.nn import build_model
+
+    h, layers, heads, vocab = shape
+    return build_model({"name": "gpt2", "vocab_size": vocab, "hidden_size": h, "num_hidden_layers": layers,
+                        "num_heads": heads, "max_position_embeddings": seq})
+
+
+@pytest.mark.parametrize("name", SHAPES)
+def test_a_step_obeys_physical_bounds_and_scales_near_linearly_with_the_batch_per_csx_fixed(name):
+    from wse_core.perf.step import lower_bounds, walk_step
+
+    model = gpt(SHAPES[name])
+    steps = {}
+    for n in (1, 4, 16, 192):
+        s = walk_step(model, num_csx=n, samples_per_csx=64, micro_batch_size=8, seq_len=2048)
+        bounds = lower_bounds(model, num_csx=n, samples_per_csx=64, seq_len=2048)
+        assert s.step_s >= bounds["io_s"] and s.step_s >= bounds["flops_s"], (n, s, bounds)
+        assert s.step_s >= s.compute_s and s.stream_s == pytest.approx(bounds["io_s"])
+        steps[n] = s
+    speedup16 = steps[16].samples_per_s / steps[1].samples_per_s
+    assert 0.9 * 16 <= speedup16 <= 16 * 1.0001
+    assert steps[192].reduce_tail_s > steps[1].reduce_tail_s   # a deeper tree: a longer tail
+    again = walk_step(model, num_csx=16, samples_per_csx=64, micro_batch_size=8, seq_len=2048)
+    assert again.step_s == steps[16].step_s                    # deterministic
+
+
+def test_a_13b_model_at_1_2_tbps_streams_at_least_0_35_s_per_step():
+    from wse_core.perf.step import walk_step
+
+    s = walk_step(gpt(SHAPES["GPT-3 13B"]), num_csx=1, samples_per_csx=1, micro_batch_size=1, seq_len=2048)
+    assert s.stream_s >= 0.35 and s.step_s >= s.stream_s
+
+
+def test_with_the_global_batch_fixed_the_stream_takes_over():
+    from wse_core.perf.step import walk_step
+
+    model = gpt(SHAPES["GPT-J 6B"])
+    one = walk_step(model, num_csx=1, samples_per_csx=512, micro_batch_size=8, seq_len=2048)
+    many = walk_step(model, num_csx=192, samples_per_csx=2, micro_batch_size=2, seq_len=2048)
+    assert many.samples_per_s / one.samples_per_s < 0.5 * 192
+    assert many.exposed_stream_s > many.compute_s / 10   # waiting for weights is now a large part
+
+
+def test_the_tree_depth_is_the_plans():
+    """The walk's tree has the depth of the tree the ranks build."""
+    from mpi_launch.plan import make_plan
+    from wse_core.perf.step import tree_depth
+
+    for n in (1, 2, 3, 4, 5, 16, 17, 192):
+        for f in (2, 4):
+            plan = make_plan(num_csx=n, num_wgt_servers=1, num_workers_per_csx=1, swarmx_fanout=f, unit_bytes=[1])
+            depth, rank = 0, plan.csx[-1]
+            while plan.parent.get(rank) is not None:
+                rank, depth = plan.parent[rank], depth + 1
+            assert tree_depth(n, f) == depth, (n, f)   # SwarmX nodes between a CS-2 and MemoryX

@@ -50,8 +50,15 @@ def test_wse_compile(tmp_path):
     assert d["plan"]["world_size"] == 1 + 1 + 3 + 4 + 4 and d["bit_identical_to_reference"]
     assert d["model"]["units"] == ["embedding", "blocks.0", "blocks.1", "head"]
     assert all(int(v) >= 0 for v in d["memory_bytes"].values())
+    sim = d["simulated"]
+    assert sim["num_csx"] == 4 and sim["step_s"] >= max(sim["compute_s"], sim["stream_s"]) > 0
+    assert d["wafer_bytes"]["capacity"] == 850_000 * 48 * 1024
+    slow = json.loads(run("--json", "--num_csx", "4", "--set", "train_input.batch_size=16",
+                          "--set", "runconfig.hardware={io_gbps: 12, memoryx_gbps: 12}").stdout)["simulated"]
+    assert slow["stream_s"] == pytest.approx(100 * sim["stream_s"]) and slow["step_s"] > sim["step_s"]
     proc = run()
     assert proc.returncode == 0 and "memoryx" in proc.stdout and "MiB" in proc.stdout
+    assert "simulated step (a model of the hardware" in proc.stdout and "wafer memory per CS-2" in proc.stdout
     proc = run("--set", "optimizer.learning_rate=fast")
     assert proc.returncode == 1 and proc.stderr.strip() == (
         "wse compile: error: optimizer.learning_rate: expected a number or a list of schedulers, got 'fast'")

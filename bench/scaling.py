@@ -1,0 +1,177 @@
+"""Scaling of the emulated cluster, from the simulated-time model: samples/s and speed-up for 1 to 192 CS-2s.
+
+    wse bench scaling [--json PATH] [--plot PNG] [--batch_per_csx 64] [--global_batch 512]
+                      [--micro_batch 8] [--real 1,2,4]
+
+For four GPT shapes at sequence 2048 (GPT-3 XL 1.3B, GPT-J 6B, GPT-3 13B and GPT-NeoX 20B: hidden
+size, layers, heads and vocabulary; this project's GPT-2 blocks stand in for their variants),
+``wse_core.perf.step.walk_step`` gives the simulated step time on 1, 2, 4, 8, 16, 32, 64 and 192
+CS-2s with the default hardware (fp16, 1.2 Tb/s per CS-2, SwarmX fan-out 4): (a) with the batch per
+CS-2 held fixed, as in Cerebras' linear-scaling results, and (b) with the global batch held fixed
+(each CS-2 gets global / N, at least one micro-batch), where the weight stream, which every CS-2
+receives whole whatever its share of the batch, takes over. The baseline of every speed-up is the
+same model on one CS-2 in the same run.
+
+Then ``--real``: the small GPT-2 of ``wse bench stream`` trains through ``wse fit`` on those CS-2
+counts on this machine; the wall clock's speed-up (median step after the first steps) is printed
+next to the model's for the same model and batch. (The ranks' own simulated clocks are not built
+yet: the model column is the analytical walk.)
+"""
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+from bench.harness import machine, table
+
+SEQ = 2048
+#: (hidden, layers, heads, vocabulary) of the published shapes.
+SHAPES = {"GPT-3 XL 1.3B": (2048, 24, 16, 50257), "GPT-J 6B": (4096, 28, 16, 50400),
+          "GPT-3 13B": (5120, 40, 40, 50257), "GPT-NeoX 20B": (6144, 44, 64, 50432)}
+COUNTS = [1, 2, 4, 8, 16, 32, 64, 192]
+
+
+def add_arguments(parser):
+    for flag in ("--batch_per_csx", "--batch-per-csx"):
+        parser.add_argument(flag, dest="batch_per_csx", type=int, default=64,
+                            help="(a) sequences per CS-2 per step, held fixed")
+    for flag in ("--global_batch", "--global-batch"):
+        parser.add_argument(flag, dest="global_batch", type=int, default=512, help="(b) sequences per step, held fixed")
+    for flag in ("--micro_batch", "--micro-batch"):
+        parser.add_argument(flag, dest="micro_batch", type=int, default=8, help="sequences per micro-batch")
+    parser.add_argument("--plot", metavar="PNG", help="also draw the speed-ups (needs matplotlib)")
+    parser.add_argument("--real", default="1,2,4", help="CS-2 counts of the real wse fit runs ('' for none)")
+
+
+def model_of(shape):
+    from wse_core.nn import build_model
+
+    h, layers, heads, vocab = shape
+    return build_model({"name": "gpt2", "vocab_size": vocab, "hidden_size": h, "num_hidden_layers": layers,
+                        "num_heads": heads, "max_position_embeddings": SEQ})
+
+
+def _walk(model, n, per_csx, micro, seq):
+    from wse_core.perf.step import walk_step
+
+    s = walk_step(model, num_csx=n, samples_per_csx=per_csx, micro_batch_size=min(micro, per_csx), seq_len=seq)
+    return s.to_dict()
+
+
+def _real_runs(counts, steps=8):
+    """The small GPT-2 of `wse bench stream` through `wse fit`: median wall step and the walk's step."""
+    from bench.stream import BATCH, MICRO, MODEL, SEQ as STREAM_SEQ, SKIP, _params
+    from data_tools.preprocess import preprocess_text
+    from pyapi.job import Job
+    from wse_core.nn import build_model
+
+    out = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        data = Path(tmp) / "data"
+        preprocess_text(["stdlib"], data, STREAM_SEQ, samples_per_file=8192, processes=1, progress=False)
+        for n in counts:
+            print(f"wse fit with num_csx={n} ...", file=sys.stderr, flush=True)
+            params = _params(data, Path(tmp) / f"csx{n}", n, steps)
+            with open(Path(tmp) / f"fit{n}.log", "w") as log:
+                result = Job(params).fit(stream=log)
+            wall = statistics.median(m["step_seconds"] for m in result.metrics[SKIP:])
+            sim = _walk(build_model(MODEL), n, BATCH // n, MICRO, STREAM_SEQ)
+            out[str(n)] = {"wall_step_s": wall, "sim_step_s": sim["step_s"]}
+    return {"model": MODEL, "batch_size": BATCH, "micro_batch_size": MICRO, "runs": out}
+
+
+def run(args):
+    if min(args.batch_per_csx, args.global_batch, args.micro_batch) < 1:
+        raise ValueError("--batch_per_csx, --global_batch and --micro_batch must be >= 1")
+    real = [int(x) for x in str(args.real).split(",") if x.strip()]
+    result = {"benchmark": "scaling", "machine": machine(), "seq": SEQ, "counts": COUNTS,
+              "batch_per_csx": args.batch_per_csx, "global_batch": args.global_batch,
+              "micro_batch": args.micro_batch, "models": {}}
+    from wse_core.perf import Hardware
+
+    result["hardware"] = Hardware().to_dict()
+    for name, shape in SHAPES.items():
+        model = model_of(shape)
+        fixed = {str(n): _walk(model, n, args.batch_per_csx, args.micro_batch, SEQ) for n in COUNTS}
+        strong = {str(n): _walk(model, n, max(1, args.global_batch // n), args.micro_batch, SEQ) for n in COUNTS}
+        result["models"][name] = {"parameters": model.num_params(), "per_csx_fixed": fixed, "global_fixed": strong}
+    if real:
+        result["real"] = _real_runs(real)
+    if args.plot:
+        plot(result, args.plot)
+    return result
+
+
+def _speedups(runs):
+    base = runs["1"]["samples_per_s"]
+    return {n: r["samples_per_s"] / base for n, r in runs.items()}
+
+
+def plot(result, path):
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise ValueError("--plot: matplotlib is not installed (pip install matplotlib)") from None
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2), sharey=True)
+    for ax, key, title in ((axes[0], "per_csx_fixed", f"(a) {result['batch_per_csx']} sequences per CS-2"),
+                           (axes[1], "global_fixed", f"(b) global batch {result['global_batch']}")):
+        ax.plot(COUNTS, COUNTS, "k:", label="linear")
+        for name, m in result["models"].items():
+            s = _speedups(m[key])
+            ax.plot(COUNTS, [s[str(n)] for n in COUNTS], marker="o", label=name)
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log", base=2)
+        ax.set_xticks(COUNTS, [str(n) for n in COUNTS])
+        ax.set_xlabel("CS-2s")
+        ax.set_title(title)
+        ax.grid(alpha=0.3)
+    axes[0].set_ylabel("simulated speed-up over one CS-2")
+    axes[1].legend(fontsize=8)
+    fig.suptitle("wse-cluster simulated time (a model: wse_core.perf), sequence 2048, fp16, 1.2 Tb/s per CS-2")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    result["plot"] = str(path)
+
+
+def report(result):
+    lines = [f"simulated time of weight streaming (wse_core.perf), sequence {result['seq']}; speed-up over one CS-2"]
+    for key, title in (("per_csx_fixed", f"(a) {result['batch_per_csx']} sequences per CS-2 (global batch grows)"),
+                       ("global_fixed", f"(b) global batch {result['global_batch']} (split over the CS-2s)")):
+        rows = []
+        for n in result["counts"]:
+            row = [n]
+            for m in result["models"].values():
+                r = m[key][str(n)]
+                row += [f"{r['samples_per_s']:.1f}", f"{_speedups(m[key])[str(n)]:.2f}"]
+            rows.append(row)
+        headers = ["CS-2s"]
+        for name in result["models"]:
+            headers += [f"{name} samples/s", "speed-up"]
+        lines += ["", title, table(rows, headers)]
+    lines.append("")
+    rows = []
+    for name, m in result["models"].items():
+        one = m["per_csx_fixed"]["1"]
+        rows.append([name, f"{m['parameters'] / 1e9:.2f}B", f"{one['step_s']:.3f}", f"{one['compute_s']:.3f}",
+                     f"{one['stream_s']:.3f}", f"{one['exposed_stream_s']:.3f}", f"{one['reduce_tail_s'] * 1e3:.2f}",
+                     f"{one['optimizer_s']:.3f}", f"{m['per_csx_fixed']['192']['reduce_tail_s'] * 1e3:.2f}"])
+    lines += ["one CS-2, (a): where a step goes (seconds; tails in ms)",
+              table(rows, ["model", "params", "step", "compute", "I/O-bound", "stream exposed", "reduce tail",
+                           "optimizer", "reduce tail at 192"])]
+    if "real" in result:
+        real = result["real"]
+        runs = real["runs"]
+        first = next(iter(runs))
+        rows = [[n, f"{r['wall_step_s'] * 1e3:.0f}", f"{runs[first]['wall_step_s'] / r['wall_step_s']:.2f}",
+                 f"{r['sim_step_s'] * 1e3:.3f}", f"{runs[first]['sim_step_s'] / r['sim_step_s']:.2f}"]
+                for n, r in runs.items()]
+        m = real["model"]
+        lines += ["", f"real wse fit runs on this machine: GPT-2 {m['num_hidden_layers']} x {m['hidden_size']}, "
+                      f"global batch {real['batch_size']}, micro-batch {real['micro_batch_size']}",
+                  table(rows, ["CS-2s", "wall step ms", "wall speed-up", "simulated step ms", "simulated speed-up"])]
+    if "plot" in result:
+        lines.append(f"plot: {result['plot']}")
+    return "\n".join(lines)
