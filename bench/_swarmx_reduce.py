@@ -21,6 +21,7 @@ from mpi4py import MPI
 
 from mpi_launch import messaging as msg
 from mpi_launch.plan import make_plan
+from mpi_launch.protocol import GRADS
 from wse_core.tree import tree_sum
 
 
@@ -49,15 +50,15 @@ def main(argv):
 
         def swarmx():
             if is_leaf:
-                msg.wait_all(msg.isend_arrays(comm, [buf], plan.parent[me] - shift, msg.GRADS, 0), "parent")
+                msg.wait_all(msg.isend_arrays(comm, [buf], plan.parent[me] - shift, GRADS, 0), "parent")
             elif is_node:
                 parent = plan.parent[me]
                 dest = (parent if parent is not None else plan.memoryx[0]) - shift
-                _, sends = msg.reduce(comm, layout, [k - shift for k in plan.children[me]], [dest], msg.GRADS, 0,
+                _, sends = msg.reduce(comm, layout, [k - shift for k in plan.children[me]], [dest], GRADS, 0,
                                       "children")
                 msg.wait_all(sends, "parent")
             else:
-                msg.wait_all(msg.irecv_into(comm, [out], plan.swarmx_root - shift, msg.GRADS, 0), "root")
+                msg.wait_all(msg.irecv_into(comm, [out], plan.swarmx_root - shift, GRADS, 0), "root")
 
         def mpi_reduce(nonblocking):
             def go():

@@ -15,7 +15,8 @@ CS-2's forward, loss and backward (mean); ``reduce`` from the last CS-2's end of
 MemoryX has every gradient sum (the part of the reduce not hidden behind the backward pass);
 ``optimizer`` the MemoryX update; ``waiting`` the rest of the step (input, losses and norms to the
 coordinator, its control message). Every run's weights are also checked bit-identical across num_csx.
-Beside the wall clock: the simulated step of the emulated hardware for the same run (wse_core.perf).
+Beside the wall clock: the simulated step of the emulated hardware, from the ranks' own simulated
+clocks in metrics.jsonl (wse_core.perf; docs/design.md section 8).
 
 Then the SwarmX reduce alone (``messaging.reduce`` at every node of the tree of the largest
 num_csx) against MPI_Reduce and MPI_Allreduce on the same ranks and buffer sizes, in one mpiexec.
@@ -116,15 +117,10 @@ def _breakdown(model_dir, plan):
         for k, v in row.items():
             parts[k].append(v)
     out = {k: statistics.median(v) for k, v in parts.items()}
+    sim = statistics.median(m["sim_step_s"] for m in metrics[SKIP:])  # the ranks' simulated clocks
+    out["simulated"] = {"step_s": sim, "samples_per_s": BATCH / sim}
     out["bytes_per_step"] = sum(x[metrics[-1]["step"]]["bytes_out"] + x[metrics[-1]["step"]]["bytes_in"] for x in mx)
     return out
-
-
-def _simulated(params):
-    """The simulated step of the same run (wse_core.perf's walk, as `wse compile` prints it)."""
-    from mpi_launch.plan import describe
-
-    return describe(params)["simulated"]
 
 
 def _reduce_bandwidth(num_csx, sizes, repeats):
@@ -170,7 +166,7 @@ def run(args):
                 Job(params).fit(stream=out)
             plan, _ = plan_for(params)
             b = _breakdown(model_dir, plan)
-            b.update(samples_per_s=BATCH / b["step"], ranks=plan.world_size, simulated=_simulated(params))
+            b.update(samples_per_s=BATCH / b["step"], ranks=plan.world_size)
             result["runs"][str(n)] = b
             got, _ = Checkpoint(model_dir).load()
             identical &= all(got[k].tobytes() == ref_weights[k].tobytes() for k in ref_weights)

@@ -7,7 +7,7 @@ computes. ``wait_all`` tests the requests and sleeps between tests with an expon
 ``PeerTimeout`` naming what it was waiting for. Bulk tensors move as numpy buffers (upper-case
 calls), cut into chunks of ``CHUNK_FLOATS`` elements; small control messages as pickled objects.
 
-Chunks of one tensor share one tag: MPI matches messages between two ranks with the same tag in
+Tags come from mpi_launch.protocol. Chunks of one tensor share one tag: MPI matches messages between two ranks with the same tag in
 the order they were posted, so the receiver posts one receive per chunk into views of its buffer.
 A SwarmX node forwards (``relay``) or sums (``reduce``) chunk c while chunk c+1 is still arriving,
 so a tensor pipelines through the tree instead of being stored and forwarded whole at each level.
@@ -17,13 +17,12 @@ import time
 import numpy as np
 from mpi4py import MPI
 
+from mpi_launch.protocol import tag
+
 #: Seconds a rank waits for a peer before declaring it unresponsive (``set_timeout`` changes it).
 _timeout = {"seconds": 300.0}
 _MIN_SLEEP, _MAX_SLEEP = 50e-6, 1e-3
 
-# Tags: phase (weights forward, weights backward, gradients, control ...) x unit x parameter.
-FWD_WEIGHTS, BWD_WEIGHTS, GRADS, DATA, CONTROL, REPORT = range(6)
-MAX_UNITS, MAX_PARAMS = 256, 32
 #: Elements per message (1 MiB of float32): large enough that MPI's per-message cost is small
 #: against the copy, small enough that a tree of depth d adds d chunk-times, not d tensor-times.
 CHUNK_FLOATS = 1 << 18
@@ -47,11 +46,6 @@ def _test(test, what):
         return test()
     except Exception as exc:  # mpi4py raises MPI.Exception (and plain Exception for some status errors)
         raise PeerLost(f"MPI error while waiting for {what}: {str(exc).splitlines()[0] if str(exc) else exc}") from None
-
-
-def tag(phase, unit=0, index=0):
-    """The MPI tag of message ``index`` of ``unit`` in ``phase``."""
-    return (phase * MAX_UNITS + unit) * MAX_PARAMS + index
 
 
 def wait_all(requests, what, timeout=None):

@@ -2,6 +2,7 @@
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -91,6 +92,44 @@ def test_bit_identical_to_the_reference(tmp_path, data, jobs, num_csx, workers):
     metrics = [json.loads(x) for x in (tmp_path / "model" / "metrics.jsonl").read_text().splitlines()]
     assert [m["loss"] for m in metrics] == losses
     assert (tmp_path / "model" / "plan.json").exists() and any((tmp_path / "model" / "logs").iterdir())
+    assert_clock_agrees_with_the_walk(metrics, p, num_csx)
+
+
+def assert_clock_agrees_with_the_walk(metrics, p, num_csx):
+    """The ranks' simulated clocks give the step the analytical walk gives (what `wse compile`
+    prints), within 5%; the parts that do not depend on the run are the walk's."""
+    from mpi_launch.plan import describe
+    from pyapi.params import validate
+
+    walk = describe(validate(dict(p, runconfig=dict(p["runconfig"], num_csx=num_csx))))["simulated"]
+    sim = metrics[-1]
+    assert abs(sim["sim_step_s"] - walk["step_s"]) <= 0.05 * walk["step_s"], (sim, walk)
+    assert sim["sim_samples_per_s"] == pytest.approx(p["train_input"]["batch_size"] / sim["sim_step_s"])
+    assert sim["sim_compute_s"] == pytest.approx(walk["compute_s"])
+    assert sim["sim_stream_s"] == pytest.approx(walk["stream_s"])
+    return walk
+
+
+def test_the_simulated_clock_agrees_with_the_walk_and_is_deterministic(tmp_path, data, jobs):
+    """A second model size (the first is in the bit-identical test): N = 1, 2, 4 through `wse fit`,
+    each rank's clock against the analytical walk; the same run again gives the same clock, and
+    the clock never changes the bits (the weights equal the reference's)."""
+    path, p = params_file(tmp_path, data, max_steps=3)
+    p["model"].update(hidden_size=64, num_hidden_layers=3, num_heads=4)
+    path.write_text(yaml.safe_dump(p))
+    params, state, _ = reference(p, 3)
+    steps = {}
+    for n in (1, 2, 4, 2):
+        model_dir = tmp_path / f"csx{n}"
+        shutil.rmtree(model_dir, ignore_errors=True)
+        proc = jobs.run("fit", path, "--num_csx", n, "--model_dir", model_dir)
+        assert proc.returncode == 0, proc.stderr
+        assert_bits(model_dir, params, state)
+        metrics = RunDir(model_dir).read_metrics()
+        assert_clock_agrees_with_the_walk(metrics, p, n)
+        sim = [m["sim_step_s"] for m in metrics]
+        assert steps.setdefault(n, sim) == sim   # N = 2 twice: the same simulated time, to the bit
+    assert steps[4][-1] < steps[2][-1] < steps[1][-1]   # more CS-2s, same global batch: faster
 
 
 def test_sparse_gpt2_trains_bit_identically_and_checkpoints_only_nonzeros(tmp_path, data, jobs):

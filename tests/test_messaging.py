@@ -9,6 +9,7 @@ from mpi4py import MPI
 
 from mpi_launch import messaging as msg
 from mpi_launch.mpiexec import run_mpi
+from mpi_launch.protocol import GRADS, ProtocolError, configure, tag
 
 
 def test_chunked_tree_reduce_is_the_pairwise_tree_sum():
@@ -34,14 +35,28 @@ def test_chunks_cover_the_array_once():
 def test_a_wait_for_a_silent_peer_times_out_naming_it():
     comm = MPI.COMM_SELF
     buf = np.empty(4, np.float32)
-    req = comm.Irecv(buf, source=0, tag=msg.tag(msg.GRADS, 3))
+    req = comm.Irecv(buf, source=0, tag=tag(GRADS, 3))
     t0 = time.monotonic()
     with pytest.raises(msg.PeerTimeout, match="no answer within 0.2 s while waiting for SwarmX rank 7"):
         msg.wait_all([req], "SwarmX rank 7", timeout=0.2)
     assert 0.2 <= time.monotonic() - t0 < 2
     req.Cancel()
     req.Wait()  # completes at once, as cancelled
-    sent = comm.Isend(np.zeros(4, np.float32), dest=0, tag=msg.tag(msg.GRADS, 4))
-    done = comm.Irecv(buf, source=0, tag=msg.tag(msg.GRADS, 4))
+    sent = comm.Isend(np.zeros(4, np.float32), dest=0, tag=tag(GRADS, 4))
+    done = comm.Irecv(buf, source=0, tag=tag(GRADS, 4))
     msg.wait_all([sent, done], "self", timeout=1)
     msg.wait_all([done], "self again", timeout=1)  # already complete: returns, never waits out the timeout
+
+
+def test_the_tag_layout_is_sized_for_the_job_and_refuses_what_it_cannot_name():
+    """More than 256 units used to wrap into other units' tags; now the layout grows with the job,
+    is checked against MPI's TAG_UB, and a tag outside it is an error, never a mix-up."""
+    try:
+        configure(units=300, micro_batches=4, arrays_per_unit=12, tag_ub=2**31 - 1)
+        assert tag(GRADS, 299, 11) != tag(GRADS, 43, 11)   # 299 mod 256 = 43: distinct now
+        with pytest.raises(ProtocolError, match=r"unit 300, index 0\) is outside the tag layout"):
+            tag(GRADS, 300)
+        with pytest.raises(ProtocolError, match="need MPI tags up to .*; this MPI allows 32,767"):
+            configure(units=3000, micro_batches=4, arrays_per_unit=12, tag_ub=32767)
+    finally:
+        configure(units=256, micro_batches=1, arrays_per_unit=32, tag_ub=2**31 - 1)

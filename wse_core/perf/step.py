@@ -4,29 +4,30 @@ for any model, batch and number of CS-2s, without running anything (docs/design.
 It follows the protocol the ranks run (docs/design.md section 2), on ports that serialise what
 crosses them (each is busy until its last byte has left):
 
-* MemoryX server k streams the weights of the units it owns to the SwarmX root over its own link;
-  the tree relays them, chunk by chunk, to every CS-2 (a node sends to all its children at once,
-  one port per child). A CS-2 holds two units of weights: unit u's may start arriving when it
-  starts computing unit u - 1 (for the first unit: when the step starts; backward, in reverse).
+* MemoryX server k streams the weights of the units it owns (forward in unit order, then
+  backward in reverse) to the SwarmX root over its own link as soon as its update is done; the
+  tree relays them, chunk by chunk, to every CS-2 (a node sends to all its children at once, one
+  port per child). A CS-2 holds two units of weights: unit u's may cross its port once it starts
+  computing unit u - 1 (the first unit: when the step starts).
 * A CS-2 computes each unit on its slice of the batch (``model.unit_seconds``), forward in unit
   order, then backward in reverse with the weights streamed again; it sends each unit's gradient
-  sum as soon as its backward ends. Its I/O port carries weights in and gradients out: one budget
-  of ``Hardware.io_gbps`` (the reading this model takes of the published 1.2 Tb/s).
+  sum as soon as its backward ends, after taking in the next unit's weights. Its I/O port carries
+  weights in and gradients out: one budget of ``Hardware.io_gbps`` (the reading this model takes
+  of the published 1.2 Tb/s).
 * Each SwarmX node sums its children's gradients chunk by chunk and passes the sum up; the root
   sends each parameter's sum to its MemoryX. Every link of the tree is one port too, shared by the
   weights going down and the gradients coming up.
 * When every gradient has arrived (the global norm needs all of them), MemoryX applies the update
   (``memoryx_update_seconds`` of the bytes it owns), and the next step's stream begins.
 
-A tensor crossing a chain of links moves in chunks of ``chunk_bytes``: on each link it starts
-when its first chunk has arrived (plus the hop latency) and the port is free, and ends no earlier
-than its whole size at that link's rate after it started, nor than one chunk after it ended on
-the link before. All CS-2s do the same work at the same times (data parallel, one tree depth),
-so the walk follows one path from MemoryX to a CS-2 and back.
+A tensor crosses each link as ``perf.clock.Port.carry`` says (chunk by chunk, a busy port delaying
+what follows), which is what the ranks' clocks do too. All CS-2s do the same work at the same times
+(data parallel, one tree depth), so the walk follows one path from MemoryX to a CS-2 and back.
 """
 import math
 from dataclasses import asdict, dataclass, field
 
+from wse_core.perf.clock import Port
 from wse_core.perf.hardware import Hardware
 from wse_core.perf.model import memoryx_update_seconds, unit_seconds, unit_work
 
@@ -89,30 +90,22 @@ class StepTime:
         return asdict(self)
 
 
-class _Port:
-    def __init__(self, gbps):
-        self.rate, self.free = gbps * 1e9 / 8, 0.0
+def stream_bytes(model, itemsize):
+    """Bytes streamed for each unit: every parameter it uses (a tied one with each unit that uses it)."""
+    import numpy as np
 
-
-def _send(path, nbytes, ready, hop_latency, chunk):
-    """Move ``nbytes`` through ``path`` (ports), ready at the first at ``ready``: its arrival time."""
-    first_ready, prev_end = ready, None
-    for port in path:
-        start = max(first_ready, port.free)
-        end = start + nbytes / port.rate
-        if prev_end is not None:
-            end = max(end, prev_end + hop_latency + min(chunk, nbytes) / port.rate)
-        port.free = end
-        first_ready = start + min(chunk, nbytes) / port.rate + hop_latency
-        prev_end = end
-    return prev_end
+    return [sum(int(np.prod(model.param_specs[n].shape)) for n in names) * itemsize for names in model.unit_params]
 
 
 def walk_step(model, *, num_csx, samples_per_csx, micro_batch_size, seq_len=None, num_wgt_servers=1,
               swarmx_fanout=None, hw=None, chunk_bytes=CHUNK_BYTES, steps=3):
     """The simulated time of a training step of ``model`` (a ``wse_core.nn`` Model) on ``num_csx``
     CS-2s, each with ``samples_per_csx`` samples in micro-batches of ``micro_batch_size``: the
-    period of the last of ``steps`` steps walked back to back (the first is a start-up)."""
+    period of the last of ``steps`` steps walked back to back (the first is a start-up).
+
+    Each port serves what crosses it in the order its rank's program does (mpi_launch.roles):
+    the weights of every unit forward, then per unit backward the next unit's weights before this
+    unit's gradients; the ranks' clocks keep the same order, so they and the walk agree."""
     hw = hw or Hardware()
     fanout = swarmx_fanout or hw.swarmx_fanout
     depth = tree_depth(num_csx, fanout)
@@ -120,47 +113,62 @@ def walk_step(model, *, num_csx, samples_per_csx, micro_batch_size, seq_len=None
     cost = [unit_seconds(unit_work(u, micro_batch_size, seq_len), hw) for u in model.units]
     fwd = [n_micro * c["forward"] for c in cost]
     bwd = [n_micro * c["backward"] for c in cost]
-    nbytes = model.unit_bytes(itemsize=hw.bytes_per_value)
-    owner = balance(nbytes, num_wgt_servers)
-    owned = [sum(b for b, o in zip(nbytes, owner) if o == k) for k in range(num_wgt_servers)]
-    mx = [_Port(hw.memoryx_gbps) for _ in range(num_wgt_servers)]
-    link = min(hw.swarmx_port_gbps * hw.swarmx_ports_per_child, hw.io_gbps)
-    tree = [_Port(link) for _ in range(depth - 1)]     # root -> ... -> the last node before the CS-2
-    csx = _Port(hw.io_gbps)                             # the CS-2's own I/O
+    nbytes = stream_bytes(model, hw.bytes_per_value)
+    owner = balance(model.unit_bytes(), num_wgt_servers)
+    owned = [sum(b for b, o in zip(model.unit_bytes(itemsize=hw.bytes_per_value), owner) if o == k)
+             for k in range(num_wgt_servers)]
+    update = [memoryx_update_seconds(b, hw) for b in owned]
     lat = hw.swarmx_hop_latency_s
-    start, starts = 0.0, []
+    link = min(hw.swarmx_port_gbps * hw.swarmx_ports_per_child, hw.io_gbps)
+    port = dict(latency_s=lat, chunk_bytes=chunk_bytes)
+    mx = [Port(hw.memoryx_gbps, **port) for _ in range(num_wgt_servers)]   # kept by the SwarmX root
+    tree = [Port(link, **port) for _ in range(depth - 1)]                  # kept by each lower node
+    csx = Port(hw.io_gbps, **port)                                         # the CS-2's own I/O
+
+    def weights(u, ready, accept):
+        header = (ready[owner[u]], None)
+        for p in (mx[owner[u]], *tree):
+            header, _ = p.carry(nbytes[u], header)
+        return csx.carry(nbytes[u], header, accept)[1]
+
+    def gradients(u, ready):
+        header = (ready, None)
+        for p in (csx, *reversed(tree), mx[owner[u]]):
+            header, end = p.carry(nbytes[u], header)
+        return end
+
+    t, control = 0.0, [0.0]              # the coordinator's first control message, at 0
+    ready = [lat] * num_wgt_servers      # when each MemoryX starts streaming the step
     for _ in range(steps):
-        starts.append(start)
-        waited = 0.0
-        # Forward: unit u may arrive once unit u - 1 is computing.
-        t, request = start, start
-        for u in range(len(model.units)):
-            arrive = _send([mx[owner[u]], *tree, csx], nbytes[u], request, lat, chunk_bytes)
-            waited += max(0.0, arrive - t)
+        waited, arrive = 0.0, weights(0, ready, t)
+        for u in range(len(fwd)):
             begin = max(t, arrive)
-            request, t = begin, begin + fwd[u]
-        # Backward in reverse: weights again, gradients out as each unit ends.
-        request, grads_at_memoryx, last_out = t, 0.0, 0.0
-        for u in reversed(range(len(model.units))):
-            arrive = _send([mx[owner[u]], *tree, csx], nbytes[u], request, lat, chunk_bytes)
-            waited += max(0.0, arrive - t)
+            waited += begin - t
+            if u + 1 < len(fwd):
+                arrive = weights(u + 1, ready, begin)
+            t = begin + fwd[u]
+        loss_at = t
+        last = len(bwd) - 1
+        arrive, at_memoryx, last_out = weights(last, ready, t), [0.0] * num_wgt_servers, 0.0
+        for u in reversed(range(len(bwd))):
             begin = max(t, arrive)
-            request, t = begin, begin + bwd[u]
-            # The gradient sum goes up: the CS-2's port, the tree (a reduce per level), MemoryX's link.
-            up = [csx, *reversed(tree), mx[owner[u]]]
-            done = _send(up, nbytes[u], t, lat, chunk_bytes)
+            waited += begin - t
+            if u > 0:
+                arrive = weights(u - 1, ready, begin)
+            t = begin + bwd[u]
+            done = gradients(u, t)
             last_out = max(last_out, csx.free)
-            grads_at_memoryx = max(grads_at_memoryx, done)
-        # The norm: every MemoryX tells the coordinator, which answers (two small messages).
-        update_start = grads_at_memoryx + 2 * lat
-        update = max(memoryx_update_seconds(b, hw) for b in owned) if owned else 0.0
-        start = update_start + update
-    step = start - starts[-1]
+            at_memoryx[owner[u]] = max(at_memoryx[owner[u]], done)
+        # Gradient norms to the coordinator, its control message back; then each MemoryX updates.
+        coordinator = max(loss_at, *at_memoryx) + lat
+        control.append(coordinator)
+        ready = [max(at_memoryx[k], coordinator + lat) + update[k] for k in range(num_wgt_servers)]
+    step = control[-1] - control[-2]
     total = sum(nbytes)
     return StepTime(
         step_s=step, samples_per_s=num_csx * samples_per_csx / step, compute_s=sum(fwd) + sum(bwd),
-        stream_s=3 * total / csx.rate, exposed_stream_s=waited, reduce_tail_s=grads_at_memoryx - last_out,
-        optimizer_s=update, tree_depth=depth, num_csx=num_csx,
+        stream_s=3 * total / csx.rate, exposed_stream_s=waited, reduce_tail_s=max(at_memoryx) - last_out,
+        optimizer_s=max(update), tree_depth=depth, num_csx=num_csx,
         detail={"weight_bytes": total, "units": len(nbytes), "micro_batches": n_micro,
                 "memoryx_bytes": owned, "io_gbps": hw.io_gbps, "precision": hw.precision})
 
@@ -169,7 +177,7 @@ def lower_bounds(model, *, num_csx, samples_per_csx, seq_len=None, hw=None):
     """What no step can beat: its weights twice and its gradients over one CS-2's I/O, and its
     multiply-adds at the wafer's peak."""
     hw = hw or Hardware()
-    total = sum(model.unit_bytes(itemsize=hw.bytes_per_value))
+    total = sum(stream_bytes(model, hw.bytes_per_value))
     macs = 0
     for u in model.units:
         w = unit_work(u, samples_per_csx, seq_len)

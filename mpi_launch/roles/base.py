@@ -1,0 +1,78 @@
+"""What every role shares: the communicator, the plan, the params, the model, logs, and the
+simulated clock with the ports of the links this rank keeps (docs/design.md section 8)."""
+import json
+import time
+
+import numpy as np
+
+from mpi_launch import messaging as msg
+from mpi_launch import protocol
+from mpi_launch.rundir import LineLog, RunDir
+
+
+class Role:
+    def __init__(self, comm, plan, params, run, index):
+        from wse_core.nn import build_model
+        from wse_core.perf import Hardware
+        from wse_core.perf.clock import Clock
+        from wse_core.perf.step import stream_bytes
+
+        self.comm, self.plan, self.params, self.run_info, self.index = comm, plan, params, run, index
+        self.rank = comm.rank
+        self.model = build_model(params["model"])
+        self.units = self.model.units
+        self.unit_params = self.model.unit_params
+        self.run_dir = RunDir(params["runconfig"]["model_dir"])
+        self.model_dir = self.run_dir.path
+        self.max_steps = params["runconfig"]["max_steps"]
+        self.start_step = run["start_step"]
+        t = params["train_input"]
+        self.batch_size, self.mbs = t["batch_size"], t["micro_batch_size"]
+        self.per_csx = self.batch_size // plan.num_csx
+        self.n_micro = self.per_csx // self.mbs
+        # The MemoryX that owns each parameter: the owner of the first unit that uses it.
+        self.param_owner = {}
+        for u, names in enumerate(self.unit_params):
+            for n in names:
+                self.param_owner.setdefault(n, plan.unit_owner[u])
+        self.shapes = {n: s.shape for n, s in self.model.param_specs.items()}
+        self.log_file = LineLog(self.run_dir.rank_log(self.rank))
+        self._timing_file = None
+        protocol.configure(units=len(self.units), micro_batches=self.n_micro,
+                           arrays_per_unit=max(len(p) for p in self.unit_params))
+        # Simulated time: the hardware, this rank's clock, and the bytes each unit streams.
+        self.hw = Hardware.from_params(params["runconfig"]["hardware"])
+        self.clock = Clock()
+        self.unit_stream_bytes = stream_bytes(self.model, self.hw.bytes_per_value)
+
+    def port(self, gbps):
+        """A port of a link this rank keeps (see wse_core.perf.clock)."""
+        from wse_core.perf.clock import Port
+
+        return Port(gbps, latency_s=self.hw.swarmx_hop_latency_s, chunk_bytes=msg.CHUNK_FLOATS * 4)
+
+    @property
+    def tree_gbps(self):
+        """Rate of a SwarmX link to a child: its bundle of ports, at most a CS-2's I/O."""
+        return min(self.hw.swarmx_port_gbps * self.hw.swarmx_ports_per_child, self.hw.io_gbps)
+
+    def step_done(self, step):
+        """After the first step every rank is past its imports: from now on a silent peer is a lost one."""
+        if step == self.start_step:
+            msg.set_timeout(self.params["runconfig"]["peer_timeout"])
+
+    def log(self, text):
+        self.log_file.write(f"{time.strftime('%H:%M:%S')} {text}\n")
+
+    def timing(self, step, **fields):
+        """One JSON line per step in ``logs/timing_rank_<r>.jsonl``: where this rank's time went.
+
+        Durations are seconds; ``at_*`` fields are ``time.monotonic()`` stamps, comparable across the
+        ranks of one machine (``wse bench stream`` lines them up into a step breakdown).
+        """
+        if self._timing_file is None:
+            self._timing_file = LineLog(self.run_dir.timing_log(self.rank))
+        self._timing_file.write(json.dumps({"step": step + 1, **fields}) + "\n")
+
+    def unit_layout(self, u):
+        return [(self.shapes[n], np.float32) for n in self.unit_params[u]]

@@ -1,0 +1,116 @@
+"""The coordinator: drives the steps, gathers losses and norms, sets lr and clipping, logs, orders checkpoints.
+
+Simulated time: its clock follows the losses and gradient norms it receives; it sends each step's
+control message at that time, so the gap between two control messages is a step of the emulated
+hardware (``sim_step_s`` in metrics.jsonl, with its parts; docs/design.md section 8)."""
+import json
+import math
+import statistics
+import time
+
+from mpi_launch import messaging as msg
+from mpi_launch.protocol import CONTROL, LOSS, NORMS, REPORT, SHARD, STEP_TIME, tag
+from mpi_launch.roles.base import Role
+from mpi_launch.rundir import LineLog
+from wse_core.tree import tree_sum
+
+
+class Coordinator(Role):
+    def run(self):
+        import yaml
+
+        from data_tools.checkpoint import CheckpointWriter
+        from wse_core.optim import clip_coefficient, make_schedule
+        from wse_core.perf import memoryx_update_seconds
+
+        o, r = self.params["optimizer"], self.params["runconfig"]
+        schedule = make_schedule(o["learning_rate"], key="optimizer.learning_rate")
+        names = self.model.param_names
+        metrics = LineLog(self.run_dir.metrics)
+        try:  # TensorBoard event files when a writer package is installed
+            from tensorboardX import SummaryWriter
+
+            # On a resume, TensorBoard drops what earlier runs logged after the start step.
+            board = SummaryWriter(str(self.model_dir), purge_step=self.start_step + 1 if self.start_step else None)
+        except ImportError:
+            board = None
+            if self.start_step < self.max_steps:
+                print("TensorBoard: tensorboardX is not installed (pip install tensorboardx); "
+                      "metrics are in metrics.jsonl", flush=True)
+        params_yaml = yaml.safe_dump(self.params, sort_keys=False)
+        clock, lat = self.clock, self.hw.swarmx_hop_latency_s
+        # Parts of a simulated step that do not change from step to step.
+        stream_s = 3 * sum(self.unit_stream_bytes) / (self.hw.io_gbps * 1e9 / 8)
+        unit_bytes = self.model.unit_bytes(itemsize=self.hw.bytes_per_value)
+        optimizer_s = max(memoryx_update_seconds(sum(b for u, b in enumerate(unit_bytes) if self.plan.unit_owner[u] == k),
+                                                 self.hw) for k in range(len(self.plan.memoryx)))
+        t_start = time.perf_counter()
+
+        def control(lr, grad_scale, save_step):
+            """Send MemoryX the update to apply, and whether to write a checkpoint after it."""
+            writer = CheckpointWriter(self.model_dir, save_step).prepare() if save_step is not None else None
+            for rank in self.plan.memoryx:
+                self.comm.send({"lr": lr, "grad_scale": grad_scale, "checkpoint": save_step, "t": clock.now},
+                               dest=rank, tag=tag(CONTROL))
+            if writer is None:
+                return
+            tables = [msg.recv_object(self.comm, rank, tag(REPORT, 0, SHARD),
+                                      f"MemoryX rank {rank} (checkpoint shard of step {save_step})")
+                      for rank in self.plan.memoryx]
+            path = writer.commit(tables, params_yaml=params_yaml,
+                                 loader_state={"step": save_step, "stream_position": save_step * self.batch_size},
+                                 rng_state={"seed": r["seed"], "shuffle_seed": self.params["train_input"]["shuffle_seed"]})
+            print(f"saved checkpoint {path}", flush=True)
+
+        initial = self.start_step == 0 and r["save_initial_checkpoint"]
+        control(0.0, 0.0, 0 if initial else None)
+        t0, sim_t0 = time.perf_counter(), clock.now
+        for step in range(self.start_step, self.max_steps):
+            reports = [msg.recv_object(self.comm, rank, tag(REPORT, 0, LOSS), f"CS-2 rank {rank} (loss of step {step})")
+                       for rank in self.plan.csx]
+            for x in reports:
+                clock.receive(x["t"] + lat)
+            loss_sum = tree_sum([x["loss_sum"] for x in reports])
+            n_tokens = sum(x["tokens"] for x in reports)
+            if n_tokens < 1:
+                raise ValueError(f"step {step}: the loss mask of the global batch selects no token")
+            sumsq, at, left = {}, 0.0, 0.0
+            for rank in self.plan.memoryx:
+                norms = msg.recv_object(self.comm, rank, tag(REPORT, 0, NORMS),
+                                        f"MemoryX rank {rank} (gradient norms of step {step})")
+                sumsq.update(norms["sumsq"])
+                clock.receive(norms["t"] + lat)
+                at, left = max(at, norms["t"]), max(left, norms["left"])
+            times = [msg.recv_object(self.comm, rank, tag(REPORT, 0, STEP_TIME), f"CS-2 rank {rank} (step {step})")
+                     for rank in self.plan.csx]
+            total = 0.0
+            for n in names:  # parameter order, exactly as global_norm adds them
+                total += sumsq[n]
+            norm = math.sqrt(total) / n_tokens
+            coef = 1.0 if o["max_gradient_norm"] is None else clip_coefficient(norm, o["max_gradient_norm"])
+            lr = schedule(step)
+            last = step + 1 == self.max_steps
+            save = bool(r["checkpoint_steps"] and (step + 1) % r["checkpoint_steps"] == 0) or last
+            dt = time.perf_counter() - t0  # since the previous step's update was ordered: one step period
+            sim = clock.now - sim_t0       # the same period in the emulated hardware's time
+            record = {"step": step + 1, "loss": loss_sum / n_tokens, "tokens": n_tokens, "grad_norm": norm,
+                      "lr": lr, "step_seconds": dt, "samples_per_s": self.batch_size / dt,
+                      "elapsed_seconds": time.perf_counter() - t_start,
+                      "sim_step_s": sim, "sim_samples_per_s": self.batch_size / sim,
+                      "sim_compute_s": statistics.fmean(x["compute"] for x in times),
+                      "sim_exposed_stream_s": statistics.fmean(x["waited"] for x in times),
+                      "sim_stream_s": stream_s, "sim_reduce_tail_s": at - left, "sim_optimizer_s": optimizer_s}
+            metrics.write(json.dumps(record) + "\n")
+            if board is not None:
+                for key in ("loss", "grad_norm", "lr", "samples_per_s", "sim_step_s", "sim_samples_per_s"):
+                    board.add_scalar(f"train/{key}", record[key], step + 1)
+            if (step + 1) % r["log_steps"] == 0 or last or step == self.start_step:
+                print(f"step {step + 1:>5}/{self.max_steps}  loss {record['loss']:.4f}  "
+                      f"grad_norm {norm:.3f}  lr {lr:.2e}  {record['samples_per_s']:.1f} samples/s "
+                      f"(simulated: {record['sim_samples_per_s']:.1f})", flush=True)
+            control(lr, coef / n_tokens, step + 1 if save else None)
+            t0, sim_t0 = time.perf_counter(), clock.now
+            self.step_done(step)
+        metrics.close()
+        if board is not None:
+            board.close()

@@ -1,0 +1,130 @@
+"""The CS-2: runs every unit on its micro-batches as the weights stream through; sends gradient sums up.
+
+Simulated time (docs/design.md section 8): this rank keeps its CS-2's I/O port. Unit u's weights
+cross it once there is room for them (a CS-2 holds two units: from the moment the previous unit
+starts computing), the clock waits for them, computing a unit advances it by the model's cost
+(``wse_core.perf.unit_seconds``), and each unit's gradient sum crosses the port as its backward
+ends, after the next unit's weights (the order the walk in ``wse_core.perf.step`` follows).
+"""
+import time
+
+import numpy as np
+
+from mpi_launch import messaging as msg
+from mpi_launch.protocol import BWD_WEIGHTS, DATA, FWD_WEIGHTS, GRADS, LOSS, REPORT, STEP_TIME, recv_header, \
+    send_header, tag
+from mpi_launch.roles.base import Role
+from wse_core.tree import tree_sum
+
+
+class CS2(Role):
+    def run(self):
+        from wse_core.perf import unit_seconds, unit_work
+
+        parent = self.plan.parent[self.plan.csx[self.index]]
+        w = self.plan.num_workers_per_csx
+        workers = self.plan.workers[self.index]
+        lm = self.model.kind == "gpt2"
+        io, clock, nbytes = self.port(self.hw.io_gbps), self.clock, self.unit_stream_bytes
+        cost = [unit_seconds(unit_work(u, self.mbs, self.seq_len() if lm else None), self.hw) for u in self.units]
+        sim_fwd = [self.n_micro * c["forward"] for c in cost]
+        sim_bwd = [self.n_micro * c["backward"] for c in cost]
+
+        def weights_arrive(phase, u, accept):
+            """Carry unit u's weights across this CS-2's port: when their last byte is in."""
+            h = recv_header(self.comm, parent, phase, u, f"SwarmX rank {parent} (weights of {self.units[u].name})")
+            return io.carry(nbytes[u], (h["first"], h["last"]), accept)[1]
+
+        for step in range(self.start_step, self.max_steps):
+            t0 = time.perf_counter()
+            # Data for this step, and unit 0's weights, arrive while nothing else happens yet.
+            data_reqs, raw = [], []
+            for m in range(self.n_micro):
+                src = workers[m % w]
+                if lm:
+                    a = [np.empty((self.mbs, 3, self.seq_len()), np.int32)]
+                else:
+                    a = [np.empty((self.mbs, self.params["model"]["input_size"]), np.float32),
+                         np.empty(self.mbs, np.int32)]
+                raw.append(a)
+                data_reqs += [self.comm.Irecv(x, source=src, tag=tag(DATA, m, i)) for i, x in enumerate(a)]
+            weights, wreqs = msg.irecv_arrays(self.comm, self.unit_layout(0), parent, FWD_WEIGHTS, 0)
+            accept, waited = clock.now, 0.0
+            msg.wait_all(data_reqs, f"input workers {workers} (micro-batches of step {step})")
+            t_data = time.perf_counter() - t0
+            batches = [self._batch(a, lm) for a in raw]
+            xs = [self.model.first_input(b, np.float32) for b in batches]
+            saved = [[None] * self.n_micro for _ in self.units]
+            t_wait = 0.0
+            for u, unit in enumerate(self.units):
+                arrive = weights_arrive(FWD_WEIGHTS, u, accept)
+                tw = time.perf_counter()
+                msg.wait_all(wreqs, f"SwarmX rank {parent} (forward weights of {unit.name})")
+                t_wait += time.perf_counter() - tw
+                waited += max(0.0, arrive - clock.now)
+                accept = clock.receive(arrive)  # the next unit may come in while this one computes
+                params = dict(zip(self.unit_params[u], weights))
+                if u + 1 < len(self.units):  # the next unit streams in while this one computes
+                    weights, wreqs = msg.irecv_arrays(self.comm, self.unit_layout(u + 1), parent, FWD_WEIGHTS, u + 1)
+                for m in range(self.n_micro):
+                    xs[m], saved[u][m] = unit.forward(xs[m], params)
+                clock.advance(sim_fwd[u])
+            losses = [self.model.loss(xs[m], batches[m]) for m in range(self.n_micro)]
+            loss_sum = tree_sum([x[0] for x in losses])
+            n_tokens = sum(x[1] for x in losses)
+            report = self.comm.isend({"loss_sum": loss_sum, "tokens": n_tokens, "t": clock.now},
+                                     dest=self.plan.coordinator, tag=tag(REPORT, 0, LOSS))
+            dys = [x[2] for x in losses]
+            last = len(self.units) - 1
+            weights, wreqs = msg.irecv_arrays(self.comm, self.unit_layout(last), parent, BWD_WEIGHTS, last)
+            arrive = weights_arrive(BWD_WEIGHTS, last, clock.now)
+            grad_reqs, keep = [], []
+            for u in reversed(range(len(self.units))):
+                unit = self.units[u]
+                tw = time.perf_counter()
+                msg.wait_all(wreqs, f"SwarmX rank {parent} (backward weights of {unit.name})")
+                t_wait += time.perf_counter() - tw
+                waited += max(0.0, arrive - clock.now)
+                clock.receive(arrive)
+                params = dict(zip(self.unit_params[u], weights))
+                if u > 0:
+                    weights, wreqs = msg.irecv_arrays(self.comm, self.unit_layout(u - 1), parent, BWD_WEIGHTS, u - 1)
+                    arrive = weights_arrive(BWD_WEIGHTS, u - 1, clock.now)  # before this unit's gradients
+                grads = []
+                for m in range(self.n_micro):
+                    dys[m], g = unit.backward(dys[m], saved[u][m], params)
+                    saved[u][m] = None
+                    grads.append(g)
+                clock.advance(sim_bwd[u])
+                total = tree_sum(grads, add=lambda a, b: {k: a[k] + b[k] for k in a})
+                arrays = [total[n] for n in self.unit_params[u]]
+                keep.append(arrays)
+                header, left = io.carry(nbytes[u], (clock.now, None))
+                grad_reqs.append(send_header(self.comm, parent, GRADS, u, header, left=left))
+                grad_reqs += msg.isend_arrays(self.comm, arrays, parent, GRADS, u)
+            at_backward_end = time.monotonic()
+            tg = time.perf_counter()
+            msg.wait_all(grad_reqs + [report], f"SwarmX rank {parent} (gradients of step {step})")
+            self.comm.send({"compute": sum(sim_fwd) + sum(sim_bwd), "waited": waited}, dest=self.plan.coordinator,
+                           tag=tag(REPORT, 0, STEP_TIME))
+            t_end = time.perf_counter()
+            self.timing(step, seconds=t_end - t0, data_wait=t_data, weight_wait=t_wait,
+                        compute=tg - t0 - t_data - t_wait, grad_send_wait=t_end - tg, at_backward_end=at_backward_end)
+            self.log(f"step {step}: loss_sum {loss_sum:.6f} tokens {n_tokens} "
+                     f"time {t_end - t0:.3f}s waiting {t_wait + t_data + t_end - tg:.3f}s")
+            self.step_done(step)
+
+    def seq_len(self):
+        from data_tools.dataset import Dataset
+
+        if not hasattr(self, "_seq"):
+            self._seq = int(Dataset(self.params["train_input"]["data_dir"]).example_shape[-1])
+        return self._seq
+
+    @staticmethod
+    def _batch(arrays, lm):
+        if lm:
+            a = arrays[0]
+            return {"input_ids": np.ascontiguousarray(a[:, 0]), "loss_mask": np.ascontiguousarray(a[:, 1]),
+                    "labels": np.ascontiguousarray(a[:, 2])}
+        return {"features": arrays[0], "labels": arrays[1]}

@@ -1,0 +1,90 @@
+"""A MemoryX server: holds the weights and optimizer state of its units, streams them out, applies the update.
+
+Simulated time: the weights of a step leave when the previous update is done (the SwarmX root
+keeps the port of the link); the update starts when every gradient sum has arrived and the
+coordinator's control message is in, and takes ``wse_core.perf.memoryx_update_seconds`` of the
+bytes this server owns."""
+import time
+
+import numpy as np
+
+from mpi_launch import messaging as msg
+from mpi_launch.protocol import BWD_WEIGHTS, CONTROL, FWD_WEIGHTS, GRADS, NORMS, REPORT, SHARD, recv_header, \
+    send_header, tag
+from mpi_launch.roles.base import Role
+
+
+class MemoryX(Role):
+    def run(self):
+        from data_tools.checkpoint import Checkpoint, CheckpointWriter
+        from wse_core.optim import make_optimizer, sum_of_squares
+        from wse_core.perf import memoryx_update_seconds
+
+        o = self.params["optimizer"]
+        kwargs = {"lr": 0.0, "weight_decay": o["weight_decay"]}
+        if o["optimizer_type"].lower() == "sgd":
+            kwargs.update(momentum=o["momentum"], nesterov=o["nesterov"])
+        else:
+            kwargs.update(betas=tuple(o["betas"]), eps=o["eps"])
+        self.optimizer = make_optimizer(o["optimizer_type"], **kwargs)
+        owned = [n for n in self.model.param_names if self.param_owner[n] == self.index]
+        if self.run_info["checkpoint"]:
+            self.weights, self.state = Checkpoint(self.run_info["checkpoint"]).load(owned)
+            self.log(f"loaded {len(owned)} parameters from {self.run_info['checkpoint']}")
+        else:
+            self.weights = self.model.init_params(self.params["runconfig"]["seed"], names=owned)
+            self.state = {n: self.optimizer.init_state(self.weights[n]) for n in owned}
+        self.owned = owned
+        # The CSR pattern of owned sparse weights, saved with every checkpoint beside their values.
+        self.sparse = {n: {"indptr": st.indptr, "indices": st.indices, "shape": np.array(st.shape, np.int64)}
+                       for n, st in self.model.structures.items() if n in owned}
+        root = self.plan.swarmx_root
+        # (unit, index) of every use of an owned parameter: a tied parameter is used twice.
+        uses = [(u, i, n) for u, names in enumerate(self.unit_params) for i, n in enumerate(names)
+                if self.param_owner[n] == self.index]
+        my_units = [u for u, k in enumerate(self.plan.unit_owner) if k == self.index]
+        update_s = memoryx_update_seconds(
+            sum(b for u, b in enumerate(self.model.unit_bytes(itemsize=self.hw.bytes_per_value)) if u in my_units),
+            self.hw)
+        clock, lat = self.clock, self.hw.swarmx_hop_latency_s
+        coordinator = self.plan.coordinator
+        for step in range(self.start_step - 1, self.max_steps):
+            if step >= self.start_step:
+                sends = []
+                # Forward in unit order, backward in the reverse order the CS-2s use them.
+                for phase, order in ((FWD_WEIGHTS, my_units), (BWD_WEIGHTS, my_units[::-1])):
+                    sends += [send_header(self.comm, root, phase, u, (clock.now, None)) for u in order]
+                    for u, i, n in (uses if phase == FWD_WEIGHTS else uses[::-1]):
+                        sends += msg.isend_arrays(self.comm, [self.weights[n]], root, phase, u, index=i)
+                grads, greqs = {}, []
+                for u, i, n in uses:
+                    g = np.empty(self.shapes[n], np.float32)
+                    greqs += msg.irecv_into(self.comm, [g], root, GRADS, u, index=i)
+                    grads.setdefault(n, []).append(g)
+                heads = [recv_header(self.comm, root, GRADS, u, f"SwarmX root rank {root} (gradients of step {step})")
+                         for u in my_units]
+                msg.wait_all(sends + greqs, f"SwarmX root rank {root} (weights out, gradients in, step {step})")
+                at_grads_in = time.monotonic()
+                clock.receive(max(h["last"] for h in heads))
+                # A tied parameter's uses are added in unit order, as Model.combine_unit_grads does.
+                total = {n: (gs[0] if len(gs) == 1 else gs[0] + gs[1]) for n, gs in grads.items()}
+                sumsq = [(n, sum_of_squares(total[n])) for n in owned]
+                self.comm.send({"sumsq": sumsq, "t": clock.now, "left": max(h["left"] for h in heads)},
+                               dest=coordinator, tag=tag(REPORT, 0, NORMS))
+            control = msg.recv_object(self.comm, coordinator, tag(CONTROL), f"the coordinator (step {step})")
+            clock.receive(control["t"] + lat)
+            if step >= self.start_step:
+                t_opt = time.perf_counter()
+                for n in owned:
+                    self.optimizer.update(self.weights[n], total[n], self.state[n], step=step + 1,
+                                          lr=control["lr"], grad_scale=control["grad_scale"], name=n)
+                clock.advance(update_s)
+                self.timing(step, optimizer=time.perf_counter() - t_opt, at_grads_in=at_grads_in,
+                            bytes_out=2 * sum(self.weights[n].nbytes for _, _, n in uses),
+                            bytes_in=sum(self.weights[n].nbytes for _, _, n in uses))
+            if control["checkpoint"] is not None:
+                writer = CheckpointWriter(self.model_dir, control["checkpoint"])
+                table = writer.write_shard(self.index, self.weights, self.state, sparse=self.sparse)
+                self.comm.send(table, dest=coordinator, tag=tag(REPORT, 0, SHARD))
+            if step >= self.start_step:
+                self.step_done(step)

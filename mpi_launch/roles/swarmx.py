@@ -1,0 +1,65 @@
+"""A SwarmX node: broadcasts weights down its subtree and sums gradients on their way up.
+
+Simulated time: a node keeps the port of the link above it (the root: one per MemoryX server),
+which carries weights down and gradient sums up in the order this program handles them; each
+tensor's header goes on to the children (weights) or the parent (gradients) before its data."""
+from mpi_launch import messaging as msg
+from mpi_launch.protocol import BWD_WEIGHTS, FWD_WEIGHTS, GRADS, recv_header, send_header
+from mpi_launch.roles.base import Role
+
+
+class SwarmX(Role):
+    def run(self):
+        me = self.plan.swarmx[self.index]
+        kids = self.plan.children[me]
+        parent = self.plan.parent[me]
+        n_units = len(self.units)
+        if parent is None:
+            self._links = [self.port(self.hw.memoryx_gbps) for _ in self.plan.memoryx]
+        else:
+            self._links = [self.port(self.tree_gbps)]
+        for step in range(self.start_step, self.max_steps):
+            self._pending, self._keep = [], []  # requests in flight, and the buffers they use
+            for u in range(n_units):
+                self._relay(u, FWD_WEIGHTS, parent, kids, step)
+            self._relay(n_units - 1, BWD_WEIGHTS, parent, kids, step)
+            for u in reversed(range(n_units)):
+                if u > 0:  # weights of the next unit go down before this unit's gradients come up
+                    self._relay(u - 1, BWD_WEIGHTS, parent, kids, step)
+                self._reduce(u, parent, kids, step)
+            msg.wait_all(self._pending, f"children {kids} and parent of SwarmX rank {me} (step {step})")
+            self.step_done(step)
+
+    def _sources(self, u, parent):
+        if parent is not None:
+            return [parent] * len(self.unit_params[u])
+        return [self.plan.memoryx[self.param_owner[n]] for n in self.unit_params[u]]
+
+    def _above(self, u, parent):
+        """(the rank above for unit u's header, the port of that link)."""
+        if parent is not None:
+            return parent, self._links[0]
+        owner = self.plan.unit_owner[u]
+        return self.plan.memoryx[owner], self._links[owner]
+
+    def _relay(self, u, phase, parent, kids, step):
+        above, link = self._above(u, parent)
+        h = recv_header(self.comm, above, phase, u, f"rank {above} (weights of {self.units[u].name})")
+        header, _ = link.carry(self.unit_stream_bytes[u], (h["first"], h["last"]))
+        self._pending += [send_header(self.comm, k, phase, u, header) for k in kids]
+        sources = self._sources(u, parent)
+        arrays, sends = msg.relay(self.comm, self.unit_layout(u), sources, kids, phase, u,
+                                  f"weights of {self.units[u].name} from rank(s) {sorted(set(sources))}")
+        self._pending += sends
+        self._keep.append(arrays)
+
+    def _reduce(self, u, parent, kids, step):
+        above, link = self._above(u, parent)
+        hs = [recv_header(self.comm, k, GRADS, u, f"child {k} (gradients of {self.units[u].name})") for k in kids]
+        header, _ = link.carry(self.unit_stream_bytes[u], (max(h["first"] for h in hs), max(h["last"] for h in hs)))
+        self._pending.append(send_header(self.comm, above, GRADS, u, header, left=max(h["left"] for h in hs)))
+        dests = self._sources(u, parent)  # up the tree, or from the root to each parameter's MemoryX
+        sums, sends = msg.reduce(self.comm, self.unit_layout(u), kids, dests, GRADS, u,
+                                 f"gradients of {self.units[u].name} from children {kids}")
+        self._pending += sends
+        self._keep.append(sums)
