@@ -62,8 +62,8 @@ def _real_runs(counts, steps=8):
     """The small GPT-2 of `wse bench stream` through `wse fit`: median wall step and the walk's step."""
     from bench.stream import BATCH, MICRO, MODEL, SEQ as STREAM_SEQ, SKIP, _params
     from data_tools.preprocess import preprocess_text
+    from mpi_launch.plan import describe
     from pyapi.job import Job
-    from wse_core.nn import build_model
 
     out = {}
     with tempfile.TemporaryDirectory() as tmp:
@@ -76,7 +76,7 @@ def _real_runs(counts, steps=8):
                 result = Job(params).fit(stream=log)
             wall = statistics.median(m["step_seconds"] for m in result.metrics[SKIP:])
             clock = statistics.median(m["sim_step_s"] for m in result.metrics[SKIP:])
-            walk = _walk(build_model(MODEL), n, BATCH // n, MICRO, STREAM_SEQ)
+            walk = describe(params)["simulated"]  # the same params: the same tree, batch and hardware
             out[str(n)] = {"wall_step_s": wall, "sim_step_s": clock, "walk_step_s": walk["step_s"]}
     return {"model": MODEL, "batch_size": BATCH, "micro_batch_size": MICRO, "runs": out}
 
