@@ -4,7 +4,8 @@ Simulated time (docs/design.md section 8): this rank keeps its CS-2's I/O port. 
 cross it once there is room for them (a CS-2 holds two units: from the moment the previous unit
 starts computing), the clock waits for them, computing a unit advances it by the model's cost
 (``wse_core.perf.unit_seconds``), and each unit's gradient sum crosses the port as its backward
-ends, after the next unit's weights (the order the walk in ``wse_core.perf.step`` follows).
+ends, after the next unit's weights (the order the walk in ``wse_core.perf.step`` follows; the
+gradient's header is sent once that next unit's header is in, so no wall time is lost to it).
 """
 import time
 
@@ -77,31 +78,39 @@ class CS2(Role):
             dys = [x[2] for x in losses]
             last = len(self.units) - 1
             weights, wreqs = msg.irecv_arrays(self.comm, self.unit_layout(last), parent, BWD_WEIGHTS, last)
-            arrive = weights_arrive(BWD_WEIGHTS, last, clock.now)
-            grad_reqs, keep = [], []
+            accept, grad_reqs, keep, ready = clock.now, [], [], None
+
+            def gradients_out(u, at):
+                """Unit u's gradient sum, ready at ``at``, crosses the port: its header goes up."""
+                header, left = io.carry(nbytes[u], (at, None))
+                grad_reqs.append(send_header(self.comm, parent, GRADS, u, header, left=left))
+
             for u in reversed(range(len(self.units))):
                 unit = self.units[u]
+                # This unit's weights cross the port before the previous unit's gradients (the
+                # order the walk keeps), which is why that gradient's header goes up only now.
+                arrive = weights_arrive(BWD_WEIGHTS, u, accept)
+                if ready is not None:
+                    gradients_out(u + 1, ready)
                 tw = time.perf_counter()
                 msg.wait_all(wreqs, f"SwarmX rank {parent} (backward weights of {unit.name})")
                 t_wait += time.perf_counter() - tw
                 waited += max(0.0, arrive - clock.now)
-                clock.receive(arrive)
+                accept = clock.receive(arrive)
                 params = dict(zip(self.unit_params[u], weights))
                 if u > 0:
                     weights, wreqs = msg.irecv_arrays(self.comm, self.unit_layout(u - 1), parent, BWD_WEIGHTS, u - 1)
-                    arrive = weights_arrive(BWD_WEIGHTS, u - 1, clock.now)  # before this unit's gradients
                 grads = []
                 for m in range(self.n_micro):
                     dys[m], g = unit.backward(dys[m], saved[u][m], params)
                     saved[u][m] = None
                     grads.append(g)
-                clock.advance(sim_bwd[u])
+                ready = clock.advance(sim_bwd[u])
                 total = tree_sum(grads, add=lambda a, b: {k: a[k] + b[k] for k in a})
                 arrays = [total[n] for n in self.unit_params[u]]
                 keep.append(arrays)
-                header, left = io.carry(nbytes[u], (clock.now, None))
-                grad_reqs.append(send_header(self.comm, parent, GRADS, u, header, left=left))
                 grad_reqs += msg.isend_arrays(self.comm, arrays, parent, GRADS, u)
+            gradients_out(0, ready)
             at_backward_end = time.monotonic()
             tg = time.perf_counter()
             msg.wait_all(grad_reqs + [report], f"SwarmX rank {parent} (gradients of step {step})")
