@@ -30,7 +30,10 @@ def test_defaults_are_filled_in():
     ("runconfig.frobnicate=1", "runconfig.frobnicate: unknown key"),
     ("extras.x=1", "extras: unknown section"),
     ("model.num_heads=3", "model.num_heads: 3 does not divide model.hidden_size 32"),
-    ("optimizer.optimizer_type=Lion", "optimizer.optimizer_type: unknown optimizer 'Lion'"),
+    ("optimizer.optimizer_type=Lion", "optimizer.optimizer_type: Lion is one of Model Zoo's optimizers that "
+                                      "wse-cluster does not implement"),
+    ("optimizer.optimizer_type=Lamb", "optimizer.optimizer_type: Lamb is one of Model Zoo's optimizers"),
+    ("optimizer.optimizer_type=Frob", "optimizer.optimizer_type: unknown optimizer 'Frob'"),
     ("optimizer.betas=[0.9, 1.5]", r"optimizer.betas: expected two numbers in \[0, 1\)"),
     ("optimizer.max_gradient_norm=-1", "optimizer.max_gradient_norm: expected a number > 0"),
     ("train_input.shuffle=maybe", "train_input.shuffle: expected true or false, got 'maybe'"),
