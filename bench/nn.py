@@ -26,7 +26,7 @@ from wse_core.nn.models import Model
 
 BLOCK = {"hidden": 256, "heads": 4, "seq": 256, "batch": 8}
 SMALL_GPT2 = {"name": "gpt2", "vocab_size": 257, "hidden_size": 256, "num_hidden_layers": 4, "num_heads": 4,
-              "max_position_embeddings": 256}
+              "max_position_embeddings": 256, "nonlinearity": "gelu_new"}
 
 
 def add_arguments(parser):
@@ -35,7 +35,8 @@ def add_arguments(parser):
 
 def _block(ops):
     c = BLOCK["hidden"]
-    return TransformerBlock(0, c, BLOCK["heads"], 4 * c, 1e-5, num_layers=12, ops=ops)
+    # GPT-2's tanh GELU, as the PyTorch block: numpy has no erf for the unfused baseline.
+    return TransformerBlock(0, c, BLOCK["heads"], 4 * c, 1e-5, num_layers=12, ops=ops, nonlinearity="gelu_new")
 
 
 def _block_fwd_bwd(block, x, params, dy):

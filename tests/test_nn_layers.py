@@ -51,11 +51,14 @@ def ref_layernorm(x, g, b, eps):
     return (x - x.mean(-1, keepdims=True)) / np.sqrt(x.var(-1, keepdims=True) + eps) * g + b
 
 
-def ref_gelu(x):
+def ref_gelu(x, exact=True):
+    """gelu by its definitions: exact (erf, element by element) or GPT-2's tanh approximation."""
+    if exact:
+        return 0.5 * x * (1 + np.vectorize(math.erf)(x / math.sqrt(2)))
     return 0.5 * x * (1 + np.tanh(math.sqrt(2 / math.pi) * (x + 0.044715 * x**3)))
 
 
-def ref_block(x, P, p, heads, eps):
+def ref_block(x, P, p, heads, eps, exact=True):
     b, t, c = x.shape
     d = c // heads
     h = ref_layernorm(x, P[p + "ln_1.weight"], P[p + "ln_1.bias"], eps)
@@ -73,7 +76,7 @@ def ref_block(x, P, p, heads, eps):
             out[s, :, hd * d:(hd + 1) * d] = w @ v
     x = x + out @ P[p + "attn.proj.weight"].T + P[p + "attn.proj.bias"]
     h = ref_layernorm(x, P[p + "ln_2.weight"], P[p + "ln_2.bias"], eps)
-    m = ref_gelu(h @ P[p + "mlp.fc.weight"].T + P[p + "mlp.fc.bias"])
+    m = ref_gelu(h @ P[p + "mlp.fc.weight"].T + P[p + "mlp.fc.bias"], exact)
     return x + m @ P[p + "mlp.proj.weight"].T + P[p + "mlp.proj.bias"]
 
 
@@ -88,12 +91,15 @@ def test_embedding(rng):
     check_unit(unit, ids, params, rng)
 
 
-def test_transformer_block(rng):
-    unit = TransformerBlock(2, hidden_size=8, num_heads=2, filter_size=12, eps=1e-5, num_layers=3)
+@pytest.mark.parametrize("nonlinearity", ["gelu", "gelu_new"])
+def test_transformer_block(rng, nonlinearity):
+    unit = TransformerBlock(2, hidden_size=8, num_heads=2, filter_size=12, eps=1e-5, num_layers=3,
+                            nonlinearity=nonlinearity)
     params = init(unit, rng)
     x = rng.standard_normal((2, 5, 8))
     y, _ = unit.forward(x, params)
-    np.testing.assert_allclose(y, ref_block(x, params, "blocks.2.", 2, 1e-5), rtol=1e-12, atol=1e-12)
+    ref = ref_block(x, params, "blocks.2.", 2, 1e-5, exact=nonlinearity == "gelu")
+    np.testing.assert_allclose(y, ref, rtol=1e-12, atol=1e-12)
     check_unit(unit, x, params, rng)
 
 
@@ -109,14 +115,15 @@ def test_lm_head(rng, tied):
     check_unit(unit, x, params, rng)
 
 
-@pytest.mark.parametrize("activation", ["relu", "gelu", None])
+@pytest.mark.parametrize("activation", ["relu", "gelu", "gelu_new", None])
 def test_dense(rng, activation):
     unit = Dense(0, 7, 5, activation)
     params = init(unit, rng)
     x = rng.standard_normal((6, 7))
     y, _ = unit.forward(x, params)
     lin = x @ params["layers.0.weight"].T + params["layers.0.bias"]
-    ref = {"relu": np.maximum(lin, 0), "gelu": ref_gelu(lin), None: lin}[activation]
+    ref = {"relu": np.maximum(lin, 0), "gelu": ref_gelu(lin), "gelu_new": ref_gelu(lin, exact=False),
+           None: lin}[activation]
     np.testing.assert_allclose(y, ref, rtol=1e-13, atol=1e-14)
     check_unit(unit, x, params, rng)
 
@@ -161,7 +168,7 @@ def test_gpt2_model_gradients(rng, tied):
     assert n == int(batch["loss_mask"].sum())
 
 
-@pytest.mark.parametrize("activation", ["relu", "gelu"])
+@pytest.mark.parametrize("activation", ["relu", "gelu", "gelu_new"])
 def test_fc_mlp_model_gradients(rng, activation):
     model = build_model({"name": "fc_mlp", "input_size": 6, "hidden_sizes": [5, 4], "num_classes": 3,
                          "activation": activation})

@@ -34,6 +34,28 @@ def test_layernorm_forward_and_backward(rng, dtype):
         np.testing.assert_allclose(a, w, rtol=10 * TOL[dtype], atol=100 * TOL[dtype])
 
 
+def naive_exact_gelu(x):
+    return 0.5 * x * (1 + np.vectorize(math.erf)(x / math.sqrt(2)))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_exact_gelu(rng, dtype):
+    """Model Zoo's (and torch's) gelu, with erf: forward against math.erf, backward against finite differences."""
+    h = rng.standard_normal((9, 40)).astype(dtype) * 3
+    bias = rng.standard_normal(40).astype(dtype)
+    pre_ref = h.astype(np.float64) + bias
+    h1 = h.copy()
+    atol = 1e-6 if dtype == np.float32 else 1e-13
+    np.testing.assert_allclose(ops.bias_gelu_forward(h1, bias, exact=True), naive_exact_gelu(pre_ref),
+                               rtol=TOL[dtype], atol=atol)
+    dy = rng.standard_normal(h.shape).astype(dtype)
+    eps = 1e-6
+    fd = (naive_exact_gelu(pre_ref + eps) - naive_exact_gelu(pre_ref - eps)) / (2 * eps)
+    np.testing.assert_allclose(ops.gelu_backward(h1, dy.copy(), exact=True), dy * fd, rtol=1e-4,
+                               atol=max(atol, 1e-8))
+    assert not np.allclose(naive_exact_gelu(pre_ref), naive_gelu(pre_ref), rtol=0, atol=1e-6)  # they differ
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_bias_gelu_and_relu(rng, dtype):
     h = rng.standard_normal((33, 70)).astype(dtype) * 3

@@ -7,7 +7,7 @@ number of threads; row-wise work (LayerNorm, softmax, loss) is parallel over row
 """
 from cython cimport floating
 from cython.parallel cimport prange
-from libc.math cimport exp, log, sqrt, tanh
+from libc.math cimport erf, erff, exp, log, sqrt, tanh
 from libc.stdlib cimport calloc, free
 from libc.stdint cimport int32_t
 
@@ -21,9 +21,12 @@ cdef enum:
     # Columns per task of the column reductions: each task owns its columns for every row.
     COLBLOCK = 64
 
-# GELU, tanh approximation (as GPT-2): 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))).
+# GELU, tanh approximation (GPT-2's gelu_new): 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))); and
+# exact (Model Zoo's and torch's gelu): 0.5 x (1 + erf(x / sqrt(2))).
 cdef double GELU_C = 0.7978845608028654  # sqrt(2 / pi)
 cdef double GELU_A = 0.044715
+cdef double INV_SQRT2 = 0.7071067811865476
+cdef double INV_SQRT_2PI = 0.3989422804014327
 
 
 cdef inline floating _tanh(floating x) noexcept nogil:
@@ -130,32 +133,46 @@ def column_sum(const floating[:, ::1] a, floating[::1] out):
         free(acc)
 
 
-def bias_gelu_forward(floating[:, ::1] h, const floating[::1] bias, floating[:, ::1] y):
-    """h := h + bias (kept for the backward pass); y := gelu(h)."""
+cdef inline floating _erf(floating x) noexcept nogil:
+    if floating is float:
+        return erff(x)
+    else:
+        return erf(x)
+
+
+def bias_gelu_forward(floating[:, ::1] h, const floating[::1] bias, floating[:, ::1] y, bint exact):
+    """h := h + bias (kept for the backward pass); y := gelu(h), exact or the tanh approximation."""
     cdef Py_ssize_t r, c, rows = h.shape[0], cols = h.shape[1]
     cdef floating v, k = <floating>GELU_C, a = <floating>GELU_A, half = 0.5, one = 1.0
+    cdef floating s = <floating>INV_SQRT2
     cdef int nt = wse_threads_for(rows * cols, WSE_GRAIN)
     with nogil:
         for r in prange(rows, schedule="static", num_threads=nt):
             for c in range(cols):
                 v = h[r, c] + bias[c]
                 h[r, c] = v
-                y[r, c] = half * v * (one + _tanh(k * (v + a * v * v * v)))
+                if exact:
+                    y[r, c] = half * v * (one + _erf(v * s))
+                else:
+                    y[r, c] = half * v * (one + _tanh(k * (v + a * v * v * v)))
 
 
-def gelu_backward(const floating[:, ::1] pre, floating[:, ::1] dy):
-    """dy := dy * gelu'(pre), in place."""
+def gelu_backward(const floating[:, ::1] pre, floating[:, ::1] dy, bint exact):
+    """dy := dy * gelu'(pre), in place (exact: 0.5 (1 + erf(x / sqrt 2)) + x exp(-x^2 / 2) / sqrt(2 pi))."""
     cdef Py_ssize_t r, c, rows = pre.shape[0], cols = pre.shape[1]
     cdef floating v, t, k = <floating>GELU_C, a = <floating>GELU_A, half = 0.5, one = 1.0
-    cdef floating three_a = <floating>(3.0 * GELU_A)
+    cdef floating three_a = <floating>(3.0 * GELU_A), s = <floating>INV_SQRT2, g = <floating>INV_SQRT_2PI
     cdef int nt = wse_threads_for(rows * cols, WSE_GRAIN)
     with nogil:
         for r in prange(rows, schedule="static", num_threads=nt):
             for c in range(cols):
                 v = pre[r, c]
-                t = _tanh(k * (v + a * v * v * v))
-                dy[r, c] = dy[r, c] * (half * (one + t)
-                                       + half * v * (one - t * t) * k * (one + three_a * v * v))
+                if exact:
+                    dy[r, c] = dy[r, c] * (half * (one + _erf(v * s)) + v * g * <floating>exp(-half * v * v))
+                else:
+                    t = _tanh(k * (v + a * v * v * v))
+                    dy[r, c] = dy[r, c] * (half * (one + t)
+                                           + half * v * (one - t * t) * k * (one + three_a * v * v))
 
 
 def bias_relu_forward(floating[:, ::1] h, const floating[::1] bias, floating[:, ::1] y):

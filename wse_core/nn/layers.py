@@ -142,8 +142,10 @@ class TransformerBlock(Unit):
     """GPT-2 block: x + attn(ln_1(x)), then x + mlp(ln_2(x)); causal multi-head self-attention."""
 
     def __init__(self, index, hidden_size, num_heads, filter_size, eps, num_layers, ops=fused_ops,
-                 density=1.0, sparsity_seed=0):
+                 density=1.0, sparsity_seed=0, nonlinearity="gelu"):
         self.name = f"blocks.{index}"
+        # "gelu": exact, erf (Model Zoo's and torch's); "gelu_new": GPT-2's tanh approximation.
+        self.exact_gelu = nonlinearity == "gelu"
         self.p = f"blocks.{index}."
         self.hidden, self.heads, self.filter, self.eps = hidden_size, num_heads, filter_size, eps
         self.head_dim = hidden_size // num_heads
@@ -201,7 +203,7 @@ class TransformerBlock(Unit):
         mid = x2 + self._lin(att, params, "attn.proj")
         ln2, mu2, rs2 = ops.layernorm_forward(mid, params[p + "ln_2.weight"], params[p + "ln_2.bias"], self.eps)
         pre = self._lin(ln2, params, "mlp.fc", bias=False)
-        act = ops.bias_gelu_forward(pre, params[p + "mlp.fc.bias"])
+        act = ops.bias_gelu_forward(pre, params[p + "mlp.fc.bias"], self.exact_gelu)
         out = mid + self._lin(act, params, "mlp.proj")
         saved = (x2, ln1, mu1, rs1, q, k, v, probs, att, mid, ln2, mu2, rs2, pre, act)
         return out.reshape(b, t, c), saved
@@ -216,7 +218,7 @@ class TransformerBlock(Unit):
         dout = np.ascontiguousarray(dy).reshape(b * t, c)
         # MLP
         dact = self._lin_back(dout, act, params, "mlp.proj", g)
-        dpre = ops.gelu_backward(pre, dact)
+        dpre = ops.gelu_backward(pre, dact, self.exact_gelu)
         dln2 = self._lin_back(dpre, ln2, params, "mlp.fc", g)
         dmid, g[p + "ln_2.weight"], g[p + "ln_2.bias"] = ops.layernorm_backward(
             dln2, mid, params[p + "ln_2.weight"], mu2, rs2)
@@ -275,7 +277,8 @@ class LMHead(Unit):
 
 
 class Dense(Unit):
-    """One fully connected layer, y = act(x @ W.T + b), of an MLP (``layers.<i>.weight`` [out, in])."""
+    """One fully connected layer, y = act(x @ W.T + b), of an MLP (``layers.<i>.weight`` [out, in]);
+    ``activation`` relu, gelu (exact), gelu_new (tanh approximation) or None."""
 
     def __init__(self, index, in_features, out_features, activation, ops=fused_ops, density=1.0, sparsity_seed=0):
         self.name = f"layers.{index}"
@@ -299,7 +302,7 @@ class Dense(Unit):
         if self.activation == "relu":
             y = self.ops.bias_relu_forward(pre, b)
         else:
-            y = self.ops.bias_gelu_forward(pre, b)
+            y = self.ops.bias_gelu_forward(pre, b, self.activation == "gelu")
         return y, (x, pre)
 
     def backward(self, dy, saved, params):
@@ -307,7 +310,7 @@ class Dense(Unit):
         dy = np.ascontiguousarray(dy)
         if self.activation == "relu":
             dy = self.ops.relu_backward(pre, dy.copy())
-        elif self.activation == "gelu":
-            dy = self.ops.gelu_backward(pre, dy.copy())
+        elif self.activation in ("gelu", "gelu_new"):
+            dy = self.ops.gelu_backward(pre, dy.copy(), self.activation == "gelu")
         dx, dw, db = linear_backward(dy, x, params[self.p + "weight"], self.ops, self.structure)
         return dx, {self.p + "weight": dw, self.p + "bias": db}

@@ -15,7 +15,7 @@ from wse_core._checks import show
 from wse_core.nn import ops as fused_ops
 from wse_core.nn.layers import Dense, Embedding, LMHead, TransformerBlock
 
-ACTIVATIONS = ("relu", "gelu")
+ACTIVATIONS = ("relu", "gelu", "gelu_new")  # gelu: exact (erf), as Model Zoo; gelu_new: tanh
 
 
 class Model:
@@ -173,7 +173,7 @@ class Model:
 
 _GPT2_KEYS = {"name", "vocab_size", "hidden_size", "num_hidden_layers", "num_heads", "filter_size",
               "max_position_embeddings", "layer_norm_epsilon", "share_embedding_weights", "sparsity",
-              "sparsity_seed"}
+              "sparsity_seed", "nonlinearity"}
 _MLP_KEYS = {"name", "input_size", "hidden_sizes", "num_classes", "activation", "sparsity", "sparsity_seed"}
 
 
@@ -233,10 +233,15 @@ def _build_gpt2(cfg, ops):
     if c["hidden_size"] % c["num_heads"]:
         raise ValueError(f"model.num_heads: {c['num_heads']} does not divide "
                          f"model.hidden_size {c['hidden_size']}")
+    act = cfg.get("nonlinearity", "gelu")
+    if act not in ("gelu", "gelu_new"):
+        raise ValueError(f"model.nonlinearity: {show(act)} is not built (built: gelu, the exact form Model Zoo "
+                         "uses by default; gelu_new, GPT-2's tanh approximation)")
+    c["nonlinearity"] = act
     density, seed = _sparsity(cfg, c)
     units = [Embedding(c["vocab_size"], c["max_position_embeddings"], c["hidden_size"], ops)]
     units += [TransformerBlock(i, c["hidden_size"], c["num_heads"], c["filter_size"], c["layer_norm_epsilon"],
-                               c["num_hidden_layers"], ops, density, seed) for i in range(c["num_hidden_layers"])]
+                               c["num_hidden_layers"], ops, density, seed, act) for i in range(c["num_hidden_layers"])]
     units.append(LMHead(c["hidden_size"], c["vocab_size"], c["layer_norm_epsilon"], tied, ops))
     return Model("gpt2", c, units, ops)
 

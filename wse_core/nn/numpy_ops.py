@@ -28,16 +28,26 @@ def column_sum(a):
     return a.sum(axis=0)
 
 
-def _gelu(v):
-    return 0.5 * v * (1.0 + np.tanh(GELU_C * (v + 0.044715 * v**3)))
+def _erf(v):
+    """erf elementwise (numpy has none; scipy's when installed, else math.erf element by element)."""
+    try:
+        from scipy.special import erf
+    except ImportError:
+        return np.vectorize(math.erf, otypes=[v.dtype])(v)
+    return erf(v)
 
 
-def bias_gelu_forward(h, bias):
+def bias_gelu_forward(h, bias, exact=False):
     h += bias
-    return _gelu(h)
+    if exact:
+        return 0.5 * h * (1.0 + _erf(h / math.sqrt(2.0)))
+    return 0.5 * h * (1.0 + np.tanh(GELU_C * (h + 0.044715 * h**3)))
 
 
-def gelu_backward(pre, dy):
+def gelu_backward(pre, dy, exact=False):
+    if exact:
+        dy *= 0.5 * (1.0 + _erf(pre / math.sqrt(2.0))) + pre * np.exp(-0.5 * pre * pre) / math.sqrt(2.0 * math.pi)
+        return dy
     t = np.tanh(GELU_C * (pre + 0.044715 * pre**3))
     dy *= 0.5 * (1.0 + t) + 0.5 * pre * (1.0 - t * t) * GELU_C * (1.0 + 3 * 0.044715 * pre * pre)
     return dy

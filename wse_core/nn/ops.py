@@ -80,20 +80,21 @@ def column_sum(a):
     return out
 
 
-def bias_gelu_forward(h, bias):
-    """h := h + bias in place (the saved pre-activation); returns gelu(h), tanh approximation."""
+def bias_gelu_forward(h, bias, exact=False):
+    """h := h + bias in place (the saved pre-activation); returns gelu(h): exact (erf; Model Zoo's and
+    torch's ``gelu``) or the tanh approximation (GPT-2's ``gelu_new``)."""
     _float("h", h, 2)
     _vector("bias", bias, h.shape[1], h.dtype)
     y = np.empty_like(h)
-    _kernels.bias_gelu_forward(h, bias, y)
+    _kernels.bias_gelu_forward(h, bias, y, bool(exact))
     return y
 
 
-def gelu_backward(pre, dy):
-    """dy := dy * gelu'(pre) in place; returns dy."""
+def gelu_backward(pre, dy, exact=False):
+    """dy := dy * gelu'(pre) in place (the same form as the forward); returns dy."""
     _float("pre", pre, 2)
     _same("dy", dy, "pre", pre)
-    _kernels.gelu_backward(pre, dy)
+    _kernels.gelu_backward(pre, dy, bool(exact))
     return dy
 
 
