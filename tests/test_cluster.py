@@ -132,6 +132,19 @@ def test_the_simulated_clock_agrees_with_the_walk_and_is_deterministic(tmp_path,
     assert steps[4][-1] < steps[2][-1] < steps[1][-1]   # more CS-2s, same global batch: faster
 
 
+def test_loss_scaling_batch_size_is_bit_identical_to_the_reference(tmp_path, data, jobs):
+    """Model Zoo's ``loss_scaling: batch_size`` with ``loss_weight``: the cluster normalises the loss,
+    the gradient and its norm as the reference step does (num_csx 2)."""
+    path, p = params_file(tmp_path, data)
+    p["model"].update(loss_scaling="batch_size", loss_weight=1 / 64)
+    path.write_text(yaml.safe_dump(p))
+    proc = jobs.run("fit", path, "--num_csx", 2)
+    assert proc.returncode == 0, proc.stderr
+    params, state, losses = reference(p, STEPS)
+    assert_bits(tmp_path / "model", params, state)
+    assert [m["loss"] for m in RunDir(tmp_path / "model").read_metrics()] == losses
+
+
 def test_sparse_gpt2_trains_bit_identically_and_checkpoints_only_nonzeros(tmp_path, data, jobs):
     """model.sparsity 0.9: loss falls; num_csx 1 and 2 give the reference's bits; the checkpoint holds
     the nonzeros and the mask, and converts to dense [out, in] weights."""

@@ -130,3 +130,40 @@ def test_batch_errors_name_the_key():
 def test_bad_model_configs_name_the_key(cfg, match):
     with pytest.raises((ValueError, TypeError), match=match):
         build_model(cfg)
+
+
+def test_loss_scaling_batch_size_with_loss_weight():
+    """Model Zoo's ``loss_scaling: batch_size``: loss = sum / B * loss_weight, and the gradient with it.
+    On a fully packed batch with loss_weight = 1 / seq it is the per-token mean, to the bit; with masked
+    tokens it is not."""
+    batch = next(lm_batches(stdlib_tokens(), 4, 32))
+    runs = {}
+    for scaling, extra in (("num_tokens", {}), ("batch_size", {"loss_weight": 1 / 32})):
+        model = build_model(dict(TINY_GPT2, loss_scaling=scaling, **extra))
+        params = model.init_params(0)
+        opt = AdamW(lr=1e-3)
+        state = {k: opt.init_state(v) for k, v in params.items()}
+        r = reference_step(model, params, state, opt, batch, micro_batch_size=2, step=1, max_gradient_norm=1.0)
+        runs[scaling] = (r, params)
+    (a, pa), (b, pb) = runs["num_tokens"], runs["batch_size"]
+    assert a.loss == b.loss and a.grad_norm == b.grad_norm
+    assert all(pa[k].tobytes() == pb[k].tobytes() for k in pa)
+    masked = dict(batch, loss_mask=batch["loss_mask"].copy())
+    masked["loss_mask"][:, 20:] = 0
+    model = build_model(dict(TINY_GPT2, loss_scaling="batch_size", loss_weight=0.5))
+    params = model.init_params(0)
+    loss_sum, n_tokens, _ = accumulate(model, params, masked, 2)
+    opt = AdamW(lr=0.0)
+    state = {k: opt.init_state(v) for k, v in params.items()}
+    r = reference_step(model, params, state, opt, masked, micro_batch_size=2, step=1)
+    assert n_tokens == 4 * 20 and r.loss == pytest.approx(loss_sum / 4 * 0.5, rel=1e-12)
+
+
+@pytest.mark.parametrize("cfg,match", [
+    ({"loss_scaling": "per_sample"}, "model.loss_scaling: expected num_tokens or batch_size"),
+    ({"loss_weight": 0.5}, "model.loss_weight: 0.5 has no effect with loss_scaling: num_tokens"),
+    ({"loss_scaling": "batch_size", "loss_weight": 0}, "model.loss_weight: expected a number > 0"),
+])
+def test_bad_loss_scaling_names_the_key(cfg, match):
+    with pytest.raises(ValueError, match=match):
+        build_model(dict(TINY_GPT2, **cfg))

@@ -86,14 +86,15 @@ class Coordinator(Role):
             total = 0.0
             for n in names:  # parameter order, exactly as global_norm adds them
                 total += sumsq[n]
-            norm = math.sqrt(total) / n_tokens
+            divisor = self.model.loss_divisor(n_tokens, self.batch_size)  # as the reference step
+            norm = math.sqrt(total) / divisor
             coef = 1.0 if o["max_gradient_norm"] is None else clip_coefficient(norm, o["max_gradient_norm"])
             lr = schedule(step)
             last = step + 1 == self.max_steps
             save = bool(r["checkpoint_steps"] and (step + 1) % r["checkpoint_steps"] == 0) or last
             dt = time.perf_counter() - t0  # since the previous step's update was ordered: one step period
             sim = clock.now - sim_t0       # the same period in the emulated hardware's time
-            record = {"step": step + 1, "loss": loss_sum / n_tokens, "tokens": n_tokens, "grad_norm": norm,
+            record = {"step": step + 1, "loss": loss_sum / divisor, "tokens": n_tokens, "grad_norm": norm,
                       "lr": lr, "step_seconds": dt, "samples_per_s": self.batch_size / dt,
                       "elapsed_seconds": time.perf_counter() - t_start,
                       "sim_step_s": sim, "sim_samples_per_s": self.batch_size / sim,
@@ -108,7 +109,7 @@ class Coordinator(Role):
                 print(f"step {step + 1:>5}/{self.max_steps}  loss {record['loss']:.4f}  "
                       f"grad_norm {norm:.3f}  lr {lr:.2e}  {record['samples_per_s']:.1f} samples/s "
                       f"(simulated: {record['sim_samples_per_s']:.1f})", flush=True)
-            control(lr, coef / n_tokens, step + 1 if save else None)
+            control(lr, coef / divisor, step + 1 if save else None)
             t0, sim_t0 = time.perf_counter(), clock.now
             self.step_done(step)
         metrics.close()

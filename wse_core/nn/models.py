@@ -126,6 +126,14 @@ class Model:
             return np.ascontiguousarray(batch["input_ids"])
         return np.ascontiguousarray(batch["features"], dtype=dtype)
 
+    def loss_divisor(self, n_tokens, batch_size):
+        """What the summed loss of a global batch is divided by (Model Zoo's ``model.loss_scaling``):
+        the masked-in tokens (``num_tokens``), or the samples over ``loss_weight`` (``batch_size``:
+        loss = sum / batch_size * loss_weight). The gradient, its norm and the logged loss use it."""
+        if self.config.get("loss_scaling", "num_tokens") == "batch_size":
+            return batch_size / self.config["loss_weight"]
+        return n_tokens
+
     def loss(self, y, batch):
         """(loss_sum, n_tokens, dy): masked cross-entropy summed over the batch and its gradient."""
         if self.kind == "gpt2":
@@ -173,7 +181,7 @@ class Model:
 
 _GPT2_KEYS = {"name", "vocab_size", "hidden_size", "num_hidden_layers", "num_heads", "filter_size",
               "max_position_embeddings", "layer_norm_epsilon", "share_embedding_weights", "sparsity",
-              "sparsity_seed", "nonlinearity"}
+              "sparsity_seed", "nonlinearity", "loss_scaling", "loss_weight"}
 _MLP_KEYS = {"name", "input_size", "hidden_sizes", "num_classes", "activation", "sparsity", "sparsity_seed"}
 
 
@@ -233,6 +241,16 @@ def _build_gpt2(cfg, ops):
     if c["hidden_size"] % c["num_heads"]:
         raise ValueError(f"model.num_heads: {c['num_heads']} does not divide "
                          f"model.hidden_size {c['hidden_size']}")
+    scaling = cfg.get("loss_scaling", "num_tokens")
+    if scaling not in ("num_tokens", "batch_size"):
+        raise ValueError(f"model.loss_scaling: expected num_tokens or batch_size, got {show(scaling)}")
+    weight = cfg.get("loss_weight", 1.0)
+    if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not 0 < weight < float("inf"):
+        raise ValueError(f"model.loss_weight: expected a number > 0, got {show(weight)}")
+    if scaling == "num_tokens" and weight != 1.0:
+        raise ValueError(f"model.loss_weight: {show(weight)} has no effect with loss_scaling: num_tokens (Model Zoo "
+                         "ignores it too); remove it, or use loss_scaling: batch_size")
+    c["loss_scaling"], c["loss_weight"] = scaling, float(weight)
     act = cfg.get("nonlinearity", "gelu")
     if act not in ("gelu", "gelu_new"):
         raise ValueError(f"model.nonlinearity: {show(act)} is not built (built: gelu, the exact form Model Zoo "

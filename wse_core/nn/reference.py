@@ -8,7 +8,7 @@ One step on a global batch of B samples split into micro-batches of ``micro_batc
    adding their partial sums will; loss sums and token counts likewise;
 3. a parameter used by several units (a tied embedding) gets their sums added in unit order;
 4. the loss is the mean over the masked-in tokens N of the global batch, so the gradient is the
-   sum / N. With clipping, the norm of that mean gradient is clipped to ``max_gradient_norm``.
+   sum / N (or, with ``model.loss_scaling: batch_size``, sum / B * loss_weight: ``model.loss_divisor``). With clipping, the norm of that mean gradient is clipped to ``max_gradient_norm``.
    Both factors are folded into the optimizer's ``grad_scale``: no extra pass over the gradients;
 5. the optimizer updates each parameter in place, in ``Model.param_names`` order.
 """
@@ -54,17 +54,15 @@ def accumulate(model, params, batch, micro_batch_size, lo=0, hi=None):
     return tree_reduce(lo, hi, leaf, _add)
 
 
-def apply_update(model, params, opt_state, optimizer, grads, n_tokens, *, step, lr,
-                 max_gradient_norm=None):
-    """Normalise by the token count, clip, and update every parameter in place; returns the grad norm."""
-    if n_tokens < 1:
-        raise ValueError("batch: the loss mask selects no token, so the loss is undefined")
+def apply_update(model, params, opt_state, optimizer, grads, divisor, *, step, lr, max_gradient_norm=None):
+    """Normalise by ``divisor`` (``model.loss_divisor``), clip, and update every parameter in place;
+    returns the grad norm."""
     names = model.param_names
-    norm = global_norm([grads[n] for n in names]) / n_tokens
+    norm = global_norm([grads[n] for n in names]) / divisor
     coef = 1.0 if max_gradient_norm is None else clip_coefficient(norm, max_gradient_norm)
     for name in names:
         optimizer.update(params[name], grads[name], opt_state[name], step=step, lr=lr,
-                         grad_scale=coef / n_tokens, name=name)
+                         grad_scale=coef / divisor, name=name)
     return norm
 
 
@@ -72,8 +70,11 @@ def reference_step(model, params, opt_state, optimizer, batch, *, micro_batch_si
                    max_gradient_norm=None):
     """Run one full training step in this process; ``params`` and ``opt_state`` are updated in place."""
     loss_sum, n_tokens, unit_grads = accumulate(model, params, batch, micro_batch_size)
+    if n_tokens < 1:
+        raise ValueError("batch: the loss mask selects no token, so the loss is undefined")
     grads = model.combine_unit_grads(unit_grads)
     lr = optimizer.lr if lr is None else lr
-    norm = apply_update(model, params, opt_state, optimizer, grads, n_tokens, step=step, lr=lr,
+    divisor = model.loss_divisor(n_tokens, len(next(iter(batch.values()))))
+    norm = apply_update(model, params, opt_state, optimizer, grads, divisor, step=step, lr=lr,
                         max_gradient_norm=max_gradient_norm)
-    return StepResult(loss=loss_sum / max(n_tokens, 1), n_tokens=n_tokens, grad_norm=norm, lr=lr)
+    return StepResult(loss=loss_sum / divisor, n_tokens=n_tokens, grad_norm=norm, lr=lr)
