@@ -229,14 +229,10 @@ def apply_overrides(raw, overrides):
     return raw
 
 
-class _Loader(yaml.SafeLoader):
-    """PyYAML's safe loader; ``parse_yaml`` checks what it composes before anything is built."""
-
-
 def parse_yaml(text, where):
     """One YAML document, refused (ParamsError naming ``where``, the line and the key path) if it
     repeats a key, nests deeper than MAX_DEPTH or expands to more than MAX_VALUES values."""
-    loader = _Loader(text)
+    loader = yaml.SafeLoader(text)  # composed, checked by _check_node, and only then built
     try:
         try:
             node = loader.get_single_node()

@@ -38,40 +38,37 @@ def naive_exact_gelu(x):
     return 0.5 * x * (1 + np.vectorize(math.erf)(x / math.sqrt(2)))
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_exact_gelu(rng, dtype):
-    """Model Zoo's (and torch's) gelu, with erf: forward against math.erf, backward against finite differences."""
-    h = rng.standard_normal((9, 40)).astype(dtype) * 3
-    bias = rng.standard_normal(40).astype(dtype)
-    pre_ref = h.astype(np.float64) + bias
-    h1 = h.copy()
-    atol = 1e-6 if dtype == np.float32 else 1e-13
-    np.testing.assert_allclose(ops.bias_gelu_forward(h1, bias, exact=True), naive_exact_gelu(pre_ref),
-                               rtol=TOL[dtype], atol=atol)
-    dy = rng.standard_normal(h.shape).astype(dtype)
-    eps = 1e-6
-    fd = (naive_exact_gelu(pre_ref + eps) - naive_exact_gelu(pre_ref - eps)) / (2 * eps)
-    np.testing.assert_allclose(ops.gelu_backward(h1, dy.copy(), exact=True), dy * fd, rtol=1e-4,
-                               atol=max(atol, 1e-8))
-    assert not np.allclose(naive_exact_gelu(pre_ref), naive_gelu(pre_ref), rtol=0, atol=1e-6)  # they differ
+# float32 tanh near -1 leaves about 1e-6 absolute error in 1 + tanh for large negative inputs.
+GELU_ATOL = {(False, np.float32): 5e-6, (False, np.float64): 1e-12, (True, np.float32): 1e-6, (True, np.float64): 1e-13}
 
 
+@pytest.mark.parametrize("exact", [False, True])
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_bias_gelu_and_relu(rng, dtype):
+def test_bias_gelu(rng, dtype, exact):
+    """Both forms: the tanh approximation (gelu_new) and Model Zoo's and torch's exact gelu (erf);
+    forward against the formula, the saved pre-activation, backward against finite differences."""
+    naive = naive_exact_gelu if exact else naive_gelu
     h = rng.standard_normal((33, 70)).astype(dtype) * 3
     bias = rng.standard_normal(70).astype(dtype)
     pre_ref = h.astype(np.float64) + bias
     h1 = h.copy()
-    # float32 tanh near -1 leaves about 1e-6 absolute error in 1 + tanh for large negative inputs.
-    atol = 5e-6 if dtype == np.float32 else 1e-12
-    np.testing.assert_allclose(ops.bias_gelu_forward(h1, bias), naive_gelu(pre_ref), rtol=TOL[dtype], atol=atol)
+    atol = GELU_ATOL[exact, dtype]
+    np.testing.assert_allclose(ops.bias_gelu_forward(h1, bias, exact), naive(pre_ref), rtol=TOL[dtype], atol=atol)
     np.testing.assert_allclose(h1, pre_ref, rtol=TOL[dtype])
+    dy = rng.standard_normal(h.shape).astype(dtype)
+    eps = 1e-6
+    fd = (naive(pre_ref + eps) - naive(pre_ref - eps)) / (2 * eps)
+    np.testing.assert_allclose(ops.gelu_backward(h1, dy.copy(), exact), dy * fd, rtol=1e-4, atol=max(atol, 1e-8))
+    assert not np.allclose(naive_exact_gelu(pre_ref), naive_gelu(pre_ref), rtol=0, atol=1e-6)  # they differ
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_bias_relu(rng, dtype):
+    h = rng.standard_normal((33, 70)).astype(dtype) * 3
+    bias = rng.standard_normal(70).astype(dtype)
     h2 = h.copy()
     np.testing.assert_array_equal(ops.bias_relu_forward(h2, bias), np.maximum(h.astype(dtype) + bias, 0))
     dy = rng.standard_normal(h.shape).astype(dtype)
-    eps = 1e-6
-    fd = (naive_gelu(pre_ref + eps) - naive_gelu(pre_ref - eps)) / (2 * eps)
-    np.testing.assert_allclose(ops.gelu_backward(h1, dy.copy()), dy * fd, rtol=1e-4, atol=max(atol, 1e-8))
     np.testing.assert_array_equal(ops.relu_backward(h2, dy.copy()), np.where(h2 > 0, dy, 0))
 
 

@@ -80,7 +80,7 @@ def test_a_step_obeys_physical_bounds_and_scales_near_linearly_with_the_batch_pe
     steps = {}
     for n in (1, 4, 16, 192):
         s = walk_step(model, num_csx=n, samples_per_csx=64, micro_batch_size=8, seq_len=2048)
-        bounds = lower_bounds(model, num_csx=n, samples_per_csx=64, seq_len=2048)
+        bounds = lower_bounds(model, samples_per_csx=64, seq_len=2048)
         assert s.step_s >= bounds["io_s"] and s.step_s >= bounds["flops_s"], (n, s, bounds)
         assert s.step_s >= s.compute_s and s.stream_s == pytest.approx(bounds["io_s"])
         steps[n] = s

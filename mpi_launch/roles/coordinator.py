@@ -21,7 +21,7 @@ class Coordinator(Role):
 
         from data_tools.checkpoint import CheckpointWriter
         from wse_core.optim import clip_coefficient, make_schedule
-        from wse_core.perf import memoryx_update_seconds
+        from wse_core.perf.step import io_seconds, update_seconds
 
         o, r = self.params["optimizer"], self.params["runconfig"]
         schedule = make_schedule(o["learning_rate"], key="optimizer.learning_rate")
@@ -40,10 +40,8 @@ class Coordinator(Role):
         params_yaml = yaml.safe_dump(self.params, sort_keys=False)
         clock, lat = self.clock, self.hw.swarmx_hop_latency_s
         # Parts of a simulated step that do not change from step to step.
-        stream_s = 3 * sum(self.unit_stream_bytes) / (self.hw.io_gbps * 1e9 / 8)
-        unit_bytes = self.model.unit_bytes(itemsize=self.hw.bytes_per_value)
-        optimizer_s = max(memoryx_update_seconds(sum(b for u, b in enumerate(unit_bytes) if self.plan.unit_owner[u] == k),
-                                                 self.hw) for k in range(len(self.plan.memoryx)))
+        stream_s = io_seconds(self.model, self.hw)
+        optimizer_s = max(update_seconds(self.model, self.plan.unit_owner, self.hw))
         t_start = time.perf_counter()
 
         def control(lr, grad_scale, save_step):

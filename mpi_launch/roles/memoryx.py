@@ -2,8 +2,8 @@
 
 Simulated time: the weights of a step leave when the previous update is done (the SwarmX root
 keeps the port of the link); the update starts when every gradient sum has arrived and the
-coordinator's control message is in, and takes ``wse_core.perf.memoryx_update_seconds`` of the
-bytes this server owns."""
+coordinator's control message is in, and takes ``wse_core.perf.step.update_seconds`` (the bytes
+this server owns)."""
 import time
 
 import numpy as np
@@ -18,7 +18,7 @@ class MemoryX(Role):
     def run(self):
         from data_tools.checkpoint import Checkpoint, CheckpointWriter
         from wse_core.optim import make_optimizer, sum_of_squares
-        from wse_core.perf import memoryx_update_seconds
+        from wse_core.perf.step import update_seconds
 
         o = self.params["optimizer"]
         kwargs = {"lr": 0.0, "weight_decay": o["weight_decay"]}
@@ -43,9 +43,7 @@ class MemoryX(Role):
         uses = [(u, i, n) for u, names in enumerate(self.unit_params) for i, n in enumerate(names)
                 if self.param_owner[n] == self.index]
         my_units = [u for u, k in enumerate(self.plan.unit_owner) if k == self.index]
-        update_s = memoryx_update_seconds(
-            sum(b for u, b in enumerate(self.model.unit_bytes(itemsize=self.hw.bytes_per_value)) if u in my_units),
-            self.hw)
+        update_s = update_seconds(self.model, self.plan.unit_owner, self.hw)[self.index]
         clock, lat = self.clock, self.hw.swarmx_hop_latency_s
         coordinator = self.plan.coordinator
         for step in range(self.start_step - 1, self.max_steps):

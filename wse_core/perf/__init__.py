@@ -1,8 +1,7 @@
 """The time of the emulated hardware: its constants (``Hardware``), the compute model calibrated on
 the fabric simulator (``calibration``), and cost functions (``model``). See docs/design.md section 8."""
 from wse_core.perf.hardware import Hardware
-from wse_core.perf.model import (UnitWork, gemm_cycles, gemm_seconds, memoryx_update_seconds, transfer_seconds,
-                                 unit_seconds, unit_work)
+from wse_core.perf.model import UnitWork, gemm_cycles, gemm_seconds, memoryx_update_seconds, unit_seconds, unit_work
 
-__all__ = ["Hardware", "UnitWork", "gemm_cycles", "gemm_seconds", "memoryx_update_seconds", "transfer_seconds",
+__all__ = ["Hardware", "UnitWork", "gemm_cycles", "gemm_seconds", "memoryx_update_seconds",
            "unit_seconds", "unit_work"]

@@ -12,8 +12,7 @@ efficiency of the unit's first weight GEMM (an **assumption**: nothing calibrate
 Backward is the two GEMMs per forward one (dX with the weights streamed again, dW) plus twice the
 elementwise work.
 
-Transfers: bytes over the narrowest link plus its latency. MemoryX: weight bytes over its update
-rate. All of it is a model; the constants and their sources are in ``hardware``.
+Transfers: ``perf.clock.Port``. MemoryX: weight bytes over its update rate. All of it is a model; the constants and their sources are in ``hardware``.
 """
 import math
 from dataclasses import dataclass
@@ -99,11 +98,6 @@ def unit_seconds(work, hw=None):
         efficiency = 1.0
     other = work.other_macs / (pes * hw.fmac_lanes * efficiency) + work.elementwise / (pes * hw.fmac_lanes)
     return {"forward": (fwd + other) / hw.clock_hz, "backward": (bwd + 2 * other) / hw.clock_hz}
-
-
-def transfer_seconds(nbytes, gbps, latency_s=0.0):
-    """Time for ``nbytes`` through a link of ``gbps`` (the last byte out, plus the link's latency)."""
-    return nbytes * 8 / (gbps * 1e9) + latency_s
 
 
 def memoryx_update_seconds(weight_bytes, hw=None):

@@ -97,6 +97,19 @@ def stream_bytes(model, itemsize):
     return [sum(int(np.prod(model.param_specs[n].shape)) for n in names) * itemsize for names in model.unit_params]
 
 
+def update_seconds(model, owner, hw):
+    """Seconds each MemoryX server's update takes: the bytes of the units it owns (``owner``: the
+    server of each unit, as the plan gives them)."""
+    nbytes = model.unit_bytes(itemsize=hw.bytes_per_value)
+    return [memoryx_update_seconds(sum(b for b, o in zip(nbytes, owner) if o == k), hw)
+            for k in range(max(owner) + 1)]
+
+
+def io_seconds(model, hw):
+    """The weights twice and the gradients once over one CS-2's I/O: the I/O-bound time of a step."""
+    return 3 * sum(stream_bytes(model, hw.bytes_per_value)) / hw.io_bytes_per_s
+
+
 def walk_step(model, *, num_csx, samples_per_csx, micro_batch_size, seq_len=None, num_wgt_servers=1,
               swarmx_fanout=None, hw=None, chunk_bytes=CHUNK_BYTES, steps=3):
     """The simulated time of a training step of ``model`` (a ``wse_core.nn`` Model) on ``num_csx``
@@ -115,9 +128,7 @@ def walk_step(model, *, num_csx, samples_per_csx, micro_batch_size, seq_len=None
     bwd = [n_micro * c["backward"] for c in cost]
     nbytes = stream_bytes(model, hw.bytes_per_value)
     owner = balance(model.unit_bytes(), num_wgt_servers)
-    owned = [sum(b for b, o in zip(model.unit_bytes(itemsize=hw.bytes_per_value), owner) if o == k)
-             for k in range(num_wgt_servers)]
-    update = [memoryx_update_seconds(b, hw) for b in owned]
+    update = update_seconds(model, owner, hw)
     lat = hw.swarmx_hop_latency_s
     link = min(hw.swarmx_port_gbps * hw.swarmx_ports_per_child, hw.io_gbps)
     port = dict(latency_s=lat, chunk_bytes=chunk_bytes)
@@ -167,19 +178,18 @@ def walk_step(model, *, num_csx, samples_per_csx, micro_batch_size, seq_len=None
     total = sum(nbytes)
     return StepTime(
         step_s=step, samples_per_s=num_csx * samples_per_csx / step, compute_s=sum(fwd) + sum(bwd),
-        stream_s=3 * total / csx.rate, exposed_stream_s=waited, reduce_tail_s=max(at_memoryx) - last_out,
+        stream_s=io_seconds(model, hw), exposed_stream_s=waited, reduce_tail_s=max(at_memoryx) - last_out,
         optimizer_s=max(update), tree_depth=depth, num_csx=num_csx,
         detail={"weight_bytes": total, "units": len(nbytes), "micro_batches": n_micro,
-                "memoryx_bytes": owned, "io_gbps": hw.io_gbps, "precision": hw.precision})
+                "io_gbps": hw.io_gbps, "precision": hw.precision})
 
 
-def lower_bounds(model, *, num_csx, samples_per_csx, seq_len=None, hw=None):
+def lower_bounds(model, *, samples_per_csx, seq_len=None, hw=None):
     """What no step can beat: its weights twice and its gradients over one CS-2's I/O, and its
     multiply-adds at the wafer's peak."""
     hw = hw or Hardware()
-    total = sum(stream_bytes(model, hw.bytes_per_value))
     macs = 0
     for u in model.units:
         w = unit_work(u, samples_per_csx, seq_len)
         macs += 3 * sum(M * K * N for M, K, N in w.gemms) + 3 * w.other_macs
-    return {"io_s": 3 * total / hw.io_bytes_per_s, "flops_s": 2 * macs / hw.peak_flops}
+    return {"io_s": io_seconds(model, hw), "flops_s": 2 * macs / hw.peak_flops}
