@@ -71,12 +71,12 @@ def _reference(params, steps):
     from wse_core.nn import build_model, reference_step
     from wse_core.optim import make_optimizer
 
-    model = build_model(params["model"])
+    model = build_model(params.model)
     weights = model.init_params(0)
     opt = make_optimizer("AdamW", lr=1e-3, weight_decay=0.01)
     state = {k: opt.init_state(v) for k, v in weights.items()}
-    t = params["train_input"]
-    stream = GlobalStream(t["data_dir"], shuffle=True, seed=1)
+    t = params.train_input
+    stream = GlobalStream(t.data_dir, shuffle=True, seed=1)
     times = []
     try:
         for step in range(steps):

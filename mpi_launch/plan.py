@@ -112,10 +112,10 @@ def plan_for(params):
     """(plan, model) of a validated params dict: the one place that turns params into a rank plan."""
     from wse_core.nn import build_model
 
-    r = params["runconfig"]
-    model = build_model(params["model"])
-    plan = make_plan(num_csx=r["num_csx"], num_wgt_servers=r["num_wgt_servers"],
-                     num_workers_per_csx=r["num_workers_per_csx"], swarmx_fanout=r["swarmx_fanout"],
+    r = params.runconfig
+    model = build_model(params.model)
+    plan = make_plan(num_csx=r.num_csx, num_wgt_servers=r.num_wgt_servers,
+                     num_workers_per_csx=r.num_workers_per_csx, swarmx_fanout=r.swarmx_fanout,
                      unit_bytes=model.unit_bytes())
     return plan, model
 
@@ -129,29 +129,29 @@ def describe(params):
     from wse_core.perf.memory import rank_memory_bytes, wafer_bytes
     from wse_core.perf.step import walk_step
 
-    run, train, opt_cfg = params["runconfig"], params["train_input"], params["optimizer"]
+    run, train, opt_cfg = params.runconfig, params.train_input, params.optimizer
     plan, model = plan_for(params)
     unit_bytes = plan.unit_bytes
-    n_states = len(make_optimizer(opt_cfg["optimizer_type"]).init_state(np.zeros(1, np.float32)))
-    if opt_cfg["optimizer_type"].lower() == "sgd" and opt_cfg["momentum"] == 0:
+    n_states = len(make_optimizer(opt_cfg.optimizer_type).init_state(np.zeros(1, np.float32)))
+    if opt_cfg.optimizer_type.lower() == "sgd" and opt_cfg.momentum == 0:
         n_states = 0
-    per_csx = train["batch_size"] // run["num_csx"]
-    seq = params["model"].get("max_position_embeddings")
-    example = 3 * seq * 4 if model.kind == "gpt2" else 4 * (params["model"]["input_size"] + 1)
+    per_csx = train.batch_size // run.num_csx
+    seq = params.model.get("max_position_embeddings")
+    example = 3 * seq * 4 if model.kind == "gpt2" else 4 * (params.model["input_size"] + 1)
     memory = rank_memory_bytes(plan, model, n_states=n_states, per_csx=per_csx, seq_len=seq,
-                               micro_batch_size=train["micro_batch_size"], example_bytes=example)
-    hw = Hardware.from_params(run["hardware"])
-    pow2 = run["num_csx"] & (run["num_csx"] - 1) == 0 and run["swarmx_fanout"] & (run["swarmx_fanout"] - 1) == 0
+                               micro_batch_size=train.micro_batch_size, example_bytes=example)
+    hw = Hardware.from_params(run.hardware)
+    pow2 = run.num_csx & (run.num_csx - 1) == 0 and run.swarmx_fanout & (run.swarmx_fanout - 1) == 0
     return {
         "plan": plan.to_json(),
         "model": {"name": model.kind, "parameters": model.num_params(), "units": [u.name for u in model.units],
                   "unit_bytes": unit_bytes},
         "memory_bytes": {str(r): int(memory[r]) for r in range(plan.world_size)},
-        "micro_batches_per_csx": per_csx // train["micro_batch_size"],
+        "micro_batches_per_csx": per_csx // train.micro_batch_size,
         "wafer_bytes": wafer_bytes(model, per_csx, seq, hw),
-        "simulated": walk_step(model, num_csx=run["num_csx"], samples_per_csx=per_csx,
-                               micro_batch_size=train["micro_batch_size"], seq_len=seq,
-                               num_wgt_servers=run["num_wgt_servers"], swarmx_fanout=run["swarmx_fanout"],
+        "simulated": walk_step(model, num_csx=run.num_csx, samples_per_csx=per_csx,
+                               micro_batch_size=train.micro_batch_size, seq_len=seq,
+                               num_wgt_servers=run.num_wgt_servers, swarmx_fanout=run.swarmx_fanout,
                                hw=hw).to_dict(),
         "bit_identical_to_reference": bool(pow2),
     }

@@ -32,9 +32,10 @@ def main(argv=None):
 
     from mpi_launch.plan import plan_for
     from mpi_launch.roles import ROLES
+    from pyapi.params import RunSpec
 
     comm = MPI.COMM_WORLD
-    params = run["params"]
+    params = RunSpec.from_dict(run["params"])
     role, index = ("unknown", 0)
     try:
         pid_file = run_dir.pid_file(comm.rank)

@@ -178,9 +178,9 @@ class RunDir:
             start, ckpt_dir = ckpt.step, str(ckpt.dir.resolve())
             _check_compatible(ckpt, params)
         self.truncate_metrics(start)
-        run = {"params": params, "start_step": start, "checkpoint": ckpt_dir}
+        run = {"params": params.to_dict(), "start_step": start, "checkpoint": ckpt_dir}
         self.run_json.write_text(json.dumps(run, indent=1))
-        self.params_yaml.write_text(yaml.safe_dump(params, sort_keys=False))
+        self.params_yaml.write_text(yaml.safe_dump(params.to_dict(), sort_keys=False))
         self.plan_json.write_text(json.dumps(describe(params), indent=1))
         return run
 
@@ -192,7 +192,7 @@ def _check_compatible(ckpt, params):
     """The checkpoint holds every parameter of this model, with this model's shapes."""
     from wse_core.nn import build_model
 
-    model = build_model(params["model"])
+    model = build_model(params.model)
     missing = set(model.param_names) - set(ckpt.param_names)
     if missing:
         raise MPILaunchError(f"{ckpt.dir}: does not hold parameter {sorted(missing)[0]!r} of this model")

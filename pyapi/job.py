@@ -49,7 +49,7 @@ class Job:
 
     @property
     def model_dir(self):
-        return Path(self.params["runconfig"]["model_dir"])
+        return Path(self.params.runconfig.model_dir)
 
     def compile(self):
         from mpi_launch.plan import describe
@@ -89,10 +89,10 @@ class Job:
 
         self._check_data("train_input")
         cmd, plan = self._command(hostfile)
-        r = self.params["runconfig"]
+        r = self.params.runconfig
         with RunDir(self.model_dir).lock() as run_dir:
             run = run_dir.prepare(self.params, checkpoint=checkpoint_path)
-            result = FitResult(self.model_dir, start_step=run["start_step"], end_step=r["max_steps"],
+            result = FitResult(self.model_dir, start_step=run["start_step"], end_step=r.max_steps,
                                checkpoint=run["checkpoint"])
             if run["checkpoint"]:
                 stream.write(f"resuming from {Path(run['checkpoint']).name} (step {run['start_step']})\n")
@@ -101,8 +101,8 @@ class Job:
                              f"runconfig.max_steps is {result.end_step}\n")
                 result.end_step = result.start_step
             else:
-                code, failure = launch(cmd, plan, run_dir, peer_timeout=r["peer_timeout"],
-                                       startup_timeout=r["startup_timeout"], hostfile=hostfile,
+                code, failure = launch(cmd, plan, run_dir, peer_timeout=r.peer_timeout,
+                                       startup_timeout=r.startup_timeout, hostfile=hostfile,
                                        stream=stream)
                 if code != 0:
                     raise JobError(failure)
@@ -124,18 +124,18 @@ class Job:
         from wse_core.nn import build_model
         from wse_core.tree import tree_sum
 
-        e = self.params.get("eval_input")
+        e = self.params.eval_input
         if not e:
             raise params_mod.ParamsError("eval_input: required by validate (data_dir, batch_size)")
         ds = self._check_data("eval_input")
         ckpt = Checkpoint(checkpoint_path if checkpoint_path is not None else self.model_dir)
-        model = build_model(self.params["model"])
+        model = build_model(self.params.model)
         missing = set(model.param_names) - set(ckpt.param_names)
         if missing:
             raise params_mod.ParamsError(f"{ckpt.dir}: does not hold parameter {sorted(missing)[0]!r} of this model")
         weights, _ = ckpt.load(model.param_names)
-        bs = e["batch_size"]
-        mbs = e["micro_batch_size"] or bs
+        bs = e.batch_size
+        mbs = e.micro_batch_size or bs
         n = ds.n_examples if batches is None else min(ds.n_examples, batches * bs)
         sums, tokens = [], 0
         for lo in range(0, n, mbs):
@@ -150,7 +150,7 @@ class Job:
             sums.append(loss_sum)
             tokens += n_tokens
         if tokens == 0:
-            raise params_mod.ParamsError(f"eval_input.data_dir: {e['data_dir']}: the loss mask selects no token")
+            raise params_mod.ParamsError(f"eval_input.data_dir: {e.data_dir}: the loss mask selects no token")
         loss = tree_sum(sums) / tokens
         return {"checkpoint": str(ckpt.dir), "step": ckpt.step, "eval_loss": loss,
                 "perplexity": math.exp(min(loss, 700.0)), "examples": n, "tokens": tokens}
@@ -159,22 +159,22 @@ class Job:
         """Fail before any work starts if ``section``'s data cannot feed the model; return the Dataset."""
         from data_tools.dataset import Dataset
 
-        t = self.params[section]
-        ds = Dataset(t["data_dir"])
+        t = getattr(self.params, section)
+        ds = Dataset(t.data_dir)
         if ds.n_examples == 0:
-            raise params_mod.ParamsError(f"{section}.data_dir: {t['data_dir']} holds no examples")
-        m = self.params["model"]
+            raise params_mod.ParamsError(f"{section}.data_dir: {t.data_dir} holds no examples")
+        m = self.params.model
         if m["name"] == "gpt2":
             if ds.format != "lm":
-                raise params_mod.ParamsError(f"{section}.data_dir: {t['data_dir']} is an array dataset; gpt2 needs LM data")
+                raise params_mod.ParamsError(f"{section}.data_dir: {t.data_dir} is an array dataset; gpt2 needs LM data")
             seq = ds.example_shape[-1]
             if seq > m["max_position_embeddings"]:
                 raise params_mod.ParamsError(f"model.max_position_embeddings: {m['max_position_embeddings']} is shorter "
-                                             f"than the max_seq_length {seq} of {t['data_dir']}")
+                                             f"than the max_seq_length {seq} of {t.data_dir}")
             vocab = ds.params.get("vocab_size")
             if vocab is not None and vocab > m["vocab_size"]:
                 raise params_mod.ParamsError(f"model.vocab_size: {m['vocab_size']} is smaller than the vocabulary "
-                                             f"{vocab} of {t['data_dir']}")
+                                             f"{vocab} of {t.data_dir}")
         elif ds.format != "arrays":
-            raise params_mod.ParamsError(f"{section}.data_dir: {t['data_dir']} is LM data; fc_mlp needs an array dataset")
+            raise params_mod.ParamsError(f"{section}.data_dir: {t.data_dir} is LM data; fc_mlp needs an array dataset")
         return ds

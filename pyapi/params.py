@@ -13,11 +13,14 @@ shortened (``show``), so no message is ever larger than a line.
 """
 import copy
 import math
-from dataclasses import dataclass
+import warnings
+from dataclasses import dataclass, fields, make_dataclass
 from pathlib import Path
+from types import MappingProxyType
 
 import yaml
 
+from pyapi import modelzoo
 from wse_core._checks import show
 
 #: Values (scalars, lists, mappings; an alias counted each time it is used) a params document may
@@ -29,7 +32,13 @@ MAX_DEPTH = 32
 
 
 class ParamsError(ValueError):
-    """A params file is unreadable or a key is unknown, missing or of the wrong type."""
+    """A params file is unreadable or a key is unknown, missing or of the wrong type.
+
+    ``report`` (a ``modelzoo.KeyReport``, when the keys were sorted) holds every key's fate."""
+
+    def __init__(self, message, report=None):
+        super().__init__(message)
+        self.report = report
 
 
 @dataclass(frozen=True)
@@ -87,6 +96,76 @@ SCHEMA = {
 SECTIONS_REQUIRED = ("train_input", "model", "optimizer", "runconfig")
 
 
+# -- the run spec: what mpi_launch and every rank receive ------------------------------------------
+
+_TYPES = {"path": str, "str": str, "bool": bool, "int>0": int, "int>1": int, "int>=0": int, "float>=0": float,
+          "float>0?": float | None, "betas": tuple, "hardware": MappingProxyType, "lr": object}
+
+
+def freeze(value):
+    """A read-only copy of plain data: mappings become MappingProxyType, lists tuples."""
+    if isinstance(value, (dict, MappingProxyType)):
+        return MappingProxyType({k: freeze(v) for k, v in value.items()})
+    if isinstance(value, (list, tuple)):
+        return tuple(freeze(v) for v in value)
+    return value
+
+
+def thaw(value):
+    """Plain data again (dicts and lists), for JSON and YAML."""
+    if isinstance(value, (dict, MappingProxyType)):
+        return {k: thaw(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [thaw(v) for v in value]
+    return value
+
+
+def _section_class(section, class_name):
+    cls = make_dataclass(class_name, [(k, _TYPES[key.kind]) for k, key in SCHEMA[section].items()],
+                         frozen=True)
+    cls.__module__ = __name__  # make_dataclass names its own module otherwise (pickle needs this one)
+    cls.__doc__ = f"The validated ``{section}`` section (every default filled in; read-only)."
+    return cls
+
+
+TrainInput = _section_class("train_input", "TrainInput")
+EvalInput = _section_class("eval_input", "EvalInput")
+OptimizerSpec = _section_class("optimizer", "OptimizerSpec")
+RunConfig = _section_class("runconfig", "RunConfig")
+_SECTION_CLASSES = {"train_input": TrainInput, "eval_input": EvalInput, "optimizer": OptimizerSpec,
+                    "runconfig": RunConfig}
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    """A validated run: one typed, read-only section per params section; ``model`` is the model's
+    normalised config (``wse_core.nn.build_model(spec.model)`` rebuilds it). ``to_dict`` is the flat
+    params layout, which ``validate`` takes back unchanged (the resolved ``params.yaml`` of a run)."""
+
+    train_input: TrainInput
+    model: MappingProxyType
+    optimizer: OptimizerSpec
+    runconfig: RunConfig
+    eval_input: EvalInput | None = None
+
+    @classmethod
+    def from_dict(cls, d):
+        """From an already validated flat dict (``validate``'s result, or a run's ``run.json``)."""
+        sections = {name: c(**{f.name: freeze(d[name][f.name]) for f in fields(c)})
+                    for name, c in _SECTION_CLASSES.items() if d.get(name) is not None}
+        return cls(model=freeze(d["model"]), **sections)
+
+    def to_dict(self):
+        out = {}
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if value is None:
+                continue
+            out[f.name] = thaw(value) if f.name == "model" else {g.name: thaw(getattr(value, g.name))
+                                                                  for g in fields(value)}
+        return out
+
+
 def _name(key):
     """A key for a message: as written, unless it is long or not a string."""
     return key if isinstance(key, str) and len(key) <= 60 else show(key)
@@ -140,42 +219,108 @@ def _check(path, kind, value):
 
 
 def validate(raw):
-    """Check a params dict; return a new dict with every default filled in."""
+    """Check a params dict of either layout (docs/design.md section 5); return its ``RunSpec``.
+
+    Every problem is gathered before anything is raised: a file with five unknown or unbuilt keys
+    gets one ``ParamsError`` naming all five. Keys that only tune a real system are listed in one
+    ``ParamsWarning``.
+    """
+    spec, _ = check(raw)
+    return spec
+
+
+def check(raw, where="params", overrides=()):
+    """``validate``, also returning the ``KeyReport`` (each key's fate, and the notes). ``overrides``
+    (``key.path=value``) may use either layout's paths: ``trainer.init.model.hidden_size=64`` or
+    ``model.hidden_size=64`` on a file of the trainer layout."""
+    report = modelzoo.KeyReport()
+    flat, problems = _flat(raw, report, list(overrides or ()))
+    spec = _validate_flat(flat, report, problems)
+    for note in report.notes:
+        warnings.warn(modelzoo.ParamsWarning(f"{where}: {note}"), stacklevel=3)
+    modelzoo.warn_tuning(where, report)
+    return spec, report
+
+
+def _flat(raw, report, overrides):
     if not isinstance(raw, dict):
         raise ParamsError(f"params: expected a mapping of sections, got {type(raw).__name__}")
+    problems = []
+    ours = [o for o in overrides if not o.strip().startswith("trainer.")]
+    if modelzoo.is_trainer_layout(raw):
+        raw = apply_overrides(raw, [o for o in overrides if o.strip().startswith("trainer.")])
+        try:
+            raw, unknown = modelzoo.flatten(raw)
+        except ValueError as exc:
+            raise ParamsError(str(exc)) from None
+        for path in unknown:
+            report.fates[path] = "refused: unknown key"
+            problems.append(f"{_name(path)}: unknown key of the trainer layout")
+        report.notes.append("the trainer layout (Model Zoo 2.3 on): read as its flat equivalent "
+                            "(wse params convert writes it out)")
+    elif len(ours) != len(overrides):
+        raise ParamsError(f"--set {_name(next(o for o in overrides if o not in ours))}: this file has the "
+                          "flat layout (train_input, model, optimizer, runconfig), not trainer")
+    return modelzoo.sort_keys(apply_overrides(raw, ours), report), problems
+
+
+def _validate_flat(raw, report, problems):
+    for path, why in report.refused:
+        if not any(p.startswith(path + ":") for p in problems):
+            problems.append(f"{path}: {why}")
     for section in raw:
         if section not in SCHEMA and section != "model":
-            raise ParamsError(f"{_name(section)}: unknown section (known: {', '.join(sorted([*SCHEMA, 'model']))})")
+            report.fates[_name(section)] = "refused: unknown section"
+            problems.append(f"{_name(section)}: unknown section (known: {', '.join(sorted([*SCHEMA, 'model']))})")
     for section in SECTIONS_REQUIRED:
         if section not in raw:
-            raise ParamsError(f"{section}: missing section")
+            problems.append(f"{section}: missing section")
     out = {}
     for section, keys in SCHEMA.items():
         if section not in raw:
             continue
         given = raw[section] if raw[section] is not None else {}
         if not isinstance(given, dict):
-            raise ParamsError(f"{section}: expected a mapping, got {show(given)}")
+            problems.append(f"{section}: expected a mapping, got {show(given)}")
+            continue
         for key in given:
             if key not in keys:
-                raise ParamsError(f"{section}.{_name(key)}: unknown key (known: {', '.join(keys)})")
+                report.fates[f"{section}.{_name(key)}"] = "refused: unknown key"
+                problems.append(f"{section}.{_name(key)}: unknown key (known: {', '.join(keys)})")
         out[section] = {}
         for key, spec in keys.items():
-            if key in given and not (given[key] is None and spec.default is None):
-                out[section][key] = _check(f"{section}.{key}", spec.kind, given[key])
-            elif spec.default is REQUIRED:
-                raise ParamsError(f"{section}.{key}: missing ({spec.help})")
-            else:
-                out[section][key] = copy.deepcopy(spec.default)
-    from wse_core.nn import build_model
+            try:
+                if key in given and not (given[key] is None and spec.default is None):
+                    out[section][key] = _check(f"{section}.{key}", spec.kind, given[key])
+                    report.fates.setdefault(f"{section}.{key}", "honoured")
+                elif spec.default is REQUIRED:
+                    raise ParamsError(f"{section}.{key}: missing ({spec.help})")
+                else:
+                    out[section][key] = copy.deepcopy(spec.default)
+            except ParamsError as exc:
+                problems.append(str(exc))
+    if isinstance(raw.get("model"), dict):
+        from wse_core.nn import build_model
 
-    try:
-        build_model(raw["model"])
-    except (TypeError, ValueError) as exc:
-        raise ParamsError(str(exc)) from None
-    out["model"] = copy.deepcopy(raw["model"])
-    _check_consistency(out)
-    return out
+        try:
+            out["model"] = build_model(raw["model"]).config
+            for key in raw["model"]:
+                report.fates.setdefault(f"model.{key}", "honoured")
+        except (TypeError, ValueError) as exc:
+            problems.append(str(exc))
+    elif "model" in raw:
+        problems.append(f"model: expected a mapping, got {show(raw['model'])}")
+    if not problems:
+        try:
+            _check_consistency(out)
+        except ParamsError as exc:
+            problems.append(str(exc))
+    if len(problems) == 1:
+        raise ParamsError(problems[0], report)
+    if problems:
+        raise ParamsError(f"{len(problems)} keys cannot be used as given (all of them are listed; "
+                          "fix them and run again):\n  " + "\n  ".join(problems), report)
+    return RunSpec.from_dict(out)
 
 
 #: Optimizers a Model Zoo params file may name that are not built here: refused by name, not as unknown.
@@ -289,8 +434,8 @@ def _check_node(root, where):
     walk(root, "", 0)
 
 
-def load(path, overrides=None):
-    """Read, override and validate a params YAML file."""
+def read(path):
+    """A params YAML file as plain data (a mapping), or a ParamsError naming the file."""
     p = Path(path)
     try:
         data = p.read_bytes()
@@ -307,6 +452,11 @@ def load(path, overrides=None):
         where = f" at line {mark.line + 1}" if mark else ""
         raise ParamsError(f"{p}: not valid YAML{where} ({getattr(exc, 'problem', exc)})") from None
     if not isinstance(raw, dict):
-        raise ParamsError(f"{p}: expected a mapping of sections (train_input, model, optimizer, runconfig), "
-                          f"got {'nothing' if raw is None else type(raw).__name__}")
-    return validate(apply_overrides(raw, overrides))
+        raise ParamsError(f"{p}: expected a mapping of sections (train_input, model, optimizer, runconfig; or "
+                          f"trainer), got {'nothing' if raw is None else type(raw).__name__}")
+    return raw
+
+
+def load(path, overrides=None):
+    """Read, override and validate a params YAML file of either layout: its ``RunSpec``."""
+    return check(read(path), str(path), overrides)[0]

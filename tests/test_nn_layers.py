@@ -192,14 +192,31 @@ def test_loss_matches_naive_cross_entropy(rng):
 
 
 def test_gpt2_initialisation(rng):
-    """normal(0, 0.02), residual projections scaled by 1/sqrt(2 layers), LayerNorm (1, 0), seeded."""
+    """Model Zoo's default: truncated_normal(0, 0.02, +-2 std), residual projections scaled by
+    1/sqrt(2 layers) (bounds too), LayerNorm (1, 0), seeded; an initializer given by name is used."""
     cfg = {"name": "gpt2", "vocab_size": 500, "hidden_size": 64, "num_hidden_layers": 8, "num_heads": 4,
            "max_position_embeddings": 64}
     p = build_model(cfg).init_params(seed=7)
+    trunc = 0.02 * math.sqrt(1 - 4 * math.exp(-2) / math.sqrt(2 * math.pi) / math.erf(2 / math.sqrt(2)))
     assert p["wte.weight"].dtype == np.float32
-    assert p["wte.weight"].std() == pytest.approx(0.02, rel=0.05)
-    assert p["blocks.3.mlp.proj.weight"].std() == pytest.approx(0.02 / 4, rel=0.05)
+    assert p["wte.weight"].std() == pytest.approx(trunc, rel=0.03) and np.abs(p["wte.weight"]).max() <= 0.04
+    assert p["blocks.3.mlp.proj.weight"].std() == pytest.approx(trunc / 4, rel=0.05)
+    assert np.abs(p["blocks.3.mlp.proj.weight"]).max() <= 0.04 / 4 < np.abs(p["blocks.3.mlp.fc.weight"]).max()
     assert np.all(p["blocks.0.ln_1.weight"] == 1) and np.all(p["blocks.0.attn.qkv.bias"] == 0)
+    custom = build_model(dict(cfg, initializer={"name": "normal", "std": 0.1}, share_embedding_weights=False,
+                              output_layer_initializer={"name": "uniform", "a": -0.3, "b": 0.3},
+                              embedding_initializer={"name": "truncated_normal", "std": 0.05, "a": -0.01, "b": 0.08}))
+    c = custom.init_params(seed=7)
+    assert c["blocks.0.attn.qkv.weight"].std() == pytest.approx(0.1, rel=0.05)
+    assert c["blocks.0.attn.proj.weight"].min() >= -0.3 and c["blocks.0.attn.proj.weight"].std() == pytest.approx(
+        0.6 / math.sqrt(12), rel=0.05)
+    assert c["wpe.weight"].min() >= -0.01 and c["wpe.weight"].max() <= 0.08 and c["wte.weight"].min() < -0.009
+    assert c["lm_head.weight"].std() == pytest.approx(0.02, rel=0.05)  # untied head: normal(initializer_range)
+    assert not custom.param_specs["blocks.0.ln_1.weight"].decay and custom.param_specs["lm_head.weight"].decay
+    with pytest.raises(ValueError, match=r"model.initializer.name: expected one of normal, truncated_normal"):
+        build_model(dict(cfg, initializer={"name": "orthogonal"}))
+    with pytest.raises(ValueError, match=r"model.initializer: expected a < mean < b"):
+        build_model(dict(cfg, initializer={"name": "truncated_normal", "std": 0.02, "a": 0.1}))
     q = build_model(cfg).init_params(seed=7)
     assert all(p[k].tobytes() == q[k].tobytes() for k in p)
     r = build_model(cfg).init_params(seed=8)

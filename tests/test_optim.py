@@ -235,3 +235,21 @@ def test_make_optimizer():
         make_optimizer("Lion")
     with pytest.raises(ValueError, match="momentum: not a AdamW hyperparameter"):
         make_optimizer("AdamW", momentum=0.9)
+
+
+@pytest.mark.parametrize("kind", ["SGD", "Adam", "AdamW"])
+def test_decay_false_is_the_update_without_weight_decay(kind):
+    """Biases and norm weights (ParamSpec.decay False) take the update of weight_decay 0, bit for bit."""
+    rng = np.random.default_rng(3)
+    w, g = rng.normal(size=(2, 5)).astype(np.float32), rng.normal(size=(2, 5)).astype(np.float32)
+    kw = {"momentum": 0.9} if kind == "SGD" else {}
+    with_wd, without = make_optimizer(kind, lr=0.1, weight_decay=0.5, **kw), make_optimizer(kind, lr=0.1, weight_decay=0.0, **kw)
+    a, b = w.copy(), w.copy()
+    sa, sb = with_wd.init_state(a), without.init_state(b)
+    for t in (1, 2, 3):
+        with_wd.update(a, g, sa, step=t, decay=False)
+        without.update(b, g, sb, step=t)
+    assert a.tobytes() == b.tobytes()
+    with_wd.update(a, g, sa, step=4)
+    without.update(b, g, sb, step=4)
+    assert a.tobytes() != b.tobytes()

@@ -17,9 +17,14 @@ BASE = {
 
 def test_defaults_are_filled_in():
     p = validate(BASE)
-    assert p["train_input"]["micro_batch_size"] == 4 and p["train_input"]["shuffle"] is True
-    assert p["optimizer"]["optimizer_type"] == "AdamW" and p["runconfig"]["swarmx_fanout"] == 2
-    assert "eval_input" not in p and p["model"] == BASE["model"]
+    assert p.train_input.micro_batch_size == 4 and p.train_input.shuffle is True
+    assert p.optimizer.optimizer_type == "AdamW" and p.runconfig.swarmx_fanout == 2
+    assert p.eval_input is None and {k: p.model[k] for k in BASE["model"]} == BASE["model"]
+    assert p.model["filter_size"] == 128 and p.model["nonlinearity"] == "gelu"  # the model's defaults, filled in
+    with pytest.raises(AttributeError):
+        p.runconfig.max_steps = 6  # read-only, all the way down
+    with pytest.raises(TypeError):
+        p.model["hidden_size"] = 64
 
 
 @pytest.mark.parametrize("override,match", [
@@ -60,7 +65,7 @@ def test_load_reports_bad_yaml_with_its_line(tmp_path):
     with pytest.raises(ParamsError, match="cannot read"):
         load(tmp_path / "missing.yaml")
     f.write_text(yaml.safe_dump(BASE))
-    assert load(f, ["runconfig.max_steps=9"])["runconfig"]["max_steps"] == 9
+    assert load(f, ["runconfig.max_steps=9"]).runconfig.max_steps == 9
     with pytest.raises(ParamsError, match="--set nodot=1: expected section.key=value"):
         load(f, ["nodot=1"])
 
@@ -68,8 +73,8 @@ def test_load_reports_bad_yaml_with_its_line(tmp_path):
 def test_the_resolved_params_load_again():
     """What `wse fit` writes into model_dir (every default filled in, nulls included) validates to itself."""
     p = validate(dict(BASE, eval_input={"data_dir": "e", "batch_size": 4}))
-    assert p["eval_input"]["micro_batch_size"] is None and p["optimizer"]["max_gradient_norm"] is None
-    assert validate(yaml.safe_load(yaml.safe_dump(p))) == p
+    assert p.eval_input.micro_batch_size is None and p.optimizer.max_gradient_norm is None
+    assert validate(yaml.safe_load(yaml.safe_dump(p.to_dict()))) == p
 
 
 BAD_FILES = {  # file text -> the one line it must give (after "<file>: ")
@@ -85,7 +90,7 @@ BAD_FILES = {  # file text -> the one line it must give (after "<file>: ")
                   r"line \d+: duplicate key runconfig \(first at line \d+\)"),
     "duplicate inside": ("runconfig:\n  max_steps: 5\n  num_csx: 2\n  max_steps: 50\n",
                          r"line 4: duplicate key runconfig.max_steps \(first at line 2\)"),
-    "empty": ("", r"expected a mapping of sections \(train_input, model, optimizer, runconfig\), got nothing"),
+    "empty": ("", r"expected a mapping of sections \(train_input, model, optimizer, runconfig; or trainer\), got nothing"),
     "a list": ("- 1\n- 2\n", r"expected a mapping of sections .*, got list"),
 }
 
@@ -131,14 +136,14 @@ def test_a_huge_value_is_shown_short():
 def test_set_fills_an_empty_section():
     raw = dict(BASE, eval_input=None)
     p = validate(apply_overrides(raw, ["eval_input.data_dir=e", "eval_input.batch_size=2"]))
-    assert p["eval_input"]["batch_size"] == 2
+    assert p.eval_input.batch_size == 2
     with pytest.raises(ParamsError, match=r"--set runconfig.max_steps={a: 1, a: 2}: line 1: duplicate key a \(first at line 1\)"):
         apply_overrides(BASE, ["runconfig.max_steps={a: 1, a: 2}"])
 
 
 def test_hardware_constants_are_params():
     p = validate(apply_overrides(BASE, ["runconfig.hardware={io_gbps: 600}"]))
-    assert p["runconfig"]["hardware"] == {"io_gbps": 600} and validate(BASE)["runconfig"]["hardware"] == {}
+    assert p.runconfig.hardware == {"io_gbps": 600} and validate(BASE).runconfig.hardware == {}
     with pytest.raises(ParamsError, match="runconfig.hardware.io_gpbs: unknown constant"):
         validate(apply_overrides(BASE, ["runconfig.hardware.io_gpbs=1"]))
     with pytest.raises(ParamsError, match=r"runconfig.hardware.clock_hz: expected a finite number > 0, got \.inf|inf"):

@@ -19,15 +19,15 @@ class Role:
 
         self.comm, self.plan, self.params, self.run_info, self.index = comm, plan, params, run, index
         self.rank = comm.rank
-        self.model = build_model(params["model"])
+        self.model = build_model(params.model)
         self.units = self.model.units
         self.unit_params = self.model.unit_params
-        self.run_dir = RunDir(params["runconfig"]["model_dir"])
+        self.run_dir = RunDir(params.runconfig.model_dir)
         self.model_dir = self.run_dir.path
-        self.max_steps = params["runconfig"]["max_steps"]
+        self.max_steps = params.runconfig.max_steps
         self.start_step = run["start_step"]
-        t = params["train_input"]
-        self.batch_size, self.mbs = t["batch_size"], t["micro_batch_size"]
+        t = params.train_input
+        self.batch_size, self.mbs = t.batch_size, t.micro_batch_size
         self.per_csx = self.batch_size // plan.num_csx
         self.n_micro = self.per_csx // self.mbs
         # The MemoryX that owns each parameter: the owner of the first unit that uses it.
@@ -41,7 +41,7 @@ class Role:
         protocol.configure(units=len(self.units), micro_batches=self.n_micro,
                            arrays_per_unit=max(len(p) for p in self.unit_params))
         # Simulated time: the hardware, this rank's clock, and the bytes each unit streams.
-        self.hw = Hardware.from_params(params["runconfig"]["hardware"])
+        self.hw = Hardware.from_params(params.runconfig.hardware)
         self.clock = Clock()
         self.unit_stream_bytes = stream_bytes(self.model, self.hw.bytes_per_value)
 
@@ -59,7 +59,7 @@ class Role:
     def step_done(self, step):
         """After the first step every rank is past its imports: from now on a silent peer is a lost one."""
         if step == self.start_step:
-            msg.set_timeout(self.params["runconfig"]["peer_timeout"])
+            msg.set_timeout(self.params.runconfig.peer_timeout)
 
     def log(self, text):
         self.log_file.write(f"{time.strftime('%H:%M:%S')} {text}\n")

@@ -23,8 +23,8 @@ class Coordinator(Role):
         from wse_core.optim import clip_coefficient, make_schedule
         from wse_core.perf.step import io_seconds, update_seconds
 
-        o, r = self.params["optimizer"], self.params["runconfig"]
-        schedule = make_schedule(o["learning_rate"], key="optimizer.learning_rate")
+        o, r = self.params.optimizer, self.params.runconfig
+        schedule = make_schedule(o.learning_rate, key="optimizer.learning_rate")
         names = self.model.param_names
         metrics = LineLog(self.run_dir.metrics)
         try:  # TensorBoard event files when a writer package is installed
@@ -37,7 +37,7 @@ class Coordinator(Role):
             if self.start_step < self.max_steps:
                 print("TensorBoard: tensorboardX is not installed (pip install tensorboardx); "
                       "metrics are in metrics.jsonl", flush=True)
-        params_yaml = yaml.safe_dump(self.params, sort_keys=False)
+        params_yaml = yaml.safe_dump(self.params.to_dict(), sort_keys=False)
         clock, lat = self.clock, self.hw.swarmx_hop_latency_s
         # Parts of a simulated step that do not change from step to step.
         stream_s = io_seconds(self.model, self.hw)
@@ -57,10 +57,10 @@ class Coordinator(Role):
                       for rank in self.plan.memoryx]
             path = writer.commit(tables, params_yaml=params_yaml,
                                  loader_state={"step": save_step, "stream_position": save_step * self.batch_size},
-                                 rng_state={"seed": r["seed"], "shuffle_seed": self.params["train_input"]["shuffle_seed"]})
+                                 rng_state={"seed": r.seed, "shuffle_seed": self.params.train_input.shuffle_seed})
             print(f"saved checkpoint {path}", flush=True)
 
-        initial = self.start_step == 0 and r["save_initial_checkpoint"]
+        initial = self.start_step == 0 and r.save_initial_checkpoint
         control(0.0, 0.0, 0 if initial else None)
         t0, sim_t0 = time.perf_counter(), clock.now
         for step in range(self.start_step, self.max_steps):
@@ -86,10 +86,10 @@ class Coordinator(Role):
                 total += sumsq[n]
             divisor = self.model.loss_divisor(n_tokens, self.batch_size)  # as the reference step
             norm = math.sqrt(total) / divisor
-            coef = 1.0 if o["max_gradient_norm"] is None else clip_coefficient(norm, o["max_gradient_norm"])
+            coef = 1.0 if o.max_gradient_norm is None else clip_coefficient(norm, o.max_gradient_norm)
             lr = schedule(step)
             last = step + 1 == self.max_steps
-            save = bool(r["checkpoint_steps"] and (step + 1) % r["checkpoint_steps"] == 0) or last
+            save = bool(r.checkpoint_steps and (step + 1) % r.checkpoint_steps == 0) or last
             dt = time.perf_counter() - t0  # since the previous step's update was ordered: one step period
             sim = clock.now - sim_t0       # the same period in the emulated hardware's time
             record = {"step": step + 1, "loss": loss_sum / divisor, "tokens": n_tokens, "grad_norm": norm,
@@ -103,7 +103,7 @@ class Coordinator(Role):
             if board is not None:
                 for key in ("loss", "grad_norm", "lr", "samples_per_s", "sim_step_s", "sim_samples_per_s"):
                     board.add_scalar(f"train/{key}", record[key], step + 1)
-            if (step + 1) % r["log_steps"] == 0 or last or step == self.start_step:
+            if (step + 1) % r.log_steps == 0 or last or step == self.start_step:
                 print(f"step {step + 1:>5}/{self.max_steps}  loss {record['loss']:.4f}  "
                       f"grad_norm {norm:.3f}  lr {lr:.2e}  {record['samples_per_s']:.1f} samples/s "
                       f"(simulated: {record['sim_samples_per_s']:.1f})", flush=True)

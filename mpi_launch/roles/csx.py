@@ -45,7 +45,7 @@ class CS2(Role):
                 if lm:
                     a = [np.empty((self.mbs, 3, self.seq_len()), np.int32)]
                 else:
-                    a = [np.empty((self.mbs, self.params["model"]["input_size"]), np.float32),
+                    a = [np.empty((self.mbs, self.params.model["input_size"]), np.float32),
                          np.empty(self.mbs, np.int32)]
                 raw.append(a)
                 data_reqs += [self.comm.Irecv(x, source=src, tag=tag(DATA, m, i)) for i, x in enumerate(a)]
@@ -127,7 +127,7 @@ class CS2(Role):
         from data_tools.dataset import Dataset
 
         if not hasattr(self, "_seq"):
-            self._seq = int(Dataset(self.params["train_input"]["data_dir"]).example_shape[-1])
+            self._seq = int(Dataset(self.params.train_input.data_dir).example_shape[-1])
         return self._seq
 
     @staticmethod

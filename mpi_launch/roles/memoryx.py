@@ -20,19 +20,19 @@ class MemoryX(Role):
         from wse_core.optim import make_optimizer, sum_of_squares
         from wse_core.perf.step import update_seconds
 
-        o = self.params["optimizer"]
-        kwargs = {"lr": 0.0, "weight_decay": o["weight_decay"]}
-        if o["optimizer_type"].lower() == "sgd":
-            kwargs.update(momentum=o["momentum"], nesterov=o["nesterov"])
+        o = self.params.optimizer
+        kwargs = {"lr": 0.0, "weight_decay": o.weight_decay}
+        if o.optimizer_type.lower() == "sgd":
+            kwargs.update(momentum=o.momentum, nesterov=o.nesterov)
         else:
-            kwargs.update(betas=tuple(o["betas"]), eps=o["eps"])
-        self.optimizer = make_optimizer(o["optimizer_type"], **kwargs)
+            kwargs.update(betas=tuple(o.betas), eps=o.eps)
+        self.optimizer = make_optimizer(o.optimizer_type, **kwargs)
         owned = [n for n in self.model.param_names if self.param_owner[n] == self.index]
         if self.run_info["checkpoint"]:
             self.weights, self.state = Checkpoint(self.run_info["checkpoint"]).load(owned)
             self.log(f"loaded {len(owned)} parameters from {self.run_info['checkpoint']}")
         else:
-            self.weights = self.model.init_params(self.params["runconfig"]["seed"], names=owned)
+            self.weights = self.model.init_params(self.params.runconfig.seed, names=owned)
             self.state = {n: self.optimizer.init_state(self.weights[n]) for n in owned}
         self.owned = owned
         # The CSR pattern of owned sparse weights, saved with every checkpoint beside their values.
@@ -75,7 +75,8 @@ class MemoryX(Role):
                 t_opt = time.perf_counter()
                 for n in owned:
                     self.optimizer.update(self.weights[n], total[n], self.state[n], step=step + 1,
-                                          lr=control["lr"], grad_scale=control["grad_scale"], name=n)
+                                          lr=control["lr"], grad_scale=control["grad_scale"], name=n,
+                                          decay=self.model.param_specs[n].decay)
                 clock.advance(update_s)
                 self.timing(step, optimizer=time.perf_counter() - t_opt, at_grads_in=at_grads_in,
                             bytes_out=2 * sum(self.weights[n].nbytes for _, _, n in uses),

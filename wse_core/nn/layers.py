@@ -23,15 +23,22 @@ from wse_core.nn.gemm import matmul
 
 @dataclass(frozen=True)
 class ParamSpec:
-    """Shape and initialisation of one parameter: ("normal", std), ("uniform", bound), ("zeros",) or ("ones",).
+    """Shape and initialisation of one parameter (``init``: see ``wse_core.nn.models.INITIALIZERS``).
 
     A sparse weight has ``structure``: the CSR pattern of its dense ``[out, in]`` matrix; the
     parameter itself is then the 1-D array of its nonzero values (``shape == (nnz,)``).
+    ``decay`` is False for biases and norm weights, which take no weight decay (as in Model Zoo).
     """
 
     shape: tuple
     init: tuple
     structure: object = field(default=None, compare=False)
+    decay: bool = True
+
+
+def fixed_spec(shape, value):
+    """A bias (zeros) or a norm weight (ones): no weight decay."""
+    return ParamSpec(shape, (value,), decay=False)
 
 
 def sparse_structure(name, out_features, in_features, density, seed):
@@ -115,14 +122,14 @@ class Unit:
 class Embedding(Unit):
     """Token plus learned position embeddings: h[b, t] = wte[ids[b, t]] + wpe[t]."""
 
-    def __init__(self, vocab_size, max_positions, hidden_size, ops=fused_ops):
+    def __init__(self, vocab_size, max_positions, hidden_size, ops=fused_ops, init=("normal", 0.0, 0.02)):
         self.name = "embedding"
         self.vocab_size, self.max_positions, self.hidden = vocab_size, max_positions, hidden_size
-        self.ops = ops
+        self.ops, self.init = ops, init
 
     def param_specs(self):
-        return {"wte.weight": ParamSpec((self.vocab_size, self.hidden), ("normal", 0.02)),
-                "wpe.weight": ParamSpec((self.max_positions, self.hidden), ("normal", 0.02))}
+        return {"wte.weight": ParamSpec((self.vocab_size, self.hidden), self.init),
+                "wpe.weight": ParamSpec((self.max_positions, self.hidden), self.init)}
 
     def forward(self, ids, params):
         b, t = ids.shape
@@ -142,7 +149,7 @@ class TransformerBlock(Unit):
     """GPT-2 block: x + attn(ln_1(x)), then x + mlp(ln_2(x)); causal multi-head self-attention."""
 
     def __init__(self, index, hidden_size, num_heads, filter_size, eps, num_layers, ops=fused_ops,
-                 density=1.0, sparsity_seed=0, nonlinearity="gelu"):
+                 density=1.0, sparsity_seed=0, nonlinearity="gelu", init=None):
         self.name = f"blocks.{index}"
         # "gelu": exact, erf (Model Zoo's and torch's); "gelu_new": GPT-2's tanh approximation.
         self.exact_gelu = nonlinearity == "gelu"
@@ -151,27 +158,30 @@ class TransformerBlock(Unit):
         self.head_dim = hidden_size // num_heads
         self.num_layers = num_layers
         self.ops = ops
+        # {"weight": init of q/k/v and fc, "output": init of the two residual projections}; by
+        # default GPT-2's: normal(0.02), the projections scaled by 1/sqrt(2 * layers).
+        self.init = init or {"weight": ("normal", 0.0, 0.02),
+                             "output": ("normal", 0.0, 0.02 / math.sqrt(2 * num_layers))}
         self.specs = self._specs(density, sparsity_seed)
         # The CSR pattern of each sparse Linear weight (none when dense).
         self.structure = {n: s.structure for n, s in self.specs.items() if s.structure is not None}
 
     def _specs(self, density, seed):
         c, f, p = self.hidden, self.filter, self.p
-        # GPT-2: residual projections are scaled by 1/sqrt(2 * layers) at initialisation.
-        resid = ("normal", 0.02 / math.sqrt(2 * self.num_layers))
+        w, resid = self.init["weight"], self.init["output"]
         return {
-            p + "ln_1.weight": ParamSpec((c,), ("ones",)),
-            p + "ln_1.bias": ParamSpec((c,), ("zeros",)),
-            p + "attn.qkv.weight": weight_spec(p + "attn.qkv.weight", 3 * c, c, ("normal", 0.02), density, seed),
-            p + "attn.qkv.bias": ParamSpec((3 * c,), ("zeros",)),
+            p + "ln_1.weight": fixed_spec((c,), "ones"),
+            p + "ln_1.bias": fixed_spec((c,), "zeros"),
+            p + "attn.qkv.weight": weight_spec(p + "attn.qkv.weight", 3 * c, c, w, density, seed),
+            p + "attn.qkv.bias": fixed_spec((3 * c,), "zeros"),
             p + "attn.proj.weight": weight_spec(p + "attn.proj.weight", c, c, resid, density, seed),
-            p + "attn.proj.bias": ParamSpec((c,), ("zeros",)),
-            p + "ln_2.weight": ParamSpec((c,), ("ones",)),
-            p + "ln_2.bias": ParamSpec((c,), ("zeros",)),
-            p + "mlp.fc.weight": weight_spec(p + "mlp.fc.weight", f, c, ("normal", 0.02), density, seed),
-            p + "mlp.fc.bias": ParamSpec((f,), ("zeros",)),
+            p + "attn.proj.bias": fixed_spec((c,), "zeros"),
+            p + "ln_2.weight": fixed_spec((c,), "ones"),
+            p + "ln_2.bias": fixed_spec((c,), "zeros"),
+            p + "mlp.fc.weight": weight_spec(p + "mlp.fc.weight", f, c, w, density, seed),
+            p + "mlp.fc.bias": fixed_spec((f,), "zeros"),
             p + "mlp.proj.weight": weight_spec(p + "mlp.proj.weight", c, f, resid, density, seed),
-            p + "mlp.proj.bias": ParamSpec((c,), ("zeros",)),
+            p + "mlp.proj.bias": fixed_spec((c,), "zeros"),
         }
 
     def param_specs(self):
@@ -245,17 +255,20 @@ class TransformerBlock(Unit):
 class LMHead(Unit):
     """Final LayerNorm and the output projection to vocabulary logits (tied to ``wte.weight`` or not)."""
 
-    def __init__(self, hidden_size, vocab_size, eps, tied, ops=fused_ops):
+    def __init__(self, hidden_size, vocab_size, eps, tied, ops=fused_ops, embedding_init=("normal", 0.0, 0.02),
+                 head_init=("normal", 0.0, 0.02)):
         self.name = "head"
         self.hidden, self.vocab_size, self.eps = hidden_size, vocab_size, eps
         self.weight = "wte.weight" if tied else "lm_head.weight"
+        # A tied head is the embedding (same spec as the Embedding unit's); an untied one has its own.
+        self.init = embedding_init if tied else head_init
         self.ops = ops
 
     def param_specs(self):
         c = self.hidden
-        return {"ln_f.weight": ParamSpec((c,), ("ones",)),
-                "ln_f.bias": ParamSpec((c,), ("zeros",)),
-                self.weight: ParamSpec((self.vocab_size, c), ("normal", 0.02))}
+        return {"ln_f.weight": fixed_spec((c,), "ones"),
+                "ln_f.bias": fixed_spec((c,), "zeros"),
+                self.weight: ParamSpec((self.vocab_size, c), self.init)}
 
     def forward(self, x, params):
         b, t, c = x.shape
@@ -287,8 +300,9 @@ class Dense(Unit):
         self.ops = ops
         # PyTorch's nn.Linear default: U(-1/sqrt(in), 1/sqrt(in)) for weight and bias.
         bound = 1.0 / math.sqrt(self.in_features)
-        w = weight_spec(self.p + "weight", out_features, in_features, ("uniform", bound), density, sparsity_seed)
-        self.specs = {self.p + "weight": w, self.p + "bias": ParamSpec((self.out_features,), ("uniform", bound))}
+        w = weight_spec(self.p + "weight", out_features, in_features, ("uniform", -bound, bound), density, sparsity_seed)
+        self.specs = {self.p + "weight": w,
+                      self.p + "bias": ParamSpec((self.out_features,), ("uniform", -bound, bound), decay=False)}
         self.structure = w.structure
 
     def param_specs(self):

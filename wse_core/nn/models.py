@@ -8,6 +8,7 @@ Batches are dicts of arrays whose first axis is the sample:
   fc_mlp: ``features`` float ``[B, input_size]``, ``labels`` int32 ``[B]`` (every sample counts)
 """
 import zlib
+from collections.abc import Mapping
 
 import numpy as np
 
@@ -16,6 +17,71 @@ from wse_core.nn import ops as fused_ops
 from wse_core.nn.layers import Dense, Embedding, LMHead, TransformerBlock
 
 ACTIVATIONS = ("relu", "gelu", "gelu_new")  # gelu: exact (erf), as Model Zoo; gelu_new: tanh
+
+#: Model Zoo's initializers by name, as ``model.initializer`` & co. spell them: their keys and defaults
+#: (truncated_normal's a, b default to -2 std, +2 std, as Model Zoo's). A resolved initializer is a tuple
+#: (name, *values in this order), the ``init`` of a ParamSpec.
+INITIALIZERS = {"normal": {"mean": 0.0, "std": 0.05}, "truncated_normal": {"mean": 0.0, "std": 0.05, "a": None, "b": None},
+                "uniform": {"a": -0.05, "b": 0.05}, "constant": {"val": 0.0}, "zeros": {}, "ones": {}}
+
+
+def draw(init, shape, rng):
+    """Values of a parameter initialised by ``init`` (a resolved tuple) from ``rng``, in float64.
+
+    truncated_normal redraws the values outside [a, b] until none is (as torch's trunc_normal_ in
+    distribution; not in bits, which depend on the generator)."""
+    kind, *v = init
+    if kind == "normal":
+        return rng.normal(v[0], v[1], shape)
+    if kind == "truncated_normal":
+        mean, std, a, b = v
+        x = rng.normal(mean, std, shape)
+        bad = (x < a) | (x > b)
+        while bad.any():
+            x[bad] = rng.normal(mean, std, int(bad.sum()))
+            bad = (x < a) | (x > b)
+        return x
+    if kind == "uniform":
+        return rng.uniform(v[0], v[1], shape)
+    return np.full(shape, {"zeros": 0.0, "ones": 1.0}.get(kind, v[0] if v else 0.0))
+
+
+def resolve_initializer(value, key):
+    """A ``model.*initializer`` mapping (``{name: truncated_normal, std: 0.02}``) as a resolved tuple."""
+    if not isinstance(value, Mapping):
+        raise TypeError(f"{key}: expected a mapping with a name (one of {', '.join(INITIALIZERS)}), got {show(value)}")
+    name = value.get("name")
+    if name not in INITIALIZERS:
+        raise ValueError(f"{key}.name: expected one of {', '.join(INITIALIZERS)}, got {show(name)}")
+    args = dict(INITIALIZERS[name])
+    for k, v in value.items():
+        if k == "name":
+            continue
+        if k not in args:
+            raise ValueError(f"{key}.{k}: not a key of {name} (keys: {', '.join(args) or 'none'})")
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not np.isfinite(v):
+            raise ValueError(f"{key}.{k}: expected a number, got {show(v)}")
+        args[k] = float(v)
+    if name in ("normal", "truncated_normal") and not args["std"] > 0:
+        raise ValueError(f"{key}.std: expected a number > 0, got {show(args['std'])}")
+    if name == "truncated_normal":
+        args["a"] = -2 * args["std"] if args["a"] is None else args["a"]
+        args["b"] = 2 * args["std"] if args["b"] is None else args["b"]
+        if not args["a"] < args["mean"] < args["b"]:
+            raise ValueError(f"{key}: expected a < mean < b, got a={args['a']:g}, mean={args['mean']:g}, b={args['b']:g}")
+    if name == "uniform" and not args["a"] < args["b"]:
+        raise ValueError(f"{key}: expected a < b, got a={args['a']:g}, b={args['b']:g}")
+    return (name, *args.values())
+
+
+def scaled(init, factor):
+    """``init`` with its spread (std and bounds) multiplied by ``factor`` (Model Zoo's depth scaling)."""
+    kind, *v = init
+    if kind == "normal":
+        return (kind, v[0], v[1] * factor)
+    if kind == "truncated_normal":
+        return (kind, v[0], v[1] * factor, v[2] * factor, v[3] * factor)
+    return init
 
 
 class Model:
@@ -75,16 +141,7 @@ class Model:
         for name in (self.param_names if names is None else names):
             spec = self.param_specs[name]
             rng = np.random.default_rng([int(seed), zlib.crc32(name.encode())])
-            kind = spec.init[0]
-            if kind == "normal":
-                value = rng.normal(0.0, spec.init[1], spec.shape)
-            elif kind == "uniform":
-                value = rng.uniform(-spec.init[1], spec.init[1], spec.shape)
-            elif kind == "ones":
-                value = np.ones(spec.shape)
-            else:
-                value = np.zeros(spec.shape)
-            params[name] = np.ascontiguousarray(value, dtype=dtype)
+            params[name] = np.ascontiguousarray(draw(spec.init, spec.shape, rng), dtype=dtype)
         return params
 
     # -- batches --------------------------------------------------------------------------------
@@ -181,7 +238,8 @@ class Model:
 
 _GPT2_KEYS = {"name", "vocab_size", "hidden_size", "num_hidden_layers", "num_heads", "filter_size",
               "max_position_embeddings", "layer_norm_epsilon", "share_embedding_weights", "sparsity",
-              "sparsity_seed", "nonlinearity", "loss_scaling", "loss_weight"}
+              "sparsity_seed", "nonlinearity", "loss_scaling", "loss_weight", "initializer_range", "initializer",
+              "embedding_initializer", "output_layer_initializer"}
 _MLP_KEYS = {"name", "input_size", "hidden_sizes", "num_classes", "activation", "sparsity", "sparsity_seed"}
 
 
@@ -214,19 +272,22 @@ def _check_keys(cfg, known):
 
 def build_model(cfg, ops=fused_ops):
     """Build a ``Model`` from the ``model`` section of the params (a plain dict)."""
-    if not isinstance(cfg, dict):
+    if not isinstance(cfg, Mapping):
         raise TypeError(f"model: expected a mapping, got {type(cfg).__name__}")
     name = cfg.get("name")
-    if name == "gpt2":
+    if name in ("gpt2", "gpt3"):  # Model Zoo's gpt3 is the GPT-2 architecture in Cerebras-GPT's shapes
         return _build_gpt2(cfg, ops)
     if name == "fc_mlp":
         return _build_fc_mlp(cfg, ops)
-    raise ValueError(f"model.name: unknown model {show(name)} (known: gpt2, fc_mlp)")
+    if name == "llama":
+        raise ValueError("model.name: llama (RMSNorm, rotary positions, SwiGLU) is not built yet (built: gpt2, "
+                         "gpt3, fc_mlp)")
+    raise ValueError(f"model.name: unknown model {show(name)} (known: gpt2, gpt3, fc_mlp)")
 
 
 def _build_gpt2(cfg, ops):
     _check_keys(cfg, _GPT2_KEYS)
-    c = {"name": "gpt2"}
+    c = {"name": cfg["name"]}
     for key in ("vocab_size", "hidden_size", "num_hidden_layers", "num_heads", "max_position_embeddings"):
         c[key] = _int(cfg, key)
     c["filter_size"] = _int(cfg, "filter_size") if "filter_size" in cfg else 4 * c["hidden_size"]
@@ -257,11 +318,42 @@ def _build_gpt2(cfg, ops):
                          "uses by default; gelu_new, GPT-2's tanh approximation)")
     c["nonlinearity"] = act
     density, seed = _sparsity(cfg, c)
-    units = [Embedding(c["vocab_size"], c["max_position_embeddings"], c["hidden_size"], ops)]
+    init = _decoder_initializers(cfg, c)
+    units = [Embedding(c["vocab_size"], c["max_position_embeddings"], c["hidden_size"], ops, init["embedding"])]
     units += [TransformerBlock(i, c["hidden_size"], c["num_heads"], c["filter_size"], c["layer_norm_epsilon"],
-                               c["num_hidden_layers"], ops, density, seed, act) for i in range(c["num_hidden_layers"])]
-    units.append(LMHead(c["hidden_size"], c["vocab_size"], c["layer_norm_epsilon"], tied, ops))
+                               c["num_hidden_layers"], ops, density, seed, act, init)
+              for i in range(c["num_hidden_layers"])]
+    units.append(LMHead(c["hidden_size"], c["vocab_size"], c["layer_norm_epsilon"], tied, ops, init["embedding"],
+                        init["head"]))
     return Model("gpt2", c, units, ops)
+
+
+def _decoder_initializers(cfg, c):
+    """Model Zoo's initializers of a decoder (docs/design.md section 5): the default is
+    truncated_normal(0, initializer_range, +-2 std); ``initializer`` sets q/k/v and fc (and the
+    residual projections, unless ``output_layer_initializer`` does); the residual projections'
+    default is the default scaled by 1/sqrt(2 layers); ``embedding_initializer`` sets both
+    embeddings; an untied LM head is normal(0, initializer_range)."""
+    std = cfg.get("initializer_range", 0.02)
+    if isinstance(std, bool) or not isinstance(std, (int, float)) or not 0 < std < float("inf"):
+        raise ValueError(f"model.initializer_range: expected a number > 0, got {show(std)}")
+    c["initializer_range"] = float(std)
+    default = ("truncated_normal", 0.0, c["initializer_range"], -2 * c["initializer_range"], 2 * c["initializer_range"])
+    given = {}
+    for key in ("initializer", "embedding_initializer", "output_layer_initializer"):
+        c[key] = cfg.get(key)
+        if c[key] is not None:
+            given[key] = resolve_initializer(c[key], f"model.{key}")
+            c[key] = dict(c[key])
+    weight = given.get("initializer", default)
+    if "output_layer_initializer" in given:
+        output = given["output_layer_initializer"]
+    elif "initializer" in given:
+        output = weight
+    else:
+        output = scaled(default, (2 * c["num_hidden_layers"]) ** -0.5)
+    return {"weight": weight, "output": output, "embedding": given.get("embedding_initializer", default),
+            "head": ("normal", 0.0, c["initializer_range"])}
 
 
 def _build_fc_mlp(cfg, ops):

@@ -10,7 +10,8 @@ One step on a global batch of B samples split into micro-batches of ``micro_batc
 4. the loss is the mean over the masked-in tokens N of the global batch, so the gradient is the
    sum / N (or, with ``model.loss_scaling: batch_size``, sum / B * loss_weight: ``model.loss_divisor``). With clipping, the norm of that mean gradient is clipped to ``max_gradient_norm``.
    Both factors are folded into the optimizer's ``grad_scale``: no extra pass over the gradients;
-5. the optimizer updates each parameter in place, in ``Model.param_names`` order.
+5. the optimizer updates each parameter in place, in ``Model.param_names`` order; biases and norm
+   weights take no weight decay (``ParamSpec.decay``), as in Model Zoo.
 """
 from dataclasses import dataclass
 
@@ -62,7 +63,7 @@ def apply_update(model, params, opt_state, optimizer, grads, divisor, *, step, l
     coef = 1.0 if max_gradient_norm is None else clip_coefficient(norm, max_gradient_norm)
     for name in names:
         optimizer.update(params[name], grads[name], opt_state[name], step=step, lr=lr,
-                         grad_scale=coef / divisor, name=name)
+                         grad_scale=coef / divisor, name=name, decay=model.param_specs[name].decay)
     return norm
 
 

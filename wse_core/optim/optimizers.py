@@ -44,11 +44,12 @@ class Optimizer:
         check_float_array("param", param)
         return {k: np.zeros_like(param) for k in self.state_names}
 
-    def update(self, param, grad, state, *, step, lr=None, grad_scale=1.0, name="param"):
+    def update(self, param, grad, state, *, step, lr=None, grad_scale=1.0, name="param", decay=True):
         """Apply update number ``step`` (1-based) to ``param`` and ``state`` in place.
 
         ``lr`` overrides the constructor's learning rate for this update (a schedule's value);
-        ``name`` is used in error messages.
+        ``decay=False`` leaves out the weight decay (a bias or a norm weight, as torch's parameter
+        groups with ``weight_decay: 0`` do); ``name`` is used in error messages.
         """
         p = check_float_array(name, param, writeable=True)
         g = check_like(f"grad of {name}", grad, name, param)
@@ -63,9 +64,9 @@ class Optimizer:
             raise ValueError(f"step: expected an integer >= 1 (1-based update count), got {show(step)}")
         lr = self.lr if lr is None else check_number("lr", lr, low=0.0)
         grad_scale = check_number("grad_scale", grad_scale, low=0.0)
-        self._apply(p, g, bufs, int(step), lr, grad_scale)
+        self._apply(p, g, bufs, int(step), lr, grad_scale, self.weight_decay if decay else 0.0)
 
-    def _apply(self, p, g, bufs, step, lr, grad_scale):
+    def _apply(self, p, g, bufs, step, lr, grad_scale, weight_decay):
         raise NotImplementedError
 
 
@@ -89,12 +90,12 @@ class SGD(Optimizer):
         self.nesterov = nesterov
         self.state_names = ("momentum_buffer",) if self.momentum != 0.0 else ()
 
-    def _apply(self, p, g, bufs, step, lr, grad_scale):
+    def _apply(self, p, g, bufs, step, lr, grad_scale, weight_decay):
         if self.momentum == 0.0:
-            _kernels.sgd(p, g, lr, self.weight_decay, grad_scale)
+            _kernels.sgd(p, g, lr, weight_decay, grad_scale)
         else:
             _kernels.sgd_momentum(p, g, bufs["momentum_buffer"], lr, self.momentum, self.dampening,
-                                  self.weight_decay, self.nesterov, step == 1, grad_scale)
+                                  weight_decay, self.nesterov, step == 1, grad_scale)
 
 
 class Adam(Optimizer):
@@ -116,9 +117,9 @@ class Adam(Optimizer):
         self.eps = check_number("eps", eps, low=0.0)
         self.weight_decay = check_number("weight_decay", weight_decay, low=0.0)
 
-    def _apply(self, p, g, bufs, step, lr, grad_scale):
+    def _apply(self, p, g, bufs, step, lr, grad_scale, weight_decay):
         _kernels.adam(p, g, bufs["exp_avg"], bufs["exp_avg_sq"], lr, self.betas[0], self.betas[1],
-                      self.eps, self.weight_decay, self._decoupled, step, grad_scale)
+                      self.eps, weight_decay, self._decoupled, step, grad_scale)
 
 
 class AdamW(Adam):

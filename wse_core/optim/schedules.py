@@ -20,6 +20,7 @@ relative to its own start. ``alpha`` (a TensorFlow leftover in old files) is acc
 Model Zoo's PyTorch schedulers, has no effect. ``LambdaLR`` needs code and is refused.
 """
 import math
+from collections.abc import Mapping
 from dataclasses import MISSING, dataclass, fields
 
 from wse_core._checks import check_number, show
@@ -394,7 +395,7 @@ def _int(v, where):
 
 
 def _one(spec, key, last):
-    if not isinstance(spec, dict):
+    if not isinstance(spec, Mapping):
         raise TypeError(f"{key}: expected a number or a mapping with a 'scheduler' key, got {show(spec)}")
     if "scheduler" not in spec:
         raise ValueError(f"{key}.scheduler: missing (one of {_KNOWN})")
@@ -443,7 +444,7 @@ def make_schedule(spec, key="learning_rate"):
     if isinstance(spec, (list, tuple)):
         if not spec:
             raise ValueError(f"{key}: expected at least one scheduler, got an empty list")
-        chained = any(isinstance(s, dict) and str(s.get("main_scheduler", "")).lower() in ("chained", "chainedlr")
+        chained = any(isinstance(s, Mapping) and str(s.get("main_scheduler", "")).lower() in ("chained", "chainedlr")
                       for s in spec)
         scheds = tuple(_one(s, f"{key}[{i}]", chained or i == len(spec) - 1) for i, s in enumerate(spec))
         if len(scheds) == 1:

@@ -1,0 +1,490 @@
+"""Model Zoo params files as they are: both layouts, and a fate for every key.
+
+Model Zoo has written params in two layouts. The *flat* one (1.x to 2.3: sections
+``train_input``, ``eval_input``, ``model``, ``optimizer``, ``runconfig``, ``sparsity``) is the one
+wse-cluster reads natively. The *trainer* one (2.3 on: ``trainer.init.{model, optimizer, schedulers,
+precision, loop, checkpoint, logging, callbacks, backend}``, ``trainer.fit.{train_dataloader,
+val_dataloader}``, ``trainer.validate``) is translated into it by ``flatten`` and written back by
+``to_trainer`` (``wse params convert``); docs/design.md section 5.
+
+``sort_keys`` then gives every key of a flat params dict its fate (docs/design.md, "every key has
+a fate"):
+
+- **honoured**: a key wse-cluster implements, under its own name or a Model Zoo alias (1.x
+  ``beta1``/``beta2``/``epsilon``/``weight_decay_rate``, ``use_rms_norm``, ...), renamed in place;
+- **honoured, same value**: a key naming what wse-cluster always does (``position_embedding_type:
+  learned``, ``use_ffn_bias: true``, ``correct_bias: true``); any other value is refused;
+- **tuning**: a key that only tunes the hardware, the input pipeline or logging on a real system
+  and cannot change the numerics (``data_processor``, ``num_workers``, ``precision_opt_level``):
+  accepted, dropped, and listed in one warning;
+- **refused**: a key that would change the numerics and is not built (``adjust_learning_rate``, a
+  ``sparsity`` section, ``mixed_precision: true``), or a key nobody knows (a typo): every such key
+  goes into one error, so a file is fixed in one pass.
+"""
+import copy
+import warnings
+
+from wse_core._checks import show
+
+
+class ParamsWarning(UserWarning):
+    """Keys accepted without effect (they tune what an emulator has not got), listed once."""
+
+
+# -- the trainer layout ---------------------------------------------------------------------------
+
+#: (trainer path under ``trainer.init``, flat path): scalar keys with a fixed home in both layouts.
+#: The cluster keys of wse-cluster's own (swarmx_fanout, timeouts, hardware) live beside Model Zoo's
+#: in ``backend.cluster_config``.
+INIT_HOMES = (
+    ("model_dir", "runconfig.model_dir"),
+    ("seed", "runconfig.seed"),
+    ("backend.backend_type", "runconfig.target_device"),
+    ("backend.compile_only", "runconfig.compile_only"),
+    ("backend.validate_only", "runconfig.validate_only"),
+    ("backend.cluster_config.num_csx", "runconfig.num_csx"),
+    ("backend.cluster_config.max_wgt_servers", "runconfig.num_wgt_servers"),
+    ("backend.cluster_config.num_workers_per_csx", "runconfig.num_workers_per_csx"),
+    ("backend.cluster_config.swarmx_fanout", "runconfig.swarmx_fanout"),
+    ("backend.cluster_config.peer_timeout", "runconfig.peer_timeout"),
+    ("backend.cluster_config.startup_timeout", "runconfig.startup_timeout"),
+    ("backend.cluster_config.hardware", "runconfig.hardware"),
+    ("precision.enabled", "model.mixed_precision"),
+    ("precision.fp16_type", "model.fp16_type"),
+    ("precision.precision_opt_level", "runconfig.precision_opt_level"),
+    ("precision.loss_scaling_factor", "optimizer.loss_scaling_factor"),
+    ("precision.initial_loss_scale", "optimizer.initial_loss_scale"),
+    ("precision.steps_per_increase", "optimizer.steps_per_increase"),
+    ("precision.min_loss_scale", "optimizer.min_loss_scale"),
+    ("precision.max_loss_scale", "optimizer.max_loss_scale"),
+    ("precision.max_gradient_norm", "optimizer.max_gradient_norm"),
+    ("precision.max_gradient_value", "optimizer.max_gradient_value"),
+    ("precision.log_loss_scale", "optimizer.log_summaries"),
+    ("loop.max_steps", "runconfig.max_steps"),
+    ("loop.num_steps", "runconfig.num_steps"),
+    ("loop.num_epochs", "runconfig.num_epochs"),
+    ("loop.steps_per_epoch", "runconfig.steps_per_epoch"),
+    ("loop.eval_frequency", "runconfig.eval_frequency"),
+    ("loop.eval_steps", "runconfig.eval_steps"),
+    ("loop.grad_accum_steps", "optimizer.grad_accum_steps"),
+    ("checkpoint.steps", "runconfig.checkpoint_steps"),
+    ("checkpoint.save_initial_checkpoint", "runconfig.save_initial_checkpoint"),
+    ("checkpoint.disable_strict_checkpoint_loading", "runconfig.disable_strict_checkpoint_loading"),
+    ("checkpoint.autoload_last_checkpoint", "runconfig.autoload_last_checkpoint"),
+    ("logging.log_steps", "runconfig.log_steps"),
+    ("logging.log_level", "runconfig.logging"),
+)
+#: Callbacks whose flags have a flat home: {callback: {flag: flat path}}; ComputeNorm has no
+#: arguments (wse-cluster logs the gradient norm anyway).
+CALLBACK_HOMES = {
+    "ScopedTrainFlags": {"csx.performance.micro_batch_size": "train_input.micro_batch_size"},
+    "ScopedValidateFlags": {"csx.performance.micro_batch_size": "eval_input.micro_batch_size"},
+    "LoadCheckpointStates": {"load_checkpoint_states": "runconfig.load_checkpoint_states"},
+    "ComputeNorm": {},
+}
+
+
+def is_trainer_layout(raw):
+    return isinstance(raw, dict) and "trainer" in raw
+
+
+def _get(d, path):
+    for part in path.split("."):
+        if not isinstance(d, dict) or part not in d:
+            return None, False
+        d = d[part]
+    return d, True
+
+
+def _put(d, path, value):
+    *head, last = path.split(".")
+    for part in head:
+        d = d.setdefault(part, {})
+    d[last] = value
+
+
+def _pop(d, path):
+    """Remove ``path`` from ``d`` (and mappings it leaves empty); return (value, found)."""
+    *head, last = path.split(".")
+    chain = [d]
+    for part in head:
+        node = chain[-1].get(part) if isinstance(chain[-1], dict) else None
+        if not isinstance(node, dict):
+            return None, False
+        chain.append(node)
+    if last not in chain[-1]:
+        return None, False
+    value = chain[-1].pop(last)
+    for parent, part in zip(reversed(chain[:-1]), reversed(head)):
+        if parent[part] == {}:
+            del parent[part]
+    return value, True
+
+
+def _leaves(d, prefix=""):
+    """Every key path of a nested mapping (lists are values)."""
+    for k, v in d.items():
+        path = f"{prefix}.{k}" if prefix else str(k)
+        if isinstance(v, dict) and v:
+            yield from _leaves(v, path)
+        else:
+            yield path
+
+
+def _scheduler_to_flat(entry, where):
+    """``{LinearLR: {...}}`` (trainer layout) -> ``{scheduler: LinearLR, ...}``, nested lists included."""
+    if not (isinstance(entry, dict) and len(entry) == 1 and isinstance(next(iter(entry.values())), dict)):
+        raise ValueError(f"{where}: expected one mapping {{SchedulerName: {{...}}}}, got {show(entry)}")
+    (name, args), = entry.items()
+    out = {"scheduler": name[:-2] if str(name).endswith("LR") else name, **args}  # the flat spelling: LinearLR -> Linear
+    if isinstance(args.get("schedulers"), list):
+        out["schedulers"] = [_scheduler_to_flat(s, f"{where}.{name}.schedulers[{i}]")
+                             for i, s in enumerate(args["schedulers"])]
+    return out
+
+
+def _scheduler_to_trainer(entry):
+    if not isinstance(entry, dict):
+        return entry
+    args = {k: v for k, v in entry.items() if k != "scheduler"}
+    if isinstance(args.get("schedulers"), list):
+        args["schedulers"] = [_scheduler_to_trainer(s) for s in args["schedulers"]]
+    name = str(entry.get("scheduler", "Constant"))
+    return {name if name.endswith("LR") else name + "LR": args}
+
+
+def flatten(raw):
+    """The flat layout of a trainer-layout params dict; raises ValueError naming the key path.
+
+    Keys the translation does not know stay where a message can name them: under
+    ``trainer.<path>`` in the flat dict's ``unknown`` list (the returned second value).
+    """
+    trainer = raw["trainer"]
+    if isinstance(trainer, list):
+        if len(trainer) != 1:
+            raise ValueError(f"trainer: a list of {len(trainer)} training phases; wse-cluster runs one "
+                             "(give one trainer, or one file per phase)")
+        trainer = trainer[0].get("trainer") if isinstance(trainer[0], dict) else None
+    if not isinstance(trainer, dict):
+        raise ValueError(f"trainer: expected a mapping with init and fit, got {show(trainer)}")
+    t = copy.deepcopy(trainer)
+    flat, unknown = {}, []
+    for section in raw:
+        if section != "trainer":
+            unknown.append(section)
+    init = t.pop("init", None) or {}
+    if not isinstance(init, dict):
+        raise ValueError(f"trainer.init: expected a mapping, got {show(init)}")
+    for tpath, fpath in INIT_HOMES:
+        value, found = _pop(init, tpath)
+        if found:
+            _put(flat, fpath, value)
+    model = init.pop("model", None)
+    if model is not None:
+        if not isinstance(model, dict):
+            raise ValueError(f"trainer.init.model: expected a mapping, got {show(model)}")
+        for k, v in model.items():  # model keys are the same in both layouts (mixed_precision too)
+            flat.setdefault("model", {})[k] = v
+    opt = init.pop("optimizer", None)
+    if opt is not None:
+        if not (isinstance(opt, dict) and len(opt) == 1 and isinstance(next(iter(opt.values())), (dict, type(None)))):
+            raise ValueError(f"trainer.init.optimizer: expected one mapping {{OptimizerName: {{...}}}}, got {show(opt)}")
+        (name, args), = opt.items()
+        flat.setdefault("optimizer", {}).update({"optimizer_type": name, **(args or {})})
+    scheds = init.pop("schedulers", None)
+    if scheds is not None:
+        if isinstance(scheds, dict):
+            scheds = [scheds]
+        if not isinstance(scheds, list):
+            raise ValueError(f"trainer.init.schedulers: expected a list of schedulers, got {show(scheds)}")
+        lr = [_scheduler_to_flat(s, f"trainer.init.schedulers[{i}]") for i, s in enumerate(scheds)]
+        if len(lr) > 1:  # several top-level schedulers in Model Zoo's trainer are chained
+            lr = [dict(s, main_scheduler="chained") for s in lr]
+        elif str(lr[0]["scheduler"]).lower() == "sequential" and set(lr[0]) == {"scheduler", "schedulers"}:
+            lr = lr[0]["schedulers"]  # the flat layout's list is a SequentialLR without milestones
+        if "learning_rate" in flat.get("optimizer", {}):
+            raise ValueError("trainer.init.schedulers: given beside the optimizer's learning_rate; give one")
+        flat.setdefault("optimizer", {})["learning_rate"] = lr[0] if len(lr) == 1 else lr
+    sparsity = init.pop("sparsity", None)
+    if sparsity is not None:
+        flat["sparsity"] = sparsity
+    callbacks = init.pop("callbacks", None) or []
+    if not isinstance(callbacks, list):
+        raise ValueError(f"trainer.init.callbacks: expected a list, got {show(callbacks)}")
+    for i, cb in enumerate(callbacks):
+        if not (isinstance(cb, dict) and len(cb) == 1):
+            raise ValueError(f"trainer.init.callbacks[{i}]: expected one mapping {{CallbackName: {{...}}}}, got {show(cb)}")
+        (name, args), = cb.items()
+        args = args or {}
+        if name == "GlobalFlags":  # hardware/debug flags of a real system: kept to be named as tuning
+            for flag, v in args.items():
+                flat.setdefault("runconfig", {})[flag.rsplit(".", 1)[-1]] = v
+        elif name in CALLBACK_HOMES:
+            for flag, v in args.items():
+                if flag not in CALLBACK_HOMES[name]:
+                    unknown.append(f"trainer.init.callbacks[{i}].{name}.{flag}")
+                else:
+                    _put(flat, CALLBACK_HOMES[name][flag], v)
+        else:
+            unknown.append(f"trainer.init.callbacks[{i}].{name}")
+    unknown += [f"trainer.init.{p}" for p in _leaves(init)]
+    fit = t.pop("fit", None) or {}
+    for key, section in (("train_dataloader", "train_input"), ("val_dataloader", "eval_input")):
+        value = fit.pop(key, None)
+        if value is not None:
+            if not isinstance(value, dict):
+                raise ValueError(f"trainer.fit.{key}: expected a mapping, got {show(value)}")
+            flat[section] = {**value, **flat.get(section, {})}
+    unknown += [f"trainer.fit.{p}" for p in _leaves(fit)]
+    validate = t.pop("validate", None) or {}
+    val = validate.pop("val_dataloader", None)
+    if val is not None and "eval_input" not in flat:
+        flat["eval_input"] = dict(val)
+    elif val is not None and {k: v for k, v in flat["eval_input"].items() if k != "micro_batch_size"} != val:
+        raise ValueError("trainer.validate.val_dataloader: differs from trainer.fit.val_dataloader; wse-cluster "
+                         "evaluates on one eval_input")
+    unknown += [f"trainer.validate.{p}" for p in _leaves(validate)]
+    t.pop("validate_all", None)  # the dataloaders of Model Zoo's validate_all command, not of a fit
+    unknown += [f"trainer.{p}" for p in _leaves(t)]
+    return flat, unknown
+
+
+def to_trainer(flat):
+    """The trainer layout of a flat params dict (keys with no trainer home are returned as dropped)."""
+    flat = copy.deepcopy(flat)
+    init, dropped = {}, []
+    for tpath, fpath in INIT_HOMES:
+        value, found = _pop(flat, fpath)
+        if found and value is not None:
+            _put(init, tpath, value)
+    model = flat.pop("model", {})
+    init["model"] = model
+    opt = flat.pop("optimizer", {})
+    lr = opt.pop("learning_rate", None)
+    name = opt.pop("optimizer_type", "AdamW")
+    init["optimizer"] = {name: {k: v for k, v in opt.items() if v is not None}}
+    if isinstance(lr, (dict, list)):
+        entries = lr if isinstance(lr, list) else [lr]
+        chained = any(isinstance(e, dict) and str(e.get("main_scheduler", "")).lower() in ("chained", "chainedlr")
+                      for e in entries)
+        entries = [_scheduler_to_trainer({k: v for k, v in e.items() if k != "main_scheduler"}) for e in entries]
+        if len(entries) > 1 and not chained:
+            entries = [{"SequentialLR": {"schedulers": entries}}]
+        init["schedulers"] = entries
+    elif lr is not None:
+        init["optimizer"][name]["learning_rate"] = lr
+    if "sparsity" in flat:
+        init["sparsity"] = flat.pop("sparsity")
+    callbacks = []
+    for section, cb in (("train_input", "ScopedTrainFlags"), ("eval_input", "ScopedValidateFlags")):
+        mbs = flat.get(section, {}).pop("micro_batch_size", None)
+        if mbs is not None:
+            callbacks.append({cb: {"csx.performance.micro_batch_size": mbs}})
+    lcs, found = _pop(flat, "runconfig.load_checkpoint_states")
+    if found:
+        callbacks.append({"LoadCheckpointStates": {"load_checkpoint_states": lcs}})
+    if callbacks:
+        init["callbacks"] = callbacks
+    trainer = {"init": init, "fit": {}}
+    if "train_input" in flat:
+        trainer["fit"]["train_dataloader"] = flat.pop("train_input")
+    if "eval_input" in flat:
+        trainer["fit"]["val_dataloader"] = flat["eval_input"]
+        trainer["validate"] = {"val_dataloader": flat.pop("eval_input")}
+    dropped += list(_leaves(flat))
+    return {"trainer": trainer}, dropped
+
+
+# -- the fate of every key ------------------------------------------------------------------------
+
+#: Keys that only tune a real system's hardware, input pipeline or logging: accepted, dropped, warned.
+TUNING = {
+    "train_input": {"data_processor", "num_workers", "prefetch_factor", "persistent_workers", "use_multiple_workers",
+                    "vocab_size", "max_sequence_length", "mixed_precision", "repeat", "use_worker_cache", "drop_last"},
+    "eval_input": {"data_processor", "num_workers", "prefetch_factor", "persistent_workers", "use_multiple_workers",
+                   "vocab_size", "max_sequence_length", "mixed_precision", "repeat", "use_worker_cache", "drop_last",
+                   "shuffle_seed"},
+    "model": {"allow_multireplica", "boundary_casting", "tf_summary", "attention_softmax_fp32", "fold_rope_consts",
+              "precision_opt_level"},
+    "optimizer": {"log_summaries", "ws_summary", "disable_lr_steps_reset", "use_bias_correction"},
+    "runconfig": {"show_debug_metrics", "save_losses", "save_summary_steps", "log_step_count_steps",
+                  "enable_distributed", "use_appliance_data", "use_cs_grad_accum", "compile_crd_memory_gi",
+                  "execute_crd_memory_gi", "wrk_memory_gi", "act_memory_gi", "cmd_memory_gi", "wgt_memory_gi",
+                  "chf_memory_gi", "precision_opt_level", "keep_checkpoint_max", "max_checkpoints",
+                  "disable_strict_checkpoint_loading", "load_checkpoint_states", "transfer_processes", "logging",
+                  "autoload_last_checkpoint", "num_act_servers", "mgmt_address", "mgmt_namespace",
+                  "credentials_path", "mount_dirs", "python_paths", "cbcore_image", "job_labels", "job_priority",
+                  "job_time_sec", "disable_version_check", "compile_dir", "lazy_initialization",
+                  "log_initialization", "retrace_every_iteration", "drop_data", "debug_args", "ini",
+                  "fabric_type_blacklist"},
+}
+#: Keys naming what wse-cluster always does: honoured with this value (or one of these), refused with
+#: any other. {section: {key: (accepted values, what a different value would ask for)}}.
+FIXED = {
+    "eval_input": {"shuffle": ((False,), "a shuffled evaluation set")},
+    "model": {
+        "use_position_embedding": ((True,), "no position embedding"),
+        "attention_type": (("scaled_dot_product",), "unscaled (dot_product) attention"),
+        "attention_module": (("aiayn_attention", "multiheaded_attention"), "multi-query attention"),
+        "use_projection_bias_in_attention": ((True,), "q/k/v projections without biases"),
+        "use_ffn_bias_in_attention": ((True,), "an attention output projection without bias"),
+        "use_ffn_bias": ((True,), "feed-forward layers without biases"),
+        "use_bias_in_output": ((False,), "a bias on the LM head"),
+        "embedding_layer_norm": ((False,), "a layer norm after the embeddings"),
+        "scale_qk_dot_by_d": ((False,), "muP attention scaling (q.k / d)"),
+        "embeddings_scale": ((1, 1.0), "muP embedding scaling"),
+        "output_logits_scale": ((1, 1.0, None), "muP output scaling"),
+        "output_logits_alpha": ((1, 1.0, None), "muP output scaling"),
+        "fixed_sparse_attention": ((None,), "fixed sparse attention"),
+        "mixed_precision": ((False,), "16-bit compute with float32 master weights"),
+        "dropout_rate": ((0, 0.0), "dropout"),
+        "attention_dropout_rate": ((0, 0.0), "attention dropout"),
+        "embedding_dropout_rate": ((0, 0.0), "embedding dropout"),
+    },
+    "optimizer": {
+        "correct_bias": ((True,), "Adam without bias correction"),
+        "loss_scaling_factor": ((1, 1.0), "loss scaling (part of mixed precision)"),
+        "grad_accum_steps": ((1, None), "gradient accumulation by steps (use train_input.micro_batch_size)"),
+        "max_gradient_value": ((None,), "clipping gradients by value"),
+    },
+    "runconfig": {
+        "mode": (("train",), "a mode other than train (use wse validate)"),
+        "execution_strategy": (("weight_streaming",), "pipelined execution"),
+        "target_device": (("CSX", "CPU"), "another target device"),
+        "compile_only": ((False,), "compile only (use wse compile)"),
+        "validate_only": ((False,), "validate only (use wse compile)"),
+    },
+}
+#: Keys that change the numerics and are not built: refused whatever their value.
+NOT_BUILT = {
+    "model": {"rotary_dim": "rotary position embeddings", "rope_theta": "rotary position embeddings",
+              "pos_scaling_factor": "position scaling", "pos_scaling_type": "position scaling",
+              "pos_scaling_extra_args": "position scaling", "extra_attention_params": "grouped-query attention",
+              "attention_sliding_window_length": "sliding-window attention",
+              "attention_sink_tokens": "attention sinks", "mup_base_hidden_size": "muP",
+              "mup_base_filter_size": "muP", "fp16_type": "16-bit compute", "use_bfloat16": "16-bit compute"},
+    "optimizer": {"adjust_learning_rate": "per-layer learning-rate scaling (muP)",
+                  "initial_loss_scale": "loss scaling (part of mixed precision)",
+                  "max_loss_scale": "loss scaling (part of mixed precision)",
+                  "min_loss_scale": "loss scaling (part of mixed precision)",
+                  "steps_per_increase": "loss scaling (part of mixed precision)"},
+    "runconfig": {"eval_steps": "evaluation during training (wse validate evaluates a checkpoint)",
+                  "eval_frequency": "evaluation during training (wse validate evaluates a checkpoint)",
+                  "num_steps": "a step count other than max_steps", "num_epochs": "training by epochs",
+                  "steps_per_epoch": "training by epochs"},
+    "sparsity": "Model Zoo's sparsity algorithms (wse-cluster has model.sparsity: a fixed random mask)",
+}
+#: Model Zoo 1.x names of keys wse-cluster reads under their 2.x name: {section: {old: new}}.
+ALIASES = {
+    "optimizer": {"weight_decay_rate": "weight_decay", "epsilon": "eps"},
+}
+
+
+def _same(value, accepted):
+    return any(value == a and type(value) is type(a) or (isinstance(a, float) and isinstance(value, int)
+               and not isinstance(value, bool) and value == a) for a in accepted)
+
+
+class KeyReport:
+    """What ``sort_keys`` decided: each key path with its fate, and the notes (inferred things)."""
+
+    def __init__(self):
+        self.fates = {}     # path -> "honoured" | "honoured (same value)" | "alias of X" | "tuning" | "refused: why"
+        self.notes = []
+
+    @property
+    def tuning(self):
+        return [p for p, f in self.fates.items() if f == "tuning"]
+
+    @property
+    def refused(self):
+        return [(p, f[len("refused: "):]) for p, f in self.fates.items() if f.startswith("refused: ")]
+
+
+def sort_keys(flat, report):
+    """Apply aliases, drop tuning keys and same-value keys, record every key's fate; return the dict
+    left for the schema (which records its own keys as honoured or unknown)."""
+    flat = copy.deepcopy(flat)
+    model = flat.get("model")
+    if isinstance(model, dict):
+        _infer_family(model, report)
+        weight = model.get("loss_weight", 1.0)
+        if "loss_scaling" not in model and weight != 1.0 and model.get("name") != "fc_mlp":
+            # Before Model Zoo had loss_scaling (1.x), its GPT loss was sum / batch_size * loss_weight.
+            model["loss_scaling"] = "batch_size"
+            report.notes.append(f"model.loss_scaling: absent beside loss_weight {show(weight)}; inferred batch_size "
+                                "(the loss was sum / batch_size * loss_weight before Model Zoo had loss_scaling)")
+        if model.get("use_rms_norm") is True or model.get("norm_type") not in (None, "layernorm"):
+            report.fates["model.norm_type" if "norm_type" in model else "model.use_rms_norm"] = \
+                "refused: RMSNorm (the llama family) is not built"
+        for key in ("use_rms_norm", "norm_type"):
+            if key in model and f"model.{key}" not in report.fates:
+                report.fates[f"model.{key}"] = "honoured (same value)"
+        model.pop("use_rms_norm", None), model.pop("norm_type", None)
+        pos = model.get("position_embedding_type", "learned")
+        report.fates.setdefault("model.position_embedding_type", "honoured (same value)" if pos == "learned" else
+                                f"refused: {show(pos)} position embeddings are not built (built: learned)")
+        model.pop("position_embedding_type", None)
+        if model.get("nonlinearity") in ("swiglu", "geglu", "reglu", "relu", "silu", "leaky_relu"):
+            report.fates["model.nonlinearity"] = f"refused: {model['nonlinearity']} is not built (built: gelu, gelu_new)"
+            model.pop("nonlinearity")
+    opt = flat.get("optimizer")
+    if isinstance(opt, dict):
+        if "beta1" in opt or "beta2" in opt:
+            betas = [opt.pop("beta1", 0.9), opt.pop("beta2", 0.999)]  # Model Zoo 1.x defaults
+            if "betas" in opt:
+                report.fates["optimizer.beta1"] = "refused: given beside optimizer.betas; give one"
+            else:
+                opt["betas"] = betas
+                report.fates["optimizer.beta1"] = report.fates["optimizer.beta2"] = "alias of optimizer.betas"
+    for section, values in list(flat.items()):
+        if section in NOT_BUILT and isinstance(NOT_BUILT[section], str):
+            report.fates[section] = f"refused: {NOT_BUILT[section]} are not built"
+            del flat[section]
+            continue
+        if not isinstance(values, dict):
+            continue
+        for key in list(values):
+            path = f"{section}.{key}"
+            if key in ALIASES.get(section, {}):
+                new = ALIASES[section][key]
+                if new in values:
+                    report.fates[path] = f"refused: given beside {section}.{new}; give one"
+                else:
+                    values[new] = values.pop(key)
+                    report.fates[path] = f"alias of {section}.{new}"
+            elif key in TUNING.get(section, ()):
+                report.fates[path] = "tuning"
+                del values[key]
+            elif key in FIXED.get(section, {}):
+                accepted, meaning = FIXED[section][key]
+                value = values.pop(key)
+                report.fates[path] = ("honoured (same value)" if _same(value, accepted) else
+                                      f"refused: {show(value)} asks for {meaning}, which is not built")
+            elif key in NOT_BUILT.get(section, {}):
+                del values[key]
+                report.fates[path] = f"refused: {NOT_BUILT[section][key]} is not built"
+    return flat
+
+
+#: What marks a model family in a file that does not name it (Model Zoo's 1.x files).
+def _infer_family(model, report):
+    if "name" in model:
+        return
+    llama = (model.get("norm_type") == "rmsnorm" or model.get("use_rms_norm") is True
+             or model.get("position_embedding_type") == "rotary" or model.get("nonlinearity") == "swiglu")
+    if "vocab_size" in model and "num_heads" in model:
+        model["name"] = "llama" if llama else "gpt2"
+        why = "RMSNorm, rotary positions or SwiGLU" if llama else "a GPT-2 decoder: vocab_size, num_heads, learned positions"
+        report.notes.append(f"model.name: absent; inferred {model['name']} from its keys ({why})")
+    elif "input_size" in model:
+        model["name"] = "fc_mlp"
+        report.notes.append("model.name: absent; inferred fc_mlp from its keys (input_size)")
+
+
+def warn_tuning(where, report):
+    """One warning line listing the keys accepted without effect."""
+    if report.tuning:
+        warnings.warn(ParamsWarning(
+            f"{where}: {len(report.tuning)} keys accepted without effect (they tune a real system's hardware, "
+            f"input pipeline or logging, not the numerics): {', '.join(report.tuning)}"), stacklevel=3)

@@ -1,0 +1,289 @@
+"""Model Zoo params files as they are: both layouts, one RunSpec, and a fate for every key.
+
+The files here are written for these tests with the keys Model Zoo's own GPT-2/GPT-3/LLaMA configs
+use (1.x to 2.2 flat layout; 2.3 on trainer layout) and values of our own.
+"""
+import subprocess
+import sys
+import warnings
+
+import pytest
+import yaml
+
+from pyapi.modelzoo import ParamsWarning
+from pyapi.params import ParamsError, check, load, validate
+
+pytestmark = pytest.mark.filterwarnings("ignore::pyapi.modelzoo.ParamsWarning")  # asserted where they matter
+
+# A GPT-3 style file in the flat layout (Model Zoo 1.9-2.2 keys), shrunk.
+FLAT = """
+train_input:
+  data_processor: GptHDF5MapDataProcessor
+  data_dir: ./train
+  batch_size: 8
+  shuffle: true
+  shuffle_seed: 7
+  num_workers: 2
+  prefetch_factor: 4
+  persistent_workers: true
+eval_input:
+  data_processor: GptHDF5MapDataProcessor
+  data_dir: ./val
+  batch_size: 4
+  shuffle: false
+  num_workers: 2
+model:
+  name: gpt3
+  vocab_size: 300
+  hidden_size: 48
+  position_embedding_type: learned
+  share_embedding_weights: true
+  max_position_embeddings: 32
+  num_hidden_layers: 2
+  dropout_rate: 0.0
+  layer_norm_epsilon: 1.0e-05
+  num_heads: 4
+  attention_type: scaled_dot_product
+  attention_dropout_rate: 0.0
+  use_projection_bias_in_attention: true
+  use_ffn_bias_in_attention: true
+  filter_size: 96
+  nonlinearity: gelu
+  use_ffn_bias: true
+  embedding_initializer: {mean: 0.0, name: truncated_normal, std: 0.03, a: -0.06, b: 0.06}
+  initializer: {mean: 0.0, name: truncated_normal, std: 0.03, a: -0.06, b: 0.06}
+  output_layer_initializer: {mean: 0.0, name: truncated_normal, std: 0.01, a: -0.02, b: 0.02}
+  loss_scaling: batch_size
+  loss_weight: 0.03125
+  use_bias_in_output: false
+  mixed_precision: false
+optimizer:
+  optimizer_type: AdamW
+  betas: [0.9, 0.95]
+  eps: 1.0e-08
+  weight_decay: 0.05
+  correct_bias: true
+  max_gradient_norm: 1.0
+  log_summaries: true
+  learning_rate:
+    - {scheduler: Linear, initial_learning_rate: 0.0, end_learning_rate: 0.002, total_iters: 3}
+    - {scheduler: CosineDecay, initial_learning_rate: 0.002, end_learning_rate: 0.0002, total_iters: 9}
+runconfig:
+  max_steps: 12
+  log_steps: 1
+  checkpoint_steps: 6
+  save_initial_checkpoint: false
+  seed: 3
+  model_dir: ./model_dir
+  precision_opt_level: 1
+  num_wgt_servers: 2
+"""
+
+# The same run in the trainer layout (Model Zoo 2.3 on).
+TRAINER = """
+trainer:
+  init:
+    backend:
+      backend_type: CSX
+      cluster_config: {num_csx: 1, max_wgt_servers: 2}
+    model_dir: ./model_dir
+    seed: 3
+    model:
+      name: gpt3
+      vocab_size: 300
+      hidden_size: 48
+      position_embedding_type: learned
+      share_embedding_weights: true
+      max_position_embeddings: 32
+      num_hidden_layers: 2
+      dropout_rate: 0.0
+      layer_norm_epsilon: 1.0e-05
+      num_heads: 4
+      attention_type: scaled_dot_product
+      attention_dropout_rate: 0.0
+      use_projection_bias_in_attention: true
+      use_ffn_bias_in_attention: true
+      filter_size: 96
+      nonlinearity: gelu
+      use_ffn_bias: true
+      embedding_initializer: {mean: 0.0, name: truncated_normal, std: 0.03, a: -0.06, b: 0.06}
+      initializer: {mean: 0.0, name: truncated_normal, std: 0.03, a: -0.06, b: 0.06}
+      output_layer_initializer: {mean: 0.0, name: truncated_normal, std: 0.01, a: -0.02, b: 0.02}
+      loss_scaling: batch_size
+      loss_weight: 0.03125
+      use_bias_in_output: false
+    optimizer:
+      AdamW: {betas: [0.9, 0.95], eps: 1.0e-08, weight_decay: 0.05, correct_bias: true}
+    schedulers:
+      - SequentialLR:
+          schedulers:
+            - LinearLR: {initial_learning_rate: 0.0, end_learning_rate: 0.002, total_iters: 3}
+            - CosineDecayLR: {initial_learning_rate: 0.002, end_learning_rate: 0.0002, total_iters: 9}
+    precision: {enabled: false, precision_opt_level: 1, max_gradient_norm: 1.0, log_loss_scale: true}
+    loop: {max_steps: 12}
+    checkpoint: {steps: 6, save_initial_checkpoint: false}
+    logging: {log_steps: 1}
+    callbacks:
+      - ComputeNorm: {}
+  fit:
+    train_dataloader:
+      data_processor: GptHDF5MapDataProcessor
+      data_dir: ./train
+      batch_size: 8
+      shuffle: true
+      shuffle_seed: 7
+      num_workers: 2
+      prefetch_factor: 4
+      persistent_workers: true
+    val_dataloader: &val
+      data_processor: GptHDF5MapDataProcessor
+      data_dir: ./val
+      batch_size: 4
+      shuffle: false
+      num_workers: 2
+  validate:
+    val_dataloader: *val
+  validate_all:
+    val_dataloaders: *val
+"""
+
+
+def quiet(fn, *args, **kwargs):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ParamsWarning)
+        return fn(*args, **kwargs)
+
+
+def test_both_layouts_load_into_one_run_spec():
+    flat, trainer = quiet(validate, yaml.safe_load(FLAT)), quiet(validate, yaml.safe_load(TRAINER))
+    assert flat == trainer
+    assert trainer.model["name"] == "gpt3" and trainer.optimizer.betas == (0.9, 0.95)
+    assert trainer.runconfig.num_wgt_servers == 2 and trainer.eval_input.batch_size == 4
+    assert trainer.optimizer.learning_rate[1]["scheduler"] == "CosineDecay"
+
+
+def test_tuning_keys_are_one_warning_and_change_nothing():
+    with pytest.warns(ParamsWarning) as record:
+        spec, report = check(yaml.safe_load(FLAT), "f.yaml")
+    lines = [str(w.message) for w in record if "without effect" in str(w.message)]
+    assert len(lines) == 1 and lines[0].startswith("f.yaml: 8 keys accepted without effect")
+    assert "train_input.num_workers" in lines[0] and "runconfig.precision_opt_level" in lines[0]
+    bare = yaml.safe_load(FLAT)
+    for section, key in (("train_input", "data_processor"), ("train_input", "num_workers"),
+                         ("optimizer", "log_summaries"), ("runconfig", "precision_opt_level")):
+        del bare[section][key]
+    assert quiet(validate, bare) == spec
+    assert report.fates["model.use_ffn_bias"] == "honoured (same value)"
+    assert report.fates["model.initializer"] == "honoured"
+
+
+def test_every_refused_key_is_in_one_error():
+    raw = yaml.safe_load(FLAT)
+    raw["model"].update(use_ffn_bias=False, rotary_dim=16, mixed_precision=True, frobnicate=1)
+    raw["optimizer"].update(adjust_learning_rate={"decoder_kernel": 0.5}, correct_bias=False)
+    raw["runconfig"]["eval_frequency"] = 4
+    raw["sparsity"] = {"type": "static", "sparsity": 0.5}
+    with pytest.raises(ParamsError) as err:
+        quiet(validate, raw)
+    text = str(err.value)
+    assert text.startswith("8 keys cannot be used as given")
+    for line in ("model.use_ffn_bias: False asks for feed-forward layers without biases, which is not built",
+                 "model.rotary_dim: rotary position embeddings is not built",
+                 "model.mixed_precision: True asks for 16-bit compute", "optimizer.adjust_learning_rate: per-layer",
+                 "optimizer.correct_bias: False asks for Adam without bias correction",
+                 "runconfig.eval_frequency: evaluation during training", "sparsity: Model Zoo's sparsity",
+                 "model.frobnicate: unknown key"):
+        assert "\n  " + line in text, line
+
+
+def test_1x_aliases_are_honoured_not_dropped():
+    """Deleting beta2 or weight_decay_rate would change the training; read as what they name."""
+    raw = yaml.safe_load(FLAT)
+    opt = raw["optimizer"]
+    del opt["betas"], opt["eps"]
+    opt.update(beta1=0.8, beta2=0.95, epsilon=1e-7, weight_decay_rate=0.05)
+    opt.pop("weight_decay")
+    spec = quiet(validate, raw)
+    assert spec.optimizer.betas == (0.8, 0.95) and spec.optimizer.eps == 1e-7 and spec.optimizer.weight_decay == 0.05
+    opt["weight_decay"] = 0.1
+    with pytest.raises(ParamsError, match="optimizer.weight_decay_rate: given beside optimizer.weight_decay"):
+        quiet(validate, raw)
+
+
+def test_an_unnamed_model_is_inferred_and_said():
+    raw = yaml.safe_load(FLAT)
+    del raw["model"]["name"]
+    with pytest.warns(ParamsWarning, match=r"model.name: absent; inferred gpt2 from its keys"):
+        assert validate(raw).model["name"] == "gpt2"
+    raw["model"].update(norm_type="rmsnorm", position_embedding_type="rotary")
+    with pytest.raises(ParamsError, match=r"model.name: llama .* is not built yet") as err:
+        quiet(validate, raw)
+    assert "model.norm_type: RMSNorm" in str(err.value)
+    # 1.x files had no loss_scaling; their loss was sum / batch_size * loss_weight.
+    raw = yaml.safe_load(FLAT)
+    del raw["model"]["loss_scaling"]
+    with pytest.warns(ParamsWarning, match="model.loss_scaling: absent beside loss_weight 0.03125; inferred batch_size"):
+        assert validate(raw).model["loss_scaling"] == "batch_size"
+
+
+def test_overrides_take_either_layouts_paths(tmp_path):
+    f = tmp_path / "t.yaml"
+    f.write_text(TRAINER)
+    a = quiet(load, f, ["model.hidden_size=64", "trainer.init.loop.max_steps=5"])
+    assert a.model["hidden_size"] == 64 and a.runconfig.max_steps == 5
+    g = tmp_path / "f.yaml"
+    g.write_text(FLAT)
+    with pytest.raises(ParamsError, match=r"--set trainer.init.seed=1: this file has the flat layout"):
+        quiet(load, g, ["trainer.init.seed=1"])
+
+
+def test_trainer_layout_errors_name_the_trainer_path():
+    raw = yaml.safe_load(TRAINER)
+    raw["trainer"]["init"]["callbacks"].append({"EmaCallback": {}})
+    raw["trainer"]["fit"]["ckpt_path"] = "x"
+    with pytest.raises(ParamsError) as err:
+        quiet(validate, raw)
+    assert "trainer.init.callbacks[1].EmaCallback: unknown key of the trainer layout" in str(err.value)
+    assert "trainer.fit.ckpt_path: unknown key of the trainer layout" in str(err.value)
+    raw = yaml.safe_load(TRAINER)
+    raw["trainer"]["init"]["optimizer"]["SGD"] = {}
+    with pytest.raises(ParamsError, match=r"trainer.init.optimizer: expected one mapping \{OptimizerName"):
+        quiet(validate, raw)
+
+
+def wse(*args, cwd=None):
+    return subprocess.run([sys.executable, "-m", "pyapi.cli", *args], capture_output=True, text=True, cwd=cwd)
+
+
+def test_convert_writes_the_other_layout_and_back(tmp_path):
+    (tmp_path / "flat.yaml").write_text(FLAT)
+    out = wse("params", "convert", str(tmp_path / "flat.yaml"), "-o", str(tmp_path / "t.yaml"))
+    assert out.returncode == 0, out.stderr
+    assert out.stderr == ""  # every key has a home in the trainer layout (input-pipeline keys in the dataloaders)
+    converted = yaml.safe_load((tmp_path / "t.yaml").read_text())
+    assert list(converted) == ["trainer"] and converted["trainer"]["init"]["optimizer"]["AdamW"]["betas"] == [0.9, 0.95]
+    back = wse("params", "convert", str(tmp_path / "t.yaml"), "-o", str(tmp_path / "back.yaml"))
+    assert back.returncode == 0, back.stderr
+    original = quiet(validate, yaml.safe_load(FLAT))
+    assert quiet(load, tmp_path / "t.yaml") == quiet(load, tmp_path / "back.yaml") == original
+
+
+def test_params_keys_prints_every_fate(tmp_path):
+    (tmp_path / "t.yaml").write_text(TRAINER)
+    out = wse("params", "keys", str(tmp_path / "t.yaml"))
+    assert out.returncode == 0, out.stderr
+    fates = dict(line.split(None, 1) for line in out.stdout.splitlines() if line and not line.startswith("note"))
+    assert fates["train_input.num_workers"] == "tuning" and fates["model.use_ffn_bias"] == "honoured (same value)"
+    bad = TRAINER.replace("use_ffn_bias: true", "use_ffn_bias: false")
+    (tmp_path / "b.yaml").write_text(bad)
+    out = wse("params", "keys", str(tmp_path / "b.yaml"))
+    assert out.returncode == 1 and "model.use_ffn_bias" in out.stdout and "refused: False asks for" in out.stdout
+
+
+def test_wse_compile_warns_in_one_line(tmp_path):
+    (tmp_path / "t.yaml").write_text(TRAINER)
+    out = wse("compile", str(tmp_path / "t.yaml"))
+    assert out.returncode == 0, out.stderr
+    warned = [line for line in out.stderr.splitlines() if "warning" in line]
+    assert warned[0].startswith("wse compile: warning: ") and any("without effect" in w for w in warned)
+    assert out.stdout.startswith("model gpt2:")
