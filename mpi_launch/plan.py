@@ -137,7 +137,7 @@ def describe(params):
         n_states = 0
     per_csx = train.batch_size // run.num_csx
     seq = params.model.get("max_position_embeddings")
-    example = 3 * seq * 4 if model.kind == "gpt2" else 4 * (params.model["input_size"] + 1)
+    example = 3 * seq * 4 if model.is_lm else 4 * (params.model["input_size"] + 1)
     memory = rank_memory_bytes(plan, model, n_states=n_states, per_csx=per_csx, seq_len=seq,
                                micro_batch_size=train.micro_batch_size, example_bytes=example)
     hw = Hardware.from_params(run.hardware)

@@ -158,15 +158,17 @@ class Job:
     def _check_data(self, section):
         """Fail before any work starts if ``section``'s data cannot feed the model; return the Dataset."""
         from data_tools.dataset import Dataset
+        from wse_core.nn import build_model
 
         t = getattr(self.params, section)
         ds = Dataset(t.data_dir)
         if ds.n_examples == 0:
             raise params_mod.ParamsError(f"{section}.data_dir: {t.data_dir} holds no examples")
         m = self.params.model
-        if m["name"] == "gpt2":
+        if build_model(m).is_lm:
             if ds.format != "lm":
-                raise params_mod.ParamsError(f"{section}.data_dir: {t.data_dir} is an array dataset; gpt2 needs LM data")
+                raise params_mod.ParamsError(f"{section}.data_dir: {t.data_dir} is an array dataset; {m['name']} needs "
+                                             "LM data")
             seq = ds.example_shape[-1]
             if seq > m["max_position_embeddings"]:
                 raise params_mod.ParamsError(f"model.max_position_embeddings: {m['max_position_embeddings']} is shorter "

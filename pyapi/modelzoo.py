@@ -337,9 +337,6 @@ FIXED = {
         "output_logits_alpha": ((1, 1.0, None), "muP output scaling"),
         "fixed_sparse_attention": ((None,), "fixed sparse attention"),
         "mixed_precision": ((False,), "16-bit compute with float32 master weights"),
-        "dropout_rate": ((0, 0.0), "dropout"),
-        "attention_dropout_rate": ((0, 0.0), "attention dropout"),
-        "embedding_dropout_rate": ((0, 0.0), "embedding dropout"),
     },
     "optimizer": {
         "correct_bias": ((True,), "Adam without bias correction"),

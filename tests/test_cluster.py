@@ -55,7 +55,8 @@ def one_line(proc):
 def reference(p, steps):
     """Weights and optimizer state after `steps` single-process reference steps on the same data."""
     model = build_model(p["model"])
-    params = model.init_params(0)
+    seed = p["runconfig"].get("seed", 0)
+    params = model.init_params(seed)
     o = p["optimizer"]
     opt = make_optimizer("AdamW", lr=0.0, weight_decay=o["weight_decay"])
     state = {k: opt.init_state(v) for k, v in params.items()}
@@ -67,7 +68,7 @@ def reference(p, steps):
         ex = stream.read(t * t_in["batch_size"], t_in["batch_size"])
         batch = {k: np.ascontiguousarray(ex[:, i]) for i, k in enumerate(("input_ids", "loss_mask", "labels"))}
         r = reference_step(model, params, state, opt, batch, micro_batch_size=t_in["micro_batch_size"],
-                           step=t + 1, lr=schedule(t), max_gradient_norm=o["max_gradient_norm"])
+                           step=t + 1, lr=schedule(t), max_gradient_norm=o["max_gradient_norm"], seed=seed)
         losses.append(r.loss)
     stream.close()
     return params, state, losses
@@ -132,12 +133,19 @@ def test_the_simulated_clock_agrees_with_the_walk_and_is_deterministic(tmp_path,
     assert steps[4][-1] < steps[2][-1] < steps[1][-1]   # more CS-2s, same global batch: faster
 
 
-def test_loss_scaling_batch_size_is_bit_identical_to_the_reference(tmp_path, data, jobs):
-    """Model Zoo's ``loss_scaling: batch_size`` with ``loss_weight``: the cluster normalises the loss,
-    the gradient and its norm as the reference step does (num_csx 2)."""
+def test_a_model_zoo_trainer_file_with_dropout_is_bit_identical_to_the_reference(tmp_path, data, jobs):
+    """A trainer-layout file (Model Zoo 2.3 on) with Model Zoo's numerics: ``loss_scaling: batch_size``
+    with ``loss_weight``, dropout keyed by (seed, step, sample, layer), truncated-normal
+    initializers, no decay on biases and norms; num_csx 2 gives the reference's bits."""
+    from pyapi.modelzoo import to_trainer
+
     path, p = params_file(tmp_path, data)
-    p["model"].update(loss_scaling="batch_size", loss_weight=1 / 64)
-    path.write_text(yaml.safe_dump(p))
+    p["model"].update(loss_scaling="batch_size", loss_weight=1 / 64, dropout_rate=0.1, attention_dropout_rate=0.2,
+                      initializer={"name": "truncated_normal", "std": 0.03}, name="gpt3")
+    p["runconfig"]["seed"] = 5
+    trainer, dropped = to_trainer(p)
+    assert not dropped
+    path.write_text(yaml.safe_dump(trainer))
     proc = jobs.run("fit", path, "--num_csx", 2)
     assert proc.returncode == 0, proc.stderr
     params, state, losses = reference(p, STEPS)

@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 
 from wse_core.nn import Dense, Embedding, LMHead, TransformerBlock, build_model
+from wse_core.nn.layers import ATTENTION_OUT_SITE, ATTENTION_SITE, MLP_OUT_SITE, DropoutKey
 from wse_core.nn.models import Model
 
 H = 1e-5  # central-difference step (float64)
@@ -35,11 +36,11 @@ def fd_check(f, arrays, analytic, rng, samples=6):
             assert ana == pytest.approx(num, rel=1e-6, abs=1e-8), f"{name}[{i}]: analytic {ana}, numeric {num}"
 
 
-def check_unit(unit, x, params, rng):
-    y, saved = unit.forward(x, params)
+def check_unit(unit, x, params, rng, drop=None):
+    y, saved = unit.forward(x, params, drop)
     r = rng.standard_normal(y.shape)
     dx, grads = unit.backward(r, saved, params)
-    f = lambda: float((unit.forward(x, params)[0] * r).sum())  # noqa: E731
+    f = lambda: float((unit.forward(x, params, drop)[0] * r).sum())  # noqa: E731
     fd_check(f, params, grads, rng)
     if dx is not None:
         fd_check(f, {"x": x}, {"x": dx}, rng)
@@ -58,7 +59,10 @@ def ref_gelu(x, exact=True):
     return 0.5 * x * (1 + np.tanh(math.sqrt(2 / math.pi) * (x + 0.044715 * x**3)))
 
 
-def ref_block(x, P, p, heads, eps, exact=True):
+def ref_block(x, P, p, heads, eps, exact=True, masks=(None, None, None)):
+    """masks: dropout scales of the attention weights [b, heads, t, t] and of the two residual
+    branches [b, t, c] (None: no dropout)."""
+    attn_mask, out_mask, mlp_mask = (np.ones(1) if m is None else m for m in masks)
     b, t, c = x.shape
     d = c // heads
     h = ref_layernorm(x, P[p + "ln_1.weight"], P[p + "ln_1.bias"], eps)
@@ -73,11 +77,12 @@ def ref_block(x, P, p, heads, eps, exact=True):
             scores[np.triu(np.ones((t, t), bool), 1)] = -np.inf
             w = np.exp(scores - scores.max(1, keepdims=True))
             w /= w.sum(1, keepdims=True)
+            w = w * (attn_mask if attn_mask.ndim == 1 else attn_mask[s, hd])
             out[s, :, hd * d:(hd + 1) * d] = w @ v
-    x = x + out @ P[p + "attn.proj.weight"].T + P[p + "attn.proj.bias"]
+    x = x + (out @ P[p + "attn.proj.weight"].T + P[p + "attn.proj.bias"]) * out_mask
     h = ref_layernorm(x, P[p + "ln_2.weight"], P[p + "ln_2.bias"], eps)
     m = ref_gelu(h @ P[p + "mlp.fc.weight"].T + P[p + "mlp.fc.bias"], exact)
-    return x + m @ P[p + "mlp.proj.weight"].T + P[p + "mlp.proj.bias"]
+    return x + (m @ P[p + "mlp.proj.weight"].T + P[p + "mlp.proj.bias"]) * mlp_mask
 
 
 # --- units ----------------------------------------------------------------------------------------
@@ -101,6 +106,34 @@ def test_transformer_block(rng, nonlinearity):
     ref = ref_block(x, params, "blocks.2.", 2, 1e-5, exact=nonlinearity == "gelu")
     np.testing.assert_allclose(y, ref, rtol=1e-12, atol=1e-12)
     check_unit(unit, x, params, rng)
+
+
+def test_dropout_is_keyed_by_sample_and_has_exact_gradients(rng):
+    """Inverted dropout on the attention weights and both residual branches (and the embeddings):
+    the forward equals the naive block with the same masks, gradients match finite differences,
+    and a sample's masks depend on (seed, step, sample, layer, site) only, not on its micro-batch."""
+    unit = TransformerBlock(2, hidden_size=8, num_heads=2, filter_size=12, eps=1e-5, num_layers=3,
+                            dropout=0.3, attention_dropout=0.2)
+    params = init(unit, rng)
+    x = rng.standard_normal((3, 5, 8))
+    drop = DropoutKey(seed=4, step=7, first_sample=10)
+    masks = [drop.scale(3, 3, site, shape, rate, np.float64) for site, shape, rate in
+             ((ATTENTION_SITE, (2, 5, 5), 0.2), (ATTENTION_OUT_SITE, (5, 8), 0.3), (MLP_OUT_SITE, (5, 8), 0.3))]
+    assert {0.0, 1 / 0.7} == set(np.unique(masks[1])) and 0.2 < (masks[1] == 0).mean() < 0.4
+    y, _ = unit.forward(x, params, drop)
+    np.testing.assert_allclose(y, ref_block(x, params, "blocks.2.", 2, 1e-5, masks=masks), rtol=1e-12, atol=1e-12)
+    assert not np.allclose(y, unit.forward(x, params)[0])  # no key: no dropout (evaluation)
+    alone, _ = unit.forward(x[1:2], params, DropoutKey(seed=4, step=7, first_sample=11))
+    assert alone.tobytes() == y[1:2].tobytes()
+    other, _ = unit.forward(x, params, DropoutKey(seed=4, step=8, first_sample=10))
+    assert not np.allclose(other, y)
+    check_unit(unit, x, params, rng, drop)
+    emb = Embedding(13, 9, 6, dropout=0.5)
+    eparams = init(emb, rng)
+    ids = rng.integers(0, 13, (3, 7)).astype(np.int32)
+    h, _ = emb.forward(ids, eparams, drop)
+    assert (h == 0).mean() > 0.3
+    check_unit(emb, ids, eparams, rng, drop)
 
 
 @pytest.mark.parametrize("tied", [True, False])

@@ -20,12 +20,13 @@ from wse_core.tree import tree_sum
 
 class CS2(Role):
     def run(self):
+        from wse_core.nn.layers import DropoutKey
         from wse_core.perf import unit_seconds, unit_work
 
         parent = self.plan.parent[self.plan.csx[self.index]]
         w = self.plan.num_workers_per_csx
         workers = self.plan.workers[self.index]
-        lm = self.model.kind == "gpt2"
+        lm = self.model.is_lm
         io, clock, nbytes = self.port(self.hw.io_gbps), self.clock, self.unit_stream_bytes
         cost = [unit_seconds(unit_work(u, self.mbs, self.seq_len() if lm else None), self.hw) for u in self.units]
         sim_fwd = [self.n_micro * c["forward"] for c in cost]
@@ -55,6 +56,9 @@ class CS2(Role):
             t_data = time.perf_counter() - t0
             batches = [self._batch(a, lm) for a in raw]
             xs = [self.model.first_input(b, np.float32) for b in batches]
+            # Micro-batch m holds samples first + m * mbs ... of the step's global batch.
+            first = self.index * self.n_micro * self.mbs
+            drops = [DropoutKey(self.params.runconfig.seed, step + 1, first + m * self.mbs) for m in range(self.n_micro)]
             saved = [[None] * self.n_micro for _ in self.units]
             t_wait = 0.0
             for u, unit in enumerate(self.units):
@@ -68,7 +72,7 @@ class CS2(Role):
                 if u + 1 < len(self.units):  # the next unit streams in while this one computes
                     weights, wreqs = msg.irecv_arrays(self.comm, self.unit_layout(u + 1), parent, FWD_WEIGHTS, u + 1)
                 for m in range(self.n_micro):
-                    xs[m], saved[u][m] = unit.forward(xs[m], params)
+                    xs[m], saved[u][m] = unit.forward(xs[m], params, drops[m])
                 clock.advance(sim_fwd[u])
             losses = [self.model.loss(xs[m], batches[m]) for m in range(self.n_micro)]
             loss_sum = tree_sum([x[0] for x in losses])

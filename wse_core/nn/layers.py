@@ -3,8 +3,12 @@
 A unit has named parameters (full PyTorch-style names such as ``blocks.0.attn.qkv.weight``,
 weights ``[out, in]``) and two methods::
 
-    y, saved = unit.forward(x, params)        # params: name -> array (at least this unit's)
+    y, saved = unit.forward(x, params, drop)  # params: name -> array (at least this unit's)
     dx, grads = unit.backward(dy, saved, params)
+
+``drop`` (a ``DropoutKey``, or None: no dropout, as in evaluation) keys the dropout masks of the
+micro-batch by (seed, step, sample, layer, site), so a sample gets the same masks whichever CS-2
+and micro-batch it lands in: bits are identical across num_csx.
 
 ``grads`` maps each of the unit's parameter names to the gradient of the micro-batch loss sum.
 A parameter used by two units (a tied embedding) appears in both; its gradient is the sum.
@@ -34,6 +38,29 @@ class ParamSpec:
     init: tuple
     structure: object = field(default=None, compare=False)
     decay: bool = True
+
+
+@dataclass(frozen=True)
+class DropoutKey:
+    """What the dropout masks of one micro-batch are drawn from: the run's seed, the 1-based step
+    and the index of the micro-batch's first sample in the step's global batch."""
+
+    seed: int
+    step: int
+    first_sample: int
+
+    def scale(self, n, layer, site, shape, rate, dtype):
+        """[n, *shape] of 0 or 1 / (1 - rate) (inverted dropout, as torch's): sample i's from the
+        stream keyed by (seed, step, first_sample + i, layer, site)."""
+        out = np.empty((n, *shape), dtype)
+        for i in range(n):
+            u = np.random.default_rng([self.seed, self.step, self.first_sample + i, layer, site]).random(shape)
+            out[i] = (u >= rate) * (1.0 / (1.0 - rate))
+        return out
+
+
+#: Sites of dropout in a decoder layer (the stream key's last part).
+EMBEDDING_SITE, ATTENTION_SITE, ATTENTION_OUT_SITE, MLP_OUT_SITE = 0, 1, 2, 3
 
 
 def fixed_spec(shape, value):
@@ -112,7 +139,7 @@ class Unit:
         """Ordered ``{name: ParamSpec}`` of the parameters this unit uses."""
         raise NotImplementedError
 
-    def forward(self, x, params):
+    def forward(self, x, params, drop=None):
         raise NotImplementedError
 
     def backward(self, dy, saved, params):
@@ -122,22 +149,30 @@ class Unit:
 class Embedding(Unit):
     """Token plus learned position embeddings: h[b, t] = wte[ids[b, t]] + wpe[t]."""
 
-    def __init__(self, vocab_size, max_positions, hidden_size, ops=fused_ops, init=("normal", 0.0, 0.02)):
+    def __init__(self, vocab_size, max_positions, hidden_size, ops=fused_ops, init=("normal", 0.0, 0.02),
+                 dropout=0.0):
         self.name = "embedding"
         self.vocab_size, self.max_positions, self.hidden = vocab_size, max_positions, hidden_size
-        self.ops, self.init = ops, init
+        self.ops, self.init, self.dropout = ops, init, dropout
 
     def param_specs(self):
         return {"wte.weight": ParamSpec((self.vocab_size, self.hidden), self.init),
                 "wpe.weight": ParamSpec((self.max_positions, self.hidden), self.init)}
 
-    def forward(self, ids, params):
+    def forward(self, ids, params, drop=None):
         b, t = ids.shape
         h = params["wte.weight"][ids]
         h += params["wpe.weight"][:t]
-        return h, ids
+        mask = None
+        if drop is not None and self.dropout > 0:
+            mask = drop.scale(b, 0, EMBEDDING_SITE, (t, self.hidden), self.dropout, h.dtype)
+            h *= mask
+        return h, (ids, mask)
 
-    def backward(self, dy, ids, params):
+    def backward(self, dy, saved, params):
+        ids, mask = saved
+        if mask is not None:
+            dy = dy * mask
         b, t, c = dy.shape
         dwte = self.ops.embedding_backward(ids.reshape(-1), dy.reshape(b * t, c), self.vocab_size)
         dwpe = np.zeros((self.max_positions, c), dy.dtype)
@@ -149,8 +184,9 @@ class TransformerBlock(Unit):
     """GPT-2 block: x + attn(ln_1(x)), then x + mlp(ln_2(x)); causal multi-head self-attention."""
 
     def __init__(self, index, hidden_size, num_heads, filter_size, eps, num_layers, ops=fused_ops,
-                 density=1.0, sparsity_seed=0, nonlinearity="gelu", init=None):
+                 density=1.0, sparsity_seed=0, nonlinearity="gelu", init=None, dropout=0.0, attention_dropout=0.0):
         self.name = f"blocks.{index}"
+        self.index, self.dropout, self.attention_dropout = index, dropout, attention_dropout
         # "gelu": exact, erf (Model Zoo's and torch's); "gelu_new": GPT-2's tanh approximation.
         self.exact_gelu = nonlinearity == "gelu"
         self.p = f"blocks.{index}."
@@ -197,11 +233,21 @@ class TransformerBlock(Unit):
         dx, g[name], g[self.p + key + ".bias"] = linear_backward(dy, x, params[name], self.ops, self.structure.get(name))
         return dx
 
-    def forward(self, x, params):
+    def _masks(self, drop, b, t, dtype):
+        """(attention probs, attention output, MLP output) dropout scales of this micro-batch, or Nones."""
+        layer = self.index + 1  # 0 is the embedding's
+        on = drop is not None
+        return (drop.scale(b, layer, ATTENTION_SITE, (self.heads, t, t), self.attention_dropout, dtype)
+                if on and self.attention_dropout > 0 else None,
+                *(drop.scale(b, layer, site, (t, self.hidden), self.dropout, dtype).reshape(b * t, self.hidden)
+                  if on and self.dropout > 0 else None for site in (ATTENTION_OUT_SITE, MLP_OUT_SITE)))
+
+    def forward(self, x, params, drop=None):
         ops, p = self.ops, self.p
         b, t, c = x.shape
         nh, hd = self.heads, self.head_dim
         scale = 1.0 / math.sqrt(hd)
+        masks = self._masks(drop, b, t, x.dtype)
         x2 = x.reshape(b * t, c)
         ln1, mu1, rs1 = ops.layernorm_forward(x2, params[p + "ln_1.weight"], params[p + "ln_1.bias"], self.eps)
         qkv = self._lin(ln1, params, "attn.qkv")
@@ -209,35 +255,41 @@ class TransformerBlock(Unit):
         q, k, v = (np.ascontiguousarray(qkv[i]) for i in range(3))
         probs = matmul(q, k.transpose(0, 1, 3, 2))                                # [b, nh, t, t]
         ops.causal_softmax_forward(probs.reshape(b * nh, t, t), scale)
-        att = np.ascontiguousarray(matmul(probs, v).transpose(0, 2, 1, 3)).reshape(b * t, c)
-        mid = x2 + self._lin(att, params, "attn.proj")
+        used = probs if masks[0] is None else probs * masks[0]                    # dropout on the attention weights
+        att = np.ascontiguousarray(matmul(used, v).transpose(0, 2, 1, 3)).reshape(b * t, c)
+        proj = self._lin(att, params, "attn.proj")
+        mid = x2 + (proj if masks[1] is None else proj * masks[1])
         ln2, mu2, rs2 = ops.layernorm_forward(mid, params[p + "ln_2.weight"], params[p + "ln_2.bias"], self.eps)
         pre = self._lin(ln2, params, "mlp.fc", bias=False)
         act = ops.bias_gelu_forward(pre, params[p + "mlp.fc.bias"], self.exact_gelu)
-        out = mid + self._lin(act, params, "mlp.proj")
-        saved = (x2, ln1, mu1, rs1, q, k, v, probs, att, mid, ln2, mu2, rs2, pre, act)
+        proj = self._lin(act, params, "mlp.proj")
+        out = mid + (proj if masks[2] is None else proj * masks[2])
+        saved = (x2, ln1, mu1, rs1, q, k, v, probs, att, mid, ln2, mu2, rs2, pre, act, masks)
         return out.reshape(b, t, c), saved
 
     def backward(self, dy, saved, params):
         ops, p = self.ops, self.p
-        x2, ln1, mu1, rs1, q, k, v, probs, att, mid, ln2, mu2, rs2, pre, act = saved
+        x2, ln1, mu1, rs1, q, k, v, probs, att, mid, ln2, mu2, rs2, pre, act, masks = saved
         b, t, c = dy.shape
         nh, hd = self.heads, self.head_dim
         scale = 1.0 / math.sqrt(hd)
         g = {}
         dout = np.ascontiguousarray(dy).reshape(b * t, c)
         # MLP
-        dact = self._lin_back(dout, act, params, "mlp.proj", g)
+        dact = self._lin_back(dout if masks[2] is None else dout * masks[2], act, params, "mlp.proj", g)
         dpre = ops.gelu_backward(pre, dact, self.exact_gelu)
         dln2 = self._lin_back(dpre, ln2, params, "mlp.fc", g)
         dmid, g[p + "ln_2.weight"], g[p + "ln_2.bias"] = ops.layernorm_backward(
             dln2, mid, params[p + "ln_2.weight"], mu2, rs2)
         dmid += dout
         # Attention
-        datt = self._lin_back(dmid, att, params, "attn.proj", g)
+        datt = self._lin_back(dmid if masks[1] is None else dmid * masks[1], att, params, "attn.proj", g)
         dy_heads = np.ascontiguousarray(datt.reshape(b, t, nh, hd).transpose(0, 2, 1, 3))
         dprobs = matmul(dy_heads, v.transpose(0, 1, 3, 2))
-        dv = matmul(probs.transpose(0, 1, 3, 2), dy_heads)
+        used = probs if masks[0] is None else probs * masks[0]
+        dv = matmul(used.transpose(0, 1, 3, 2), dy_heads)
+        if masks[0] is not None:
+            dprobs *= masks[0]
         ops.causal_softmax_backward(probs.reshape(b * nh, t, t), dprobs.reshape(b * nh, t, t), scale)
         dq = matmul(dprobs, k)
         dk = matmul(dprobs.transpose(0, 1, 3, 2), q)
@@ -270,7 +322,7 @@ class LMHead(Unit):
                 "ln_f.bias": fixed_spec((c,), "zeros"),
                 self.weight: ParamSpec((self.vocab_size, c), self.init)}
 
-    def forward(self, x, params):
+    def forward(self, x, params, drop=None):
         b, t, c = x.shape
         x2 = x.reshape(b * t, c)
         ln, mu, rs = self.ops.layernorm_forward(x2, params["ln_f.weight"], params["ln_f.bias"], self.eps)
@@ -308,7 +360,7 @@ class Dense(Unit):
     def param_specs(self):
         return dict(self.specs)
 
-    def forward(self, x, params):
+    def forward(self, x, params, drop=None):
         w, b = params[self.p + "weight"], params[self.p + "bias"]
         if self.activation is None:
             return linear_forward(x, w, b, self.structure), (x, None)

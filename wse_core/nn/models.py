@@ -99,6 +99,11 @@ class Model:
             self.unit_params.append(list(specs))
 
     @property
+    def is_lm(self):
+        """True for a language model (batches of token ids, labels and a loss mask; gpt2, gpt3)."""
+        return self.kind == "gpt2"
+
+    @property
     def structures(self):
         """``{name: CSRMatrix}``: the fixed pattern of every sparse weight (whose parameter is its nonzeros)."""
         return {n: s.structure for n, s in self.param_specs.items() if s.structure is not None}
@@ -149,7 +154,7 @@ class Model:
     def check_batch(self, batch):
         """Raise a ValueError/TypeError naming the key if ``batch`` does not fit this model; return its size."""
         cfg = self.config
-        if self.kind == "gpt2":
+        if self.is_lm:
             keys, ids = ("input_ids", "labels", "loss_mask"), batch.get("input_ids")
             for key in keys:
                 a = batch.get(key)
@@ -179,7 +184,7 @@ class Model:
         return {k: v[lo:hi] for k, v in batch.items()}
 
     def first_input(self, batch, dtype):
-        if self.kind == "gpt2":
+        if self.is_lm:
             return np.ascontiguousarray(batch["input_ids"])
         return np.ascontiguousarray(batch["features"], dtype=dtype)
 
@@ -193,7 +198,7 @@ class Model:
 
     def loss(self, y, batch):
         """(loss_sum, n_tokens, dy): masked cross-entropy summed over the batch and its gradient."""
-        if self.kind == "gpt2":
+        if self.is_lm:
             b, t, v = y.shape
             mask = np.ascontiguousarray(batch["loss_mask"]).reshape(-1)
             loss_sum, dy = self.ops.cross_entropy(y.reshape(b * t, v), np.ascontiguousarray(
@@ -205,19 +210,20 @@ class Model:
 
     # -- one micro-batch ------------------------------------------------------------------------
 
-    def forward(self, params, batch):
-        """Output of the last unit (logits) and what each unit saved for its backward pass."""
+    def forward(self, params, batch, drop=None):
+        """Output of the last unit (logits) and what each unit saved for its backward pass; ``drop``
+        (a ``DropoutKey``) turns dropout on (training), None leaves it off (evaluation)."""
         dtype = params[self.param_names[0]].dtype
         x = self.first_input(batch, dtype)
         saved = []
         for unit in self.units:
-            x, s = unit.forward(x, params)
+            x, s = unit.forward(x, params, drop)
             saved.append(s)
         return x, saved
 
-    def forward_backward(self, params, batch):
+    def forward_backward(self, params, batch, drop=None):
         """(loss_sum, n_tokens, unit_grads) for one micro-batch; unit_grads[i] holds unit i's gradients."""
-        y, saved = self.forward(params, batch)
+        y, saved = self.forward(params, batch, drop)
         loss_sum, n_tokens, dy = self.loss(y, batch)
         unit_grads = [None] * len(self.units)
         for i in reversed(range(len(self.units))):
@@ -239,7 +245,8 @@ class Model:
 _GPT2_KEYS = {"name", "vocab_size", "hidden_size", "num_hidden_layers", "num_heads", "filter_size",
               "max_position_embeddings", "layer_norm_epsilon", "share_embedding_weights", "sparsity",
               "sparsity_seed", "nonlinearity", "loss_scaling", "loss_weight", "initializer_range", "initializer",
-              "embedding_initializer", "output_layer_initializer"}
+              "embedding_initializer", "output_layer_initializer", "dropout_rate", "attention_dropout_rate",
+              "embedding_dropout_rate"}
 _MLP_KEYS = {"name", "input_size", "hidden_sizes", "num_classes", "activation", "sparsity", "sparsity_seed"}
 
 
@@ -319,13 +326,29 @@ def _build_gpt2(cfg, ops):
     c["nonlinearity"] = act
     density, seed = _sparsity(cfg, c)
     init = _decoder_initializers(cfg, c)
-    units = [Embedding(c["vocab_size"], c["max_position_embeddings"], c["hidden_size"], ops, init["embedding"])]
+    # Dropout (Model Zoo's keys): residual branches and, unless given, the embeddings and the
+    # attention weights at dropout_rate. The default here is none; Model Zoo's is 0.1.
+    c["dropout_rate"] = _rate(cfg, "dropout_rate", 0.0)
+    c["attention_dropout_rate"] = _rate(cfg, "attention_dropout_rate", c["dropout_rate"])
+    c["embedding_dropout_rate"] = _rate(cfg, "embedding_dropout_rate", c["dropout_rate"])
+    units = [Embedding(c["vocab_size"], c["max_position_embeddings"], c["hidden_size"], ops, init["embedding"],
+                       c["embedding_dropout_rate"])]
     units += [TransformerBlock(i, c["hidden_size"], c["num_heads"], c["filter_size"], c["layer_norm_epsilon"],
-                               c["num_hidden_layers"], ops, density, seed, act, init)
+                               c["num_hidden_layers"], ops, density, seed, act, init, c["dropout_rate"],
+                               c["attention_dropout_rate"])
               for i in range(c["num_hidden_layers"])]
     units.append(LMHead(c["hidden_size"], c["vocab_size"], c["layer_norm_epsilon"], tied, ops, init["embedding"],
                         init["head"]))
     return Model("gpt2", c, units, ops)
+
+
+def _rate(cfg, key, default):
+    v = cfg.get(key)
+    if v is None:
+        return default
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v < 1:
+        raise ValueError(f"model.{key}: expected a number in [0, 1), got {show(v)}")
+    return float(v)
 
 
 def _decoder_initializers(cfg, c):

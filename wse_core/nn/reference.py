@@ -15,6 +15,7 @@ One step on a global batch of B samples split into micro-batches of ``micro_batc
 """
 from dataclasses import dataclass
 
+from wse_core.nn.layers import DropoutKey
 from wse_core.optim import clip_coefficient, global_norm
 from wse_core.tree import tree_reduce
 
@@ -44,13 +45,16 @@ def _add(a, b):
     return a[0] + b[0], a[1] + b[1], a[2]
 
 
-def accumulate(model, params, batch, micro_batch_size, lo=0, hi=None):
-    """Tree sum of micro-batches [lo, hi) of ``batch``: (loss_sum, n_tokens, unit_grads)."""
+def accumulate(model, params, batch, micro_batch_size, lo=0, hi=None, *, dropout=None):
+    """Tree sum of micro-batches [lo, hi) of ``batch``: (loss_sum, n_tokens, unit_grads).
+
+    ``dropout``: (seed, step) of the dropout masks (training), or None (no dropout)."""
     ranges = micro_batch_ranges(model.check_batch(batch), micro_batch_size)
     hi = len(ranges) if hi is None else hi
 
     def leaf(i):
-        return model.forward_backward(params, model.slice_batch(batch, *ranges[i]))
+        drop = None if dropout is None else DropoutKey(*dropout, ranges[i][0])
+        return model.forward_backward(params, model.slice_batch(batch, *ranges[i]), drop)
 
     return tree_reduce(lo, hi, leaf, _add)
 
@@ -68,9 +72,10 @@ def apply_update(model, params, opt_state, optimizer, grads, divisor, *, step, l
 
 
 def reference_step(model, params, opt_state, optimizer, batch, *, micro_batch_size, step, lr=None,
-                   max_gradient_norm=None):
-    """Run one full training step in this process; ``params`` and ``opt_state`` are updated in place."""
-    loss_sum, n_tokens, unit_grads = accumulate(model, params, batch, micro_batch_size)
+                   max_gradient_norm=None, seed=0):
+    """Run one full training step in this process; ``params`` and ``opt_state`` are updated in place.
+    ``seed`` (the run's ``runconfig.seed``) keys the dropout masks with ``step``."""
+    loss_sum, n_tokens, unit_grads = accumulate(model, params, batch, micro_batch_size, dropout=(seed, step))
     if n_tokens < 1:
         raise ValueError("batch: the loss mask selects no token, so the loss is undefined")
     grads = model.combine_unit_grads(unit_grads)
