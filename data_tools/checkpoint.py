@@ -158,7 +158,7 @@ class CheckpointWriter:
             raise _write_failed(path, exc, self.model_dir) from None
         return table
 
-    def commit(self, tables, *, params_yaml="", loader_state=None, rng_state=None):
+    def commit(self, tables, *, params_yaml="", loader_state=None, rng_state=None, loss_scale=None):
         """Write the index from the shards' tables, then move the checkpoint into place and point ``latest`` at it."""
         tensors = {}
         for table in tables:
@@ -168,7 +168,8 @@ class CheckpointWriter:
         index = self.staging / INDEX
         attrs = {"format_version": FORMAT_VERSION, "step": self.step, "num_shards": num_shards,
                  "params_yaml": params_yaml, "loader_state": json.dumps(loader_state),
-                 "rng_state": json.dumps(rng_state), "tensors": json.dumps(tensors),
+                 "rng_state": json.dumps(rng_state), "loss_scale": json.dumps(loss_scale),
+                 "tensors": json.dumps(tensors),
                  "shard_sha256": json.dumps(shard_sha)}
         attrs["metadata_sha256"] = _metadata_sha256(attrs)
         buf = io.BytesIO()
@@ -273,6 +274,7 @@ class Checkpoint:
             self.params_yaml = str(a["params_yaml"])
             self.loader_state = json.loads(a["loader_state"])
             self.rng_state = json.loads(a["rng_state"])
+            self.loss_scale = json.loads(a.get("loss_scale", "null"))  # the loss scaler's state (or null)
             self.tensors = json.loads(a["tensors"])
             self.shard_sha256 = json.loads(a["shard_sha256"])
             if not (isinstance(self.tensors, dict) and isinstance(self.shard_sha256, dict)):

@@ -148,14 +148,16 @@ def relay(comm, shapes_dtypes, sources, dests, phase, unit, what):
     return arrays, sends
 
 
-def reduce(comm, shapes_dtypes, kids, dests, phase, unit, what):
+def reduce(comm, shapes_dtypes, kids, dests, phase, unit, what, combine=None):
     """Sum array i over ``kids`` (``tree_sum`` in child order, chunk by chunk) and send it to ``dests[i]``.
 
     Each chunk is summed and sent on as soon as every child's copy of it has landed; the sum is
-    elementwise, so chunking never changes its bits. Returns (sums, send requests).
+    elementwise, so chunking never changes its bits. ``combine`` (default: ``tree_sum``) sums the
+    children's chunks (``Precision.wire_sum`` for 16-bit gradients). Returns (sums, send requests).
     """
     from wse_core.tree import tree_sum
 
+    combine = combine or tree_sum
     sums = [np.empty(s, d) for s, d in shapes_dtypes]
     parts = [[np.empty(s, d) for s, d in shapes_dtypes] for _ in kids]
     sends, items = [], []
@@ -169,7 +171,7 @@ def reduce(comm, shapes_dtypes, kids, dests, phase, unit, what):
 
     def add_and_send(item):
         out, pieces, dest, t = item
-        out[...] = tree_sum(pieces)
+        out[...] = combine(pieces)
         sends.append(comm.Isend(out, dest=dest, tag=t))
 
     _in_order(items, add_and_send, what)

@@ -18,7 +18,7 @@ a fate"):
   and cannot change the numerics (``data_processor``, ``num_workers``, ``precision_opt_level``):
   accepted, dropped, and listed in one warning;
 - **refused**: a key that would change the numerics and is not built (``adjust_learning_rate``, a
-  ``sparsity`` section, ``mixed_precision: true``), or a key nobody knows (a typo): every such key
+  ``sparsity`` section, muP's ``scale_qk_dot_by_d``), or a key nobody knows (a typo): every such key
   goes into one error, so a file is fixed in one pass.
 """
 import copy
@@ -336,11 +336,9 @@ FIXED = {
         "output_logits_scale": ((1, 1.0, None), "muP output scaling"),
         "output_logits_alpha": ((1, 1.0, None), "muP output scaling"),
         "fixed_sparse_attention": ((None,), "fixed sparse attention"),
-        "mixed_precision": ((False,), "16-bit compute with float32 master weights"),
     },
     "optimizer": {
         "correct_bias": ((True,), "Adam without bias correction"),
-        "loss_scaling_factor": ((1, 1.0), "loss scaling (part of mixed precision)"),
         "grad_accum_steps": ((1, None), "gradient accumulation by steps (use train_input.micro_batch_size)"),
         "max_gradient_value": ((None,), "clipping gradients by value"),
     },
@@ -359,12 +357,8 @@ NOT_BUILT = {
               "pos_scaling_extra_args": "position scaling", "extra_attention_params": "grouped-query attention",
               "attention_sliding_window_length": "sliding-window attention",
               "attention_sink_tokens": "attention sinks", "mup_base_hidden_size": "muP",
-              "mup_base_filter_size": "muP", "fp16_type": "16-bit compute", "use_bfloat16": "16-bit compute"},
-    "optimizer": {"adjust_learning_rate": "per-layer learning-rate scaling (muP)",
-                  "initial_loss_scale": "loss scaling (part of mixed precision)",
-                  "max_loss_scale": "loss scaling (part of mixed precision)",
-                  "min_loss_scale": "loss scaling (part of mixed precision)",
-                  "steps_per_increase": "loss scaling (part of mixed precision)"},
+              "mup_base_filter_size": "muP"},
+    "optimizer": {"adjust_learning_rate": "per-layer learning-rate scaling (muP)"},
     "runconfig": {"eval_steps": "evaluation during training (wse validate evaluates a checkpoint)",
                   "eval_frequency": "evaluation during training (wse validate evaluates a checkpoint)",
                   "num_steps": "a step count other than max_steps", "num_epochs": "training by epochs",
@@ -414,6 +408,13 @@ def sort_keys(flat, report):
         if model.get("use_rms_norm") is True or model.get("norm_type") not in (None, "layernorm"):
             report.fates["model.norm_type" if "norm_type" in model else "model.use_rms_norm"] = \
                 "refused: RMSNorm (the llama family) is not built"
+        if "use_bfloat16" in model:  # 1.x: true for bfloat16, false for float16 (when mixed_precision)
+            use = model.pop("use_bfloat16")
+            if use is True and model.get("fp16_type", "bfloat16") != "bfloat16":
+                report.fates["model.use_bfloat16"] = "refused: true beside another model.fp16_type; give one"
+            else:
+                report.fates["model.use_bfloat16"] = "alias of model.fp16_type"
+                model.setdefault("fp16_type", "bfloat16" if use is True else "float16")
         for key in ("use_rms_norm", "norm_type"):
             if key in model and f"model.{key}" not in report.fates:
                 report.fates[f"model.{key}"] = "honoured (same value)"

@@ -74,6 +74,11 @@ SCHEMA = {
         "momentum": Key("float>=0", 0.0, "SGD momentum"),
         "nesterov": Key("bool", False, "SGD Nesterov momentum"),
         "max_gradient_norm": Key("float>0?", None, "clip the global gradient norm to this value"),
+        "loss_scaling_factor": Key("lossscale", 1.0, "scale of the loss for 16-bit gradients: a number, or dynamic"),
+        "initial_loss_scale": Key("float>0?", None, "dynamic loss scaling: the first scale (2^15; 2^31 for cbfloat16)"),
+        "max_loss_scale": Key("float>0?", None, "dynamic loss scaling: the largest scale (2^15; 2^31 for cbfloat16)"),
+        "min_loss_scale": Key("float>0?", None, "dynamic loss scaling: the smallest scale (2^-14)"),
+        "steps_per_increase": Key("int>0?", None, "dynamic loss scaling: finite steps before the scale doubles (2000)"),
     },
     "runconfig": {
         "max_steps": Key("int>0", REQUIRED, "training steps"),
@@ -99,7 +104,7 @@ SECTIONS_REQUIRED = ("train_input", "model", "optimizer", "runconfig")
 # -- the run spec: what mpi_launch and every rank receive ------------------------------------------
 
 _TYPES = {"path": str, "str": str, "bool": bool, "int>0": int, "int>1": int, "int>=0": int, "float>=0": float,
-          "float>0?": float | None, "betas": tuple, "hardware": MappingProxyType, "lr": object}
+          "float>0?": float | None, "int>0?": int | None, "lossscale": float | str, "betas": tuple, "hardware": MappingProxyType, "lr": object}
 
 
 def freeze(value):
@@ -192,7 +197,13 @@ def _check(path, kind, value):
             raise bad("a number >= 0")
     elif kind == "float>0?":
         if value is not None and (not is_num or value <= 0):
-            raise bad("a number > 0 (or null for no clipping)")
+            raise bad("a number > 0 (or null)")
+    elif kind == "int>0?":
+        if value is not None and (not is_int or value < 1):
+            raise bad("an integer >= 1 (or null)")
+    elif kind == "lossscale":
+        if value != "dynamic" and (not is_num or value <= 0):
+            raise bad("a number > 0 or dynamic")
     elif kind == "betas":
         if not (isinstance(value, (list, tuple)) and len(value) == 2
                 and all(isinstance(b, (int, float)) and not isinstance(b, bool) and 0 <= b < 1 for b in value)):
@@ -339,6 +350,10 @@ def _check_consistency(p):
     if per_csx % t["micro_batch_size"]:
         raise ParamsError(f"train_input.micro_batch_size: {t['micro_batch_size']} does not divide the "
                           f"{per_csx} samples each CS-2 gets (batch_size / num_csx)")
+    if p["model"].get("fp16_type") == "cbfloat16" and p["model"].get("mixed_precision") \
+            and p["optimizer"]["loss_scaling_factor"] != "dynamic":
+        raise ParamsError("optimizer.loss_scaling_factor: cbfloat16 needs dynamic loss scaling (as in Model Zoo): "
+                          "set loss_scaling_factor: dynamic")
     kind = p["optimizer"]["optimizer_type"]
     if kind.lower() in MODEL_ZOO_OPTIMIZERS_NOT_BUILT:
         raise ParamsError(f"optimizer.optimizer_type: {kind} is one of Model Zoo's optimizers that wse-cluster "

@@ -19,7 +19,9 @@ from data_tools.dataset import GlobalStream
 from data_tools.preprocess import preprocess_text
 from mpi_launch.rundir import RunDir
 from wse_core.nn import build_model, numpy_ops, reference_step
+from pyapi.params import validate
 from wse_core.optim import make_optimizer, make_schedule
+from wse_core.optim.loss_scale import LossScaler
 
 STEPS = 3
 
@@ -52,8 +54,9 @@ def one_line(proc):
     return proc.stderr.strip().splitlines()[-1]
 
 
-def reference(p, steps):
-    """Weights and optimizer state after `steps` single-process reference steps on the same data."""
+def reference(p, steps, results=None):
+    """Weights and optimizer state after `steps` single-process reference steps on the same data
+    (each step's StepResult appended to ``results``)."""
     model = build_model(p["model"])
     seed = p["runconfig"].get("seed", 0)
     params = model.init_params(seed)
@@ -61,6 +64,7 @@ def reference(p, steps):
     opt = make_optimizer("AdamW", lr=0.0, weight_decay=o["weight_decay"])
     state = {k: opt.init_state(v) for k, v in params.items()}
     schedule = make_schedule(o["learning_rate"])
+    scaler = LossScaler.from_params(validate(p).optimizer, model.config.get("fp16_type"))
     t_in = p["train_input"]
     stream = GlobalStream(t_in["data_dir"], shuffle=t_in["shuffle"], seed=t_in["shuffle_seed"])
     losses = []
@@ -68,8 +72,11 @@ def reference(p, steps):
         ex = stream.read(t * t_in["batch_size"], t_in["batch_size"])
         batch = {k: np.ascontiguousarray(ex[:, i]) for i, k in enumerate(("input_ids", "loss_mask", "labels"))}
         r = reference_step(model, params, state, opt, batch, micro_batch_size=t_in["micro_batch_size"],
-                           step=t + 1, lr=schedule(t), max_gradient_norm=o["max_gradient_norm"], seed=seed)
+                           step=t + 1, lr=schedule(t), max_gradient_norm=o["max_gradient_norm"], seed=seed,
+                           scaler=scaler)
         losses.append(r.loss)
+        if results is not None:
+            results.append(r)
     stream.close()
     return params, state, losses
 
@@ -151,6 +158,42 @@ def test_a_model_zoo_trainer_file_with_dropout_is_bit_identical_to_the_reference
     params, state, losses = reference(p, STEPS)
     assert_bits(tmp_path / "model", params, state)
     assert [m["loss"] for m in RunDir(tmp_path / "model").read_metrics()] == losses
+
+
+@pytest.mark.parametrize("fp16_type,num_csx", [("float16", 1), ("float16", 2), ("cbfloat16", 2)])
+def test_mixed_precision_with_dynamic_loss_scaling_is_bit_identical_to_the_reference(tmp_path, data, jobs,
+                                                                                    fp16_type, num_csx):
+    """16-bit weights streamed (half the bytes), 16-bit activations and gradients, float32 master
+    weights; a loss scale too big overflows the 16-bit gradients: those steps are skipped and the
+    scale halves, then grows again after steps_per_increase finite steps. Weights, losses, scales
+    and skips are the reference's, bit for bit, for num_csx 1 and 2."""
+    steps = 6
+    path, p = params_file(tmp_path, data, max_steps=steps)
+    p["model"].update(mixed_precision=True, fp16_type=fp16_type)
+    p["optimizer"].update(loss_scaling_factor="dynamic", initial_loss_scale=2.0 ** 24 if fp16_type == "cbfloat16"
+                          else 2.0 ** 12, max_loss_scale=2.0 ** 30, steps_per_increase=2)
+    path.write_text(yaml.safe_dump(p))
+    proc = jobs.run("fit", path, "--num_csx", num_csx)
+    assert proc.returncode == 0, proc.stderr
+    results = []
+    params, state, losses = reference(p, steps, results)
+    assert_bits(tmp_path / "model", params, state)
+    metrics = RunDir(tmp_path / "model").read_metrics()
+    assert [m["loss"] for m in metrics] == losses
+    assert [(m["loss_scale"], m["skipped"]) for m in metrics] == [(r.loss_scale, r.skipped) for r in results]
+    if fp16_type == "float16":  # 2^12 overflows float16 gradients here: skipped, then recovered
+        skips = [m["skipped"] for m in metrics]
+        assert skips[0] and not all(skips)
+        first_good = skips.index(False)
+        assert metrics[first_good]["loss_scale"] == 2.0 ** 12 / 2 ** first_good
+        assert "the update is skipped" in proc.stdout
+    # 16-bit on the wire: each MemoryX takes in 2 bytes per gradient value of its units (a tied weight twice).
+    model, run_dir = build_model(p["model"]), RunDir(tmp_path / "model")
+    uses = sum(int(np.prod(model.param_specs[n].shape)) for names in model.unit_params for n in names)
+    memoryx = json.loads((tmp_path / "model" / "plan.json").read_text())["plan"]["memoryx"]
+    per_step = [sum(json.loads(run_dir.timing_log(r).read_text().splitlines()[i])["bytes_in"] for r in memoryx)
+                for i in range(steps)]
+    assert per_step == [2 * uses] * steps
 
 
 def test_sparse_gpt2_trains_bit_identically_and_checkpoints_only_nonzeros(tmp_path, data, jobs):

@@ -179,7 +179,7 @@ def test_tuning_keys_are_one_warning_and_change_nothing():
 
 def test_every_refused_key_is_in_one_error():
     raw = yaml.safe_load(FLAT)
-    raw["model"].update(use_ffn_bias=False, rotary_dim=16, mixed_precision=True, frobnicate=1)
+    raw["model"].update(use_ffn_bias=False, rotary_dim=16, attention_type="dot_product", frobnicate=1)
     raw["optimizer"].update(adjust_learning_rate={"decoder_kernel": 0.5}, correct_bias=False)
     raw["runconfig"]["eval_frequency"] = 4
     raw["sparsity"] = {"type": "static", "sparsity": 0.5}
@@ -189,7 +189,7 @@ def test_every_refused_key_is_in_one_error():
     assert text.startswith("8 keys cannot be used as given")
     for line in ("model.use_ffn_bias: False asks for feed-forward layers without biases, which is not built",
                  "model.rotary_dim: rotary position embeddings is not built",
-                 "model.mixed_precision: True asks for 16-bit compute", "optimizer.adjust_learning_rate: per-layer",
+                 "model.attention_type: 'dot_product' asks for unscaled (dot_product) attention", "optimizer.adjust_learning_rate: per-layer",
                  "optimizer.correct_bias: False asks for Adam without bias correction",
                  "runconfig.eval_frequency: evaluation during training", "sparsity: Model Zoo's sparsity",
                  "model.frobnicate: unknown key"):

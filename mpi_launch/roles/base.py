@@ -75,4 +75,6 @@ class Role:
         self._timing_file.write(json.dumps({"step": step + 1, **fields}) + "\n")
 
     def unit_layout(self, u):
-        return [(self.shapes[n], np.float32) for n in self.unit_params[u]]
+        """Shapes and dtypes of unit u's weights (or gradients) on the wire: 16-bit patterns in a
+        mixed-precision run (``Precision.wire_dtype``), float32 otherwise."""
+        return [(self.shapes[n], self.model.precision.wire_dtype) for n in self.unit_params[u]]

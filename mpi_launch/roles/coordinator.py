@@ -21,6 +21,7 @@ class Coordinator(Role):
 
         from data_tools.checkpoint import CheckpointWriter
         from wse_core.optim import clip_coefficient, make_schedule
+        from wse_core.optim.loss_scale import LossScaler
         from wse_core.perf.step import io_seconds, update_seconds
 
         o, r = self.params.optimizer, self.params.runconfig
@@ -43,13 +44,24 @@ class Coordinator(Role):
         stream_s = io_seconds(self.model, self.hw)
         optimizer_s = max(update_seconds(self.model, self.plan.unit_owner, self.hw))
         t_start = time.perf_counter()
+        scaler = LossScaler.from_params(o, self.model.config.get("fp16_type"))
+        if self.run_info["checkpoint"]:
+            from data_tools.checkpoint import Checkpoint
 
-        def control(lr, grad_scale, save_step):
-            """Send MemoryX the update to apply, and whether to write a checkpoint after it."""
+            scaler.load(Checkpoint(self.run_info["checkpoint"]).loss_scale)
+
+        def send_loss_scale():
+            """Dynamic loss scaling: the CS-2s learn the next step's scale as soon as it is known."""
+            if scaler.dynamic and step_to_come < self.max_steps:
+                for rank in self.plan.csx:
+                    self.comm.send({"loss_scale": scaler.scale}, dest=rank, tag=tag(CONTROL))
+
+        def control(lr, grad_scale, save_step, skip=False):
+            """Send MemoryX the update to apply (or to skip), and whether to write a checkpoint after it."""
             writer = CheckpointWriter(self.model_dir, save_step).prepare() if save_step is not None else None
             for rank in self.plan.memoryx:
-                self.comm.send({"lr": lr, "grad_scale": grad_scale, "checkpoint": save_step, "t": clock.now},
-                               dest=rank, tag=tag(CONTROL))
+                self.comm.send({"lr": lr, "grad_scale": grad_scale, "checkpoint": save_step, "t": clock.now,
+                                "skip": skip}, dest=rank, tag=tag(CONTROL))
             if writer is None:
                 return
             tables = [msg.recv_object(self.comm, rank, tag(REPORT, 0, SHARD),
@@ -57,10 +69,13 @@ class Coordinator(Role):
                       for rank in self.plan.memoryx]
             path = writer.commit(tables, params_yaml=params_yaml,
                                  loader_state={"step": save_step, "stream_position": save_step * self.batch_size},
-                                 rng_state={"seed": r.seed, "shuffle_seed": self.params.train_input.shuffle_seed})
+                                 rng_state={"seed": r.seed, "shuffle_seed": self.params.train_input.shuffle_seed},
+                                 loss_scale=scaler.state())
             print(f"saved checkpoint {path}", flush=True)
 
         initial = self.start_step == 0 and r.save_initial_checkpoint
+        step_to_come = self.start_step
+        send_loss_scale()
         control(0.0, 0.0, 0 if initial else None)
         t0, sim_t0 = time.perf_counter(), clock.now
         for step in range(self.start_step, self.max_steps):
@@ -85,8 +100,10 @@ class Coordinator(Role):
             for n in names:  # parameter order, exactly as global_norm adds them
                 total += sumsq[n]
             divisor = self.model.loss_divisor(n_tokens, self.batch_size)  # as the reference step
-            norm = math.sqrt(total) / divisor
-            coef = 1.0 if o.max_gradient_norm is None else clip_coefficient(norm, o.max_gradient_norm)
+            loss_scale = scaler.scale
+            norm = math.sqrt(total) / divisor / loss_scale
+            skipped = scaler.update(norm)
+            coef = 1.0 if skipped or o.max_gradient_norm is None else clip_coefficient(norm, o.max_gradient_norm)
             lr = schedule(step)
             last = step + 1 == self.max_steps
             save = bool(r.checkpoint_steps and (step + 1) % r.checkpoint_steps == 0) or last
@@ -99,15 +116,23 @@ class Coordinator(Role):
                       "sim_compute_s": statistics.fmean(x["compute"] for x in times),
                       "sim_exposed_stream_s": statistics.fmean(x["waited"] for x in times),
                       "sim_stream_s": stream_s, "sim_reduce_tail_s": at - left, "sim_optimizer_s": optimizer_s}
+            if scaler.dynamic or loss_scale != 1.0:
+                record.update(loss_scale=loss_scale, skipped=skipped)
             metrics.write(json.dumps(record) + "\n")
             if board is not None:
-                for key in ("loss", "grad_norm", "lr", "samples_per_s", "sim_step_s", "sim_samples_per_s"):
-                    board.add_scalar(f"train/{key}", record[key], step + 1)
+                for key in ("loss", "grad_norm", "lr", "samples_per_s", "sim_step_s", "sim_samples_per_s", "loss_scale"):
+                    if key in record:
+                        board.add_scalar(f"train/{key}", record[key], step + 1)
             if (step + 1) % r.log_steps == 0 or last or step == self.start_step:
                 print(f"step {step + 1:>5}/{self.max_steps}  loss {record['loss']:.4f}  "
                       f"grad_norm {norm:.3f}  lr {lr:.2e}  {record['samples_per_s']:.1f} samples/s "
                       f"(simulated: {record['sim_samples_per_s']:.1f})", flush=True)
-            control(lr, coef / divisor, step + 1 if save else None)
+            if skipped:
+                print(f"step {step + 1:>5}: gradients overflowed at loss scale {loss_scale:g}: the update is "
+                      f"skipped, the scale is now {scaler.scale:g}", flush=True)
+            step_to_come = step + 1
+            send_loss_scale()
+            control(lr, coef / divisor / loss_scale, step + 1 if save else None, skipped)
             t0, sim_t0 = time.perf_counter(), clock.now
             self.step_done(step)
         metrics.close()

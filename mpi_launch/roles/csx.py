@@ -12,8 +12,8 @@ import time
 import numpy as np
 
 from mpi_launch import messaging as msg
-from mpi_launch.protocol import BWD_WEIGHTS, DATA, FWD_WEIGHTS, GRADS, LOSS, REPORT, STEP_TIME, recv_header, \
-    send_header, tag
+from mpi_launch.protocol import BWD_WEIGHTS, CONTROL, DATA, FWD_WEIGHTS, GRADS, LOSS, REPORT, STEP_TIME, \
+    recv_header, send_header, tag
 from mpi_launch.roles.base import Role
 from wse_core.tree import tree_sum
 
@@ -21,12 +21,16 @@ from wse_core.tree import tree_sum
 class CS2(Role):
     def run(self):
         from wse_core.nn.layers import DropoutKey
+        from wse_core.optim.loss_scale import LossScaler
         from wse_core.perf import unit_seconds, unit_work
 
         parent = self.plan.parent[self.plan.csx[self.index]]
         w = self.plan.num_workers_per_csx
         workers = self.plan.workers[self.index]
         lm = self.model.is_lm
+        precision = self.model.precision
+        scaler = LossScaler.from_params(self.params.optimizer, self.model.config.get("fp16_type"))
+        dynamic, loss_scale = scaler.dynamic, scaler.scale  # a static scale never changes
         io, clock, nbytes = self.port(self.hw.io_gbps), self.clock, self.unit_stream_bytes
         cost = [unit_seconds(unit_work(u, self.mbs, self.seq_len() if lm else None), self.hw) for u in self.units]
         sim_fwd = [self.n_micro * c["forward"] for c in cost]
@@ -68,13 +72,16 @@ class CS2(Role):
                 t_wait += time.perf_counter() - tw
                 waited += max(0.0, arrive - clock.now)
                 accept = clock.receive(arrive)  # the next unit may come in while this one computes
-                params = dict(zip(self.unit_params[u], weights))
+                params = dict(zip(self.unit_params[u], map(precision.from_wire, weights)))
                 if u + 1 < len(self.units):  # the next unit streams in while this one computes
                     weights, wreqs = msg.irecv_arrays(self.comm, self.unit_layout(u + 1), parent, FWD_WEIGHTS, u + 1)
                 for m in range(self.n_micro):
-                    xs[m], saved[u][m] = unit.forward(xs[m], params, drops[m])
+                    xs[m], saved[u][m] = self.model.unit_forward(u, xs[m], params, drops[m])
                 clock.advance(sim_fwd[u])
-            losses = [self.model.loss(xs[m], batches[m]) for m in range(self.n_micro)]
+            if dynamic:  # the coordinator's loss scale for this step (sent when the last step ended)
+                loss_scale = msg.recv_object(self.comm, self.plan.coordinator, tag(CONTROL),
+                                             f"the coordinator (loss scale of step {step})")["loss_scale"]
+            losses = [self.model.loss(xs[m], batches[m], loss_scale) for m in range(self.n_micro)]
             loss_sum = tree_sum([x[0] for x in losses])
             n_tokens = sum(x[1] for x in losses)
             report = self.comm.isend({"loss_sum": loss_sum, "tokens": n_tokens, "t": clock.now},
@@ -101,17 +108,17 @@ class CS2(Role):
                 t_wait += time.perf_counter() - tw
                 waited += max(0.0, arrive - clock.now)
                 accept = clock.receive(arrive)
-                params = dict(zip(self.unit_params[u], weights))
+                params = dict(zip(self.unit_params[u], map(precision.from_wire, weights)))
                 if u > 0:
                     weights, wreqs = msg.irecv_arrays(self.comm, self.unit_layout(u - 1), parent, BWD_WEIGHTS, u - 1)
                 grads = []
                 for m in range(self.n_micro):
-                    dys[m], g = unit.backward(dys[m], saved[u][m], params)
+                    dys[m], g = self.model.unit_backward(u, dys[m], saved[u][m], params)
                     saved[u][m] = None
                     grads.append(g)
                 ready = clock.advance(sim_bwd[u])
-                total = tree_sum(grads, add=lambda a, b: {k: a[k] + b[k] for k in a})
-                arrays = [total[n] for n in self.unit_params[u]]
+                total = tree_sum(grads, add=self.model.add_grads)
+                arrays = [precision.to_wire(total[n]) for n in self.unit_params[u]]
                 keep.append(arrays)
                 grad_reqs += msg.isend_arrays(self.comm, arrays, parent, GRADS, u)
             gradients_out(0, ready)

@@ -46,17 +46,20 @@ class MemoryX(Role):
         update_s = update_seconds(self.model, self.plan.unit_owner, self.hw)[self.index]
         clock, lat = self.clock, self.hw.swarmx_hop_latency_s
         coordinator = self.plan.coordinator
+        precision = self.model.precision
         for step in range(self.start_step - 1, self.max_steps):
             if step >= self.start_step:
                 sends = []
+                # Weights go out in the run's precision (16-bit patterns in a mixed-precision run).
+                wire = {n: precision.to_wire(w) for n, w in self.weights.items()}
                 # Forward in unit order, backward in the reverse order the CS-2s use them.
                 for phase, order in ((FWD_WEIGHTS, my_units), (BWD_WEIGHTS, my_units[::-1])):
                     sends += [send_header(self.comm, root, phase, u, (clock.now, None)) for u in order]
                     for u, i, n in (uses if phase == FWD_WEIGHTS else uses[::-1]):
-                        sends += msg.isend_arrays(self.comm, [self.weights[n]], root, phase, u, index=i)
+                        sends += msg.isend_arrays(self.comm, [wire[n]], root, phase, u, index=i)
                 grads, greqs = {}, []
                 for u, i, n in uses:
-                    g = np.empty(self.shapes[n], np.float32)
+                    g = np.empty(self.shapes[n], precision.wire_dtype)
                     greqs += msg.irecv_into(self.comm, [g], root, GRADS, u, index=i)
                     grads.setdefault(n, []).append(g)
                 heads = [recv_header(self.comm, root, GRADS, u, f"SwarmX root rank {root} (gradients of step {step})")
@@ -65,7 +68,8 @@ class MemoryX(Role):
                 at_grads_in = time.monotonic()
                 clock.receive(max(h["last"] for h in heads))
                 # A tied parameter's uses are added in unit order, as Model.combine_unit_grads does.
-                total = {n: (gs[0] if len(gs) == 1 else gs[0] + gs[1]) for n, gs in grads.items()}
+                grads = {n: [precision.from_wire(g) for g in gs] for n, gs in grads.items()}
+                total = {n: (gs[0] if len(gs) == 1 else precision.add(gs[0], gs[1])) for n, gs in grads.items()}
                 sumsq = [(n, sum_of_squares(total[n])) for n in owned]
                 self.comm.send({"sumsq": sumsq, "t": clock.now, "left": max(h["left"] for h in heads)},
                                dest=coordinator, tag=tag(REPORT, 0, NORMS))
@@ -73,14 +77,15 @@ class MemoryX(Role):
             clock.receive(control["t"] + lat)
             if step >= self.start_step:
                 t_opt = time.perf_counter()
-                for n in owned:
-                    self.optimizer.update(self.weights[n], total[n], self.state[n], step=step + 1,
-                                          lr=control["lr"], grad_scale=control["grad_scale"], name=n,
-                                          decay=self.model.param_specs[n].decay)
-                clock.advance(update_s)
+                if not control["skip"]:  # a step whose 16-bit gradients overflowed is not applied
+                    for n in owned:
+                        self.optimizer.update(self.weights[n], total[n], self.state[n], step=step + 1,
+                                              lr=control["lr"], grad_scale=control["grad_scale"], name=n,
+                                              decay=self.model.param_specs[n].decay)
+                    clock.advance(update_s)
                 self.timing(step, optimizer=time.perf_counter() - t_opt, at_grads_in=at_grads_in,
-                            bytes_out=2 * sum(self.weights[n].nbytes for _, _, n in uses),
-                            bytes_in=sum(self.weights[n].nbytes for _, _, n in uses))
+                            bytes_out=2 * sum(wire[n].nbytes for _, _, n in uses),
+                            bytes_in=sum(wire[n].nbytes for _, _, n in uses))
             if control["checkpoint"] is not None:
                 writer = CheckpointWriter(self.model_dir, control["checkpoint"])
                 table = writer.write_shard(self.index, self.weights, self.state, sparse=self.sparse)

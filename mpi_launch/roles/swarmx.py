@@ -60,6 +60,7 @@ class SwarmX(Role):
         self._pending.append(send_header(self.comm, above, GRADS, u, header, left=max(h["left"] for h in hs)))
         dests = self._sources(u, parent)  # up the tree, or from the root to each parameter's MemoryX
         sums, sends = msg.reduce(self.comm, self.unit_layout(u), kids, dests, GRADS, u,
-                                 f"gradients of {self.units[u].name} from children {kids}")
+                                 f"gradients of {self.units[u].name} from children {kids}",
+                                 combine=self.model.precision.wire_sum)
         self._pending += sends
         self._keep.append(sums)

@@ -15,6 +15,7 @@ import numpy as np
 from wse_core._checks import show
 from wse_core.nn import ops as fused_ops
 from wse_core.nn.layers import Dense, Embedding, LMHead, TransformerBlock
+from wse_core.nn.precision import FORMATS, Precision
 
 ACTIVATIONS = ("relu", "gelu", "gelu_new")  # gelu: exact (erf), as Model Zoo; gelu_new: tanh
 
@@ -89,6 +90,7 @@ class Model:
 
     def __init__(self, kind, config, units, ops=fused_ops):
         self.kind, self.config, self.units, self.ops = kind, dict(config), list(units), ops
+        self.precision = Precision(config.get("fp16_type") if config.get("mixed_precision") else None)
         self.param_specs = {}
         self.unit_params = []
         for unit in self.units:
@@ -186,7 +188,7 @@ class Model:
     def first_input(self, batch, dtype):
         if self.is_lm:
             return np.ascontiguousarray(batch["input_ids"])
-        return np.ascontiguousarray(batch["features"], dtype=dtype)
+        return self.precision.round_(np.array(batch["features"], dtype=dtype))
 
     def loss_divisor(self, n_tokens, batch_size):
         """What the summed loss of a global batch is divided by (Model Zoo's ``model.loss_scaling``):
@@ -196,17 +198,22 @@ class Model:
             return batch_size / self.config["loss_weight"]
         return n_tokens
 
-    def loss(self, y, batch):
-        """(loss_sum, n_tokens, dy): masked cross-entropy summed over the batch and its gradient."""
+    def loss(self, y, batch, loss_scale=1.0):
+        """(loss_sum, n_tokens, dy): masked cross-entropy summed over the batch (in float32) and its
+        gradient times ``loss_scale``, in the run's precision (``optim.loss_scale``)."""
         if self.is_lm:
             b, t, v = y.shape
             mask = np.ascontiguousarray(batch["loss_mask"]).reshape(-1)
             loss_sum, dy = self.ops.cross_entropy(y.reshape(b * t, v), np.ascontiguousarray(
                 batch["labels"]).reshape(-1), mask)
-            return loss_sum, int(np.count_nonzero(mask)), dy.reshape(b, t, v)
-        mask = np.ones(y.shape[0], np.int32)
-        loss_sum, dy = self.ops.cross_entropy(y, np.ascontiguousarray(batch["labels"]), mask)
-        return loss_sum, y.shape[0], dy
+            n, dy = int(np.count_nonzero(mask)), dy.reshape(b, t, v)
+        else:
+            mask = np.ones(y.shape[0], np.int32)
+            loss_sum, dy = self.ops.cross_entropy(y, np.ascontiguousarray(batch["labels"]), mask)
+            n = y.shape[0]
+        if loss_scale != 1.0:
+            dy *= np.float32(loss_scale)
+        return loss_sum, n, self.precision.round_(dy)
 
     # -- one micro-batch ------------------------------------------------------------------------
 
@@ -216,27 +223,52 @@ class Model:
         dtype = params[self.param_names[0]].dtype
         x = self.first_input(batch, dtype)
         saved = []
-        for unit in self.units:
-            x, s = unit.forward(x, params, drop)
+        for u in range(len(self.units)):
+            x, s = self.unit_forward(u, x, params, drop)
             saved.append(s)
         return x, saved
 
-    def forward_backward(self, params, batch, drop=None):
-        """(loss_sum, n_tokens, unit_grads) for one micro-batch; unit_grads[i] holds unit i's gradients."""
+    def compute_weights(self, params):
+        """The weights the CS-2s compute with: ``params`` (float32 master weights) in the run's precision."""
+        if self.precision.format is None:
+            return params
+        return {k: self.precision.format.round(v) for k, v in params.items()}
+
+    def unit_forward(self, u, x, params, drop=None):
+        """Unit u's forward; its output leaves in the run's precision (docs/design.md section 5)."""
+        y, saved = self.units[u].forward(x, params, drop)
+        return self.precision.round_(y), saved
+
+    def unit_backward(self, u, dy, saved, params):
+        """Unit u's backward; its input gradient and weight gradients in the run's precision."""
+        with np.errstate(over="ignore", invalid="ignore"):  # a loss scale too big overflows: it is detected later
+            dx, grads = self.units[u].backward(dy, saved, params)
+        for g in grads.values():
+            self.precision.round_(g)
+        return (dx if dx is None else self.precision.round_(dx)), grads
+
+    def forward_backward(self, params, batch, drop=None, loss_scale=1.0):
+        """(loss_sum, n_tokens, unit_grads) for one micro-batch; unit_grads[i] holds unit i's gradients
+        (of the loss times ``loss_scale``)."""
         y, saved = self.forward(params, batch, drop)
-        loss_sum, n_tokens, dy = self.loss(y, batch)
+        loss_sum, n_tokens, dy = self.loss(y, batch, loss_scale)
         unit_grads = [None] * len(self.units)
         for i in reversed(range(len(self.units))):
-            dy, unit_grads[i] = self.units[i].backward(dy, saved[i], params)
+            dy, unit_grads[i] = self.unit_backward(i, dy, saved[i], params)
             saved[i] = None  # free activations as soon as the unit is done
         return loss_sum, n_tokens, unit_grads
+
+    def add_grads(self, a, b):
+        """{name: a + b} of two gradient dicts, each sum in the run's precision (every partial sum of
+        gradients, wherever it is made, is one of these)."""
+        return {k: self.precision.add(a[k], b[k]) for k in a}
 
     def combine_unit_grads(self, unit_grads):
         """One gradient per parameter: a parameter used by several units gets their sum, in unit order."""
         grads = {}
         for g in unit_grads:
             for name, value in g.items():
-                grads[name] = value if name not in grads else grads[name] + value
+                grads[name] = value if name not in grads else self.precision.add(grads[name], value)
         return grads
 
 
@@ -246,8 +278,9 @@ _GPT2_KEYS = {"name", "vocab_size", "hidden_size", "num_hidden_layers", "num_hea
               "max_position_embeddings", "layer_norm_epsilon", "share_embedding_weights", "sparsity",
               "sparsity_seed", "nonlinearity", "loss_scaling", "loss_weight", "initializer_range", "initializer",
               "embedding_initializer", "output_layer_initializer", "dropout_rate", "attention_dropout_rate",
-              "embedding_dropout_rate"}
-_MLP_KEYS = {"name", "input_size", "hidden_sizes", "num_classes", "activation", "sparsity", "sparsity_seed"}
+              "embedding_dropout_rate", "mixed_precision", "fp16_type"}
+_MLP_KEYS = {"name", "input_size", "hidden_sizes", "num_classes", "activation", "sparsity", "sparsity_seed",
+             "mixed_precision", "fp16_type"}
 
 
 def _int(cfg, key, low=1):
@@ -325,6 +358,7 @@ def _build_gpt2(cfg, ops):
                          "uses by default; gelu_new, GPT-2's tanh approximation)")
     c["nonlinearity"] = act
     density, seed = _sparsity(cfg, c)
+    _precision(cfg, c)
     init = _decoder_initializers(cfg, c)
     # Dropout (Model Zoo's keys): residual branches and, unless given, the embeddings and the
     # attention weights at dropout_rate. The default here is none; Model Zoo's is 0.1.
@@ -340,6 +374,17 @@ def _build_gpt2(cfg, ops):
     units.append(LMHead(c["hidden_size"], c["vocab_size"], c["layer_norm_epsilon"], tied, ops, init["embedding"],
                         init["head"]))
     return Model("gpt2", c, units, ops)
+
+
+def _precision(cfg, c):
+    """model.mixed_precision and model.fp16_type (float16 when not given, as Model Zoo before fp16_type)."""
+    mixed = cfg.get("mixed_precision", False)
+    if not isinstance(mixed, bool):
+        raise TypeError(f"model.mixed_precision: expected true or false, got {show(mixed)}")
+    kind = cfg.get("fp16_type")
+    if kind is not None and kind not in FORMATS:
+        raise ValueError(f"model.fp16_type: expected one of {', '.join(FORMATS)}, got {show(kind)}")
+    c["mixed_precision"], c["fp16_type"] = mixed, (kind or "float16") if mixed else kind
 
 
 def _rate(cfg, key, default):
@@ -394,6 +439,7 @@ def _build_fc_mlp(cfg, ops):
         raise ValueError(f"model.activation: unknown activation {show(act)} (known: {', '.join(ACTIVATIONS)})")
     c["activation"] = act
     density, seed = _sparsity(cfg, c)
+    _precision(cfg, c)
     sizes = [c["input_size"], *c["hidden_sizes"], c["num_classes"]]
     units = [Dense(i, sizes[i], sizes[i + 1], act if i < len(sizes) - 2 else None, ops, density, seed)
              for i in range(len(sizes) - 1)]

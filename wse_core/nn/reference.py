@@ -8,8 +8,10 @@ One step on a global batch of B samples split into micro-batches of ``micro_batc
    adding their partial sums will; loss sums and token counts likewise;
 3. a parameter used by several units (a tied embedding) gets their sums added in unit order;
 4. the loss is the mean over the masked-in tokens N of the global batch, so the gradient is the
-   sum / N (or, with ``model.loss_scaling: batch_size``, sum / B * loss_weight: ``model.loss_divisor``). With clipping, the norm of that mean gradient is clipped to ``max_gradient_norm``.
-   Both factors are folded into the optimizer's ``grad_scale``: no extra pass over the gradients;
+   sum / N (or, with ``model.loss_scaling: batch_size``, sum / B * loss_weight: ``model.loss_divisor``),
+   and by the loss scale. With clipping, the norm of that mean gradient is clipped to
+   ``max_gradient_norm``. The factors are folded into the optimizer's ``grad_scale``: no extra pass
+   over the gradients;
 5. the optimizer updates each parameter in place, in ``Model.param_names`` order; biases and norm
    weights take no weight decay (``ParamSpec.decay``), as in Model Zoo.
 """
@@ -22,12 +24,15 @@ from wse_core.tree import tree_reduce
 
 @dataclass
 class StepResult:
-    """What one step reports: mean loss, tokens counted, gradient norm before clipping, lr used."""
+    """What one step reports: mean loss, tokens counted, gradient norm before clipping, lr used;
+    with loss scaling, the scale the step used and whether it was skipped (its gradients overflowed)."""
 
     loss: float
     n_tokens: int
     grad_norm: float
     lr: float
+    loss_scale: float = 1.0
+    skipped: bool = False
 
 
 def micro_batch_ranges(batch_size, micro_batch_size):
@@ -37,50 +42,51 @@ def micro_batch_ranges(batch_size, micro_batch_size):
     return [(lo, lo + micro_batch_size) for lo in range(0, batch_size, micro_batch_size)]
 
 
-def _add(a, b):
-    """Add two (loss_sum, n_tokens, unit_grads) partial results; reuses a's arrays."""
-    for ga, gb in zip(a[2], b[2]):
-        for name, value in gb.items():
-            ga[name] += value
-    return a[0] + b[0], a[1] + b[1], a[2]
-
-
-def accumulate(model, params, batch, micro_batch_size, lo=0, hi=None, *, dropout=None):
+def accumulate(model, params, batch, micro_batch_size, lo=0, hi=None, *, dropout=None, loss_scale=1.0):
     """Tree sum of micro-batches [lo, hi) of ``batch``: (loss_sum, n_tokens, unit_grads).
 
-    ``dropout``: (seed, step) of the dropout masks (training), or None (no dropout)."""
+    ``dropout``: (seed, step) of the dropout masks (training), or None (no dropout); the gradients
+    are of the loss times ``loss_scale``, each partial sum in the model's precision."""
     ranges = micro_batch_ranges(model.check_batch(batch), micro_batch_size)
     hi = len(ranges) if hi is None else hi
 
     def leaf(i):
         drop = None if dropout is None else DropoutKey(*dropout, ranges[i][0])
-        return model.forward_backward(params, model.slice_batch(batch, *ranges[i]), drop)
+        return model.forward_backward(params, model.slice_batch(batch, *ranges[i]), drop, loss_scale)
 
-    return tree_reduce(lo, hi, leaf, _add)
+    def add(a, b):
+        return a[0] + b[0], a[1] + b[1], [model.add_grads(ga, gb) for ga, gb in zip(a[2], b[2])]
+
+    return tree_reduce(lo, hi, leaf, add)
 
 
-def apply_update(model, params, opt_state, optimizer, grads, divisor, *, step, lr, max_gradient_norm=None):
-    """Normalise by ``divisor`` (``model.loss_divisor``), clip, and update every parameter in place;
-    returns the grad norm."""
-    names = model.param_names
-    norm = global_norm([grads[n] for n in names]) / divisor
-    coef = 1.0 if max_gradient_norm is None else clip_coefficient(norm, max_gradient_norm)
-    for name in names:
+def apply_update(model, params, opt_state, optimizer, grads, grad_scale, *, step, lr):
+    """Update every parameter in place with its gradient times ``grad_scale``, in ``param_names`` order."""
+    for name in model.param_names:
         optimizer.update(params[name], grads[name], opt_state[name], step=step, lr=lr,
-                         grad_scale=coef / divisor, name=name, decay=model.param_specs[name].decay)
-    return norm
+                         grad_scale=grad_scale, name=name, decay=model.param_specs[name].decay)
 
 
 def reference_step(model, params, opt_state, optimizer, batch, *, micro_batch_size, step, lr=None,
-                   max_gradient_norm=None, seed=0):
+                   max_gradient_norm=None, seed=0, scaler=None):
     """Run one full training step in this process; ``params`` and ``opt_state`` are updated in place.
-    ``seed`` (the run's ``runconfig.seed``) keys the dropout masks with ``step``."""
-    loss_sum, n_tokens, unit_grads = accumulate(model, params, batch, micro_batch_size, dropout=(seed, step))
+
+    ``seed`` (the run's ``runconfig.seed``) keys the dropout masks with ``step``. The forward and
+    backward passes use the weights in the model's precision (``params`` are the float32 master
+    weights). ``scaler`` (an ``optim.LossScaler``) scales the loss, and with dynamic scaling skips
+    a step whose gradient norm is not finite."""
+    loss_scale = 1.0 if scaler is None else scaler.scale
+    loss_sum, n_tokens, unit_grads = accumulate(model, model.compute_weights(params), batch, micro_batch_size,
+                                                dropout=(seed, step), loss_scale=loss_scale)
     if n_tokens < 1:
         raise ValueError("batch: the loss mask selects no token, so the loss is undefined")
     grads = model.combine_unit_grads(unit_grads)
     lr = optimizer.lr if lr is None else lr
     divisor = model.loss_divisor(n_tokens, len(next(iter(batch.values()))))
-    norm = apply_update(model, params, opt_state, optimizer, grads, divisor, step=step, lr=lr,
-                        max_gradient_norm=max_gradient_norm)
-    return StepResult(loss=loss_sum / divisor, n_tokens=n_tokens, grad_norm=norm, lr=lr)
+    norm = global_norm([grads[n] for n in model.param_names]) / divisor / loss_scale
+    skipped = scaler is not None and scaler.update(norm)
+    if not skipped:
+        coef = 1.0 if max_gradient_norm is None else clip_coefficient(norm, max_gradient_norm)
+        apply_update(model, params, opt_state, optimizer, grads, coef / divisor / loss_scale, step=step, lr=lr)
+    return StepResult(loss=loss_sum / divisor, n_tokens=n_tokens, grad_norm=norm, lr=lr, loss_scale=loss_scale,
+                      skipped=skipped)
