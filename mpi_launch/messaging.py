@@ -74,17 +74,16 @@ def wait_all(requests, what, timeout=None):
 
 
 def recv_object(comm, source, tag_, what, timeout=None):
-    """A small pickled message from ``source``, received without spinning."""
-    req = comm.irecv(source=source, tag=tag_)
+    """A pickled message of any size from ``source``, received without spinning: probe with sleeps
+    in between until it is there (an ``irecv`` without a buffer holds only 32 KiB), then take it."""
     timeout = _timeout["seconds"] if timeout is None else timeout
     deadline = time.monotonic() + timeout
     pause = _MIN_SLEEP
     while True:
-        done, value = _test(req.test, what)
-        if done:
-            return value
+        message = _test(lambda: comm.improbe(source=source, tag=tag_), what)
+        if message is not None:
+            return _test(message.recv, what)
         if time.monotonic() > deadline:
-            req.Cancel()
             raise PeerTimeout(f"no answer within {timeout:g} s while waiting for {what}")
         time.sleep(pause)
         pause = min(pause * 2, _MAX_SLEEP)

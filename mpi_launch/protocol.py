@@ -17,8 +17,9 @@ from mpi4py import MPI
 
 FWD_WEIGHTS, BWD_WEIGHTS, GRADS, DATA, CONTROL, REPORT, HEADER = range(7)
 NUM_PHASES = 7
-#: Report indices (``tag(REPORT, 0, i)``): losses, gradient norms, checkpoint shards, step times.
-LOSS, NORMS, SHARD, STEP_TIME = range(4)
+#: Report indices (``tag(REPORT, 0, i)``): losses, gradient norms, checkpoint shards, step times,
+#: weights for an evaluation.
+LOSS, NORMS, SHARD, STEP_TIME, EVAL_WEIGHTS = range(5)
 
 
 class ProtocolError(RuntimeError):

@@ -64,7 +64,7 @@ class Job:
         """
         from mpi_launch.rundir import RunDir
 
-        self._check_data("train_input")
+        self._check_inputs()
         cmd, _ = self._command(hostfile)
         with RunDir(self.model_dir).lock("wse fit --dry-run") as run_dir:
             run_dir.prepare(self.params, checkpoint=checkpoint_path)
@@ -87,7 +87,7 @@ class Job:
         from mpi_launch.rundir import RunDir
         from mpi_launch.watchdog import launch
 
-        self._check_data("train_input")
+        self._check_inputs()
         cmd, plan = self._command(hostfile)
         r = self.params.runconfig
         with RunDir(self.model_dir).lock() as run_dir:
@@ -116,13 +116,9 @@ class Job:
         first ``batches`` batches), losses summed per micro-batch in the same balanced tree as
         training. Returns a dict with the loss, perplexity, counts and the checkpoint's step.
         """
-        import math
-
-        import numpy as np
-
         from data_tools.checkpoint import Checkpoint
         from wse_core.nn import build_model
-        from wse_core.tree import tree_sum
+        from wse_core.nn.reference import evaluate
 
         e = self.params.eval_input
         if not e:
@@ -134,26 +130,20 @@ class Job:
         if missing:
             raise params_mod.ParamsError(f"{ckpt.dir}: does not hold parameter {sorted(missing)[0]!r} of this model")
         weights, _ = ckpt.load(model.param_names)
-        bs = e.batch_size
-        mbs = e.micro_batch_size or bs
-        n = ds.n_examples if batches is None else min(ds.n_examples, batches * bs)
-        sums, tokens = [], 0
-        for lo in range(0, n, mbs):
-            raw = ds.read(lo, min(lo + mbs, n))
-            if ds.format == "lm":
-                batch = {"input_ids": np.ascontiguousarray(raw[:, 0]), "loss_mask": np.ascontiguousarray(raw[:, 1]),
-                         "labels": np.ascontiguousarray(raw[:, 2])}
-            else:
-                batch = {"features": raw[0], "labels": raw[1]}
-            y, _ = model.forward(weights, batch)
-            loss_sum, n_tokens, _ = model.loss(y, batch)
-            sums.append(loss_sum)
-            tokens += n_tokens
-        if tokens == 0:
-            raise params_mod.ParamsError(f"eval_input.data_dir: {e.data_dir}: the loss mask selects no token")
-        loss = tree_sum(sums) / tokens
-        return {"checkpoint": str(ckpt.dir), "step": ckpt.step, "eval_loss": loss,
-                "perplexity": math.exp(min(loss, 700.0)), "examples": n, "tokens": tokens}
+        batches = self.params.runconfig.eval_steps if batches is None else batches
+        try:
+            r = evaluate(model, weights, ds, e.micro_batch_size or e.batch_size,
+                         None if batches is None else batches * e.batch_size)
+        except ValueError as exc:
+            raise params_mod.ParamsError(f"eval_input.data_dir: {e.data_dir}: {exc}") from None
+        return {"checkpoint": str(ckpt.dir), "step": ckpt.step, "eval_loss": r["loss"], "perplexity": r["perplexity"],
+                "accuracy": r["accuracy"], "examples": r["examples"], "tokens": r["tokens"]}
+
+    def _check_inputs(self):
+        """The training data, and the evaluation data when the run evaluates as it trains."""
+        self._check_data("train_input")
+        if self.params.runconfig.eval_frequency:
+            self._check_data("eval_input")
 
     def _check_data(self, section):
         """Fail before any work starts if ``section``'s data cannot feed the model; return the Dataset."""

@@ -359,9 +359,7 @@ NOT_BUILT = {
               "attention_sink_tokens": "attention sinks", "mup_base_hidden_size": "muP",
               "mup_base_filter_size": "muP"},
     "optimizer": {"adjust_learning_rate": "per-layer learning-rate scaling (muP)"},
-    "runconfig": {"eval_steps": "evaluation during training (wse validate evaluates a checkpoint)",
-                  "eval_frequency": "evaluation during training (wse validate evaluates a checkpoint)",
-                  "num_steps": "a step count other than max_steps", "num_epochs": "training by epochs",
+    "runconfig": {"num_steps": "a step count other than max_steps", "num_epochs": "training by epochs",
                   "steps_per_epoch": "training by epochs"},
     "sparsity": "Model Zoo's sparsity algorithms (wse-cluster has model.sparsity: a fixed random mask)",
 }

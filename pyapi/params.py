@@ -90,7 +90,9 @@ SCHEMA = {
         "num_workers_per_csx": Key("int>0", 1, "input workers per CS-2"),
         "swarmx_fanout": Key("int>1", 2, "children per SwarmX node"),
         "model_dir": Key("path", "model_dir", "where checkpoints, logs and metrics go"),
-        "seed": Key("int>=0", 0, "seed of the model initialisation"),
+        "seed": Key("int>=0", 0, "seed of the model initialisation and of the dropout masks"),
+        "eval_frequency": Key("int>0?", None, "evaluate on eval_input every N steps and after the last (null: never)"),
+        "eval_steps": Key("int>0?", None, "batches of eval_input an evaluation reads (null: all of it)"),
         "peer_timeout": Key("int>0", 20, "seconds a rank waits for a silent peer (after the first step) before ending the job"),
         "hardware": Key("hardware", {}, "constants of the emulated hardware to override (wse_core.perf.Hardware: "
                                         "io_gbps, clock_hz, precision, ...)"),
@@ -354,6 +356,9 @@ def _check_consistency(p):
             and p["optimizer"]["loss_scaling_factor"] != "dynamic":
         raise ParamsError("optimizer.loss_scaling_factor: cbfloat16 needs dynamic loss scaling (as in Model Zoo): "
                           "set loss_scaling_factor: dynamic")
+    if r["eval_frequency"] is not None and "eval_input" not in p:
+        raise ParamsError("runconfig.eval_frequency: evaluating during training needs an eval_input section "
+                          "(data_dir, batch_size)")
     kind = p["optimizer"]["optimizer_type"]
     if kind.lower() in MODEL_ZOO_OPTIMIZERS_NOT_BUILT:
         raise ParamsError(f"optimizer.optimizer_type: {kind} is one of Model Zoo's optimizers that wse-cluster "

@@ -1,5 +1,6 @@
 """The weight-streaming cluster under `wse fit`: exactness against the reference step, resume, failures."""
 import json
+import math
 import os
 import re
 import shutil
@@ -194,6 +195,52 @@ def test_mixed_precision_with_dynamic_loss_scaling_is_bit_identical_to_the_refer
     per_step = [sum(json.loads(run_dir.timing_log(r).read_text().splitlines()[i])["bytes_in"] for r in memoryx)
                 for i in range(steps)]
     assert per_step == [2 * uses] * steps
+
+
+def read_events(directory):
+    """{tag: [(step, value)]} of the scalars in the TensorBoard event files of ``directory``."""
+    import struct
+
+    from tensorboardX.proto import event_pb2
+
+    out = {}
+    for f in sorted(directory.glob("events.out.tfevents.*")):
+        data, pos = f.read_bytes(), 0
+        while pos < len(data):  # TFRecord framing: u64 length, u32 crc, payload, u32 crc
+            (n,) = struct.unpack_from("<Q", data, pos)
+            event = event_pb2.Event.FromString(data[pos + 12:pos + 12 + n])
+            pos += 16 + n
+            for v in event.summary.value:
+                out.setdefault(v.tag, []).append((event.step, v.simple_value))
+    return out
+
+
+def test_evaluation_during_training_goes_to_metrics_and_tensorboard(tmp_path, data, jobs):
+    """eval_frequency 2, eval_steps 2: the weights after steps 2 and 4 (the last) are evaluated on
+    eval_input; the figures equal an evaluation of the reference's weights, and `wse validate` of
+    the final checkpoint; TensorBoard gets train/ and eval/ event files with Model Zoo's tags."""
+    from data_tools.dataset import Dataset
+    from wse_core.nn.reference import evaluate
+
+    path, p = params_file(tmp_path, data, max_steps=4, eval_frequency=2, eval_steps=2)
+    p["eval_input"] = {"data_dir": str(data), "batch_size": 4, "micro_batch_size": 2}
+    path.write_text(yaml.safe_dump(p))
+    proc = jobs.run("fit", path, "--num_csx", 2)
+    assert proc.returncode == 0, proc.stderr
+    evals = [m for m in RunDir(tmp_path / "model").read_metrics() if "eval_loss" in m]
+    assert [m["step"] for m in evals] == [2, 4] and all(m["eval_examples"] == 8 for m in evals)
+    model = build_model(p["model"])
+    for m in evals:
+        params, _, _ = reference(p, m["step"])
+        want = evaluate(model, params, Dataset(data), 2, 8)
+        assert (m["eval_loss"], m["eval_accuracy"]) == (want["loss"], want["accuracy"])
+        assert m["eval_perplexity"] == pytest.approx(math.exp(want["loss"])) and 0 <= want["accuracy"] <= 1
+    val = jobs.run("validate", path, "--json")
+    assert val.returncode == 0, val.stderr
+    assert json.loads(val.stdout)["eval_loss"] == evals[-1]["eval_loss"]  # runconfig.eval_steps: 2 batches there too
+    train, ev = read_events(tmp_path / "model" / "train"), read_events(tmp_path / "model" / "eval")
+    assert [s for s, _ in train["loss"]] == [1, 2, 3, 4] and "lr" in train and "grad_norm" in train
+    assert [s for s, _ in ev["loss"]] == [2, 4] and ev["accuracy"][0][1] == pytest.approx(evals[0]["eval_accuracy"])
 
 
 def test_sparse_gpt2_trains_bit_identically_and_checkpoints_only_nonzeros(tmp_path, data, jobs):

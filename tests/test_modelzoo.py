@@ -3,6 +3,7 @@
 The files here are written for these tests with the keys Model Zoo's own GPT-2/GPT-3/LLaMA configs
 use (1.x to 2.2 flat layout; 2.3 on trainer layout) and values of our own.
 """
+import math
 import subprocess
 import sys
 import warnings
@@ -10,6 +11,7 @@ import warnings
 import pytest
 import yaml
 
+from mpi_launch.rundir import RunDir
 from pyapi.modelzoo import ParamsWarning
 from pyapi.params import ParamsError, check, load, validate
 
@@ -287,3 +289,186 @@ def test_wse_compile_warns_in_one_line(tmp_path):
     warned = [line for line in out.stderr.splitlines() if "warning" in line]
     assert warned[0].startswith("wse compile: warning: ") and any("without effect" in w for w in warned)
     assert out.stdout.startswith("model gpt2:")
+
+
+# GPT-2 small as a Model Zoo 1.x file would write it (flat layout, 1.x key names, full size).
+GPT2_SMALL_1X = """
+train_input:
+  data_processor: GptHDF5DataProcessor
+  data_dir: DATA
+  vocab_size: 50257
+  max_sequence_length: 1024
+  batch_size: 8
+  shuffle: true
+  shuffle_seed: 11
+  num_workers: 4
+  prefetch_factor: 4
+  persistent_workers: true
+eval_input:
+  data_processor: GptHDF5DataProcessor
+  data_dir: DATA
+  vocab_size: 50257
+  max_sequence_length: 1024
+  batch_size: 8
+  shuffle: false
+  num_workers: 4
+model:
+  vocab_size: 50257
+  hidden_size: 768
+  use_position_embedding: true
+  position_embedding_type: learned
+  share_embedding_weights: true
+  max_position_embeddings: 1024
+  num_hidden_layers: 12
+  dropout_rate: 0.1
+  layer_norm_epsilon: 1.0e-5
+  num_heads: 12
+  attention_type: scaled_dot_product
+  attention_dropout_rate: 0.1
+  use_projection_bias_in_attention: true
+  use_ffn_bias_in_attention: true
+  filter_size: 3072
+  nonlinearity: gelu
+  use_ffn_bias: true
+  use_bias_in_output: false
+  loss_weight: 0.0009765625
+  mixed_precision: true
+  use_bfloat16: false
+optimizer:
+  optimizer_type: AdamW
+  beta1: 0.9
+  beta2: 0.98
+  epsilon: 1.0e-7
+  correct_bias: true
+  disable_lr_steps_reset: false
+  weight_decay_rate: 0.02
+  max_gradient_norm: 1.0
+  learning_rate:
+    - {scheduler: Linear, initial_learning_rate: 0.0, end_learning_rate: 0.0003, steps: 2}
+    - {scheduler: Linear, initial_learning_rate: 0.0003, end_learning_rate: 0.0, steps: 4, alpha: 0.1}
+  loss_scaling_factor: dynamic
+  log_summaries: true
+runconfig:
+  max_steps: 6
+  log_steps: 1
+  checkpoint_steps: 3
+  save_initial_checkpoint: false
+  seed: 2
+  show_debug_metrics: false
+  save_losses: true
+  eval_steps: 1
+  eval_frequency: 3
+  enable_distributed: false
+  use_appliance_data: true
+  precision_opt_level: 0
+"""
+
+# A Cerebras-GPT style file in the trainer layout (Model Zoo 2.3 on), full size.
+GPT3_TRAINER = """
+trainer:
+  init:
+    backend: {backend_type: CSX}
+    model:
+      name: gpt3
+      hidden_size: 768
+      position_embedding_type: learned
+      share_embedding_weights: true
+      max_position_embeddings: 2048
+      vocab_size: 50257
+      num_hidden_layers: 10
+      dropout_rate: 0.0
+      layer_norm_epsilon: 1.0e-05
+      num_heads: 12
+      attention_type: scaled_dot_product
+      attention_dropout_rate: 0.0
+      use_projection_bias_in_attention: true
+      use_ffn_bias_in_attention: true
+      filter_size: 3072
+      nonlinearity: gelu
+      use_ffn_bias: true
+      embedding_initializer: {mean: 0.0, name: truncated_normal, std: 0.02, a: -0.04, b: 0.04}
+      initializer: {mean: 0.0, name: truncated_normal, std: 0.02, a: -0.04, b: 0.04}
+      output_layer_initializer: {mean: 0.0, name: truncated_normal, std: 0.0045, a: -0.009, b: 0.009}
+      loss_scaling: batch_size
+      loss_weight: 0.00048828125
+      use_bias_in_output: false
+      fp16_type: cbfloat16
+      mixed_precision: true
+    optimizer:
+      AdamW: {betas: [0.9, 0.95], eps: 1.0e-08, weight_decay: 0.1, correct_bias: true}
+    schedulers:
+      - SequentialLR:
+          schedulers:
+            - LinearLR: {initial_learning_rate: 0.0, end_learning_rate: 0.0006, total_iters: 2}
+            - LinearLR: {initial_learning_rate: 0.0006, end_learning_rate: 6.0e-05, total_iters: 4}
+    precision:
+      enabled: true
+      fp16_type: cbfloat16
+      precision_opt_level: 1
+      loss_scaling_factor: dynamic
+      max_gradient_norm: 1.0
+      log_loss_scale: true
+    loop: {max_steps: 6, eval_frequency: 3, eval_steps: 1}
+    checkpoint: {steps: 3, save_initial_checkpoint: false}
+    logging: {log_steps: 1}
+    callbacks:
+      - ScopedTrainFlags: {csx.performance.micro_batch_size: 2}
+      - ScopedValidateFlags: {csx.performance.micro_batch_size: 2}
+      - ComputeNorm: {}
+    seed: 2
+  fit:
+    train_dataloader:
+      data_processor: GptHDF5DataProcessor
+      data_dir: DATA
+      shuffle: true
+      shuffle_seed: 0
+      batch_size: 8
+      num_workers: 1
+      prefetch_factor: 10
+      persistent_workers: true
+    val_dataloader: &val
+      data_processor: GptHDF5DataProcessor
+      data_dir: DATA
+      batch_size: 8
+      shuffle: false
+      num_workers: 1
+  validate:
+    val_dataloader: *val
+  validate_all:
+    val_dataloaders: *val
+"""
+
+SHRINK = ["model.hidden_size=32", "model.num_hidden_layers=2", "model.num_heads=2", "model.filter_size=64",
+          "model.vocab_size=257", "model.max_position_embeddings=32"]
+
+
+@pytest.fixture(scope="module")
+def lm_data(tmp_path_factory):
+    from data_tools.preprocess import preprocess_text
+
+    d = tmp_path_factory.mktemp("lm") / "lm"
+    preprocess_text(["stdlib"], d, 32, samples_per_file=4000, progress=False)
+    return d
+
+
+@pytest.mark.parametrize("text", [GPT2_SMALL_1X, GPT3_TRAINER], ids=["gpt2-1.x-flat", "gpt3-2.x-trainer"])
+def test_model_zoo_files_compile_dry_run_and_a_shrunk_one_trains(tmp_path, lm_data, jobs, text):
+    """Nothing edited but data_dir: `wse compile` and `wse fit --dry-run` accept the full-size
+    file; with --set sizes it trains (mixed precision, dynamic loss scaling, dropout,
+    evaluation during training, all as the file says)."""
+    f = tmp_path / "params.yaml"
+    f.write_text(text.replace("DATA", str(lm_data)))
+    model_dir = tmp_path / "model"
+    out = jobs.run("compile", f, "--set", f"runconfig.model_dir={model_dir}")
+    assert out.returncode == 0, out.stderr
+    assert "error" not in out.stderr and "parameters" in out.stdout
+    dry = jobs.run("fit", f, "--dry-run", "--model_dir", model_dir)
+    assert dry.returncode == 0, dry.stderr
+    assert "mpiexec" in dry.stdout and (model_dir / "run.json").is_file()
+    run = jobs.run("fit", f, "--model_dir", model_dir, "--num_csx", 2, *(x for s in SHRINK for x in ("--set", s)))
+    assert run.returncode == 0, run.stderr
+    metrics = RunDir(model_dir).read_metrics()
+    steps = [m for m in metrics if "loss" in m]
+    evals = [m for m in metrics if "eval_loss" in m]
+    assert [m["step"] for m in steps] == list(range(1, 7)) and [m["step"] for m in evals] == [3, 6]
+    assert all("loss_scale" in m for m in steps) and math.isfinite(evals[-1]["eval_loss"])

@@ -9,7 +9,7 @@ import statistics
 import time
 
 from mpi_launch import messaging as msg
-from mpi_launch.protocol import CONTROL, LOSS, NORMS, REPORT, SHARD, STEP_TIME, tag
+from mpi_launch.protocol import CONTROL, EVAL_WEIGHTS, LOSS, NORMS, REPORT, SHARD, STEP_TIME, tag
 from mpi_launch.roles.base import Role
 from mpi_launch.rundir import LineLog
 from wse_core.tree import tree_sum
@@ -28,16 +28,18 @@ class Coordinator(Role):
         schedule = make_schedule(o.learning_rate, key="optimizer.learning_rate")
         names = self.model.param_names
         metrics = LineLog(self.run_dir.metrics)
-        try:  # TensorBoard event files when a writer package is installed
+        try:  # TensorBoard event files when a writer package is installed: train/ and eval/, as Model Zoo
             from tensorboardX import SummaryWriter
 
             # On a resume, TensorBoard drops what earlier runs logged after the start step.
-            board = SummaryWriter(str(self.model_dir), purge_step=self.start_step + 1 if self.start_step else None)
+            purge = self.start_step + 1 if self.start_step else None
+            board = {name: SummaryWriter(str(self.model_dir / name), purge_step=purge) for name in ("train", "eval")}
         except ImportError:
             board = None
             if self.start_step < self.max_steps:
-                print("TensorBoard: tensorboardX is not installed (pip install tensorboardx); "
+                print("TensorBoard: tensorboardX is not installed (pip install 'wse-cluster[tensorboard]'); "
                       "metrics are in metrics.jsonl", flush=True)
+        evaluations = Evaluations(self, metrics, board)
         params_yaml = yaml.safe_dump(self.params.to_dict(), sort_keys=False)
         clock, lat = self.clock, self.hw.swarmx_hop_latency_s
         # Parts of a simulated step that do not change from step to step.
@@ -56,14 +58,19 @@ class Coordinator(Role):
                 for rank in self.plan.csx:
                     self.comm.send({"loss_scale": scaler.scale}, dest=rank, tag=tag(CONTROL))
 
-        def control(lr, grad_scale, save_step, skip=False):
-            """Send MemoryX the update to apply (or to skip), and whether to write a checkpoint after it."""
+        def control(lr, grad_scale, save_step, skip=False, eval_step=None):
+            """Send MemoryX the update to apply (or to skip), whether to write a checkpoint after it,
+            and whether to send its weights for an evaluation."""
             writer = CheckpointWriter(self.model_dir, save_step).prepare() if save_step is not None else None
             for rank in self.plan.memoryx:
                 self.comm.send({"lr": lr, "grad_scale": grad_scale, "checkpoint": save_step, "t": clock.now,
-                                "skip": skip}, dest=rank, tag=tag(CONTROL))
-            if writer is None:
-                return
+                                "skip": skip, "eval": eval_step is not None}, dest=rank, tag=tag(CONTROL))
+            if writer is not None:
+                checkpoint(writer, save_step)
+            if eval_step is not None:
+                evaluations.start(eval_step)
+
+        def checkpoint(writer, save_step):
             tables = [msg.recv_object(self.comm, rank, tag(REPORT, 0, SHARD),
                                       f"MemoryX rank {rank} (checkpoint shard of step {save_step})")
                       for rank in self.plan.memoryx]
@@ -122,7 +129,7 @@ class Coordinator(Role):
             if board is not None:
                 for key in ("loss", "grad_norm", "lr", "samples_per_s", "sim_step_s", "sim_samples_per_s", "loss_scale"):
                     if key in record:
-                        board.add_scalar(f"train/{key}", record[key], step + 1)
+                        board["train"].add_scalar(key, record[key], step + 1)
             if (step + 1) % r.log_steps == 0 or last or step == self.start_step:
                 print(f"step {step + 1:>5}/{self.max_steps}  loss {record['loss']:.4f}  "
                       f"grad_norm {norm:.3f}  lr {lr:.2e}  {record['samples_per_s']:.1f} samples/s "
@@ -132,9 +139,63 @@ class Coordinator(Role):
                       f"skipped, the scale is now {scaler.scale:g}", flush=True)
             step_to_come = step + 1
             send_loss_scale()
-            control(lr, coef / divisor / loss_scale, step + 1 if save else None, skipped)
+            evaluate = bool(r.eval_frequency) and ((step + 1) % r.eval_frequency == 0 or last)
+            control(lr, coef / divisor / loss_scale, step + 1 if save else None, skipped,
+                    step + 1 if evaluate else None)
+            evaluations.report()
             t0, sim_t0 = time.perf_counter(), clock.now
             self.step_done(step)
+        evaluations.finish()
         metrics.close()
         if board is not None:
-            board.close()
+            for writer in board.values():
+                writer.close()
+
+
+class Evaluations:
+    """Evaluations during training (``runconfig.eval_frequency``): the weights of a step, gathered
+    from the MemoryX servers, are evaluated on ``eval_input`` (``eval_steps`` batches) in a thread
+    of the coordinator while training goes on; each result becomes a line of metrics.jsonl
+    (``eval_loss``, ``eval_perplexity``, ``eval_accuracy``) and TensorBoard's eval/ scalars, in
+    step order. Not part of simulated time (docs/design.md section 5)."""
+
+    def __init__(self, role, metrics, board):
+        self.role, self.metrics, self.board = role, metrics, board
+        self.pending, self._pool, self._dataset = [], None, None
+
+    def start(self, step):
+        from concurrent.futures import ThreadPoolExecutor
+
+        from data_tools.dataset import Dataset
+        from wse_core.nn.reference import evaluate
+
+        role, e = self.role, self.role.params.eval_input
+        weights = {}
+        for rank in role.plan.memoryx:
+            weights.update(msg.recv_object(role.comm, rank, tag(REPORT, 0, EVAL_WEIGHTS),
+                                           f"MemoryX rank {rank} (weights to evaluate after step {step})"))
+        if self._pool is None:
+            self._pool, self._dataset = ThreadPoolExecutor(max_workers=1), Dataset(e.data_dir)
+        steps = role.params.runconfig.eval_steps
+        self.pending.append((step, self._pool.submit(evaluate, role.model, weights, self._dataset,
+                                                     e.micro_batch_size or e.batch_size,
+                                                     None if steps is None else steps * e.batch_size)))
+
+    def report(self, wait=False):
+        """Log the evaluations that have finished (all of them with ``wait``), oldest first."""
+        while self.pending and (wait or self.pending[0][1].done()):
+            step, future = self.pending.pop(0)
+            r = future.result()
+            record = {"step": step, "eval_loss": r["loss"], "eval_perplexity": r["perplexity"],
+                      "eval_accuracy": r["accuracy"], "eval_examples": r["examples"], "eval_tokens": r["tokens"]}
+            self.metrics.write(json.dumps(record) + "\n")
+            if self.board is not None:
+                for key in ("loss", "perplexity", "accuracy"):
+                    self.board["eval"].add_scalar(key, r[key], step)
+            print(f"eval after step {step}: loss {r['loss']:.4f}  perplexity {r['perplexity']:.2f}  "
+                  f"accuracy {r['accuracy']:.4f} ({r['examples']:,} examples)", flush=True)
+
+    def finish(self):
+        self.report(wait=True)
+        if self._pool is not None:
+            self._pool.shutdown()

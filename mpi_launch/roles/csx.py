@@ -58,7 +58,7 @@ class CS2(Role):
             accept, waited = clock.now, 0.0
             msg.wait_all(data_reqs, f"input workers {workers} (micro-batches of step {step})")
             t_data = time.perf_counter() - t0
-            batches = [self._batch(a, lm) for a in raw]
+            batches = [self.model.batch_of(a) for a in raw]
             xs = [self.model.first_input(b, np.float32) for b in batches]
             # Micro-batch m holds samples first + m * mbs ... of the step's global batch.
             first = self.index * self.n_micro * self.mbs
@@ -141,10 +141,3 @@ class CS2(Role):
             self._seq = int(Dataset(self.params.train_input.data_dir).example_shape[-1])
         return self._seq
 
-    @staticmethod
-    def _batch(arrays, lm):
-        if lm:
-            a = arrays[0]
-            return {"input_ids": np.ascontiguousarray(a[:, 0]), "loss_mask": np.ascontiguousarray(a[:, 1]),
-                    "labels": np.ascontiguousarray(a[:, 2])}
-        return {"features": arrays[0], "labels": arrays[1]}

@@ -9,8 +9,8 @@ import time
 import numpy as np
 
 from mpi_launch import messaging as msg
-from mpi_launch.protocol import BWD_WEIGHTS, CONTROL, FWD_WEIGHTS, GRADS, NORMS, REPORT, SHARD, recv_header, \
-    send_header, tag
+from mpi_launch.protocol import BWD_WEIGHTS, CONTROL, EVAL_WEIGHTS, FWD_WEIGHTS, GRADS, NORMS, REPORT, SHARD, \
+    recv_header, send_header, tag
 from mpi_launch.roles.base import Role
 
 
@@ -90,5 +90,7 @@ class MemoryX(Role):
                 writer = CheckpointWriter(self.model_dir, control["checkpoint"])
                 table = writer.write_shard(self.index, self.weights, self.state, sparse=self.sparse)
                 self.comm.send(table, dest=coordinator, tag=tag(REPORT, 0, SHARD))
+            if control.get("eval"):  # the coordinator evaluates the weights of this step on eval_input
+                self.comm.send({n: self.weights[n] for n in owned}, dest=coordinator, tag=tag(REPORT, 0, EVAL_WEIGHTS))
             if step >= self.start_step:
                 self.step_done(step)

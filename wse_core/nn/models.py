@@ -181,6 +181,20 @@ class Model:
                             f"{getattr(y, 'dtype', type(y).__name__)} {getattr(y, 'shape', '')}")
         return x.shape[0]
 
+    def batch_of(self, arrays):
+        """The batch dict of arrays as a dataset or the wire holds them: an LM's int32 [n, 3, S]
+        (input_ids, loss_mask, labels stacked), or (features, labels)."""
+        if self.is_lm:
+            a = arrays[0] if isinstance(arrays, (list, tuple)) else arrays
+            return {"input_ids": np.ascontiguousarray(a[:, 0]), "loss_mask": np.ascontiguousarray(a[:, 1]),
+                    "labels": np.ascontiguousarray(a[:, 2])}
+        return {"features": arrays[0], "labels": arrays[1]}
+
+    def correct(self, y, batch):
+        """How many counted tokens (samples) the output ``y`` predicts right (argmax = label)."""
+        hit = np.argmax(y, axis=-1) == batch["labels"]
+        return int(np.count_nonzero(hit & (batch["loss_mask"] != 0))) if self.is_lm else int(np.count_nonzero(hit))
+
     @staticmethod
     def slice_batch(batch, lo, hi):
         return {k: v[lo:hi] for k, v in batch.items()}

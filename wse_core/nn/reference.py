@@ -17,9 +17,11 @@ One step on a global batch of B samples split into micro-batches of ``micro_batc
 """
 from dataclasses import dataclass
 
+import math
+
 from wse_core.nn.layers import DropoutKey
 from wse_core.optim import clip_coefficient, global_norm
-from wse_core.tree import tree_reduce
+from wse_core.tree import tree_reduce, tree_sum
 
 
 @dataclass
@@ -90,3 +92,25 @@ def reference_step(model, params, opt_state, optimizer, batch, *, micro_batch_si
         apply_update(model, params, opt_state, optimizer, grads, coef / divisor / loss_scale, step=step, lr=lr)
     return StepResult(loss=loss_sum / divisor, n_tokens=n_tokens, grad_norm=norm, lr=lr, loss_scale=loss_scale,
                       skipped=skipped)
+
+
+def evaluate(model, weights, dataset, micro_batch_size, n_examples=None):
+    """Loss, perplexity and accuracy of the float32 master ``weights`` on the first ``n_examples`` of
+    ``dataset`` (all by default; anything with ``read(lo, hi)`` and ``n_examples``), in order, in
+    micro-batches, without dropout, in the model's precision. The loss is per counted token
+    (sample); accuracy is the fraction of them whose argmax is the label."""
+    compute = model.compute_weights(weights)
+    n = dataset.n_examples if n_examples is None else min(dataset.n_examples, n_examples)
+    sums, tokens, correct = [], 0, 0
+    for lo in range(0, n, micro_batch_size):
+        batch = model.batch_of(dataset.read(lo, min(lo + micro_batch_size, n)))
+        y, _ = model.forward(compute, batch)
+        loss_sum, n_tokens, _ = model.loss(y, batch)
+        sums.append(loss_sum)
+        tokens += n_tokens
+        correct += model.correct(y, batch)
+    if tokens == 0:
+        raise ValueError("the loss mask selects no token, so the loss is undefined")
+    loss = tree_sum(sums) / tokens
+    return {"loss": loss, "perplexity": math.exp(min(loss, 700.0)), "accuracy": correct / tokens,
+            "examples": n, "tokens": tokens}
