@@ -211,6 +211,44 @@ def save_checkpoint(model_dir, step, shards, *, params_yaml="", loader_state=Non
     return writer.commit(tables, params_yaml=params_yaml, loader_state=loader_state, rng_state=rng_state)
 
 
+def from_hf(hf_dir, model_dir):
+    """A checkpoint (step 0, weights only: the optimizer starts fresh) in ``model_dir`` from a Hugging
+    Face directory (config.json, model.safetensors); returns (its path, the model section of the params
+    a run on it needs)."""
+    import yaml
+    from safetensors.numpy import load_file
+
+    from wse_core.nn import build_model
+    from wse_core.nn.hf import from_hf as convert
+
+    hf_dir = Path(hf_dir)
+    try:
+        config = json.loads((hf_dir / "config.json").read_text())
+    except (OSError, ValueError) as exc:
+        raise CheckpointError(f"{hf_dir / 'config.json'}: cannot read ({exc})") from None
+    files = sorted(hf_dir.glob("*.safetensors"))
+    if not files:
+        raise CheckpointError(f"{hf_dir}: no *.safetensors file (a Hugging Face model directory has model.safetensors)")
+    tensors = {}
+    for f in files:
+        try:
+            tensors.update(load_file(str(f)))
+        except Exception as exc:  # safetensors raises its own error types
+            raise CheckpointError(f"{f}: not a readable safetensors file ({exc})") from None
+    try:
+        model_cfg, weights = convert(config, tensors)
+        model = build_model(model_cfg)
+    except (TypeError, ValueError, KeyError) as exc:
+        raise CheckpointError(f"{hf_dir}: {exc}") from None
+    for name, spec in model.param_specs.items():
+        if weights[name].shape != spec.shape:
+            raise CheckpointError(f"{hf_dir}: tensor for {name} has shape {list(weights[name].shape)}, the config "
+                                  f"says {list(spec.shape)}")
+    path = save_checkpoint(model_dir, 0, [({n: weights[n] for n in model.param_names}, {})],
+                           params_yaml=yaml.safe_dump({"model": model.config}, sort_keys=False))
+    return path, model.config
+
+
 def resolve(path):
     """A model_dir (-> its ``latest``), a checkpoint directory, or an ``index.h5`` -> the checkpoint directory."""
     p = Path(path)
@@ -390,10 +428,14 @@ class Checkpoint:
                 "loader_state": self.loader_state, "params_yaml": self.params_yaml}
 
     def convert(self, to, output):
-        """Write the weights (parameter names as keys) as ``npz``, ``h5`` or a torch ``state_dict``.
+        """Write the weights (parameter names as keys) as ``npz``, ``h5`` or a torch ``state_dict``, or
+        as a Hugging Face directory (``hf``: config.json and model.safetensors that transformers'
+        GPT2LMHeadModel / LlamaForCausalLM load).
 
         Sparse weights are written dense (``[out, in]``, zeros off the pattern), as PyTorch expects.
         """
+        if to == "hf":
+            return self._to_hf(output)
         if to == "torch":
             try:
                 import torch
@@ -411,5 +453,24 @@ class Checkpoint:
         elif to == "torch":
             torch.save({k: torch.from_numpy(v) for k, v in params.items()}, output)
         else:
-            raise CheckpointError(f"--to: expected npz, h5 or torch, got {to!r}")
+            raise CheckpointError(f"--to: expected npz, h5, torch or hf, got {to!r}")
         return output
+
+    def _to_hf(self, output):
+        import yaml
+        from safetensors.numpy import save_file
+
+        from wse_core.nn import build_model
+        from wse_core.nn.hf import to_hf
+
+        try:
+            model = build_model(yaml.safe_load(self.params_yaml)["model"])
+            config, tensors = to_hf(model.config, self.dense(self.load(model.param_names)[0]))
+        except (TypeError, ValueError, KeyError) as exc:
+            raise CheckpointError(f"{self.dir}: --to hf: {exc}") from None
+        out = Path(output)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        save_file({k: np.ascontiguousarray(v) for k, v in tensors.items()}, str(out / "model.safetensors"),
+                  metadata={"format": "pt"})
+        return out

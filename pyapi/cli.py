@@ -172,6 +172,18 @@ def _cmd_params_keys(args):
     return 1 if error else 0
 
 
+def _cmd_checkpoint_from_hf(args):
+    import yaml
+
+    from data_tools.checkpoint import from_hf
+
+    path, model = from_hf(args.path, args.output)
+    print(f"wrote {path} (step 0, weights only: the optimizer starts fresh)")
+    print("a run starts from it with `wse fit PARAMS --checkpoint_path " f"{path}` and this model section in PARAMS:")
+    print(yaml.safe_dump({"model": model}, sort_keys=False), end="")
+    return 0
+
+
 def _load_params(args):
     from pyapi import params
 
@@ -416,11 +428,19 @@ def build_parser(argv=()):
     cp = ck_sub.add_parser("verify", help="check SHA-256 of every shard; exit 1 naming the damaged tensor")
     cp.add_argument("path", metavar="PATH")
     cp.set_defaults(func=_cmd_checkpoint_verify)
-    cp = ck_sub.add_parser("convert", help="write the weights as npz, h5 or a torch state_dict")
+    cp = ck_sub.add_parser("convert", help="write the weights as npz, h5, a torch state_dict or a Hugging Face directory")
     cp.add_argument("path", metavar="PATH")
-    cp.add_argument("--to", required=True, choices=["npz", "h5", "torch"])
+    cp.add_argument("--to", required=True, choices=["npz", "h5", "torch", "hf"],
+                    help="hf: a directory with config.json and model.safetensors (GPT2LMHeadModel, LlamaForCausalLM)")
     cp.add_argument("--output", required=True, metavar="FILE")
     cp.set_defaults(func=_cmd_checkpoint_convert)
+    cp = ck_sub.add_parser("from-hf", help="a checkpoint a run can start from, from a Hugging Face model directory",
+                           description="Read DIR (config.json, *.safetensors of a GPT2LMHeadModel or "
+                                       "LlamaForCausalLM) and write a step-0, weights-only checkpoint into "
+                                       "--output (a model_dir); print the model section a run on it needs.")
+    cp.add_argument("path", metavar="DIR")
+    cp.add_argument("--output", required=True, metavar="MODEL_DIR")
+    cp.set_defaults(func=_cmd_checkpoint_from_hf)
 
     p = sub.add_parser("fabric", help="run a reference program on the simulated PE mesh",
                        description="Dataflow PE-mesh simulator: run a reference program, check it against numpy, "

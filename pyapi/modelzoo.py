@@ -363,6 +363,11 @@ NOT_BUILT = {
                   "steps_per_epoch": "training by epochs"},
     "sparsity": "Model Zoo's sparsity algorithms (wse-cluster has model.sparsity: a fixed random mask)",
 }
+#: Model keys that llama builds (with the values it builds: wse_core.nn.models checks them).
+LLAMA_BUILT = {"rotary_dim", "rope_theta", "pos_scaling_factor", "pos_scaling_type", "pos_scaling_extra_args",
+               "extra_attention_params", "attention_module", "use_projection_bias_in_attention",
+               "use_ffn_bias_in_attention", "use_ffn_bias", "use_bias_in_output", "embedding_layer_norm",
+               "attention_type"}
 #: Model Zoo 1.x names of keys wse-cluster reads under their 2.x name: {section: {old: new}}.
 ALIASES = {
     "optimizer": {"weight_decay_rate": "weight_decay", "epsilon": "eps"},
@@ -395,6 +400,7 @@ def sort_keys(flat, report):
     left for the schema (which records its own keys as honoured or unknown)."""
     flat = copy.deepcopy(flat)
     model = flat.get("model")
+    llama = False
     if isinstance(model, dict):
         _infer_family(model, report)
         weight = model.get("loss_weight", 1.0)
@@ -403,9 +409,6 @@ def sort_keys(flat, report):
             model["loss_scaling"] = "batch_size"
             report.notes.append(f"model.loss_scaling: absent beside loss_weight {show(weight)}; inferred batch_size "
                                 "(the loss was sum / batch_size * loss_weight before Model Zoo had loss_scaling)")
-        if model.get("use_rms_norm") is True or model.get("norm_type") not in (None, "layernorm"):
-            report.fates["model.norm_type" if "norm_type" in model else "model.use_rms_norm"] = \
-                "refused: RMSNorm (the llama family) is not built"
         if "use_bfloat16" in model:  # 1.x: true for bfloat16, false for float16 (when mixed_precision)
             use = model.pop("use_bfloat16")
             if use is True and model.get("fp16_type", "bfloat16") != "bfloat16":
@@ -413,17 +416,26 @@ def sort_keys(flat, report):
             else:
                 report.fates["model.use_bfloat16"] = "alias of model.fp16_type"
                 model.setdefault("fp16_type", "bfloat16" if use is True else "float16")
-        for key in ("use_rms_norm", "norm_type"):
-            if key in model and f"model.{key}" not in report.fates:
-                report.fates[f"model.{key}"] = "honoured (same value)"
-        model.pop("use_rms_norm", None), model.pop("norm_type", None)
-        pos = model.get("position_embedding_type", "learned")
-        report.fates.setdefault("model.position_embedding_type", "honoured (same value)" if pos == "learned" else
-                                f"refused: {show(pos)} position embeddings are not built (built: learned)")
-        model.pop("position_embedding_type", None)
-        if model.get("nonlinearity") in ("swiglu", "geglu", "reglu", "relu", "silu", "leaky_relu"):
-            report.fates["model.nonlinearity"] = f"refused: {model['nonlinearity']} is not built (built: gelu, gelu_new)"
-            model.pop("nonlinearity")
+        if "use_rms_norm" in model:  # 1.x spelling of norm_type: rmsnorm
+            use = model.pop("use_rms_norm")
+            report.fates["model.use_rms_norm"] = "alias of model.norm_type"
+            model.setdefault("norm_type", "rmsnorm" if use is True else "layernorm")
+        llama = model.get("name") == "llama"
+        if not llama:  # the GPT-2 decoder: these keys name what it is, or what it is not
+            if model.get("norm_type") not in (None, "layernorm"):
+                report.fates["model.norm_type"] = "refused: RMSNorm is llama's (model.name: llama), not gpt2's"
+            elif "norm_type" in model:
+                report.fates["model.norm_type"] = "honoured (same value)"
+            model.pop("norm_type", None)
+            pos = model.get("position_embedding_type", "learned")
+            report.fates.setdefault("model.position_embedding_type", "honoured (same value)" if pos == "learned" else
+                                    f"refused: {show(pos)} position embeddings are not built for gpt2 (built: learned; "
+                                    "rotary: model.name: llama)")
+            model.pop("position_embedding_type", None)
+            if model.get("nonlinearity") in ("swiglu", "geglu", "reglu", "relu", "silu", "leaky_relu"):
+                report.fates["model.nonlinearity"] = (f"refused: {model['nonlinearity']} is not built for gpt2 (built: "
+                                                      "gelu, gelu_new; swiglu: model.name: llama)")
+                model.pop("nonlinearity")
     opt = flat.get("optimizer")
     if isinstance(opt, dict):
         if "beta1" in opt or "beta2" in opt:
@@ -452,6 +464,8 @@ def sort_keys(flat, report):
             elif key in TUNING.get(section, ()):
                 report.fates[path] = "tuning"
                 del values[key]
+            elif section == "model" and llama and key in LLAMA_BUILT:
+                continue  # build_model checks llama's values
             elif key in FIXED.get(section, {}):
                 accepted, meaning = FIXED[section][key]
                 value = values.pop(key)

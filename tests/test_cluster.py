@@ -197,6 +197,22 @@ def test_mixed_precision_with_dynamic_loss_scaling_is_bit_identical_to_the_refer
     assert per_step == [2 * uses] * steps
 
 
+def test_llama_with_gqa_bfloat16_and_dropout_is_bit_identical_to_the_reference(tmp_path, data, jobs):
+    """llama (RMSNorm, rotary, grouped-query attention, SwiGLU, untied head) in bfloat16 with dropout:
+    num_csx 2 gives the reference's bits."""
+    path, p = params_file(tmp_path, data)
+    p["model"] = {"name": "llama", "vocab_size": 257, "hidden_size": 32, "num_hidden_layers": 2, "num_heads": 4,
+                  "filter_size": 48, "max_position_embeddings": 32, "attention_module": "multiquery_attention",
+                  "extra_attention_params": {"num_kv_groups": 2}, "share_embedding_weights": False,
+                  "dropout_rate": 0.1, "mixed_precision": True, "fp16_type": "bfloat16"}
+    path.write_text(yaml.safe_dump(p))
+    proc = jobs.run("fit", path, "--num_csx", 2)
+    assert proc.returncode == 0, proc.stderr
+    params, state, losses = reference(p, STEPS)
+    assert_bits(tmp_path / "model", params, state)
+    assert [m["loss"] for m in RunDir(tmp_path / "model").read_metrics()] == losses
+
+
 def read_events(directory):
     """{tag: [(step, value)]} of the scalars in the TensorBoard event files of ``directory``."""
     import struct

@@ -438,7 +438,89 @@ trainer:
     val_dataloaders: *val
 """
 
-SHRINK = ["model.hidden_size=32", "model.num_hidden_layers=2", "model.num_heads=2", "model.filter_size=64",
+# A LLaMA-3 style file in the trainer layout (grouped-query attention, llama3 rope scaling, tied head).
+LLAMA_TRAINER = """
+trainer:
+  init:
+    backend: {backend_type: CSX}
+    callbacks:
+      - ScopedTrainFlags: {csx.performance.micro_batch_size: 2}
+      - ScopedValidateFlags: {csx.performance.micro_batch_size: 2}
+      - ComputeNorm: {}
+      - LoadCheckpointStates: {load_checkpoint_states: model}
+    checkpoint: {disable_strict_checkpoint_loading: true, save_initial_checkpoint: false, steps: 3}
+    logging: {log_steps: 1}
+    loop: {eval_frequency: 3, eval_steps: 1, max_steps: 6}
+    model:
+      attention_dropout_rate: 0.0
+      attention_module: multiquery_attention
+      attention_type: scaled_dot_product
+      dropout_rate: 0.0
+      embedding_dropout_rate: 0.0
+      embedding_layer_norm: false
+      extra_attention_params: {num_kv_groups: 4}
+      filter_size: 5632
+      hidden_size: 2048
+      initializer_range: 0.02
+      layer_norm_epsilon: 1.0e-05
+      loss_scaling: num_tokens
+      loss_weight: 1.0
+      max_position_embeddings: 4096
+      name: llama
+      nonlinearity: swiglu
+      norm_type: rmsnorm
+      num_heads: 16
+      num_hidden_layers: 4
+      pos_scaling_extra_args: {high_freq_factor: 4.0, low_freq_factor: 1.0, original_max_position_embeddings: 1024}
+      pos_scaling_factor: 4.0
+      pos_scaling_type: llama3
+      position_embedding_type: rotary
+      rope_theta: 500000.0
+      rotary_dim: 128
+      share_embedding_weights: true
+      use_bias_in_output: false
+      use_ffn_bias: false
+      use_ffn_bias_in_attention: false
+      use_projection_bias_in_attention: false
+      vocab_size: 50000
+    optimizer:
+      AdamW: {betas: [0.9, 0.95], correct_bias: true, weight_decay: 0.1}
+    precision:
+      enabled: true
+      fp16_type: cbfloat16
+      log_loss_scale: true
+      loss_scaling_factor: dynamic
+      max_gradient_norm: 1.0
+      precision_opt_level: 1
+    schedulers:
+      - SequentialLR:
+          schedulers:
+            - CosineDecayLR: {end_learning_rate: 0.0003, initial_learning_rate: 0, total_iters: 2}
+            - CosineDecayLR: {end_learning_rate: 3.0e-05, initial_learning_rate: 0.0003, total_iters: 4}
+    seed: 1
+  fit:
+    train_dataloader:
+      batch_size: 8
+      data_dir: DATA
+      data_processor: GptHDF5MapDataProcessor
+      num_workers: 8
+      persistent_workers: true
+      prefetch_factor: 10
+      shuffle: true
+      shuffle_seed: 1337
+    val_dataloader: &id001
+      batch_size: 8
+      data_dir: DATA
+      data_processor: GptHDF5MapDataProcessor
+      num_workers: 8
+      shuffle: false
+  validate:
+    val_dataloader: *id001
+  validate_all:
+    val_dataloaders: *id001
+"""
+
+SHRINK = ["model.hidden_size=32", "model.num_hidden_layers=2", "model.num_heads=4", "model.filter_size=64",
           "model.vocab_size=257", "model.max_position_embeddings=32"]
 
 
@@ -451,7 +533,8 @@ def lm_data(tmp_path_factory):
     return d
 
 
-@pytest.mark.parametrize("text", [GPT2_SMALL_1X, GPT3_TRAINER], ids=["gpt2-1.x-flat", "gpt3-2.x-trainer"])
+@pytest.mark.parametrize("text", [GPT2_SMALL_1X, GPT3_TRAINER, LLAMA_TRAINER],
+                         ids=["gpt2-1.x-flat", "gpt3-2.x-trainer", "llama-2.x-trainer"])
 def test_model_zoo_files_compile_dry_run_and_a_shrunk_one_trains(tmp_path, lm_data, jobs, text):
     """Nothing edited but data_dir: `wse compile` and `wse fit --dry-run` accept the full-size
     file; with --set sizes it trains (mixed precision, dynamic loss scaling, dropout,
@@ -465,7 +548,8 @@ def test_model_zoo_files_compile_dry_run_and_a_shrunk_one_trains(tmp_path, lm_da
     dry = jobs.run("fit", f, "--dry-run", "--model_dir", model_dir)
     assert dry.returncode == 0, dry.stderr
     assert "mpiexec" in dry.stdout and (model_dir / "run.json").is_file()
-    run = jobs.run("fit", f, "--model_dir", model_dir, "--num_csx", 2, *(x for s in SHRINK for x in ("--set", s)))
+    shrink = SHRINK + (["model.rotary_dim=8", "model.extra_attention_params.num_kv_groups=2"] if "llama" in text else [])
+    run = jobs.run("fit", f, "--model_dir", model_dir, "--num_csx", 2, *(x for s in shrink for x in ("--set", s)))
     assert run.returncode == 0, run.stderr
     metrics = RunDir(model_dir).read_metrics()
     steps = [m for m in metrics if "loss" in m]

@@ -201,6 +201,59 @@ def test_gpt2_model_gradients(rng, tied):
     assert n == int(batch["loss_mask"].sum())
 
 
+LLAMA = {"name": "llama", "vocab_size": 13, "hidden_size": 16, "num_hidden_layers": 2, "num_heads": 4,
+         "filter_size": 24, "max_position_embeddings": 8, "attention_module": "multiquery_attention",
+         "extra_attention_params": {"num_kv_groups": 2}, "rope_theta": 500.0}
+
+
+@pytest.mark.parametrize("variant", [{}, {"share_embedding_weights": False, "rotary_dim": 2},
+                                     {"extra_attention_params": {"num_kv_groups": 1}, "pos_scaling_type": "llama3",
+                                      "pos_scaling_factor": 8.0, "pos_scaling_extra_args": {
+                                          "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                          "original_max_position_embeddings": 4}}],
+                         ids=["gqa-tied", "untied-partial-rotary", "mqa-llama3-scaling"])
+def test_llama_model_gradients(rng, variant):
+    """RMSNorm, rotary positions, grouped-query attention, SwiGLU: float64 finite differences."""
+    model = build_model(dict(LLAMA, **variant))
+    assert "wpe.weight" not in model.param_names and model.param_specs["blocks.0.attn.k.weight"].shape == (
+        16 // 4 * model.config["extra_attention_params"]["num_kv_groups"], 16)
+    loss, n = check_model(model, lm_batch(rng, 13, 3, 6), rng, samples=4)
+    assert math.isfinite(loss)
+
+
+def test_llama_block_with_dropout_has_exact_gradients(rng):
+    from wse_core.nn.llama import LlamaBlock, Rotary
+
+    unit = LlamaBlock(1, 16, 4, 2, 24, 1e-5, Rotary(4, 4, 10000.0, 8), dropout=0.2, attention_dropout=0.3)
+    params = init(unit, rng)
+    check_unit(unit, rng.standard_normal((2, 5, 16)), params, rng, DropoutKey(seed=1, step=2, first_sample=3))
+
+
+def test_llama_rotary_is_a_rotation_of_adjacent_pairs():
+    """Pair (2i, 2i+1) at position t turns by t * theta^(-2i/d): relative positions survive in q.k."""
+    from wse_core.nn.llama import Rotary
+
+    rot = Rotary(4, 4, 100.0, 16)
+    q = np.tile(np.array([1.0, 0.0, 1.0, 0.0]), (16, 1))
+    r = rot.apply(q.copy())
+    assert np.allclose(r[3], [math.cos(3), math.sin(3), math.cos(0.3), math.sin(0.3)])
+    assert np.allclose((r[5] * r[2]).sum(), (r[7] * r[4]).sum())  # the dot product depends on 5 - 2 == 7 - 4
+    assert np.allclose(rot.apply(r.copy(), inverse=True), q)
+    with pytest.raises(ValueError, match="model.rotary_dim: expected an even number"):
+        Rotary(4, 3, 100.0, 16)
+
+
+@pytest.mark.parametrize("key,value,match", [
+    ("use_ffn_bias", True, "model.use_ffn_bias: llama is built with False, got True"),
+    ("norm_type", "layernorm", "model.norm_type: llama is built with 'rmsnorm'"),
+    ("extra_attention_params", {"num_kv_groups": 3}, "num_kv_groups: 3 does not divide model.num_heads 4"),
+    ("pos_scaling_type", "yarn", "model.pos_scaling_type: expected linear or llama3"),
+    ("sparsity", 0.5, "model.sparsity: unknown key")])
+def test_llama_refuses_what_it_does_not_build(key, value, match):
+    with pytest.raises(ValueError, match=match):
+        build_model(dict(LLAMA, **{key: value}))
+
+
 @pytest.mark.parametrize("activation", ["relu", "gelu", "gelu_new"])
 def test_fc_mlp_model_gradients(rng, activation):
     model = build_model({"name": "fc_mlp", "input_size": 6, "hidden_sizes": [5, 4], "num_classes": 3,

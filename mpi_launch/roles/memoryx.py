@@ -30,6 +30,9 @@ class MemoryX(Role):
         owned = [n for n in self.model.param_names if self.param_owner[n] == self.index]
         if self.run_info["checkpoint"]:
             self.weights, self.state = Checkpoint(self.run_info["checkpoint"]).load(owned)
+            for n in owned:  # a weights-only checkpoint (wse checkpoint from-hf): the optimizer starts fresh
+                if not self.state[n]:
+                    self.state[n] = self.optimizer.init_state(self.weights[n])
             self.log(f"loaded {len(owned)} parameters from {self.run_info['checkpoint']}")
         else:
             self.weights = self.model.init_params(self.params.runconfig.seed, names=owned)

@@ -150,19 +150,23 @@ class Embedding(Unit):
     """Token plus learned position embeddings: h[b, t] = wte[ids[b, t]] + wpe[t]."""
 
     def __init__(self, vocab_size, max_positions, hidden_size, ops=fused_ops, init=("normal", 0.0, 0.02),
-                 dropout=0.0):
+                 dropout=0.0, positions=True):
         self.name = "embedding"
         self.vocab_size, self.max_positions, self.hidden = vocab_size, max_positions, hidden_size
         self.ops, self.init, self.dropout = ops, init, dropout
+        self.positions = positions  # learned position embeddings (GPT-2); llama's are rotary, in its blocks
 
     def param_specs(self):
-        return {"wte.weight": ParamSpec((self.vocab_size, self.hidden), self.init),
-                "wpe.weight": ParamSpec((self.max_positions, self.hidden), self.init)}
+        specs = {"wte.weight": ParamSpec((self.vocab_size, self.hidden), self.init)}
+        if self.positions:
+            specs["wpe.weight"] = ParamSpec((self.max_positions, self.hidden), self.init)
+        return specs
 
     def forward(self, ids, params, drop=None):
         b, t = ids.shape
         h = params["wte.weight"][ids]
-        h += params["wpe.weight"][:t]
+        if self.positions:
+            h += params["wpe.weight"][:t]
         mask = None
         if drop is not None and self.dropout > 0:
             mask = drop.scale(b, 0, EMBEDDING_SITE, (t, self.hidden), self.dropout, h.dtype)
@@ -175,6 +179,8 @@ class Embedding(Unit):
             dy = dy * mask
         b, t, c = dy.shape
         dwte = self.ops.embedding_backward(ids.reshape(-1), dy.reshape(b * t, c), self.vocab_size)
+        if not self.positions:
+            return None, {"wte.weight": dwte}
         dwpe = np.zeros((self.max_positions, c), dy.dtype)
         dwpe[:t] = dy.sum(axis=0)  # numpy adds the b slices in order: deterministic
         return None, {"wte.weight": dwte, "wpe.weight": dwpe}

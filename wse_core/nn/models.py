@@ -102,8 +102,8 @@ class Model:
 
     @property
     def is_lm(self):
-        """True for a language model (batches of token ids, labels and a loss mask; gpt2, gpt3)."""
-        return self.kind == "gpt2"
+        """True for a language model (batches of token ids, labels and a loss mask; gpt2, gpt3, llama)."""
+        return self.kind in ("gpt2", "llama")
 
     @property
     def structures(self):
@@ -334,9 +334,8 @@ def build_model(cfg, ops=fused_ops):
     if name == "fc_mlp":
         return _build_fc_mlp(cfg, ops)
     if name == "llama":
-        raise ValueError("model.name: llama (RMSNorm, rotary positions, SwiGLU) is not built yet (built: gpt2, "
-                         "gpt3, fc_mlp)")
-    raise ValueError(f"model.name: unknown model {show(name)} (known: gpt2, gpt3, fc_mlp)")
+        return _build_llama(cfg, ops)
+    raise ValueError(f"model.name: unknown model {show(name)} (known: gpt2, gpt3, llama, fc_mlp)")
 
 
 def _build_gpt2(cfg, ops):
@@ -356,16 +355,7 @@ def _build_gpt2(cfg, ops):
     if c["hidden_size"] % c["num_heads"]:
         raise ValueError(f"model.num_heads: {c['num_heads']} does not divide "
                          f"model.hidden_size {c['hidden_size']}")
-    scaling = cfg.get("loss_scaling", "num_tokens")
-    if scaling not in ("num_tokens", "batch_size"):
-        raise ValueError(f"model.loss_scaling: expected num_tokens or batch_size, got {show(scaling)}")
-    weight = cfg.get("loss_weight", 1.0)
-    if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not 0 < weight < float("inf"):
-        raise ValueError(f"model.loss_weight: expected a number > 0, got {show(weight)}")
-    if scaling == "num_tokens" and weight != 1.0:
-        raise ValueError(f"model.loss_weight: {show(weight)} has no effect with loss_scaling: num_tokens (Model Zoo "
-                         "ignores it too); remove it, or use loss_scaling: batch_size")
-    c["loss_scaling"], c["loss_weight"] = scaling, float(weight)
+    _loss_scaling(cfg, c)
     act = cfg.get("nonlinearity", "gelu")
     if act not in ("gelu", "gelu_new"):
         raise ValueError(f"model.nonlinearity: {show(act)} is not built (built: gelu, the exact form Model Zoo "
@@ -388,6 +378,20 @@ def _build_gpt2(cfg, ops):
     units.append(LMHead(c["hidden_size"], c["vocab_size"], c["layer_norm_epsilon"], tied, ops, init["embedding"],
                         init["head"]))
     return Model("gpt2", c, units, ops)
+
+
+def _loss_scaling(cfg, c):
+    """model.loss_scaling (num_tokens | batch_size) and model.loss_weight (Model Zoo's)."""
+    scaling = cfg.get("loss_scaling", "num_tokens")
+    if scaling not in ("num_tokens", "batch_size"):
+        raise ValueError(f"model.loss_scaling: expected num_tokens or batch_size, got {show(scaling)}")
+    weight = cfg.get("loss_weight", 1.0)
+    if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not 0 < weight < float("inf"):
+        raise ValueError(f"model.loss_weight: expected a number > 0, got {show(weight)}")
+    if scaling == "num_tokens" and weight != 1.0:
+        raise ValueError(f"model.loss_weight: {show(weight)} has no effect with loss_scaling: num_tokens (Model Zoo "
+                         "ignores it too); remove it, or use loss_scaling: batch_size")
+    c["loss_scaling"], c["loss_weight"] = scaling, float(weight)
 
 
 def _precision(cfg, c):
@@ -436,6 +440,92 @@ def _decoder_initializers(cfg, c):
         output = scaled(default, (2 * c["num_hidden_layers"]) ** -0.5)
     return {"weight": weight, "output": output, "embedding": given.get("embedding_initializer", default),
             "head": ("normal", 0.0, c["initializer_range"])}
+
+
+#: llama's keys beyond the decoder's common ones; each has one value wse-cluster builds (or a range).
+_LLAMA_KEYS = (_GPT2_KEYS - {"sparsity", "sparsity_seed"}) | {
+    "position_embedding_type", "rotary_dim", "rope_theta", "pos_scaling_factor", "pos_scaling_type",
+    "pos_scaling_extra_args", "norm_type", "attention_module", "extra_attention_params",
+    "use_projection_bias_in_attention", "use_ffn_bias_in_attention", "use_ffn_bias", "use_bias_in_output",
+    "embedding_layer_norm", "attention_type"}
+_LLAMA_FIXED = {"position_embedding_type": "rotary", "norm_type": "rmsnorm", "nonlinearity": "swiglu",
+                "use_projection_bias_in_attention": False, "use_ffn_bias_in_attention": False, "use_ffn_bias": False,
+                "use_bias_in_output": False, "embedding_layer_norm": False, "attention_type": "scaled_dot_product"}
+
+
+def _number(cfg, key, default, low=0.0):
+    v = cfg.get(key, default)
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not low < v < float("inf"):
+        raise ValueError(f"model.{key}: expected a number > {low:g}, got {show(v)}")
+    return float(v)
+
+
+def _build_llama(cfg, ops):
+    """Model Zoo's llama: RMSNorm, rotary positions on adjacent pairs, SwiGLU, grouped-query attention
+    (``attention_module: multiquery_attention`` with ``extra_attention_params.num_kv_groups``), no
+    biases; the head tied or not (``share_embedding_weights``)."""
+    from wse_core.nn.llama import LlamaBlock, RMSHead, Rotary
+
+    _check_keys(cfg, _LLAMA_KEYS)
+    c = {"name": "llama"}
+    for key in ("vocab_size", "hidden_size", "num_hidden_layers", "num_heads", "max_position_embeddings",
+                "filter_size"):
+        c[key] = _int(cfg, key)
+    for key, value in _LLAMA_FIXED.items():
+        given = cfg.get(key, value)
+        if given != value or type(given) is not type(value):
+            raise ValueError(f"model.{key}: llama is built with {show(value)}, got {show(given)}")
+        c[key] = value
+    if c["hidden_size"] % c["num_heads"]:
+        raise ValueError(f"model.num_heads: {c['num_heads']} does not divide model.hidden_size {c['hidden_size']}")
+    head_dim = c["hidden_size"] // c["num_heads"]
+    c["layer_norm_epsilon"] = _number(cfg, "layer_norm_epsilon", 1e-5)
+    tied = cfg.get("share_embedding_weights", True)
+    if not isinstance(tied, bool):
+        raise TypeError(f"model.share_embedding_weights: expected true or false, got {show(tied)}")
+    c["share_embedding_weights"] = tied
+    module = cfg.get("attention_module", "aiayn_attention")
+    if module not in ("aiayn_attention", "multiquery_attention"):
+        raise ValueError(f"model.attention_module: expected aiayn_attention or multiquery_attention, got {show(module)}")
+    extra = cfg.get("extra_attention_params") or {}
+    if not isinstance(extra, Mapping) or set(extra) - {"num_kv_groups"}:
+        raise ValueError(f"model.extra_attention_params: expected {{num_kv_groups: N}}, got {show(extra)}")
+    kv = _int(extra, "num_kv_groups") if module == "multiquery_attention" and "num_kv_groups" in extra \
+        else c["num_heads"]
+    c["attention_module"], c["extra_attention_params"] = module, {"num_kv_groups": kv}
+    c["rotary_dim"] = _int(cfg, "rotary_dim") if "rotary_dim" in cfg else head_dim
+    c["rope_theta"] = _number(cfg, "rope_theta", 10000.0)
+    c["pos_scaling_factor"] = _number(cfg, "pos_scaling_factor", 1.0)
+    c["pos_scaling_type"] = cfg.get("pos_scaling_type", "linear")
+    extra_args = dict(cfg.get("pos_scaling_extra_args") or {})
+    c["pos_scaling_extra_args"] = extra_args or None
+    scaling = None
+    if c["pos_scaling_type"] == "llama3":
+        need = ("low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+        missing = [k for k in need if k not in extra_args]
+        if missing or set(extra_args) - set(need):
+            raise ValueError(f"model.pos_scaling_extra_args: llama3 scaling needs exactly {', '.join(need)}, "
+                             f"got {show(extra_args)}")
+        scaling = {"type": "llama3", "factor": c["pos_scaling_factor"],
+                   **{k: float(extra_args[k]) for k in need}}
+    elif c["pos_scaling_type"] != "linear":
+        raise ValueError(f"model.pos_scaling_type: expected linear or llama3, got {show(c['pos_scaling_type'])}")
+    elif c["pos_scaling_factor"] != 1.0:
+        scaling = {"type": "linear", "factor": c["pos_scaling_factor"]}
+    rotary = Rotary(head_dim, c["rotary_dim"], c["rope_theta"], c["max_position_embeddings"], scaling)
+    _loss_scaling(cfg, c)
+    _precision(cfg, c)
+    init = _decoder_initializers(cfg, c)
+    c["dropout_rate"] = _rate(cfg, "dropout_rate", 0.0)
+    c["attention_dropout_rate"] = _rate(cfg, "attention_dropout_rate", c["dropout_rate"])
+    c["embedding_dropout_rate"] = _rate(cfg, "embedding_dropout_rate", c["dropout_rate"])
+    eps = c["layer_norm_epsilon"]
+    units = [Embedding(c["vocab_size"], c["max_position_embeddings"], c["hidden_size"], ops, init["embedding"],
+                       c["embedding_dropout_rate"], positions=False)]
+    units += [LlamaBlock(i, c["hidden_size"], c["num_heads"], kv, c["filter_size"], eps, rotary, ops, init,
+                         c["dropout_rate"], c["attention_dropout_rate"]) for i in range(c["num_hidden_layers"])]
+    units.append(RMSHead(c["hidden_size"], c["vocab_size"], eps, tied, init["embedding"] if tied else init["head"], ops))
+    return Model("llama", c, units, ops)
 
 
 def _build_fc_mlp(cfg, ops):

@@ -65,13 +65,14 @@ class UnitWork:
 def unit_work(unit, samples, seq_len=None):
     """The work of one of ``wse_core.nn``'s units for ``samples`` samples of ``seq_len`` tokens."""
     from wse_core.nn.layers import Dense, Embedding, LMHead, TransformerBlock
+    from wse_core.nn.llama import LlamaBlock, RMSHead
 
     if isinstance(unit, Dense):
         return UnitWork([(samples, unit.in_features, unit.out_features)], elementwise=2 * samples * unit.out_features)
     tokens = samples * seq_len
     if isinstance(unit, Embedding):
         return UnitWork([], elementwise=2 * tokens * unit.hidden)
-    if isinstance(unit, LMHead):
+    if isinstance(unit, (LMHead, RMSHead)):
         return UnitWork([(tokens, unit.hidden, unit.vocab_size)],
                         elementwise=tokens * (8 * unit.hidden + 4 * unit.vocab_size))
     if isinstance(unit, TransformerBlock):
@@ -79,6 +80,13 @@ def unit_work(unit, samples, seq_len=None):
         scores = samples * unit.heads * seq_len * seq_len
         return UnitWork([(tokens, h, 3 * h), (tokens, h, h), (tokens, h, f), (tokens, f, h)],
                         other_macs=2 * scores * unit.head_dim,
+                        elementwise=tokens * (ELEMENTWISE_PER_TOKEN_HIDDEN * h + ELEMENTWISE_PER_TOKEN_FILTER * f)
+                        + ELEMENTWISE_PER_SCORE * scores)
+    if isinstance(unit, LlamaBlock):  # per-element counts: the GPT block's (an assumption, not fitted here)
+        h, f, kv = unit.hidden, unit.filter, unit.kv_heads * unit.head_dim
+        scores = samples * unit.heads * seq_len * seq_len
+        return UnitWork([(tokens, h, h), (tokens, h, kv), (tokens, h, kv), (tokens, h, h), (tokens, h, f),
+                         (tokens, h, f), (tokens, f, h)], other_macs=2 * scores * unit.head_dim,
                         elementwise=tokens * (ELEMENTWISE_PER_TOKEN_HIDDEN * h + ELEMENTWISE_PER_TOKEN_FILTER * f)
                         + ELEMENTWISE_PER_SCORE * scores)
     raise TypeError(f"unit_work: no cost model for {type(unit).__name__}")

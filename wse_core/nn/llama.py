@@ -1,0 +1,219 @@
+"""The llama decoder's units: RMSNorm, rotary positions, grouped-query attention, SwiGLU, no biases.
+
+As Model Zoo's ``llama`` (a GPT-2 model with ``norm_type: rmsnorm``, ``position_embedding_type:
+rotary``, ``nonlinearity: swiglu``, ``attention_module: multiquery_attention`` with
+``extra_attention_params.num_kv_groups``, and no biases); docs/design.md section 5.
+
+Rotary positions rotate *adjacent pairs* (dims 2i, 2i+1 by angle t * theta^(-2i/d)), as Model Zoo
+and Meta's LLaMA do; Hugging Face's LlamaForCausalLM rotates the two halves instead, and
+``wse_core.nn.hf`` permutes the q/k projection rows on the way out and back (exactly). Position
+scaling: ``linear`` (positions / factor) and ``llama3`` (Meta's frequency-dependent scaling).
+
+Unit parameters (``[out, in]`` weights)::
+
+    blocks.{i}.norm_1.weight  blocks.{i}.attn.q.weight [H, H]  attn.k.weight / attn.v.weight [G*d, H]
+    blocks.{i}.attn.proj.weight [H, H]  norm_2.weight  mlp.gate.weight / mlp.up.weight [F, H]
+    blocks.{i}.mlp.down.weight [H, F]   head: norm_f.weight, lm_head.weight (or the tied wte.weight)
+"""
+import math
+
+import numpy as np
+
+from wse_core.nn import ops as fused_ops
+from wse_core.nn.gemm import matmul
+from wse_core.nn.layers import ATTENTION_OUT_SITE, ATTENTION_SITE, MLP_OUT_SITE, ParamSpec, Unit, fixed_spec
+
+
+def rotary_frequencies(rotary_dim, theta, scaling=None):
+    """Angle per position of each adjacent pair: theta^(-2i/d), i < d/2 (float64), with Model Zoo's
+    ``pos_scaling_type: llama3`` applied when ``scaling`` says so."""
+    inv = theta ** (-np.arange(0, rotary_dim, 2, dtype=np.float64) / rotary_dim)
+    if scaling and scaling["type"] == "llama3":
+        factor, lo, hi = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
+        old = scaling["original_max_position_embeddings"]
+        wavelen = 2 * math.pi / inv
+        scaled = np.where(wavelen > old / lo, inv / factor, inv)  # long waves: slowed by factor
+        smooth = (old / wavelen - lo) / (hi - lo)
+        medium = (wavelen >= old / hi) & (wavelen <= old / lo)
+        inv = np.where(medium, (1 - smooth) * scaled / factor + smooth * scaled, scaled)
+    return inv
+
+
+class Rotary:
+    """cos/sin of every (position, pair) of a model, and the rotation of q or k by them."""
+
+    def __init__(self, head_dim, rotary_dim, theta, max_positions, scaling=None):
+        if rotary_dim % 2 or not 0 < rotary_dim <= head_dim:
+            raise ValueError(f"model.rotary_dim: expected an even number in [2, {head_dim}] (the head size), "
+                             f"got {rotary_dim}")
+        self.dim = rotary_dim
+        positions = np.arange(max_positions, dtype=np.float64)
+        if scaling and scaling["type"] == "linear":
+            positions = positions / scaling["factor"]
+        angles = positions[:, None] * rotary_frequencies(rotary_dim, theta, scaling)[None, :]
+        self.cos, self.sin = np.cos(angles), np.sin(angles)   # [positions, rotary_dim / 2]
+
+    def apply(self, x, inverse=False):
+        """Rotate the adjacent pairs of the first ``dim`` features of x [..., t, d] in place (by the
+        negative angle with ``inverse``: the backward pass of an orthogonal map); returns x."""
+        t = x.shape[-2]
+        cos, sin = self.cos[:t].astype(x.dtype), self.sin[:t].astype(x.dtype)
+        if inverse:
+            sin = -sin
+        even, odd = x[..., 0:self.dim:2].copy(), x[..., 1:self.dim:2].copy()
+        x[..., 0:self.dim:2] = even * cos - odd * sin
+        x[..., 1:self.dim:2] = even * sin + odd * cos
+        return x
+
+
+def rms_norm(x, w, eps):
+    """(y, r): y = x * r * w with r = 1 / sqrt(mean(x^2) + eps) per row of 2-D x."""
+    r = 1.0 / np.sqrt(np.mean(x * x, axis=1, keepdims=True) + x.dtype.type(eps))
+    return x * r * w, r
+
+
+def rms_norm_backward(dy, x, w, r):
+    """(dx, dw) of ``rms_norm``."""
+    dw = np.sum(dy * x * r, axis=0)
+    g = dy * w
+    dx = r * g - x * (r ** 3) * np.mean(g * x, axis=1, keepdims=True)
+    return dx, dw
+
+
+def silu(a):
+    return a / (1.0 + np.exp(-a))
+
+
+class LlamaBlock(Unit):
+    """x + attn(rmsnorm(x)), then + down(silu(gate(.)) * up(.)) of rmsnorm; causal grouped-query attention."""
+
+    def __init__(self, index, hidden_size, num_heads, num_kv_heads, filter_size, eps, rotary, ops=fused_ops,
+                 init=None, dropout=0.0, attention_dropout=0.0):
+        if num_heads % num_kv_heads:
+            raise ValueError(f"model.extra_attention_params.num_kv_groups: {num_kv_heads} does not divide "
+                             f"model.num_heads {num_heads}")
+        self.name, self.p, self.index = f"blocks.{index}", f"blocks.{index}.", index
+        self.hidden, self.heads, self.kv_heads, self.filter, self.eps = hidden_size, num_heads, num_kv_heads, \
+            filter_size, eps
+        self.head_dim = hidden_size // num_heads
+        self.rotary, self.ops = rotary, ops
+        self.dropout, self.attention_dropout = dropout, attention_dropout
+        self.init = init or {"weight": ("normal", 0.0, 0.02), "output": ("normal", 0.0, 0.02)}
+
+    def param_specs(self):
+        p, c, f = self.p, self.hidden, self.filter
+        kv = self.kv_heads * self.head_dim
+        w, out = self.init["weight"], self.init["output"]
+        return {p + "norm_1.weight": fixed_spec((c,), "ones"),
+                p + "attn.q.weight": ParamSpec((c, c), w), p + "attn.k.weight": ParamSpec((kv, c), w),
+                p + "attn.v.weight": ParamSpec((kv, c), w), p + "attn.proj.weight": ParamSpec((c, c), out),
+                p + "norm_2.weight": fixed_spec((c,), "ones"),
+                p + "mlp.gate.weight": ParamSpec((f, c), w), p + "mlp.up.weight": ParamSpec((f, c), w),
+                p + "mlp.down.weight": ParamSpec((c, f), out)}
+
+    def _masks(self, drop, b, t, dtype):
+        layer, on = self.index + 1, drop is not None
+        return (drop.scale(b, layer, ATTENTION_SITE, (self.heads, t, t), self.attention_dropout, dtype)
+                if on and self.attention_dropout > 0 else None,
+                *(drop.scale(b, layer, site, (t, self.hidden), self.dropout, dtype).reshape(b * t, self.hidden)
+                  if on and self.dropout > 0 else None for site in (ATTENTION_OUT_SITE, MLP_OUT_SITE)))
+
+    def _heads(self, y, b, t, n):
+        """[b*t, n*d] -> [b, n, t, d]."""
+        return np.ascontiguousarray(y.reshape(b, t, n, self.head_dim).transpose(0, 2, 1, 3))
+
+    def forward(self, x, params, drop=None):
+        p, (b, t, c) = self.p, x.shape
+        nh, group = self.heads, self.heads // self.kv_heads
+        masks = self._masks(drop, b, t, x.dtype)
+        x2 = x.reshape(b * t, c)
+        n1, r1 = rms_norm(x2, params[p + "norm_1.weight"], self.eps)
+        q = self.rotary.apply(self._heads(matmul(n1, params[p + "attn.q.weight"].T), b, t, nh))
+        k = self.rotary.apply(self._heads(matmul(n1, params[p + "attn.k.weight"].T), b, t, self.kv_heads))
+        v = self._heads(matmul(n1, params[p + "attn.v.weight"].T), b, t, self.kv_heads)
+        kf, vf = np.repeat(k, group, axis=1), np.repeat(v, group, axis=1)   # q head h reads kv head h // group
+        probs = matmul(q, kf.transpose(0, 1, 3, 2))
+        self.ops.causal_softmax_forward(probs.reshape(b * nh, t, t), 1.0 / math.sqrt(self.head_dim))
+        used = probs if masks[0] is None else probs * masks[0]
+        att = np.ascontiguousarray(matmul(used, vf).transpose(0, 2, 1, 3)).reshape(b * t, c)
+        proj = matmul(att, params[p + "attn.proj.weight"].T)
+        mid = x2 + (proj if masks[1] is None else proj * masks[1])
+        n2, r2 = rms_norm(mid, params[p + "norm_2.weight"], self.eps)
+        a, u = matmul(n2, params[p + "mlp.gate.weight"].T), matmul(n2, params[p + "mlp.up.weight"].T)
+        s = silu(a)
+        m = s * u
+        down = matmul(m, params[p + "mlp.down.weight"].T)
+        out = mid + (down if masks[2] is None else down * masks[2])
+        return out.reshape(b, t, c), (x2, n1, r1, q, kf, vf, probs, att, mid, n2, r2, a, u, s, m, masks)
+
+    def backward(self, dy, saved, params):
+        p = self.p
+        x2, n1, r1, q, kf, vf, probs, att, mid, n2, r2, a, u, s, m, masks = saved
+        b, t, c = dy.shape
+        nh, group = self.heads, self.heads // self.kv_heads
+        g = {}
+        dout = np.ascontiguousarray(dy).reshape(b * t, c)
+        # SwiGLU
+        ddown = dout if masks[2] is None else dout * masks[2]
+        g[p + "mlp.down.weight"] = matmul(ddown.T, m)
+        dm = matmul(ddown, params[p + "mlp.down.weight"])
+        du = dm * s
+        sig = 1.0 / (1.0 + np.exp(-a))
+        da = dm * u * (sig * (1.0 + a * (1.0 - sig)))
+        g[p + "mlp.gate.weight"], g[p + "mlp.up.weight"] = matmul(da.T, n2), matmul(du.T, n2)
+        dn2 = matmul(da, params[p + "mlp.gate.weight"]) + matmul(du, params[p + "mlp.up.weight"])
+        dmid, g[p + "norm_2.weight"] = rms_norm_backward(dn2, mid, params[p + "norm_2.weight"], r2)
+        dmid += dout
+        # Attention
+        dproj = dmid if masks[1] is None else dmid * masks[1]
+        g[p + "attn.proj.weight"] = matmul(dproj.T, att)
+        datt = self._heads(matmul(dproj, params[p + "attn.proj.weight"]), b, t, nh)
+        dprobs = matmul(datt, vf.transpose(0, 1, 3, 2))
+        used = probs if masks[0] is None else probs * masks[0]
+        dvf = matmul(used.transpose(0, 1, 3, 2), datt)
+        if masks[0] is not None:
+            dprobs *= masks[0]
+        self.ops.causal_softmax_backward(probs.reshape(b * nh, t, t), dprobs.reshape(b * nh, t, t),
+                                         1.0 / math.sqrt(self.head_dim))
+        dq = self.rotary.apply(matmul(dprobs, kf), inverse=True)
+        dkf = matmul(dprobs.transpose(0, 1, 3, 2), q)
+        # A kv head's gradient is the sum over the q heads of its group, in head order.
+        dk = self.rotary.apply(dkf.reshape(b, self.kv_heads, group, t, -1).sum(axis=2), inverse=True)
+        dv = dvf.reshape(b, self.kv_heads, group, t, -1).sum(axis=2)
+        flat = [d.transpose(0, 2, 1, 3).reshape(b * t, -1) for d in (dq, dk, dv)]
+        dn1 = 0
+        for d, key in zip(flat, ("q", "k", "v")):
+            name = p + f"attn.{key}.weight"
+            g[name] = matmul(d.T, n1)
+            dn1 = dn1 + matmul(d, params[name])
+        dx, g[p + "norm_1.weight"] = rms_norm_backward(dn1, x2, params[p + "norm_1.weight"], r1)
+        dx += dmid
+        return dx.reshape(b, t, c), g
+
+
+class RMSHead(Unit):
+    """Final RMSNorm and the projection to vocabulary logits (``lm_head.weight``, or the tied ``wte.weight``)."""
+
+    def __init__(self, hidden_size, vocab_size, eps, tied, init, ops=fused_ops):
+        self.name = "head"
+        self.hidden, self.vocab_size, self.eps = hidden_size, vocab_size, eps
+        self.weight = "wte.weight" if tied else "lm_head.weight"
+        self.init, self.ops = init, ops
+
+    def param_specs(self):
+        return {"norm_f.weight": fixed_spec((self.hidden,), "ones"),
+                self.weight: ParamSpec((self.vocab_size, self.hidden), self.init)}
+
+    def forward(self, x, params, drop=None):
+        b, t, c = x.shape
+        x2 = x.reshape(b * t, c)
+        n, r = rms_norm(x2, params["norm_f.weight"], self.eps)
+        return matmul(n, params[self.weight].T).reshape(b, t, self.vocab_size), (x2, n, r)
+
+    def backward(self, dy, saved, params):
+        x2, n, r = saved
+        b, t, v = dy.shape
+        d2 = np.ascontiguousarray(dy).reshape(b * t, v)
+        g = {self.weight: matmul(d2.T, n)}
+        dx, g["norm_f.weight"] = rms_norm_backward(matmul(d2, params[self.weight]), x2, params["norm_f.weight"], r)
+        return dx.reshape(b, t, self.hidden), g
