@@ -352,9 +352,12 @@ FIXED = {
 }
 #: Keys that change the numerics and are not built: refused whatever their value.
 NOT_BUILT = {
-    "model": {"rotary_dim": "rotary position embeddings", "rope_theta": "rotary position embeddings",
-              "pos_scaling_factor": "position scaling", "pos_scaling_type": "position scaling",
-              "pos_scaling_extra_args": "position scaling", "extra_attention_params": "grouped-query attention",
+    "model": {"rotary_dim": "rotary position embeddings (built for llama, not gpt2)",
+              "rope_theta": "rotary position embeddings (built for llama, not gpt2)",
+              "pos_scaling_factor": "position scaling (built for llama, not gpt2)",
+              "pos_scaling_type": "position scaling (built for llama, not gpt2)",
+              "pos_scaling_extra_args": "position scaling (built for llama, not gpt2)",
+              "extra_attention_params": "grouped-query attention (built for llama, not gpt2)",
               "attention_sliding_window_length": "sliding-window attention",
               "attention_sink_tokens": "attention sinks", "mup_base_hidden_size": "muP",
               "mup_base_filter_size": "muP"},

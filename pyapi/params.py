@@ -248,9 +248,11 @@ def check(raw, where="params", overrides=()):
     ``model.hidden_size=64`` on a file of the trainer layout."""
     report = modelzoo.KeyReport()
     flat, problems = _flat(raw, report, list(overrides or ()))
-    spec = _validate_flat(flat, report, problems)
-    for note in report.notes:
-        warnings.warn(modelzoo.ParamsWarning(f"{where}: {note}"), stacklevel=3)
+    try:
+        spec = _validate_flat(flat, report, problems)
+    finally:  # what was inferred is said even when the file is refused: it explains the refusal
+        for note in report.notes:
+            warnings.warn(modelzoo.ParamsWarning(f"{where}: {note}"), stacklevel=3)
     modelzoo.warn_tuning(where, report)
     return spec, report
 

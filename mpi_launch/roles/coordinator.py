@@ -29,7 +29,7 @@ class Coordinator(Role):
         names = self.model.param_names
         metrics = LineLog(self.run_dir.metrics)
         try:  # TensorBoard event files when a writer package is installed: train/ and eval/, as Model Zoo
-            from tensorboardX import SummaryWriter
+            SummaryWriter = _summary_writer()
 
             # On a resume, TensorBoard drops what earlier runs logged after the start step.
             purge = self.start_step + 1 if self.start_step else None
@@ -150,6 +150,22 @@ class Coordinator(Role):
         if board is not None:
             for writer in board.values():
                 writer.close()
+
+
+def _summary_writer():
+    """tensorboardX's SummaryWriter, imported without PyTorch: tensorboardX imports torch when it can
+    (1-3 s before the first step) though scalars need only numpy."""
+    import sys
+
+    hide = "torch" not in sys.modules
+    if hide:
+        sys.modules["torch"] = None  # makes `import torch` raise ImportError, which tensorboardX handles
+    try:
+        from tensorboardX import SummaryWriter
+    finally:
+        if hide:
+            del sys.modules["torch"]
+    return SummaryWriter
 
 
 class Evaluations:
