@@ -273,8 +273,8 @@ def _cmd_validate(args):
     if args.json:
         print(json.dumps(r, indent=2))
     else:
-        print(f"eval loss {r['eval_loss']:.4f} (perplexity {r['perplexity']:.2f}) on {r['examples']:,} examples, "
-              f"{r['tokens']:,} tokens; checkpoint of step {r['step']}: {r['checkpoint']}")
+        print(f"eval loss {r['eval_loss']:.4f} (perplexity {r['perplexity']:.2f}, accuracy {r['accuracy']:.4f}) on "
+              f"{r['examples']:,} examples, {r['tokens']:,} tokens; checkpoint of step {r['step']}: {r['checkpoint']}")
     return 0
 
 

@@ -264,6 +264,15 @@ def test_fc_mlp_model_gradients(rng, activation):
     assert n == 7
 
 
+def test_correct_counts_masked_argmax_hits():
+    model = build_model({"name": "gpt2", "vocab_size": 5, "hidden_size": 8, "num_hidden_layers": 1, "num_heads": 2,
+                         "max_position_embeddings": 4})
+    y = np.zeros((1, 3, 5), np.float32)
+    y[0, 0, 2] = y[0, 1, 4] = y[0, 2, 1] = 1.0   # predicts 2, 4, 1
+    batch = {"labels": np.array([[2, 3, 1]], np.int32), "loss_mask": np.array([[1, 1, 0]], np.int32)}
+    assert model.correct(y, batch) == 1           # the third hit is masked out
+
+
 def test_loss_matches_naive_cross_entropy(rng):
     model = build_model({"name": "gpt2", "vocab_size": 11, "hidden_size": 8, "num_hidden_layers": 1,
                          "num_heads": 2, "max_position_embeddings": 6})

@@ -105,10 +105,10 @@ def evaluate(model, weights, dataset, micro_batch_size, n_examples=None):
     for lo in range(0, n, micro_batch_size):
         batch = model.batch_of(dataset.read(lo, min(lo + micro_batch_size, n)))
         y, _ = model.forward(compute, batch)
+        correct += model.correct(y, batch)  # before the loss, which overwrites y with its gradient
         loss_sum, n_tokens, _ = model.loss(y, batch)
         sums.append(loss_sum)
         tokens += n_tokens
-        correct += model.correct(y, batch)
     if tokens == 0:
         raise ValueError("the loss mask selects no token, so the loss is undefined")
     loss = tree_sum(sums) / tokens
