@@ -71,7 +71,7 @@ def run(args):
     rng = np.random.default_rng(0)
     b, t, c = BLOCK["batch"], BLOCK["seq"], BLOCK["hidden"]
     fused = _block(fused_ops)
-    params = Model("block", {}, [fused]).init_params(seed=0)
+    params = Model({}, [fused]).init_params(seed=0)
     x = rng.standard_normal((b, t, c), dtype=np.float32)
     dy = rng.standard_normal((b, t, c), dtype=np.float32)
     unfused = _block(numpy_ops)

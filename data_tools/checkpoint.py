@@ -461,11 +461,13 @@ class Checkpoint:
         from safetensors.numpy import save_file
 
         from wse_core.nn import build_model
-        from wse_core.nn.hf import to_hf
 
         try:
             model = build_model(yaml.safe_load(self.params_yaml)["model"])
-            config, tensors = to_hf(model.config, self.dense(self.load(model.param_names)[0]))
+            if not model.is_lm:
+                raise ValueError(f"model.name: {model.config['name']} has no Hugging Face counterpart here "
+                                 "(gpt2, gpt3, llama have)")
+            config, tensors = model.to_hf(self.dense(self.load(model.param_names)[0]))
         except (TypeError, ValueError, KeyError) as exc:
             raise CheckpointError(f"{self.dir}: --to hf: {exc}") from None
         out = Path(output)

@@ -137,14 +137,14 @@ def describe(params):
         n_states = 0
     per_csx = train.batch_size // run.num_csx
     seq = params.model.get("max_position_embeddings")
-    example = 3 * seq * 4 if model.is_lm else 4 * (params.model["input_size"] + 1)
+    example = sum(int(np.prod(shape)) * np.dtype(dtype).itemsize for shape, dtype in model.example_layout(1, seq))
     memory = rank_memory_bytes(plan, model, n_states=n_states, per_csx=per_csx, seq_len=seq,
                                micro_batch_size=train.micro_batch_size, example_bytes=example)
     hw = Hardware.from_params(run.hardware)
     pow2 = run.num_csx & (run.num_csx - 1) == 0 and run.swarmx_fanout & (run.swarmx_fanout - 1) == 0
     return {
         "plan": plan.to_json(),
-        "model": {"name": model.kind, "parameters": model.num_params(), "units": [u.name for u in model.units],
+        "model": {"name": model.config["name"], "parameters": model.num_params(), "units": [u.name for u in model.units],
                   "unit_bytes": unit_bytes},
         "memory_bytes": {str(r): int(memory[r]) for r in range(plan.world_size)},
         "micro_batches_per_csx": per_csx // train.micro_batch_size,

@@ -288,7 +288,7 @@ def test_wse_compile_warns_in_one_line(tmp_path):
     assert out.returncode == 0, out.stderr
     warned = [line for line in out.stderr.splitlines() if "warning" in line]
     assert warned[0].startswith("wse compile: warning: ") and any("without effect" in w for w in warned)
-    assert out.stdout.startswith("model gpt2:")
+    assert out.stdout.startswith("model gpt3:")
 
 
 # GPT-2 small as a Model Zoo 1.x file would write it (flat layout, 1.x key names, full size).

@@ -13,7 +13,7 @@ H = 1e-5  # central-difference step (float64)
 
 def init(unit, rng):
     """float64 parameters with non-trivial LayerNorm weights and biases."""
-    model = Model("test", {}, [unit])
+    model = Model({}, [unit])
     params = model.init_params(seed=int(rng.integers(1 << 30)), dtype=np.float64)
     for name, p in params.items():
         p += rng.standard_normal(p.shape) * (0.5 if p.ndim == 1 else 0.1)

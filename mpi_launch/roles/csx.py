@@ -32,7 +32,8 @@ class CS2(Role):
         scaler = LossScaler.from_params(self.params.optimizer, self.model.config.get("fp16_type"))
         dynamic, loss_scale = scaler.dynamic, scaler.scale  # a static scale never changes
         io, clock, nbytes = self.port(self.hw.io_gbps), self.clock, self.unit_stream_bytes
-        cost = [unit_seconds(unit_work(u, self.mbs, self.seq_len() if lm else None), self.hw) for u in self.units]
+        seq = self.seq_len() if lm else None
+        cost = [unit_seconds(unit_work(u, self.mbs, seq), self.hw) for u in self.units]
         sim_fwd = [self.n_micro * c["forward"] for c in cost]
         sim_bwd = [self.n_micro * c["backward"] for c in cost]
 
@@ -47,11 +48,7 @@ class CS2(Role):
             data_reqs, raw = [], []
             for m in range(self.n_micro):
                 src = workers[m % w]
-                if lm:
-                    a = [np.empty((self.mbs, 3, self.seq_len()), np.int32)]
-                else:
-                    a = [np.empty((self.mbs, self.params.model["input_size"]), np.float32),
-                         np.empty(self.mbs, np.int32)]
+                a = [np.empty(shape, dtype) for shape, dtype in self.model.example_layout(self.mbs, seq)]
                 raw.append(a)
                 data_reqs += [self.comm.Irecv(x, source=src, tag=tag(DATA, m, i)) for i, x in enumerate(a)]
             weights, wreqs = msg.irecv_arrays(self.comm, self.unit_layout(0), parent, FWD_WEIGHTS, 0)

@@ -3,9 +3,8 @@
 ``build_model({"name": "gpt2", "vocab_size": 257, ...})`` returns a ``Model``; unknown keys and
 bad values raise ``ValueError``/``TypeError`` naming the key (``model.num_heads: ...``).
 
-Batches are dicts of arrays whose first axis is the sample:
-  gpt2:   ``input_ids``, ``labels``, ``loss_mask`` int32 ``[B, T]`` (T <= max_position_embeddings)
-  fc_mlp: ``features`` float ``[B, input_size]``, ``labels`` int32 ``[B]`` (every sample counts)
+Batches are dicts of arrays whose first axis is the sample; each model family (``GPT2``,
+``Llama``: ``LanguageModel``; ``Classifier``) defines its own layout, loss and memory estimate.
 """
 import zlib
 from collections.abc import Mapping
@@ -86,10 +85,18 @@ def scaled(init, factor):
 
 
 class Model:
-    """An ordered list of streaming units plus the loss on the last unit's output."""
+    """An ordered list of streaming units plus the loss on the last unit's output.
 
-    def __init__(self, kind, config, units, ops=fused_ops):
-        self.kind, self.config, self.units, self.ops = kind, dict(config), list(units), ops
+    A model family (``LanguageModel``: ``GPT2``, ``Llama``; ``Classifier``) adds its batch layout,
+    its loss, its accuracy, its memory estimate and its Hugging Face names; this base class holds
+    what every family shares: parameters, initialisation, the units' passes in the run's precision.
+    """
+
+    family = "model"
+    is_lm = False
+
+    def __init__(self, config, units, ops=fused_ops):
+        self.config, self.units, self.ops = dict(config), list(units), ops
         self.precision = Precision(config.get("fp16_type") if config.get("mixed_precision") else None)
         self.param_specs = {}
         self.unit_params = []
@@ -99,11 +106,6 @@ class Model:
                 if self.param_specs.setdefault(name, spec) != spec:
                     raise ValueError(f"parameter {name}: units disagree on its shape or initialisation")
             self.unit_params.append(list(specs))
-
-    @property
-    def is_lm(self):
-        """True for a language model (batches of token ids, labels and a loss mask; gpt2, gpt3, llama)."""
-        return self.kind in ("gpt2", "llama")
 
     @property
     def structures(self):
@@ -127,18 +129,6 @@ class Model:
             out.append(sum(int(np.prod(self.param_specs[n].shape)) for n in own) * itemsize)
         return out
 
-    def activation_floats(self, samples, seq_len=None):
-        """Floats the units keep from forward to backward for ``samples`` samples (an estimate from the layer code)."""
-        c = self.config
-        if self.kind == "fc_mlp":
-            sizes = [c["input_size"], *c["hidden_sizes"], c["num_classes"]]
-            return samples * sum(sizes[i] + sizes[i + 1] for i in range(len(sizes) - 1))
-        t = seq_len or c["max_position_embeddings"]
-        h, f, heads = c["hidden_size"], c["filter_size"], c["num_heads"]
-        per_block = t * (8 * h + 2 * f) + heads * t * t  # x, ln_1, q, k, v, attention, mid, ln_2; fc pre/act; probs
-        head = t * (2 * h + c["vocab_size"])             # x, ln_f; logits
-        return samples * (c["num_hidden_layers"] * per_block + head)
-
     def init_params(self, seed, dtype=np.float32, names=None):
         """Initial parameters (all, or ``names``); each drawn from its own stream keyed by (seed, name), in float64, then cast.
 
@@ -151,58 +141,38 @@ class Model:
             params[name] = np.ascontiguousarray(draw(spec.init, spec.shape, rng), dtype=dtype)
         return params
 
-    # -- batches --------------------------------------------------------------------------------
+    # -- what a family defines ------------------------------------------------------------------
+
+    def activation_floats(self, samples, seq_len=None):
+        """Floats the units keep from forward to backward for ``samples`` samples (an estimate from the layer code)."""
+        raise NotImplementedError
+
+    def example_layout(self, n, seq_len=None):
+        """[(shape, dtype)] of ``n`` examples as a dataset and the wire hold them."""
+        raise NotImplementedError
 
     def check_batch(self, batch):
         """Raise a ValueError/TypeError naming the key if ``batch`` does not fit this model; return its size."""
-        cfg = self.config
-        if self.is_lm:
-            keys, ids = ("input_ids", "labels", "loss_mask"), batch.get("input_ids")
-            for key in keys:
-                a = batch.get(key)
-                if not isinstance(a, np.ndarray) or a.dtype != np.int32 or a.ndim != 2:
-                    raise TypeError(f"batch[{key!r}]: expected an int32 [batch, seq] array, got "
-                                    f"{getattr(a, 'dtype', type(a).__name__)} {getattr(a, 'shape', '')}")
-                if a.shape != ids.shape:
-                    raise ValueError(f"batch[{key!r}]: expected shape {ids.shape}, got {a.shape}")
-            if ids.shape[1] > cfg["max_position_embeddings"]:
-                raise ValueError(f"batch['input_ids']: sequence length {ids.shape[1]} exceeds "
-                                 f"model.max_position_embeddings {cfg['max_position_embeddings']}")
-            if ids.size and (ids.min() < 0 or ids.max() >= cfg["vocab_size"]):
-                raise ValueError(f"batch['input_ids']: ids must be in [0, {cfg['vocab_size']}), "
-                                 f"got {ids.min()}..{ids.max()}")
-            return ids.shape[0]
-        x, y = batch.get("features"), batch.get("labels")
-        if not isinstance(x, np.ndarray) or x.ndim != 2 or x.shape[1] != cfg["input_size"]:
-            raise ValueError(f"batch['features']: expected [batch, {cfg['input_size']}], "
-                             f"got {getattr(x, 'shape', type(x).__name__)}")
-        if not isinstance(y, np.ndarray) or y.dtype != np.int32 or y.shape != (x.shape[0],):
-            raise TypeError(f"batch['labels']: expected int32 [{x.shape[0]}], got "
-                            f"{getattr(y, 'dtype', type(y).__name__)} {getattr(y, 'shape', '')}")
-        return x.shape[0]
+        raise NotImplementedError
 
     def batch_of(self, arrays):
-        """The batch dict of arrays as a dataset or the wire holds them: an LM's int32 [n, 3, S]
-        (input_ids, loss_mask, labels stacked), or (features, labels)."""
-        if self.is_lm:
-            a = arrays[0] if isinstance(arrays, (list, tuple)) else arrays
-            return {"input_ids": np.ascontiguousarray(a[:, 0]), "loss_mask": np.ascontiguousarray(a[:, 1]),
-                    "labels": np.ascontiguousarray(a[:, 2])}
-        return {"features": arrays[0], "labels": arrays[1]}
+        """The batch dict of examples as ``example_layout`` lays them out."""
+        raise NotImplementedError
+
+    def first_input(self, batch, dtype):
+        raise NotImplementedError
 
     def correct(self, y, batch):
         """How many counted tokens (samples) the output ``y`` predicts right (argmax = label)."""
-        hit = np.argmax(y, axis=-1) == batch["labels"]
-        return int(np.count_nonzero(hit & (batch["loss_mask"] != 0))) if self.is_lm else int(np.count_nonzero(hit))
+        raise NotImplementedError
+
+    def _cross_entropy(self, y, batch):
+        """(loss_sum, counted, dy) of the family's loss."""
+        raise NotImplementedError
 
     @staticmethod
     def slice_batch(batch, lo, hi):
         return {k: v[lo:hi] for k, v in batch.items()}
-
-    def first_input(self, batch, dtype):
-        if self.is_lm:
-            return np.ascontiguousarray(batch["input_ids"])
-        return self.precision.round_(np.array(batch["features"], dtype=dtype))
 
     def loss_divisor(self, n_tokens, batch_size):
         """What the summed loss of a global batch is divided by (Model Zoo's ``model.loss_scaling``):
@@ -213,18 +183,10 @@ class Model:
         return n_tokens
 
     def loss(self, y, batch, loss_scale=1.0):
-        """(loss_sum, n_tokens, dy): masked cross-entropy summed over the batch (in float32) and its
-        gradient times ``loss_scale``, in the run's precision (``optim.loss_scale``)."""
-        if self.is_lm:
-            b, t, v = y.shape
-            mask = np.ascontiguousarray(batch["loss_mask"]).reshape(-1)
-            loss_sum, dy = self.ops.cross_entropy(y.reshape(b * t, v), np.ascontiguousarray(
-                batch["labels"]).reshape(-1), mask)
-            n, dy = int(np.count_nonzero(mask)), dy.reshape(b, t, v)
-        else:
-            mask = np.ones(y.shape[0], np.int32)
-            loss_sum, dy = self.ops.cross_entropy(y, np.ascontiguousarray(batch["labels"]), mask)
-            n = y.shape[0]
+        """(loss_sum, n_tokens, dy): the family's cross-entropy summed over the batch (in float32) and
+        its gradient times ``loss_scale``, in the run's precision (``optim.loss_scale``). ``y`` is
+        overwritten (with dy)."""
+        loss_sum, n, dy = self._cross_entropy(y, batch)
         if loss_scale != 1.0:
             dy *= np.float32(loss_scale)
         return loss_sum, n, self.precision.round_(dy)
@@ -284,6 +246,126 @@ class Model:
             for name, value in g.items():
                 grads[name] = value if name not in grads else self.precision.add(grads[name], value)
         return grads
+
+
+class LanguageModel(Model):
+    """A decoder language model: batches of int32 ``input_ids``, ``labels``, ``loss_mask`` ``[B, T]``
+    (T <= max_position_embeddings), stored as ``[n, 3, T]``; masked next-token cross-entropy."""
+
+    is_lm = True
+
+    def example_layout(self, n, seq_len=None):
+        return [((n, 3, seq_len or self.config["max_position_embeddings"]), np.int32)]
+
+    def check_batch(self, batch):
+        cfg = self.config
+        ids = batch.get("input_ids")
+        for key in ("input_ids", "labels", "loss_mask"):
+            a = batch.get(key)
+            if not isinstance(a, np.ndarray) or a.dtype != np.int32 or a.ndim != 2:
+                raise TypeError(f"batch[{key!r}]: expected an int32 [batch, seq] array, got "
+                                f"{getattr(a, 'dtype', type(a).__name__)} {getattr(a, 'shape', '')}")
+            if a.shape != ids.shape:
+                raise ValueError(f"batch[{key!r}]: expected shape {ids.shape}, got {a.shape}")
+        if ids.shape[1] > cfg["max_position_embeddings"]:
+            raise ValueError(f"batch['input_ids']: sequence length {ids.shape[1]} exceeds "
+                             f"model.max_position_embeddings {cfg['max_position_embeddings']}")
+        if ids.size and (ids.min() < 0 or ids.max() >= cfg["vocab_size"]):
+            raise ValueError(f"batch['input_ids']: ids must be in [0, {cfg['vocab_size']}), "
+                             f"got {ids.min()}..{ids.max()}")
+        return ids.shape[0]
+
+    def batch_of(self, arrays):
+        a = arrays[0] if isinstance(arrays, (list, tuple)) else arrays
+        return {"input_ids": np.ascontiguousarray(a[:, 0]), "loss_mask": np.ascontiguousarray(a[:, 1]),
+                "labels": np.ascontiguousarray(a[:, 2])}
+
+    def first_input(self, batch, dtype):
+        return np.ascontiguousarray(batch["input_ids"])
+
+    def correct(self, y, batch):
+        hit = np.argmax(y, axis=-1) == batch["labels"]
+        return int(np.count_nonzero(hit & (batch["loss_mask"] != 0)))
+
+    def _cross_entropy(self, y, batch):
+        b, t, v = y.shape
+        mask = np.ascontiguousarray(batch["loss_mask"]).reshape(-1)
+        loss_sum, dy = self.ops.cross_entropy(y.reshape(b * t, v), np.ascontiguousarray(batch["labels"]).reshape(-1),
+                                              mask)
+        return loss_sum, int(np.count_nonzero(mask)), dy.reshape(b, t, v)
+
+    def to_hf(self, weights):
+        """(config.json, tensors) for transformers (``wse_core.nn.hf``)."""
+        from wse_core.nn.hf import to_hf
+
+        return to_hf(self.config, weights)
+
+
+class GPT2(LanguageModel):
+    """gpt2 and gpt3: learned positions, LayerNorm, GELU, biases (HF: GPT2LMHeadModel)."""
+
+    family = "gpt2"
+
+    def activation_floats(self, samples, seq_len=None):
+        c = self.config
+        t = seq_len or c["max_position_embeddings"]
+        h, f, heads = c["hidden_size"], c["filter_size"], c["num_heads"]
+        per_block = t * (8 * h + 2 * f) + heads * t * t  # x, ln_1, q, k, v, attention, mid, ln_2; fc pre/act; probs
+        head = t * (2 * h + c["vocab_size"])             # x, ln_f; logits
+        return samples * (c["num_hidden_layers"] * per_block + head)
+
+
+class Llama(LanguageModel):
+    """llama: rotary positions, RMSNorm, grouped-query attention, SwiGLU (HF: LlamaForCausalLM)."""
+
+    family = "llama"
+
+    def activation_floats(self, samples, seq_len=None):
+        c = self.config
+        t = seq_len or c["max_position_embeddings"]
+        h, f, heads = c["hidden_size"], c["filter_size"], c["num_heads"]
+        # x, norm_1, q, k and v (repeated to every head), attention, mid, norm_2; gate, up, silu, product; probs
+        per_block = t * (7 * h + 4 * f) + heads * t * t
+        head = t * (2 * h + c["vocab_size"])             # x, norm_f; logits
+        return samples * (c["num_hidden_layers"] * per_block + head)
+
+
+class Classifier(Model):
+    """fc_mlp: batches of float ``features`` ``[B, input_size]`` and int32 ``labels`` ``[B]`` (every sample counts)."""
+
+    family = "fc_mlp"
+
+    def activation_floats(self, samples, seq_len=None):
+        c = self.config
+        sizes = [c["input_size"], *c["hidden_sizes"], c["num_classes"]]
+        return samples * sum(sizes[i] + sizes[i + 1] for i in range(len(sizes) - 1))
+
+    def example_layout(self, n, seq_len=None):
+        return [((n, self.config["input_size"]), np.float32), ((n,), np.int32)]
+
+    def check_batch(self, batch):
+        cfg = self.config
+        x, y = batch.get("features"), batch.get("labels")
+        if not isinstance(x, np.ndarray) or x.ndim != 2 or x.shape[1] != cfg["input_size"]:
+            raise ValueError(f"batch['features']: expected [batch, {cfg['input_size']}], "
+                             f"got {getattr(x, 'shape', type(x).__name__)}")
+        if not isinstance(y, np.ndarray) or y.dtype != np.int32 or y.shape != (x.shape[0],):
+            raise TypeError(f"batch['labels']: expected int32 [{x.shape[0]}], got "
+                            f"{getattr(y, 'dtype', type(y).__name__)} {getattr(y, 'shape', '')}")
+        return x.shape[0]
+
+    def batch_of(self, arrays):
+        return {"features": arrays[0], "labels": arrays[1]}
+
+    def first_input(self, batch, dtype):
+        return self.precision.round_(np.array(batch["features"], dtype=dtype))
+
+    def correct(self, y, batch):
+        return int(np.count_nonzero(np.argmax(y, axis=-1) == batch["labels"]))
+
+    def _cross_entropy(self, y, batch):
+        loss_sum, dy = self.ops.cross_entropy(y, np.ascontiguousarray(batch["labels"]), np.ones(y.shape[0], np.int32))
+        return loss_sum, y.shape[0], dy
 
 
 # -- building from the params --------------------------------------------------------------------
@@ -377,7 +459,7 @@ def _build_gpt2(cfg, ops):
               for i in range(c["num_hidden_layers"])]
     units.append(LMHead(c["hidden_size"], c["vocab_size"], c["layer_norm_epsilon"], tied, ops, init["embedding"],
                         init["head"]))
-    return Model("gpt2", c, units, ops)
+    return GPT2(c, units, ops)
 
 
 def _loss_scaling(cfg, c):
@@ -525,7 +607,7 @@ def _build_llama(cfg, ops):
     units += [LlamaBlock(i, c["hidden_size"], c["num_heads"], kv, c["filter_size"], eps, rotary, ops, init,
                          c["dropout_rate"], c["attention_dropout_rate"]) for i in range(c["num_hidden_layers"])]
     units.append(RMSHead(c["hidden_size"], c["vocab_size"], eps, tied, init["embedding"] if tied else init["head"], ops))
-    return Model("llama", c, units, ops)
+    return Llama(c, units, ops)
 
 
 def _build_fc_mlp(cfg, ops):
@@ -547,4 +629,4 @@ def _build_fc_mlp(cfg, ops):
     sizes = [c["input_size"], *c["hidden_sizes"], c["num_classes"]]
     units = [Dense(i, sizes[i], sizes[i + 1], act if i < len(sizes) - 2 else None, ops, density, seed)
              for i in range(len(sizes) - 1)]
-    return Model("fc_mlp", c, units, ops)
+    return Classifier(c, units, ops)
