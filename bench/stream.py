@@ -82,7 +82,7 @@ def _reference(params, steps):
         for step in range(steps):
             t0 = time.perf_counter()
             ex = stream.read(step * BATCH, BATCH)  # the input read counts, as the cluster's does
-            batch = {k: np.ascontiguousarray(ex[:, i]) for i, k in enumerate(("input_ids", "loss_mask", "labels"))}
+            batch = model.batch_of(ex)
             reference_step(model, weights, state, opt, batch, micro_batch_size=MICRO, step=step + 1, lr=1e-3,
                            max_gradient_norm=1.0)
             times.append(time.perf_counter() - t0)

@@ -71,7 +71,7 @@ def reference(p, steps, results=None):
     losses = []
     for t in range(steps):
         ex = stream.read(t * t_in["batch_size"], t_in["batch_size"])
-        batch = {k: np.ascontiguousarray(ex[:, i]) for i, k in enumerate(("input_ids", "loss_mask", "labels"))}
+        batch = model.batch_of(ex)
         r = reference_step(model, params, state, opt, batch, micro_batch_size=t_in["micro_batch_size"],
                            step=t + 1, lr=schedule(t), max_gradient_norm=o["max_gradient_norm"], seed=seed,
                            scaler=scaler)
@@ -324,7 +324,7 @@ def test_resume_continues_bit_identically_and_keeps_its_books(tmp_path, data, jo
     got = json.loads(proc.stdout)
     model = build_model(p["model"], ops=numpy_ops)
     ex = GlobalStream(str(data)).read(0, 24)
-    batch = {k: np.ascontiguousarray(ex[:, i]) for i, k in enumerate(("input_ids", "loss_mask", "labels"))}
+    batch = model.batch_of(ex)
     loss_sum, tokens, _ = model.loss(model.forward({k: v.astype(np.float64) for k, v in params.items()}, batch)[0],
                                      batch)
     assert got["step"] == 4 and got["examples"] == 24 and got["tokens"] == tokens
