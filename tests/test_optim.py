@@ -135,22 +135,65 @@ def test_same_inputs_same_bits(rng):
     assert w1.tobytes() == w2.tobytes() and s1["exp_avg_sq"].tobytes() == s2["exp_avg_sq"].tobytes()
 
 
-def test_matches_torch_when_installed(rng):
-    """Where PyTorch is installed, AdamW and Nesterov SGD agree with torch.optim in float32."""
+@pytest.mark.parametrize("name", ["SGD", "SGD-momentum-dampening", "SGD-nesterov", "Adam-L2", "AdamW"])
+def test_matches_torch_optim(rng, name):
+    """Each optimizer, in float32, against torch.optim with the same hyperparameters, for 20 steps."""
     torch = pytest.importorskip("torch")
+    hp = {"SGD": ("SGD", {"lr": 0.05, "weight_decay": 0.01}),
+          "SGD-momentum-dampening": ("SGD", {"lr": 0.05, "momentum": 0.9, "dampening": 0.3, "weight_decay": 0.01}),
+          "SGD-nesterov": ("SGD", {"lr": 0.05, "momentum": 0.9, "nesterov": True, "weight_decay": 0.01}),
+          "Adam-L2": ("Adam", {"lr": 0.01, "betas": (0.8, 0.99), "eps": 1e-6, "weight_decay": 0.1}),
+          "AdamW": ("AdamW", {"lr": 0.01, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1})}[name]
     theta, grads = problem(rng, np.float32)
-    for ours, make_theirs in [
-        (AdamW(lr=0.01, weight_decay=0.1), lambda p: torch.optim.AdamW([p], lr=0.01, weight_decay=0.1)),
-        (SGD(lr=0.05, momentum=0.9, nesterov=True, weight_decay=0.01),
-         lambda p: torch.optim.SGD([p], lr=0.05, momentum=0.9, nesterov=True, weight_decay=0.01)),
-    ]:
-        w, _ = run(ours, theta, grads)
-        p = torch.nn.Parameter(torch.from_numpy(theta.copy()))
-        theirs = make_theirs(p)
-        for g in grads:
-            p.grad = torch.from_numpy(g.copy())
-            theirs.step()
-        np.testing.assert_allclose(w, p.detach().numpy(), rtol=1e-5, atol=1e-6)
+    w, _ = run(make_optimizer(hp[0], **hp[1]), theta, grads)
+    p = torch.nn.Parameter(torch.from_numpy(theta.copy()))
+    theirs = getattr(torch.optim, hp[0])([p], **hp[1])
+    for g in grads:
+        p.grad = torch.from_numpy(g.copy())
+        theirs.step()
+    np.testing.assert_allclose(w, p.detach().numpy(), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("name", ["Linear", "CosineAnnealing", "Step", "MultiStep", "Exponential",
+                                  "CosineAnnealingWarmRestarts", "Cyclic", "Sequential"])
+def test_schedules_match_torch_lr_scheduler(name):
+    """Model Zoo's scheduler next to the torch.optim.lr_scheduler it corresponds to, over 40 steps."""
+    torch = pytest.importorskip("torch")
+    from wse_core.optim import make_schedule
+
+    base = 0.1
+    ours, theirs = {
+        "Linear": ({"scheduler": "LinearLR", "initial_learning_rate": 0.02, "end_learning_rate": 0.08, "total_iters": 30},
+                   lambda o: torch.optim.lr_scheduler.LinearLR(o, 0.2, 0.8, 30)),
+        "CosineAnnealing": ({"scheduler": "CosineAnnealingLR", "initial_learning_rate": base, "T_max": 15, "eta_min": 0.01},
+                            lambda o: torch.optim.lr_scheduler.CosineAnnealingLR(o, 15, 0.01)),
+        "Step": ({"scheduler": "StepLR", "initial_learning_rate": base, "step_size": 7, "gamma": 0.5},
+                 lambda o: torch.optim.lr_scheduler.StepLR(o, 7, 0.5)),
+        "MultiStep": ({"scheduler": "MultiStepLR", "initial_learning_rate": base, "gamma": 0.3, "milestones": [5, 12, 30]},
+                      lambda o: torch.optim.lr_scheduler.MultiStepLR(o, [5, 12, 30], 0.3)),
+        "Exponential": ({"scheduler": "ExponentialLR", "initial_learning_rate": base, "total_iters": 1, "decay_rate": 0.9},
+                        lambda o: torch.optim.lr_scheduler.ExponentialLR(o, 0.9)),
+        "CosineAnnealingWarmRestarts": (
+            {"scheduler": "CosineAnnealingWarmRestarts", "initial_learning_rate": base, "T_0": 9, "eta_min": 0.005},
+            lambda o: torch.optim.lr_scheduler.CosineAnnealingWarmRestarts(o, 9, 1, 0.005)),
+        "Cyclic": ({"scheduler": "CyclicLR", "base_lr": 0.01, "max_lr": base, "step_size_up": 4, "step_size_down": 6,
+                    "mode": "triangular2"},
+                   lambda o: torch.optim.lr_scheduler.CyclicLR(o, 0.01, base, 4, 6, "triangular2", cycle_momentum=False)),
+        "Sequential": ([{"scheduler": "Constant", "learning_rate": 0.05, "total_iters": 5},
+                        {"scheduler": "StepLR", "initial_learning_rate": base, "step_size": 4, "gamma": 0.5}],
+                       lambda o: torch.optim.lr_scheduler.SequentialLR(o, [
+                           torch.optim.lr_scheduler.ConstantLR(o, 0.5, 5), torch.optim.lr_scheduler.StepLR(o, 4, 0.5)], [5])),
+    }[name]
+    schedule = make_schedule(ours)
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=base)
+    sched = theirs(opt)
+    got, want = [], []
+    for step in range(40):
+        got.append(schedule(step))
+        want.append(opt.param_groups[0]["lr"])
+        opt.step()
+        sched.step()
+    np.testing.assert_allclose(got, want, rtol=1e-9, atol=1e-12)
 
 
 # --- bad input -------------------------------------------------------------------------------
