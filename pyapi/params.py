@@ -79,6 +79,9 @@ SCHEMA = {
         "max_loss_scale": Key("float>0?", None, "dynamic loss scaling: the largest scale (2^15; 2^31 for cbfloat16)"),
         "min_loss_scale": Key("float>0?", None, "dynamic loss scaling: the smallest scale (2^-14)"),
         "steps_per_increase": Key("int>0?", None, "dynamic loss scaling: finite steps before the scale doubles (2000)"),
+        "adjust_learning_rate": Key("lradjust", None, "learning-rate scale per parameter group (Model Zoo's: embedding, "
+                                                      "decoder_kernel, decoder_attention, decoder_input_ffn, "
+                                                      "decoder_output_ffn)"),
     },
     "runconfig": {
         "max_steps": Key("int>0", REQUIRED, "training steps"),
@@ -106,7 +109,7 @@ SECTIONS_REQUIRED = ("train_input", "model", "optimizer", "runconfig")
 # -- the run spec: what mpi_launch and every rank receive ------------------------------------------
 
 _TYPES = {"path": str, "str": str, "bool": bool, "int>0": int, "int>1": int, "int>=0": int, "float>=0": float,
-          "float>0?": float | None, "int>0?": int | None, "lossscale": float | str, "betas": tuple, "hardware": MappingProxyType, "lr": object}
+          "float>0?": float | None, "int>0?": int | None, "lossscale": float | str, "lradjust": MappingProxyType | None, "betas": tuple, "hardware": MappingProxyType, "lr": object}
 
 
 def freeze(value):
@@ -203,6 +206,10 @@ def _check(path, kind, value):
     elif kind == "int>0?":
         if value is not None and (not is_int or value < 1):
             raise bad("an integer >= 1 (or null)")
+    elif kind == "lradjust":
+        if value is not None and not (isinstance(value, dict) and all(
+                isinstance(v, (int, float)) and not isinstance(v, bool) and 0 < v < math.inf for v in value.values())):
+            raise bad("a mapping of parameter groups to scales > 0")
     elif kind == "lossscale":
         if value != "dynamic" and (not is_num or value <= 0):
             raise bad("a number > 0 or dynamic")
@@ -358,6 +365,13 @@ def _check_consistency(p):
             and p["optimizer"]["loss_scaling_factor"] != "dynamic":
         raise ParamsError("optimizer.loss_scaling_factor: cbfloat16 needs dynamic loss scaling (as in Model Zoo): "
                           "set loss_scaling_factor: dynamic")
+    if p["optimizer"]["adjust_learning_rate"]:
+        from wse_core.nn import build_model
+
+        try:
+            build_model(p["model"]).lr_factors(p["optimizer"]["adjust_learning_rate"])
+        except ValueError as exc:
+            raise ParamsError(str(exc)) from None
     if r["eval_frequency"] is not None and "eval_input" not in p:
         raise ParamsError("runconfig.eval_frequency: evaluating during training needs an eval_input section "
                           "(data_dir, batch_size)")

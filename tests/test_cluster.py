@@ -74,7 +74,7 @@ def reference(p, steps, results=None):
         batch = model.batch_of(ex)
         r = reference_step(model, params, state, opt, batch, micro_batch_size=t_in["micro_batch_size"],
                            step=t + 1, lr=schedule(t), max_gradient_norm=o["max_gradient_norm"], seed=seed,
-                           scaler=scaler)
+                           scaler=scaler, lr_factors=model.lr_factors(o.get("adjust_learning_rate")))
         losses.append(r.loss)
         if results is not None:
             results.append(r)
@@ -144,12 +144,15 @@ def test_the_simulated_clock_agrees_with_the_walk_and_is_deterministic(tmp_path,
 def test_a_model_zoo_trainer_file_with_dropout_is_bit_identical_to_the_reference(tmp_path, data, jobs):
     """A trainer-layout file (Model Zoo 2.3 on) with Model Zoo's numerics: ``loss_scaling: batch_size``
     with ``loss_weight``, dropout keyed by (seed, step, sample, layer), truncated-normal
-    initializers, no decay on biases and norms; num_csx 2 gives the reference's bits."""
+    initializers, no decay on biases and norms, muP's scales and per-group learning rates;
+    num_csx 2 gives the reference's bits."""
     from pyapi.modelzoo import to_trainer
 
     path, p = params_file(tmp_path, data)
     p["model"].update(loss_scaling="batch_size", loss_weight=1 / 64, dropout_rate=0.1, attention_dropout_rate=0.2,
-                      initializer={"name": "truncated_normal", "std": 0.03}, name="gpt3")
+                      initializer={"name": "truncated_normal", "std": 0.03}, name="gpt3", embeddings_scale=4.0,
+                      output_logits_scale=0.5, scale_qk_dot_by_d=True)  # and muP's scales
+    p["optimizer"]["adjust_learning_rate"] = {"decoder_kernel": 0.5}
     p["runconfig"]["seed"] = 5
     trainer, dropped = to_trainer(p)
     assert not dropped

@@ -182,8 +182,8 @@ def test_tuning_keys_are_one_warning_and_change_nothing():
 def test_every_refused_key_is_in_one_error():
     raw = yaml.safe_load(FLAT)
     raw["model"].update(use_ffn_bias=False, rotary_dim=16, attention_type="dot_product", frobnicate=1)
-    raw["optimizer"].update(adjust_learning_rate={"decoder_kernel": 0.5}, correct_bias=False)
-    raw["model"]["scale_qk_dot_by_d"] = True
+    raw["optimizer"].update(max_gradient_value=1.0, correct_bias=False)
+    raw["model"]["attention_sliding_window_length"] = 16
     raw["sparsity"] = {"type": "static", "sparsity": 0.5}
     with pytest.raises(ParamsError) as err:
         quiet(validate, raw)
@@ -191,9 +191,11 @@ def test_every_refused_key_is_in_one_error():
     assert text.startswith("8 keys cannot be used as given")
     for line in ("model.use_ffn_bias: False asks for feed-forward layers without biases, which is not built",
                  "model.rotary_dim: rotary position embeddings (built for llama, not gpt2) is not built",
-                 "model.attention_type: 'dot_product' asks for unscaled (dot_product) attention", "optimizer.adjust_learning_rate: per-layer",
+                 "model.attention_type: 'dot_product' asks for unscaled (dot_product) attention",
                  "optimizer.correct_bias: False asks for Adam without bias correction",
-                 "model.scale_qk_dot_by_d: True asks for muP", "sparsity: Model Zoo's sparsity",
+                 "optimizer.max_gradient_value: 1.0 asks for clipping gradients by value",
+                 "model.attention_sliding_window_length: sliding-window attention is not built",
+                 "sparsity: Model Zoo's sparsity",
                  "model.frobnicate: unknown key"):
         assert "\n  " + line in text, line
 

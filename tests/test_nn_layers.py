@@ -254,6 +254,52 @@ def test_llama_refuses_what_it_does_not_build(key, value, match):
         build_model(dict(LLAMA, **{key: value}))
 
 
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+def test_mup_scales_have_exact_gradients_and_lr_groups(rng, family):
+    """muP's embeddings_scale, output_logits_scale and scale_qk_dot_by_d: float64 finite differences;
+    adjust_learning_rate's groups (decoder_kernel is the three decoder groups)."""
+    base = LLAMA if family == "llama" else {"name": "gpt2", "vocab_size": 13, "hidden_size": 16,
+                                             "num_hidden_layers": 2, "num_heads": 4, "max_position_embeddings": 8}
+    cfg = dict(base, embeddings_scale=10.0, output_logits_scale=0.25, scale_qk_dot_by_d=True)
+    model = build_model(cfg)
+    check_model(model, lm_batch(rng, 13, 3, 6), rng, samples=3)
+    plain = build_model(base).init_params(1, np.float64)
+    batch = lm_batch(rng, 13, 2, 5)
+    assert not np.allclose(model.forward(plain, batch)[0], build_model(base).forward(plain, batch)[0])
+    f = model.lr_factors({"decoder_kernel": 0.5, "embedding": 2.0})
+    mlp_in = "blocks.1.mlp.up.weight" if family == "llama" else "blocks.1.mlp.fc.weight"
+    assert f["wte.weight"] == 2.0 and f[mlp_in] == 0.5 and f["blocks.0.norm_1.weight" if family == "llama"
+                                                             else "blocks.0.ln_1.bias"] == 1.0
+    g = model.lr_factors({"decoder_attention": 0.25, "decoder_output_ffn": 4.0})
+    assert g["blocks.0.attn.proj.weight"] == 0.25 and g[mlp_in] == 1.0
+    with pytest.raises(ValueError, match="adjust_learning_rate.decoder: unknown group"):
+        model.lr_factors({"decoder": 0.5})
+    with pytest.raises(ValueError, match="in groups with different scales"):
+        model.lr_factors({"decoder_kernel": 0.5, "decoder_attention": 0.25})
+
+
+def test_mup_from_base_sizes():
+    """Model Zoo 2.3's muP: hidden 64 over base 16 (width 4), filter 128 over base 64 (2): q/k/v and fc
+    initializers scaled by 1/2, the attention and FFN output layers by width^-1/2 and filter^-1/2
+    times 1/sqrt(2 layers), logits by alpha / width, learning rates by 1/4, 1/4 and 1/2."""
+    base = {"name": "gpt2", "vocab_size": 50, "hidden_size": 64, "num_hidden_layers": 2, "num_heads": 4,
+            "filter_size": 128, "max_position_embeddings": 8, "initializer": {"name": "normal", "std": 0.08}}
+    model = build_model(dict(base, mup_base_hidden_size=16, mup_base_filter_size=64, output_logits_alpha=2.0))
+    specs = model.param_specs
+    assert specs["blocks.0.attn.qkv.weight"].init == ("normal", 0.0, 0.04)
+    assert specs["blocks.0.attn.proj.weight"].init[2] == pytest.approx(0.02 * 0.5 * 0.5)  # default 0.02 truncated
+    assert specs["blocks.0.mlp.proj.weight"].init[2] == pytest.approx(0.02 * 2 ** -0.5 * 0.5)
+    assert model.units[-1].logits_scale == 0.5 and model.units[1].scale_qk_dot_by_d is False
+    f = model.lr_factors()
+    assert (f["blocks.1.attn.qkv.weight"], f["blocks.1.mlp.fc.weight"], f["blocks.1.mlp.proj.weight"],
+            f["wte.weight"]) == (0.25, 0.25, 0.5, 1.0)
+    assert model.lr_factors({"decoder_output_ffn": 1.0})["blocks.1.mlp.proj.weight"] == 1.0  # the params override
+    with pytest.raises(ValueError, match="needs both mup_base_hidden_size and mup_base_filter_size"):
+        build_model(dict(base, mup_base_hidden_size=16))
+    with pytest.raises(ValueError, match="output_logits_scale: given beside muP's base sizes"):
+        build_model(dict(base, mup_base_hidden_size=16, mup_base_filter_size=64, output_logits_scale=0.5))
+
+
 @pytest.mark.parametrize("activation", ["relu", "gelu", "gelu_new"])
 def test_fc_mlp_model_gradients(rng, activation):
     model = build_model({"name": "fc_mlp", "input_size": 6, "hidden_sizes": [5, 4], "num_classes": 3,

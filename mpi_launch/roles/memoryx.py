@@ -28,6 +28,7 @@ class MemoryX(Role):
             kwargs.update(betas=tuple(o.betas), eps=o.eps)
         self.optimizer = make_optimizer(o.optimizer_type, **kwargs)
         owned = [n for n in self.model.param_names if self.param_owner[n] == self.index]
+        lr_factors = self.model.lr_factors(o.adjust_learning_rate)
         if self.run_info["checkpoint"]:
             self.weights, self.state = Checkpoint(self.run_info["checkpoint"]).load(owned)
             for n in owned:  # a weights-only checkpoint (wse checkpoint from-hf): the optimizer starts fresh
@@ -83,8 +84,8 @@ class MemoryX(Role):
                 if not control["skip"]:  # a step whose 16-bit gradients overflowed is not applied
                     for n in owned:
                         self.optimizer.update(self.weights[n], total[n], self.state[n], step=step + 1,
-                                              lr=control["lr"], grad_scale=control["grad_scale"], name=n,
-                                              decay=self.model.param_specs[n].decay)
+                                              lr=control["lr"] * lr_factors[n], grad_scale=control["grad_scale"],
+                                              name=n, decay=self.model.param_specs[n].decay)
                     clock.advance(update_s)
                 self.timing(step, optimizer=time.perf_counter() - t_opt, at_grads_in=at_grads_in,
                             bytes_out=2 * sum(wire[n].nbytes for _, _, n in uses),

@@ -29,6 +29,10 @@ def to_hf(config, weights):
     """(config.json, tensors) of a gpt2/gpt3/llama model config (``Model.config``) and its dense weights."""
     name = config["name"]
     L = config["num_hidden_layers"]
+    if config.get("embeddings_scale", 1.0) != 1.0 or (config.get("output_logits_scale") or 1.0) != 1.0 \
+            or config.get("scale_qk_dot_by_d") or config.get("mup_base_hidden_size"):
+        raise ValueError("model: muP's embeddings_scale, output_logits_scale and scale_qk_dot_by_d have no place in "
+                         "transformers' GPT-2 and LLaMA configs")
     if name in ("gpt2", "gpt3"):
         cfg = {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "vocab_size": config["vocab_size"],
                "n_positions": config["max_position_embeddings"], "n_ctx": config["max_position_embeddings"],

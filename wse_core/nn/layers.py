@@ -38,6 +38,9 @@ class ParamSpec:
     init: tuple
     structure: object = field(default=None, compare=False)
     decay: bool = True
+    #: Model Zoo's learning-rate adjustment group (``optimizer.adjust_learning_rate``): embedding,
+    #: decoder_attention, decoder_input_ffn, decoder_output_ffn (the last three: decoder_kernel).
+    lr_group: str = None
 
 
 @dataclass(frozen=True)
@@ -86,12 +89,12 @@ def sparse_structure(name, out_features, in_features, density, seed):
                      (out_features, in_features))
 
 
-def weight_spec(name, out_features, in_features, init, density=1.0, seed=0):
+def weight_spec(name, out_features, in_features, init, density=1.0, seed=0, lr_group=None):
     """The ParamSpec of a Linear weight ``[out, in]``: dense, or sparse when density < 1."""
     if density >= 1.0:
-        return ParamSpec((out_features, in_features), init)
+        return ParamSpec((out_features, in_features), init, lr_group=lr_group)
     structure = sparse_structure(name, out_features, in_features, density, seed)
-    return ParamSpec((structure.nnz,), init, structure)
+    return ParamSpec((structure.nnz,), init, structure, lr_group=lr_group)
 
 
 def matmul_wt(x, w, structure=None):
@@ -156,10 +159,13 @@ class Embedding(Unit):
         self.ops, self.init, self.dropout = ops, init, dropout
         self.positions = positions  # learned position embeddings (GPT-2); llama's are rotary, in its blocks
 
+    #: muP's ``model.embeddings_scale``: the embeddings are multiplied by it (set by the model's builder).
+    scale = 1.0
+
     def param_specs(self):
-        specs = {"wte.weight": ParamSpec((self.vocab_size, self.hidden), self.init)}
+        specs = {"wte.weight": ParamSpec((self.vocab_size, self.hidden), self.init, lr_group="embedding")}
         if self.positions:
-            specs["wpe.weight"] = ParamSpec((self.max_positions, self.hidden), self.init)
+            specs["wpe.weight"] = ParamSpec((self.max_positions, self.hidden), self.init, lr_group="embedding")
         return specs
 
     def forward(self, ids, params, drop=None):
@@ -167,6 +173,8 @@ class Embedding(Unit):
         h = params["wte.weight"][ids]
         if self.positions:
             h += params["wpe.weight"][:t]
+        if self.scale != 1.0:
+            h *= h.dtype.type(self.scale)
         mask = None
         if drop is not None and self.dropout > 0:
             mask = drop.scale(b, 0, EMBEDDING_SITE, (t, self.hidden), self.dropout, h.dtype)
@@ -177,6 +185,8 @@ class Embedding(Unit):
         ids, mask = saved
         if mask is not None:
             dy = dy * mask
+        if self.scale != 1.0:
+            dy = dy * dy.dtype.type(self.scale)
         b, t, c = dy.shape
         dwte = self.ops.embedding_backward(ids.reshape(-1), dy.reshape(b * t, c), self.vocab_size)
         if not self.positions:
@@ -214,20 +224,28 @@ class TransformerBlock(Unit):
         return {
             p + "ln_1.weight": fixed_spec((c,), "ones"),
             p + "ln_1.bias": fixed_spec((c,), "zeros"),
-            p + "attn.qkv.weight": weight_spec(p + "attn.qkv.weight", 3 * c, c, w, density, seed),
+            p + "attn.qkv.weight": weight_spec(p + "attn.qkv.weight", 3 * c, c, w, density, seed, "decoder_attention"),
             p + "attn.qkv.bias": fixed_spec((3 * c,), "zeros"),
-            p + "attn.proj.weight": weight_spec(p + "attn.proj.weight", c, c, resid, density, seed),
+            p + "attn.proj.weight": weight_spec(p + "attn.proj.weight", c, c, resid, density, seed, "decoder_attention"),
             p + "attn.proj.bias": fixed_spec((c,), "zeros"),
             p + "ln_2.weight": fixed_spec((c,), "ones"),
             p + "ln_2.bias": fixed_spec((c,), "zeros"),
-            p + "mlp.fc.weight": weight_spec(p + "mlp.fc.weight", f, c, w, density, seed),
+            p + "mlp.fc.weight": weight_spec(p + "mlp.fc.weight", f, c, w, density, seed, "decoder_input_ffn"),
             p + "mlp.fc.bias": fixed_spec((f,), "zeros"),
-            p + "mlp.proj.weight": weight_spec(p + "mlp.proj.weight", c, f, resid, density, seed),
+            p + "mlp.proj.weight": weight_spec(p + "mlp.proj.weight", c, f, self.init.get("ffn_output", resid), density,
+                                               seed, "decoder_output_ffn"),
             p + "mlp.proj.bias": fixed_spec((c,), "zeros"),
         }
 
     def param_specs(self):
         return dict(self.specs)
+
+    @property
+    def attention_scale(self):
+        """q.k / sqrt(head size), or / head size with muP's ``model.scale_qk_dot_by_d``."""
+        return 1.0 / (self.head_dim if self.scale_qk_dot_by_d else math.sqrt(self.head_dim))
+
+    scale_qk_dot_by_d = False  # set by the model's builder
 
     def _lin(self, x, params, key, bias=True):
         name = self.p + key + ".weight"
@@ -252,7 +270,7 @@ class TransformerBlock(Unit):
         ops, p = self.ops, self.p
         b, t, c = x.shape
         nh, hd = self.heads, self.head_dim
-        scale = 1.0 / math.sqrt(hd)
+        scale = self.attention_scale
         masks = self._masks(drop, b, t, x.dtype)
         x2 = x.reshape(b * t, c)
         ln1, mu1, rs1 = ops.layernorm_forward(x2, params[p + "ln_1.weight"], params[p + "ln_1.bias"], self.eps)
@@ -278,7 +296,7 @@ class TransformerBlock(Unit):
         x2, ln1, mu1, rs1, q, k, v, probs, att, mid, ln2, mu2, rs2, pre, act, masks = saved
         b, t, c = dy.shape
         nh, hd = self.heads, self.head_dim
-        scale = 1.0 / math.sqrt(hd)
+        scale = self.attention_scale
         g = {}
         dout = np.ascontiguousarray(dy).reshape(b * t, c)
         # MLP
@@ -326,19 +344,27 @@ class LMHead(Unit):
         c = self.hidden
         return {"ln_f.weight": fixed_spec((c,), "ones"),
                 "ln_f.bias": fixed_spec((c,), "zeros"),
-                self.weight: ParamSpec((self.vocab_size, c), self.init)}
+                self.weight: ParamSpec((self.vocab_size, c), self.init, lr_group="embedding" if
+                                       self.weight == "wte.weight" else None)}
 
     def forward(self, x, params, drop=None):
         b, t, c = x.shape
         x2 = x.reshape(b * t, c)
         ln, mu, rs = self.ops.layernorm_forward(x2, params["ln_f.weight"], params["ln_f.bias"], self.eps)
         logits = matmul(ln, params[self.weight].T)
+        if self.logits_scale != 1.0:
+            logits *= logits.dtype.type(self.logits_scale)
         return logits.reshape(b, t, self.vocab_size), (x2, ln, mu, rs)
+
+    #: muP's ``model.output_logits_scale``: the logits are multiplied by it (set by the model's builder).
+    logits_scale = 1.0
 
     def backward(self, dlogits, saved, params):
         x2, ln, mu, rs = saved
         b, t, v = dlogits.shape
         d2 = dlogits.reshape(b * t, v)
+        if self.logits_scale != 1.0:
+            d2 = d2 * d2.dtype.type(self.logits_scale)
         g = {}
         dln = matmul(d2, params[self.weight])
         g[self.weight] = matmul(d2.T, ln)

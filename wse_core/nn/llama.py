@@ -104,12 +104,22 @@ class LlamaBlock(Unit):
         p, c, f = self.p, self.hidden, self.filter
         kv = self.kv_heads * self.head_dim
         w, out = self.init["weight"], self.init["output"]
+        att, inp, outp = "decoder_attention", "decoder_input_ffn", "decoder_output_ffn"
         return {p + "norm_1.weight": fixed_spec((c,), "ones"),
-                p + "attn.q.weight": ParamSpec((c, c), w), p + "attn.k.weight": ParamSpec((kv, c), w),
-                p + "attn.v.weight": ParamSpec((kv, c), w), p + "attn.proj.weight": ParamSpec((c, c), out),
+                p + "attn.q.weight": ParamSpec((c, c), w, lr_group=att),
+                p + "attn.k.weight": ParamSpec((kv, c), w, lr_group=att),
+                p + "attn.v.weight": ParamSpec((kv, c), w, lr_group=att),
+                p + "attn.proj.weight": ParamSpec((c, c), out, lr_group=att),
                 p + "norm_2.weight": fixed_spec((c,), "ones"),
-                p + "mlp.gate.weight": ParamSpec((f, c), w), p + "mlp.up.weight": ParamSpec((f, c), w),
-                p + "mlp.down.weight": ParamSpec((c, f), out)}
+                p + "mlp.gate.weight": ParamSpec((f, c), w, lr_group=inp),
+                p + "mlp.up.weight": ParamSpec((f, c), w, lr_group=inp),
+                p + "mlp.down.weight": ParamSpec((c, f), self.init.get("ffn_output", out), lr_group=outp)}
+
+    scale_qk_dot_by_d = False  # muP: q.k / head size instead of / sqrt(head size); set by the builder
+
+    @property
+    def attention_scale(self):
+        return 1.0 / (self.head_dim if self.scale_qk_dot_by_d else math.sqrt(self.head_dim))
 
     def _masks(self, drop, b, t, dtype):
         layer, on = self.index + 1, drop is not None
@@ -133,7 +143,7 @@ class LlamaBlock(Unit):
         v = self._heads(matmul(n1, params[p + "attn.v.weight"].T), b, t, self.kv_heads)
         kf, vf = np.repeat(k, group, axis=1), np.repeat(v, group, axis=1)   # q head h reads kv head h // group
         probs = matmul(q, kf.transpose(0, 1, 3, 2))
-        self.ops.causal_softmax_forward(probs.reshape(b * nh, t, t), 1.0 / math.sqrt(self.head_dim))
+        self.ops.causal_softmax_forward(probs.reshape(b * nh, t, t), self.attention_scale)
         used = probs if masks[0] is None else probs * masks[0]
         att = np.ascontiguousarray(matmul(used, vf).transpose(0, 2, 1, 3)).reshape(b * t, c)
         proj = matmul(att, params[p + "attn.proj.weight"].T)
@@ -174,7 +184,7 @@ class LlamaBlock(Unit):
         if masks[0] is not None:
             dprobs *= masks[0]
         self.ops.causal_softmax_backward(probs.reshape(b * nh, t, t), dprobs.reshape(b * nh, t, t),
-                                         1.0 / math.sqrt(self.head_dim))
+                                         self.attention_scale)
         dq = self.rotary.apply(matmul(dprobs, kf), inverse=True)
         dkf = matmul(dprobs.transpose(0, 1, 3, 2), q)
         # A kv head's gradient is the sum over the q heads of its group, in head order.
@@ -200,20 +210,28 @@ class RMSHead(Unit):
         self.weight = "wte.weight" if tied else "lm_head.weight"
         self.init, self.ops = init, ops
 
+    logits_scale = 1.0  # muP's output_logits_scale; set by the builder
+
     def param_specs(self):
         return {"norm_f.weight": fixed_spec((self.hidden,), "ones"),
-                self.weight: ParamSpec((self.vocab_size, self.hidden), self.init)}
+                self.weight: ParamSpec((self.vocab_size, self.hidden), self.init,
+                                       lr_group="embedding" if self.weight == "wte.weight" else None)}
 
     def forward(self, x, params, drop=None):
         b, t, c = x.shape
         x2 = x.reshape(b * t, c)
         n, r = rms_norm(x2, params["norm_f.weight"], self.eps)
-        return matmul(n, params[self.weight].T).reshape(b, t, self.vocab_size), (x2, n, r)
+        logits = matmul(n, params[self.weight].T)
+        if self.logits_scale != 1.0:
+            logits *= logits.dtype.type(self.logits_scale)
+        return logits.reshape(b, t, self.vocab_size), (x2, n, r)
 
     def backward(self, dy, saved, params):
         x2, n, r = saved
         b, t, v = dy.shape
         d2 = np.ascontiguousarray(dy).reshape(b * t, v)
+        if self.logits_scale != 1.0:
+            d2 = d2 * d2.dtype.type(self.logits_scale)
         g = {self.weight: matmul(d2.T, n)}
         dx, g["norm_f.weight"] = rms_norm_backward(matmul(d2, params[self.weight]), x2, params["norm_f.weight"], r)
         return dx.reshape(b, t, self.hidden), g

@@ -141,6 +141,33 @@ class Model:
             params[name] = np.ascontiguousarray(draw(spec.init, spec.shape, rng), dtype=dtype)
         return params
 
+    def lr_factors(self, adjust=None):
+        """{name: factor} of ``optimizer.adjust_learning_rate`` ({group: scale}; groups: ``LR_GROUPS``):
+        each parameter's learning rate is the schedule's times its group's scale (1 outside every
+        group). A parameter in two groups with different scales is refused."""
+        adjust = {**self._mup_lr_scales(), **dict(adjust or {})}
+        for group in adjust:
+            if group not in LR_GROUPS:
+                raise ValueError(f"optimizer.adjust_learning_rate.{group}: unknown group (known: {', '.join(LR_GROUPS)})")
+        factors = {}
+        for name, spec in self.param_specs.items():
+            g = spec.lr_group
+            scales = {adjust[k] for k in adjust if g is not None and (k == g or (k == "decoder_kernel"
+                                                                                 and g.startswith("decoder_")))}
+            if len(scales) > 1:
+                raise ValueError(f"optimizer.adjust_learning_rate: {name} is in groups with different scales {sorted(scales)}")
+            factors[name] = float(scales.pop()) if scales else 1.0
+        return factors
+
+    def _mup_lr_scales(self):
+        """muP's learning-rate scales from its base sizes (1 / width for attention and the input FFN,
+        1 / filter width for the output FFN), which ``adjust_learning_rate`` may override by group."""
+        c = self.config
+        if not c.get("mup_base_hidden_size"):
+            return {}
+        width, filt = c["hidden_size"] / c["mup_base_hidden_size"], c["filter_size"] / c["mup_base_filter_size"]
+        return {"decoder_attention": 1 / width, "decoder_input_ffn": 1 / width, "decoder_output_ffn": 1 / filt}
+
     # -- what a family defines ------------------------------------------------------------------
 
     def activation_floats(self, samples, seq_len=None):
@@ -374,7 +401,9 @@ _GPT2_KEYS = {"name", "vocab_size", "hidden_size", "num_hidden_layers", "num_hea
               "max_position_embeddings", "layer_norm_epsilon", "share_embedding_weights", "sparsity",
               "sparsity_seed", "nonlinearity", "loss_scaling", "loss_weight", "initializer_range", "initializer",
               "embedding_initializer", "output_layer_initializer", "dropout_rate", "attention_dropout_rate",
-              "embedding_dropout_rate", "mixed_precision", "fp16_type"}
+              "embedding_dropout_rate", "mixed_precision", "fp16_type", "embeddings_scale", "output_logits_scale",
+              "scale_qk_dot_by_d", "mup_base_hidden_size", "mup_base_filter_size", "output_logits_alpha",
+              "scale_output_logits_by_d", "ffn_output_layer_initializer"}
 _MLP_KEYS = {"name", "input_size", "hidden_sizes", "num_classes", "activation", "sparsity", "sparsity_seed",
              "mixed_precision", "fp16_type"}
 
@@ -459,7 +488,33 @@ def _build_gpt2(cfg, ops):
               for i in range(c["num_hidden_layers"])]
     units.append(LMHead(c["hidden_size"], c["vocab_size"], c["layer_norm_epsilon"], tied, ops, init["embedding"],
                         init["head"]))
-    return GPT2(c, units, ops)
+    return GPT2(c, _mup(cfg, c, units), ops)
+
+
+def _mup(cfg, c, units):
+    """muP's model keys (Model Zoo 1.x spelling): ``embeddings_scale`` multiplies the embeddings,
+    ``output_logits_scale`` the logits, ``scale_qk_dot_by_d`` divides q.k by the head size instead of
+    its square root. They are set on the units (whose defaults change nothing)."""
+    c["embeddings_scale"] = _number(cfg, "embeddings_scale", 1.0)
+    given = cfg.get("output_logits_scale")
+    c["output_logits_scale"] = None if given is None else _number(cfg, "output_logits_scale", 1.0)
+    by_d = cfg.get("scale_qk_dot_by_d", False)
+    if not isinstance(by_d, bool):
+        raise TypeError(f"model.scale_qk_dot_by_d: expected true or false, got {show(by_d)}")
+    c["scale_qk_dot_by_d"] = by_d
+    logits_scale = c["output_logits_scale"] or 1.0
+    if c["mup_base_hidden_size"]:  # derived from the base width, as Model Zoo 2.3 does
+        width = c["hidden_size"] / c["mup_base_hidden_size"]
+        logits_scale = (c["output_logits_alpha"] or 1.0) / (width if c["scale_output_logits_by_d"] else width ** 0.5)
+    units[0].scale, units[-1].logits_scale = c["embeddings_scale"], logits_scale
+    for unit in units[1:-1]:
+        unit.scale_qk_dot_by_d = by_d
+    return units
+
+
+#: Model Zoo's learning-rate adjustment groups (``optimizer.adjust_learning_rate``); decoder_kernel is
+#: the three decoder groups together (its 1.x muP name).
+LR_GROUPS = ("embedding", "decoder_kernel", "decoder_attention", "decoder_input_ffn", "decoder_output_ffn")
 
 
 def _loss_scaling(cfg, c):
@@ -508,20 +563,52 @@ def _decoder_initializers(cfg, c):
     c["initializer_range"] = float(std)
     default = ("truncated_normal", 0.0, c["initializer_range"], -2 * c["initializer_range"], 2 * c["initializer_range"])
     given = {}
-    for key in ("initializer", "embedding_initializer", "output_layer_initializer"):
+    for key in ("initializer", "embedding_initializer", "output_layer_initializer", "ffn_output_layer_initializer"):
         c[key] = cfg.get(key)
         if c[key] is not None:
             given[key] = resolve_initializer(c[key], f"model.{key}")
             c[key] = dict(c[key])
     weight = given.get("initializer", default)
-    if "output_layer_initializer" in given:
-        output = given["output_layer_initializer"]
-    elif "initializer" in given:
-        output = weight
+    bases = _mup_bases(cfg, c)
+    if bases:  # muP (Model Zoo 2.3 on): initializers scaled by the width and depth multipliers
+        width, filt = bases
+        depth = (2 * c["num_hidden_layers"]) ** -0.5
+        weight = scaled(weight, width ** -0.5)
+        output = scaled(given.get("output_layer_initializer", default), width ** -0.5 * depth)
+        ffn_output = scaled(given.get("ffn_output_layer_initializer", default), filt ** -0.5 * depth)
     else:
-        output = scaled(default, (2 * c["num_hidden_layers"]) ** -0.5)
-    return {"weight": weight, "output": output, "embedding": given.get("embedding_initializer", default),
-            "head": ("normal", 0.0, c["initializer_range"])}
+        if "output_layer_initializer" in given:
+            output = given["output_layer_initializer"]
+        elif "initializer" in given:
+            output = weight
+        else:
+            output = scaled(default, (2 * c["num_hidden_layers"]) ** -0.5)
+        ffn_output = given.get("ffn_output_layer_initializer", output)
+    return {"weight": weight, "output": output, "ffn_output": ffn_output,
+            "embedding": given.get("embedding_initializer", default), "head": ("normal", 0.0, c["initializer_range"])}
+
+
+def _mup_bases(cfg, c):
+    """muP's base sizes (Model Zoo 2.3 on: ``mup_base_hidden_size`` and ``mup_base_filter_size``, both
+    or neither): (hidden / base, filter / base), or None. They scale the decoder's initializers, the
+    logits (``output_logits_alpha`` / width, or / sqrt(width) without ``scale_output_logits_by_d``)
+    and the decoder's learning rates (``Model.lr_factors``)."""
+    hidden, filt = cfg.get("mup_base_hidden_size"), cfg.get("mup_base_filter_size")
+    c["mup_base_hidden_size"], c["mup_base_filter_size"] = hidden, filt
+    c["output_logits_alpha"] = _number(cfg, "output_logits_alpha", 1.0) if cfg.get("output_logits_alpha") is not None \
+        else None
+    by_d = cfg.get("scale_output_logits_by_d", True)
+    if not isinstance(by_d, bool):
+        raise TypeError(f"model.scale_output_logits_by_d: expected true or false, got {show(by_d)}")
+    c["scale_output_logits_by_d"] = by_d
+    if hidden is None and filt is None:
+        return None
+    if hidden is None or filt is None:
+        raise ValueError("model.mup_base_hidden_size: muP needs both mup_base_hidden_size and mup_base_filter_size")
+    if cfg.get("output_logits_scale") is not None:
+        raise ValueError("model.output_logits_scale: given beside muP's base sizes, which set it; give one")
+    return c["hidden_size"] / _number(cfg, "mup_base_hidden_size", 1.0), c["filter_size"] / _number(
+        cfg, "mup_base_filter_size", 1.0)
 
 
 #: llama's keys beyond the decoder's common ones; each has one value wse-cluster builds (or a range).
@@ -607,7 +694,7 @@ def _build_llama(cfg, ops):
     units += [LlamaBlock(i, c["hidden_size"], c["num_heads"], kv, c["filter_size"], eps, rotary, ops, init,
                          c["dropout_rate"], c["attention_dropout_rate"]) for i in range(c["num_hidden_layers"])]
     units.append(RMSHead(c["hidden_size"], c["vocab_size"], eps, tied, init["embedding"] if tied else init["head"], ops))
-    return Llama(c, units, ops)
+    return Llama(c, _mup(cfg, c, units), ops)
 
 
 def _build_fc_mlp(cfg, ops):

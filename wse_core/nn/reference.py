@@ -62,21 +62,24 @@ def accumulate(model, params, batch, micro_batch_size, lo=0, hi=None, *, dropout
     return tree_reduce(lo, hi, leaf, add)
 
 
-def apply_update(model, params, opt_state, optimizer, grads, grad_scale, *, step, lr):
-    """Update every parameter in place with its gradient times ``grad_scale``, in ``param_names`` order."""
+def apply_update(model, params, opt_state, optimizer, grads, grad_scale, *, step, lr, lr_factors=None):
+    """Update every parameter in place with its gradient times ``grad_scale``, in ``param_names`` order,
+    at ``lr`` times its ``lr_factors`` entry (``Model.lr_factors``; 1 by default)."""
     for name in model.param_names:
-        optimizer.update(params[name], grads[name], opt_state[name], step=step, lr=lr,
+        factor = 1.0 if lr_factors is None else lr_factors[name]
+        optimizer.update(params[name], grads[name], opt_state[name], step=step, lr=lr * factor,
                          grad_scale=grad_scale, name=name, decay=model.param_specs[name].decay)
 
 
 def reference_step(model, params, opt_state, optimizer, batch, *, micro_batch_size, step, lr=None,
-                   max_gradient_norm=None, seed=0, scaler=None):
+                   max_gradient_norm=None, seed=0, scaler=None, lr_factors=None):
     """Run one full training step in this process; ``params`` and ``opt_state`` are updated in place.
 
     ``seed`` (the run's ``runconfig.seed``) keys the dropout masks with ``step``. The forward and
     backward passes use the weights in the model's precision (``params`` are the float32 master
     weights). ``scaler`` (an ``optim.LossScaler``) scales the loss, and with dynamic scaling skips
-    a step whose gradient norm is not finite."""
+    a step whose gradient norm is not finite. ``lr_factors`` scale each parameter's learning rate
+    (``Model.lr_factors``: Model Zoo's ``adjust_learning_rate``)."""
     loss_scale = 1.0 if scaler is None else scaler.scale
     loss_sum, n_tokens, unit_grads = accumulate(model, model.compute_weights(params), batch, micro_batch_size,
                                                 dropout=(seed, step), loss_scale=loss_scale)
@@ -89,7 +92,8 @@ def reference_step(model, params, opt_state, optimizer, batch, *, micro_batch_si
     skipped = scaler is not None and scaler.update(norm)
     if not skipped:
         coef = 1.0 if max_gradient_norm is None else clip_coefficient(norm, max_gradient_norm)
-        apply_update(model, params, opt_state, optimizer, grads, coef / divisor / loss_scale, step=step, lr=lr)
+        apply_update(model, params, opt_state, optimizer, grads, coef / divisor / loss_scale, step=step, lr=lr,
+                     lr_factors=lr_factors)
     return StepResult(loss=loss_sum / divisor, n_tokens=n_tokens, grad_norm=norm, lr=lr, loss_scale=loss_scale,
                       skipped=skipped)
 
