@@ -13,6 +13,7 @@ span two epochs and no example is dropped; ``position`` is the next example of t
 Batches are views into preallocated buffers, valid until the next call of ``next_batch``: copy
 a batch you want to keep longer.
 """
+import os
 import queue
 import threading
 
@@ -71,13 +72,27 @@ class _Reader:
 
 
 class Dataset:
-    """A dataset directory: its sorted files and a global example index across them."""
+    """A dataset directory, or a list of them (Model Zoo's ``data_dir`` may be either): the sorted
+    files of each directory, in the list's order, and a global example index across them."""
 
     def __init__(self, data_dir):
+        dirs = [data_dir] if isinstance(data_dir, (str, os.PathLike)) else list(data_dir)
+        if not dirs:
+            raise DataError("data_dir: an empty list of dataset directories")
         self.dir = data_dir
-        self.files = h5_files(data_dir)
-        self.params = read_data_params(data_dir) or {}
-        self.format = dataset_format(data_dir)
+        self.files = [f for d in dirs for f in h5_files(d)]
+        formats = [dataset_format(d) for d in dirs]
+        for d, fmt in zip(dirs[1:], formats[1:]):
+            if fmt != formats[0]:
+                raise DataError(f"{d}: {fmt} data, where {dirs[0]} holds {formats[0]} data (one dataset, one format)")
+        self.format = formats[0]
+        params = [read_data_params(d) or {} for d in dirs]
+        self.params = dict(params[0])
+        if len(dirs) > 1:  # what describes the whole: the largest vocabulary; counts are the files'
+            self.params.pop("n_examples", None)
+            vocab = [p["vocab_size"] for p in params if "vocab_size" in p]
+            if vocab:
+                self.params["vocab_size"] = max(vocab)
         self.counts = []
         self.example_shape = None
         for path in self.files:  # the layout of every file (metadata only): a rank must never meet a surprise

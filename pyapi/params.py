@@ -54,14 +54,14 @@ REQUIRED = object()
 
 SCHEMA = {
     "train_input": {
-        "data_dir": Key("path", REQUIRED, "directory of HDF5 training shards"),
+        "data_dir": Key("paths", REQUIRED, "directory of HDF5 training shards (or a list of them)"),
         "batch_size": Key("int>0", REQUIRED, "global batch size, split evenly across the CS-2s"),
         "micro_batch_size": Key("int>0", None, "samples per micro-batch (default: batch_size / num_csx)"),
         "shuffle": Key("bool", True, "shuffle examples each epoch"),
         "shuffle_seed": Key("int>=0", 0, "seed of the per-epoch shuffle"),
     },
     "eval_input": {
-        "data_dir": Key("path", REQUIRED, "directory of HDF5 evaluation shards"),
+        "data_dir": Key("paths", REQUIRED, "directory of HDF5 evaluation shards (or a list of them)"),
         "batch_size": Key("int>0", REQUIRED, "evaluation batch size"),
         "micro_batch_size": Key("int>0", None, "samples per micro-batch"),
     },
@@ -108,7 +108,7 @@ SECTIONS_REQUIRED = ("train_input", "model", "optimizer", "runconfig")
 
 # -- the run spec: what mpi_launch and every rank receive ------------------------------------------
 
-_TYPES = {"path": str, "str": str, "bool": bool, "int>0": int, "int>1": int, "int>=0": int, "float>=0": float,
+_TYPES = {"path": str, "paths": str | tuple, "str": str, "bool": bool, "int>0": int, "int>1": int, "int>=0": int, "float>=0": float,
           "float>0?": float | None, "int>0?": int | None, "lossscale": float | str, "lradjust": MappingProxyType | None, "betas": tuple, "hardware": MappingProxyType, "lr": object}
 
 
@@ -190,6 +190,11 @@ def _check(path, kind, value):
     if kind == "path" or kind == "str":
         if not isinstance(value, str) or not value:
             raise bad("a non-empty string")
+    elif kind == "paths":
+        if isinstance(value, list) and value and all(isinstance(v, str) and v for v in value):
+            return value
+        if not isinstance(value, str) or not value:
+            raise bad("a directory or a non-empty list of directories")
     elif kind == "bool":
         if not isinstance(value, bool):
             raise bad("true or false")
@@ -278,8 +283,6 @@ def _flat(raw, report, overrides):
         for path in unknown:
             report.fates[path] = "refused: unknown key"
             problems.append(f"{_name(path)}: unknown key of the trainer layout")
-        report.notes.append("the trainer layout (Model Zoo 2.3 on): read as its flat equivalent "
-                            "(wse params convert writes it out)")
     elif len(ours) != len(overrides):
         raise ParamsError(f"--set {_name(next(o for o in overrides if o not in ours))}: this file has the "
                           "flat layout (train_input, model, optimizer, runconfig), not trainer")

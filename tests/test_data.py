@@ -7,7 +7,7 @@ import h5py
 import numpy as np
 import pytest
 
-from data_tools.dataset import Dataset, Loader, inspect_dataset
+from data_tools.dataset import Dataset, GlobalStream, Loader, inspect_dataset
 from data_tools.errors import DataError
 from data_tools.lmdata import verify_dataset, write_lm_file
 from data_tools.preprocess import preprocess_arrays, preprocess_text
@@ -120,6 +120,26 @@ def lm_dir(tmp_path):
 
 def ids(batch):
     return batch["input_ids"][:, 0].tolist()
+
+
+def test_a_list_of_directories_is_one_dataset(lm_dir, tmp_path):
+    """Model Zoo's data_dir may list directories: their files, in the list's order, are one dataset;
+    directories of different formats are refused, naming the odd one."""
+    more = tmp_path / "more"
+    more.mkdir()
+    ex = np.zeros((4, 3, 4), np.int32)
+    ex[:, 0, 0] = np.arange(27, 31)
+    write_lm_file(more / "data-00000.h5", ex)
+    stream = GlobalStream([str(lm_dir), str(more)])
+    assert stream.n == 31 and stream.read(0, 31)[:, 0, 0].tolist() == list(range(31))
+    stream.close()
+    x = np.zeros((5, 2), np.float32)
+    np.savez(tmp_path / "xy.npz", features=x, labels=np.arange(5) % 2)
+    preprocess_arrays(tmp_path / "xy.npz", tmp_path / "arr")
+    with pytest.raises(DataError, match=r"arr: arrays data, where .*lm holds lm data"):
+        Dataset([lm_dir, tmp_path / "arr"])
+    with pytest.raises(DataError, match="data_dir: an empty list"):
+        Dataset([])
 
 
 def test_workers_split_files_and_cover_everything(lm_dir):
