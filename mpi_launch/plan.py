@@ -144,7 +144,8 @@ def describe(params):
     pow2 = run.num_csx & (run.num_csx - 1) == 0 and run.swarmx_fanout & (run.swarmx_fanout - 1) == 0
     return {
         "plan": plan.to_json(),
-        "model": {"name": model.config["name"], "parameters": model.num_params(), "units": [u.name for u in model.units],
+        "model": {"name": model.config["name"], "parameters": model.num_params(),
+                  "units": [u.name for u in model.units],
                   "unit_bytes": unit_bytes},
         "memory_bytes": {str(r): int(memory[r]) for r in range(plan.world_size)},
         "micro_batches_per_csx": per_csx // train.micro_batch_size,

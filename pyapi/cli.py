@@ -428,7 +428,8 @@ def build_parser(argv=()):
     cp = ck_sub.add_parser("verify", help="check SHA-256 of every shard; exit 1 naming the damaged tensor")
     cp.add_argument("path", metavar="PATH")
     cp.set_defaults(func=_cmd_checkpoint_verify)
-    cp = ck_sub.add_parser("convert", help="write the weights as npz, h5, a torch state_dict or a Hugging Face directory")
+    cp = ck_sub.add_parser("convert", help="write the weights as npz, h5, a torch state_dict or a Hugging Face "
+                                           "directory")
     cp.add_argument("path", metavar="PATH")
     cp.add_argument("--to", required=True, choices=["npz", "h5", "torch", "hf"],
                     help="hf: a directory with config.json and model.safetensors (GPT2LMHeadModel, LlamaForCausalLM)")

@@ -136,7 +136,8 @@ def _scheduler_to_flat(entry, where):
     if not (isinstance(entry, dict) and len(entry) == 1 and isinstance(next(iter(entry.values())), dict)):
         raise ValueError(f"{where}: expected one mapping {{SchedulerName: {{...}}}}, got {show(entry)}")
     (name, args), = entry.items()
-    out = {"scheduler": name[:-2] if str(name).endswith("LR") else name, **args}  # the flat spelling: LinearLR -> Linear
+    # The flat spelling: LinearLR -> Linear.
+    out = {"scheduler": name[:-2] if str(name).endswith("LR") else name, **args}
     if isinstance(args.get("schedulers"), list):
         out["schedulers"] = [_scheduler_to_flat(s, f"{where}.{name}.schedulers[{i}]")
                              for i, s in enumerate(args["schedulers"])]
@@ -188,7 +189,8 @@ def flatten(raw):
     opt = init.pop("optimizer", None)
     if opt is not None:
         if not (isinstance(opt, dict) and len(opt) == 1 and isinstance(next(iter(opt.values())), (dict, type(None)))):
-            raise ValueError(f"trainer.init.optimizer: expected one mapping {{OptimizerName: {{...}}}}, got {show(opt)}")
+            raise ValueError("trainer.init.optimizer: expected one mapping {OptimizerName: {...}}, "
+                             f"got {show(opt)}")
         (name, args), = opt.items()
         flat.setdefault("optimizer", {}).update({"optimizer_type": name, **(args or {})})
     scheds = init.pop("schedulers", None)
@@ -213,7 +215,8 @@ def flatten(raw):
         raise ValueError(f"trainer.init.callbacks: expected a list, got {show(callbacks)}")
     for i, cb in enumerate(callbacks):
         if not (isinstance(cb, dict) and len(cb) == 1):
-            raise ValueError(f"trainer.init.callbacks[{i}]: expected one mapping {{CallbackName: {{...}}}}, got {show(cb)}")
+            raise ValueError(f"trainer.init.callbacks[{i}]: expected one mapping {{CallbackName: {{...}}}}, "
+                             f"got {show(cb)}")
         (name, args), = cb.items()
         args = args or {}
         if name == "GlobalFlags":  # hardware/debug flags of a real system: kept to be named as tuning
@@ -482,7 +485,8 @@ def _infer_family(model, report):
              or model.get("position_embedding_type") == "rotary" or model.get("nonlinearity") == "swiglu")
     if "vocab_size" in model and "num_heads" in model:
         model["name"] = "llama" if llama else "gpt2"
-        why = "RMSNorm, rotary positions or SwiGLU" if llama else "a GPT-2 decoder: vocab_size, num_heads, learned positions"
+        why = ("RMSNorm, rotary positions or SwiGLU" if llama
+               else "a GPT-2 decoder: vocab_size, num_heads, learned positions")
         report.notes.append(f"model.name: absent; inferred {model['name']} from its keys ({why})")
     elif "input_size" in model:
         model["name"] = "fc_mlp"

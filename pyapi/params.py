@@ -79,9 +79,8 @@ SCHEMA = {
         "max_loss_scale": Key("float>0?", None, "dynamic loss scaling: the largest scale (2^15; 2^31 for cbfloat16)"),
         "min_loss_scale": Key("float>0?", None, "dynamic loss scaling: the smallest scale (2^-14)"),
         "steps_per_increase": Key("int>0?", None, "dynamic loss scaling: finite steps before the scale doubles (2000)"),
-        "adjust_learning_rate": Key("lradjust", None, "learning-rate scale per parameter group (Model Zoo's: embedding, "
-                                                      "decoder_kernel, decoder_attention, decoder_input_ffn, "
-                                                      "decoder_output_ffn)"),
+        "adjust_learning_rate": Key("lradjust", None, "learning-rate scale per parameter group (Model Zoo's: "
+                                    "embedding, decoder_kernel, decoder_attention, decoder_input_ffn, decoder_output_ffn)"),
     },
     "runconfig": {
         "max_steps": Key("int>0", REQUIRED, "training steps"),
@@ -108,8 +107,9 @@ SECTIONS_REQUIRED = ("train_input", "model", "optimizer", "runconfig")
 
 # -- the run spec: what mpi_launch and every rank receive ------------------------------------------
 
-_TYPES = {"path": str, "paths": str | tuple, "str": str, "bool": bool, "int>0": int, "int>1": int, "int>=0": int, "float>=0": float,
-          "float>0?": float | None, "int>0?": int | None, "lossscale": float | str, "lradjust": MappingProxyType | None, "betas": tuple, "hardware": MappingProxyType, "lr": object}
+_TYPES = {"path": str, "paths": str | tuple, "str": str, "bool": bool, "int>0": int, "int>1": int, "int>=0": int,
+          "float>=0": float, "float>0?": float | None, "int>0?": int | None, "lossscale": float | str,
+          "lradjust": MappingProxyType | None, "betas": tuple, "hardware": MappingProxyType, "lr": object}
 
 
 def freeze(value):

@@ -127,7 +127,8 @@ class Coordinator(Role):
                 record.update(loss_scale=loss_scale, skipped=skipped)
             metrics.write(json.dumps(record) + "\n")
             if board is not None:
-                for key in ("loss", "grad_norm", "lr", "samples_per_s", "sim_step_s", "sim_samples_per_s", "loss_scale"):
+                for key in ("loss", "grad_norm", "lr", "samples_per_s", "sim_step_s", "sim_samples_per_s",
+                            "loss_scale"):
                     if key in record:
                         board["train"].add_scalar(key, record[key], step + 1)
             if (step + 1) % r.log_steps == 0 or last or step == self.start_step:

@@ -59,7 +59,8 @@ class CS2(Role):
             xs = [self.model.first_input(b, np.float32) for b in batches]
             # Micro-batch m holds samples first + m * mbs ... of the step's global batch.
             first = self.index * self.n_micro * self.mbs
-            drops = [DropoutKey(self.params.runconfig.seed, step + 1, first + m * self.mbs) for m in range(self.n_micro)]
+            seed = self.params.runconfig.seed
+            drops = [DropoutKey(seed, step + 1, first + m * self.mbs) for m in range(self.n_micro)]
             saved = [[None] * self.n_micro for _ in self.units]
             t_wait = 0.0
             for u, unit in enumerate(self.units):
