@@ -6,7 +6,6 @@ import re
 import shutil
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -82,6 +81,18 @@ def reference(p, steps, results=None):
     return params, state, losses
 
 
+def fit_matches_reference(jobs, tmp_path, path, p, num_csx, steps=STEPS, results=None):
+    """`wse fit` of ``path`` on ``num_csx`` CS-2s ends with the reference's weights, optimizer state and
+    losses (``p``: the flat params the file holds); returns the finished process and the metrics."""
+    proc = jobs.run("fit", path, "--num_csx", num_csx)
+    assert proc.returncode == 0, proc.stderr
+    params, state, losses = reference(p, steps, results)
+    assert_bits(tmp_path / "model", params, state)
+    metrics = RunDir(tmp_path / "model").read_metrics()
+    assert [m["loss"] for m in metrics] == losses
+    return proc, metrics
+
+
 def assert_bits(ckpt_dir, params, state):
     got, got_state = Checkpoint(ckpt_dir).load()
     for k in params:
@@ -94,12 +105,7 @@ def assert_bits(ckpt_dir, params, state):
 def test_bit_identical_to_the_reference(tmp_path, data, jobs, num_csx, workers):
     """Weights and optimizer state after 3 steps equal the single-process reference, bit for bit."""
     path, p = params_file(tmp_path, data, num_workers_per_csx=workers)
-    proc = jobs.run("fit", path, "--num_csx", num_csx)
-    assert proc.returncode == 0, proc.stderr
-    params, state, losses = reference(p, STEPS)
-    assert_bits(tmp_path / "model", params, state)
-    metrics = [json.loads(x) for x in (tmp_path / "model" / "metrics.jsonl").read_text().splitlines()]
-    assert [m["loss"] for m in metrics] == losses
+    _, metrics = fit_matches_reference(jobs, tmp_path, path, p, num_csx)
     assert (tmp_path / "model" / "plan.json").exists() and any((tmp_path / "model" / "logs").iterdir())
     assert_clock_agrees_with_the_walk(metrics, p, num_csx)
 
@@ -157,11 +163,7 @@ def test_a_model_zoo_trainer_file_with_dropout_is_bit_identical_to_the_reference
     trainer, dropped = to_trainer(p)
     assert not dropped
     path.write_text(yaml.safe_dump(trainer))
-    proc = jobs.run("fit", path, "--num_csx", 2)
-    assert proc.returncode == 0, proc.stderr
-    params, state, losses = reference(p, STEPS)
-    assert_bits(tmp_path / "model", params, state)
-    assert [m["loss"] for m in RunDir(tmp_path / "model").read_metrics()] == losses
+    fit_matches_reference(jobs, tmp_path, path, p, 2)
 
 
 @pytest.mark.parametrize("fp16_type,num_csx", [("float16", 1), ("float16", 2), ("cbfloat16", 2)])
@@ -177,13 +179,8 @@ def test_mixed_precision_with_dynamic_loss_scaling_is_bit_identical_to_the_refer
     p["optimizer"].update(loss_scaling_factor="dynamic", initial_loss_scale=2.0 ** 24 if fp16_type == "cbfloat16"
                           else 2.0 ** 12, max_loss_scale=2.0 ** 30, steps_per_increase=2)
     path.write_text(yaml.safe_dump(p))
-    proc = jobs.run("fit", path, "--num_csx", num_csx)
-    assert proc.returncode == 0, proc.stderr
     results = []
-    params, state, losses = reference(p, steps, results)
-    assert_bits(tmp_path / "model", params, state)
-    metrics = RunDir(tmp_path / "model").read_metrics()
-    assert [m["loss"] for m in metrics] == losses
+    proc, metrics = fit_matches_reference(jobs, tmp_path, path, p, num_csx, steps, results)
     assert [(m["loss_scale"], m["skipped"]) for m in metrics] == [(r.loss_scale, r.skipped) for r in results]
     if fp16_type == "float16":  # 2^12 overflows float16 gradients here: skipped, then recovered
         skips = [m["skipped"] for m in metrics]
@@ -209,11 +206,7 @@ def test_llama_with_gqa_bfloat16_and_dropout_is_bit_identical_to_the_reference(t
                   "extra_attention_params": {"num_kv_groups": 2}, "share_embedding_weights": False,
                   "dropout_rate": 0.1, "mixed_precision": True, "fp16_type": "bfloat16"}
     path.write_text(yaml.safe_dump(p))
-    proc = jobs.run("fit", path, "--num_csx", 2)
-    assert proc.returncode == 0, proc.stderr
-    params, state, losses = reference(p, STEPS)
-    assert_bits(tmp_path / "model", params, state)
-    assert [m["loss"] for m in RunDir(tmp_path / "model").read_metrics()] == losses
+    fit_matches_reference(jobs, tmp_path, path, p, 2)
 
 
 def read_events(directory):

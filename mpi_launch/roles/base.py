@@ -3,7 +3,6 @@ simulated clock with the ports of the links this rank keeps (docs/design.md sect
 import json
 import time
 
-import numpy as np
 
 from mpi_launch import messaging as msg
 from mpi_launch import protocol

@@ -321,6 +321,17 @@ class LanguageModel(Model):
                                               mask)
         return loss_sum, int(np.count_nonzero(mask)), dy.reshape(b, t, v)
 
+    def activation_floats(self, samples, seq_len=None):
+        c = self.config
+        t = seq_len or c["max_position_embeddings"]
+        per_block = t * self._block_floats_per_token(c["hidden_size"], c["filter_size"]) + c["num_heads"] * t * t
+        head = t * (2 * c["hidden_size"] + c["vocab_size"])  # x, the final norm; logits
+        return samples * (c["num_hidden_layers"] * per_block + head)
+
+    def _block_floats_per_token(self, h, f):
+        """Floats a decoder block keeps per token for its backward pass (besides the attention probabilities)."""
+        raise NotImplementedError
+
     def to_hf(self, weights):
         """(config.json, tensors) for transformers (``wse_core.nn.hf``)."""
         from wse_core.nn.hf import to_hf
@@ -333,13 +344,8 @@ class GPT2(LanguageModel):
 
     family = "gpt2"
 
-    def activation_floats(self, samples, seq_len=None):
-        c = self.config
-        t = seq_len or c["max_position_embeddings"]
-        h, f, heads = c["hidden_size"], c["filter_size"], c["num_heads"]
-        per_block = t * (8 * h + 2 * f) + heads * t * t  # x, ln_1, q, k, v, attention, mid, ln_2; fc pre/act; probs
-        head = t * (2 * h + c["vocab_size"])             # x, ln_f; logits
-        return samples * (c["num_hidden_layers"] * per_block + head)
+    def _block_floats_per_token(self, h, f):
+        return 8 * h + 2 * f  # x, ln_1, q, k, v, attention, mid, ln_2; fc pre-activation and activation
 
 
 class Llama(LanguageModel):
@@ -347,14 +353,8 @@ class Llama(LanguageModel):
 
     family = "llama"
 
-    def activation_floats(self, samples, seq_len=None):
-        c = self.config
-        t = seq_len or c["max_position_embeddings"]
-        h, f, heads = c["hidden_size"], c["filter_size"], c["num_heads"]
-        # x, norm_1, q, k and v (repeated to every head), attention, mid, norm_2; gate, up, silu, product; probs
-        per_block = t * (7 * h + 4 * f) + heads * t * t
-        head = t * (2 * h + c["vocab_size"])             # x, norm_f; logits
-        return samples * (c["num_hidden_layers"] * per_block + head)
+    def _block_floats_per_token(self, h, f):
+        return 7 * h + 4 * f  # x, norm_1, q, k and v (for every head), attention, mid, norm_2; gate, up, silu, product
 
 
 class Classifier(Model):
