@@ -9,8 +9,8 @@ BENCHMARKS = {
     "optim": ("bench.optim", "Fused AdamW against plain numpy and against memory-copy bandwidth, in the same run."),
     "nn": ("bench.nn", "Forward + backward of one GPT-2 block and of a small GPT-2: fused kernels against "
                        "unfused numpy (and PyTorch, if installed)."),
-    "input": ("bench.input", "The input pipeline: preprocessing throughput, and the loader against raw h5py "
-                             "reads of the same files."),
+    "input": ("bench.input", "The input pipeline: preprocessing against the tokenizer alone and a plain h5py "
+                             "write; loading against raw h5py."),
     "stream": ("bench.stream", "Weight streaming end to end: step time and its breakdown for 1, 2 and 4 CS-2s, "
                                "against the single-process step."),
     "sparse": ("bench.sparse", "Sparse kernels on transformer-sized weights: GFLOP/s against scipy.sparse and "

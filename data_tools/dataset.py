@@ -1,243 +1,444 @@
-"""The high layer of datasets: ``Dataset`` (a directory as one indexed sequence of examples) and
-``Loader`` (what an input worker runs: its files, a seeded shuffle, batches, prefetch, resume).
+"""The high layer of datasets: ``Dataset`` (directories as one indexed sequence of examples) and
+``GlobalStream``, the loader: a dataset, or a Model Zoo mixture of several, as one endless stream.
 
-    loader = Loader("data/train", batch_size=8, worker_id=0, num_workers=2, shuffle=True, seed=1)
-    batch = loader.next_batch()          # {"input_ids", "loss_mask", "labels"}: int32 [8, S]
-    state = loader.position              # {"epoch": e, "index": i}: store it in a checkpoint
-    Loader("data/train", 8, worker_id=0, num_workers=2, shuffle=True, seed=1, position=state)
+    stream = GlobalStream("data/train", shuffle=True, seed=1)
+    ex = stream.read(start, count)       # stream positions [start, start + count): int32 [count, 3, S]
+    GlobalStream(mixture=[{"data_dir": "web", "weight": 0.7}, {"data_dir": "code", "weight": 0.3}])
 
-Worker w reads ``files[w::num_workers]`` of the sorted file list. Its examples form an endless
-stream, epoch after epoch; epoch e visits them in file order, or, with ``shuffle``, in the
-permutation drawn from (seed, epoch). Batch k is stream examples [k*B, (k+1)*B), so a batch may
-span two epochs and no example is dropped; ``position`` is the next example of the stream.
-Batches are views into preallocated buffers, valid until the next call of ``next_batch``: copy
-a batch you want to keep longer.
+A stream position names one example for ever: the global batch of step t is positions
+[t*B, (t+1)*B), whichever input worker reads it, so the stream is the same for any number of
+CS-2s and workers and a run resumes exactly from its step (docs/design.md section 10).
+
+Order. The files are read in whole *chunks* (``chunk_rows`` examples, the HDF5 chunk our
+preprocessing writes). Epoch e visits every example once: in file order, or with ``shuffle`` the
+chunks in a permutation drawn from (seed, e), and the examples of each *window* of
+``window`` consecutive chunks of that permutation in a permutation drawn from (seed, e, window
+number). So the reads are whole chunks (at raw h5py speed or faster) and the order is random
+at two scales: which chunks come together is new each epoch, and within a window every order is
+equally likely; two examples more than a window apart in the epoch's chunk order are never in
+the same batch window.
 """
 import os
-import queue
-import threading
+import sys
+from collections.abc import Mapping
 
+import h5py
 import numpy as np
 
 from data_tools.errors import DataError
-from data_tools.lmdata import (array_data, dataset_format, h5_files, lm_data, open_h5, read_data_params,
-                               read_examples)
+from data_tools.lmdata import (DATA_PARAMS, array_data, chunk_rows, dataset_format, h5_files, lm_data, open_h5,
+                               read_examples, read_meta)
+from wse_core.data import chunk_ok
 
-
-class _Reader:
-    """Open dataset files, kept open with their datasets: looking a dataset up costs as much as a small read."""
-
-    def __init__(self, paths, lm):
-        self.paths, self.lm, self.handles = paths, lm, {}
-
-    def _datasets(self, fi):
-        import h5py
-
-        if fi not in self.handles:
-            try:
-                f = h5py.File(self.paths[fi], "r")
-            except OSError as exc:
-                raise DataError(f"{self.paths[fi]}: not a readable HDF5 file ({str(exc).splitlines()[0]})") from None
-            try:
-                self.handles[fi] = (f, *((lm_data(self.paths[fi], f),) if self.lm else array_data(self.paths[fi], f)))
-            except BaseException:
-                f.close()
-                raise
-        return self.handles[fi][1:]
-
-    def read(self, files, rows, out, labels=None):
-        """out[i] (and labels[i]) := example rows[i] of file files[i].
-
-        One h5py call per run of consecutive rows of one file: in order, a run is a whole batch;
-        shuffled, runs are single examples (about 50 us each here, cheaper than h5py's point selections).
-        """
-        breaks = np.flatnonzero((np.diff(files) != 0) | (np.diff(rows) != 1)) + 1
-        starts = np.concatenate([[0], breaks]).astype(np.int64).tolist()
-        stops = np.concatenate([breaks, [len(files)]]).astype(np.int64).tolist()
-        for lo, hi in zip(starts, stops):
-            fi, r0, r1 = int(files[lo]), int(rows[lo]), int(rows[hi - 1]) + 1
-            dsets = self._datasets(fi)
-            try:
-                out[lo:hi] = dsets[0][r0:r1]
-                if labels is not None:
-                    labels[lo:hi] = dsets[1][r0:r1]
-            except (OSError, ValueError) as exc:
-                raise DataError(f"{self.paths[fi]}: examples {r0}..{r1 - 1} unreadable "
-                                f"({str(exc).splitlines()[0]}): the file is damaged") from None
-
-    def close(self):
-        for h in self.handles.values():
-            h[0].close()
-        self.handles = {}
+WINDOW_CHUNKS = 64  # chunks shuffled together (64 MiB of examples): see docs/design.md section 10
 
 
 class Dataset:
     """A dataset directory, or a list of them (Model Zoo's ``data_dir`` may be either): the sorted
-    files of each directory, in the list's order, and a global example index across them."""
+    files of each directory, in the list's order, and a global example index across them.
+
+    Counts and shapes come from ``data_params.json`` when it lists every file (ours does), so
+    opening a dataset reads no HDF5 file; a file is checked against them when first read. Other
+    tools' directories are opened file by file, their layout checked at once.
+    """
 
     def __init__(self, data_dir):
         dirs = [data_dir] if isinstance(data_dir, (str, os.PathLike)) else list(data_dir)
         if not dirs:
             raise DataError("data_dir: an empty list of dataset directories")
         self.dir = data_dir
-        self.files = [f for d in dirs for f in h5_files(d)]
-        formats = [dataset_format(d) for d in dirs]
-        for d, fmt in zip(dirs[1:], formats[1:]):
-            if fmt != formats[0]:
-                raise DataError(f"{d}: {fmt} data, where {dirs[0]} holds {formats[0]} data (one dataset, one format)")
+        self.files, self.counts, self.example_shape = [], [], None
+        formats, metas = [], []
+        for d in dirs:
+            files = h5_files(d)
+            meta = read_meta(d)
+            formats.append(dataset_format(d))
+            metas.append(meta)
+            if formats[-1] != formats[0]:
+                raise DataError(f"{d}: {formats[-1]} data, where {dirs[0]} holds {formats[0]} data "
+                                "(one dataset, one format)")
+            counts, shape = _listed(meta, files)
+            if counts is None:
+                counts, shape = self._open_all(files, formats[0])
+            if self.example_shape is None:
+                self.example_shape = shape
+            elif shape != self.example_shape:
+                raise DataError(f"{d}: examples have shape {shape}, those of {dirs[0]} {self.example_shape}")
+            self.files += files
+            self.counts += counts
         self.format = formats[0]
-        params = [read_data_params(d) or {} for d in dirs]
-        self.params = dict(params[0])
+        self.params = dict(metas[0])
         if len(dirs) > 1:  # what describes the whole: the largest vocabulary; counts are the files'
             self.params.pop("n_examples", None)
-            vocab = [p["vocab_size"] for p in params if "vocab_size" in p]
+            vocab = [p["vocab_size"] for p in metas if "vocab_size" in p]
             if vocab:
                 self.params["vocab_size"] = max(vocab)
-        self.counts = []
-        self.example_shape = None
-        for path in self.files:  # the layout of every file (metadata only): a rank must never meet a surprise
-            with open_h5(path) as f:
-                d = lm_data(path, f) if self.format == "lm" else array_data(path, f)[0]
-                if self.example_shape is None:
-                    self.example_shape = d.shape[1:]
-                elif d.shape[1:] != self.example_shape:
-                    raise DataError(f"{path}: dataset '{d.name.lstrip('/')}' examples have shape {d.shape[1:]}, "
-                                    f"other files {self.example_shape}")
-                self.counts.append(d.shape[0])
         self.offsets = np.concatenate([[0], np.cumsum(self.counts)]).astype(np.int64)
+        self._files = _Files(self.files, self.counts, self.example_shape, self.format)
+
+    def _open_all(self, files, fmt):
+        """Counts and example shape of files with no listing: every file's layout (metadata only)."""
+        counts, shape = [], None
+        for path in files:
+            with open_h5(path) as f:
+                d = lm_data(path, f) if fmt == "lm" else array_data(path, f)[0]
+                if shape is None:
+                    shape = tuple(d.shape[1:])
+                elif tuple(d.shape[1:]) != shape:
+                    raise DataError(f"{path}: dataset '{d.name.lstrip('/')}' examples have shape {d.shape[1:]}, "
+                                    f"other files {shape}")
+                counts.append(int(d.shape[0]))
+        return counts, shape
 
     @property
     def n_examples(self):
         return int(self.offsets[-1])
 
+    @property
+    def dtype(self):
+        return np.int32 if self.format == "lm" else np.float32
+
     def read(self, start, stop):
         """Examples [start, stop) of the whole dataset, in sorted-file order: the raw arrays."""
-        parts = []
-        for i, path in enumerate(self.files):
+        cols = [np.empty((stop - start, *self.example_shape), self.dtype)]
+        if self.format == "arrays":
+            cols.append(np.empty(stop - start, np.int32))
+        for i in range(len(self.files)):
             lo, hi = max(start, self.offsets[i]), min(stop, self.offsets[i + 1])
             if lo < hi:
-                with open_h5(path) as f:
-                    sel = slice(int(lo - self.offsets[i]), int(hi - self.offsets[i]))
-                    if self.format == "lm":
-                        parts.append(read_examples(path, lm_data(path, f), sel))
-                    else:
-                        parts.append(tuple(read_examples(path, d, sel) for d in array_data(path, f)))
-        if self.format == "lm":
-            return np.concatenate(parts) if parts else np.zeros((0, *self.example_shape), np.int32)
-        return np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts])
-
-
-class Loader:
-    """Batches for one input worker, read ahead by a background thread."""
-
-    def __init__(self, data_dir, batch_size, *, worker_id=0, num_workers=1, shuffle=False, seed=0,
-                 position=None, prefetch=2):
-        if batch_size < 1:
-            raise ValueError(f"batch_size: expected >= 1, got {batch_size}")
-        if not 0 <= worker_id < num_workers:
-            raise ValueError(f"worker_id: expected 0 <= worker_id < num_workers ({num_workers}), got {worker_id}")
-        self.dataset = Dataset(data_dir)
-        ds = self.dataset
-        mine = list(range(worker_id, len(ds.files), num_workers))
-        if not mine:
-            raise DataError(f"{data_dir}: {len(ds.files)} files cannot feed input worker {worker_id} "
-                            f"of {num_workers}: write more, smaller files (--samples_per_file)")
-        self.files = [ds.files[i] for i in mine]
-        counts = [ds.counts[i] for i in mine]
-        self.n_local = sum(counts)
-        if self.n_local == 0:
-            raise DataError(f"{data_dir}: the files of input worker {worker_id} hold no examples")
-        # (file number, row) of each local example, in file order.
-        self._file_of = np.repeat(np.arange(len(counts)), counts)
-        self._row_of = np.concatenate([np.arange(c) for c in counts])
-        self.batch_size, self.shuffle, self.seed = batch_size, shuffle, seed
-        pos = position or {"epoch": 0, "index": 0}
-        if not 0 <= pos["index"] < self.n_local or pos["epoch"] < 0:
-            raise ValueError(f"position: {pos} is outside this worker's {self.n_local} examples")
-        self._read_pos = (int(pos["epoch"]), int(pos["index"]))
-        self._pos = dict(epoch=int(pos["epoch"]), index=int(pos["index"]))
-        shape = (batch_size, *ds.example_shape)
-        n_buf = prefetch + 2
-        if ds.format == "lm":
-            self._buffers = [np.empty(shape, np.int32) for _ in range(n_buf)]
-        else:
-            self._buffers = [(np.empty(shape, np.float32), np.empty(batch_size, np.int32)) for _ in range(n_buf)]
-        self._queue = queue.Queue(maxsize=prefetch)
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._fill, name="wse-loader", daemon=True)
-        self._thread.start()
-
-    def order(self, epoch):
-        """Local example numbers in the order epoch ``epoch`` visits them."""
-        if not self.shuffle:
-            return np.arange(self.n_local)
-        return np.random.default_rng([self.seed, epoch]).permutation(self.n_local)
-
-    @property
-    def position(self):
-        """{"epoch", "index"} of the next example the consumer will receive."""
-        return dict(self._pos)
-
-    def _fill(self):
-        reader = _Reader(self.files, self.dataset.format == "lm")
-        try:
-            epoch, index = self._read_pos
-            order = self.order(epoch)
-            k = 0
-            while not self._stop.is_set():
-                buf = self._buffers[k % len(self._buffers)]
-                k += 1
-                picks, picked = [], 0
-                while picked < self.batch_size:
-                    take = order[index:index + self.batch_size - picked]
-                    picks.append(take)
-                    picked += len(take)
-                    index += len(take)
-                    if index == self.n_local:
-                        epoch, index = epoch + 1, 0
-                        order = self.order(epoch)
-                local = np.concatenate(picks)
-                files, rows = self._file_of[local], self._row_of[local]
-                if isinstance(buf, tuple):
-                    reader.read(files, rows, buf[0], buf[1])
-                else:
-                    reader.read(files, rows, buf)
-                item = (buf, {"epoch": epoch, "index": index})
-                while not self._stop.is_set():
-                    try:
-                        self._queue.put(item, timeout=0.1)
-                        break
-                    except queue.Full:
-                        continue
-        except BaseException as exc:  # hand the failure to the consumer instead of dying silently
-            self._queue.put(exc)
-        finally:
-            reader.close()
-
-    def next_batch(self):
-        """The next batch: views into a preallocated buffer, valid until the next call."""
-        item = self._queue.get()
-        if isinstance(item, BaseException):
-            self._stop.set()
-            raise item
-        buf, self._pos = item[0], item[1]
-        if self.dataset.format == "lm":
-            return {"input_ids": buf[:, 0], "loss_mask": buf[:, 1], "labels": buf[:, 2]}
-        return {"features": buf[0], "labels": buf[1]}
+                self._files.read(i, int(lo - self.offsets[i]), int(hi - self.offsets[i]),
+                                 [c[lo - start:hi - start] for c in cols])
+        return cols[0] if self.format == "lm" else tuple(cols)
 
     def close(self):
-        self._stop.set()
-        self._thread.join(timeout=5)
+        self._files.close()
 
-    def __enter__(self):
-        return self
 
-    def __exit__(self, *exc):
-        self.close()
+def _listed(meta, files):
+    """(counts, example shape) from a data_params.json that lists exactly these files, else (None, None)."""
+    listed = meta.get("files")
+    if not isinstance(listed, list) or not all(isinstance(e, dict) and "name" in e and "n_examples" in e
+                                               for e in listed):
+        return None, None
+    by_name = {e["name"]: int(e["n_examples"]) for e in listed}
+    if sorted(by_name) != [f.name for f in files]:
+        return None, None
+    if meta.get("format", "lm") == "lm" and "max_seq_length" in meta:
+        shape = (3, int(meta["max_seq_length"]))
+    elif meta.get("format") == "arrays" and "feature_shape" in meta:
+        shape = tuple(int(x) for x in meta["feature_shape"])
+    else:
+        return None, None
+    return [by_name[f.name] for f in files], shape
 
-    def __iter__(self):
-        while True:
-            yield self.next_batch()
+
+class _Files:
+    """A dataset's files, opened when first read and kept open with their datasets (looking a
+    dataset up costs as much as a small read); each checked against what the dataset expects."""
+
+    def __init__(self, files, counts, example_shape, fmt):
+        # What the dataset expects, not the dataset itself: no cycle keeps closed-over files open.
+        self.files, self.counts, self.example_shape, self.format = files, counts, example_shape, fmt
+        self.handles, self.raw = {}, {}
+
+    def _columns(self, fi):
+        if fi not in self.handles:
+            path = self.files[fi]
+            try:
+                f = h5py.File(path, "r")
+            except OSError as exc:
+                raise DataError(f"{path}: not a readable HDF5 file ({str(exc).splitlines()[0]})") from None
+            try:
+                cols = [lm_data(path, f)] if self.format == "lm" else list(array_data(path, f))
+                d = cols[0]
+                if tuple(d.shape[1:]) != self.example_shape:
+                    raise DataError(f"{path}: dataset '{d.name.lstrip('/')}' examples have shape {d.shape[1:]}, "
+                                    f"other files {self.example_shape}")
+                if d.shape[0] != self.counts[fi]:
+                    raise DataError(f"{path}: holds {d.shape[0]} examples but {DATA_PARAMS} says "
+                                    f"{self.counts[fi]}: the directory changed after it was written")
+            except BaseException:
+                f.close()
+                raise
+            self.handles[fi] = (f, cols)
+        return self.handles[fi][1]
+
+    def raw_chunks(self, fi):
+        """Rows per chunk if file ``fi``'s chunks can be read raw (LM data, whole-example chunks,
+        no filter but Fletcher-32: what our preprocessing writes uncompressed), else 0."""
+        if self.format != "lm":
+            return 0
+        d = self._columns(fi)[0]
+        if fi not in self.raw:
+            plist = d.id.get_create_plist()
+            filters = [plist.get_filter(i)[0] for i in range(plist.get_nfilters())]
+            ok = d.chunks is not None and d.chunks[1:] == d.shape[1:] and filters in ([], [h5py.h5z.FILTER_FLETCHER32]) \
+                and d.dtype == np.dtype("<i4") and sys.byteorder == "little"  # chunk_ok reads words little-endian
+            self.raw[fi] = (d.chunks[0] if ok else 0, bool(filters))
+        return self.raw[fi][0]
+
+    def read_chunk(self, fi, lo, n, flat, at):
+        """Chunk at row ``lo`` of file ``fi`` (``n`` rows of it wanted) into bytes [at, ...) of
+        ``flat``, raw, its checksum verified here; ``flat`` needs 4 spare bytes past the rows
+        (a partial chunk goes through a scratch buffer)."""
+        d, (rows, checked) = self._columns(fi)[0], self.raw[fi]
+        row_bytes = d.dtype.itemsize * int(np.prod(d.shape[1:]))
+        size = rows * row_bytes
+        whole = n == rows
+        dest = flat[at:at + size + 4] if whole else np.empty(size + 4, np.uint8)
+        mask, _ = d.id.read_direct_chunk((lo,) + (0,) * (d.ndim - 1), out=dest)
+        path = self.files[fi]
+        if mask:  # a filter was skipped when this chunk was written: let HDF5 read it
+            flat[at:at + n * row_bytes] = read_examples(path, d, slice(lo, lo + n)).view(np.uint8).reshape(-1)
+            return
+        if checked and not chunk_ok(dest, 0, size):
+            read_examples(path, d, slice(lo, lo + n))  # HDF5 names the fault in the words verify uses
+            raise DataError(f"{path}: dataset 'data' unreadable at examples {lo}..{lo + n - 1} "
+                            "(Fletcher-32 checksum mismatch): the file is damaged")
+        if not whole:
+            flat[at:at + n * row_bytes] = dest[:n * row_bytes]
+
+    def read(self, fi, lo, hi, out):
+        """Rows [lo, hi) of file ``fi`` into ``out`` (one array per column), straight from HDF5."""
+        self.read_blocks(fi, [lo], [hi - lo], out)
+
+    def read_blocks(self, fi, los, ns, out):
+        """Row blocks [lo, lo + n) of file ``fi``, in the order given, into ``out`` (one array per
+        column); blocks that follow each other in the file are read in one call."""
+        runs = []
+        for lo, n in zip(np.asarray(los).tolist(), np.asarray(ns).tolist()):
+            if runs and runs[-1][0] + runs[-1][1] == lo:
+                runs[-1][1] += n
+            else:
+                runs.append([lo, n])
+        for d, o in zip(self._columns(fi), out):
+            at = 0
+            for lo, n in runs:
+                try:
+                    d.read_direct(o, np.s_[lo:lo + n], np.s_[at:at + n])
+                except (OSError, ValueError, TypeError):  # name the examples of the bad chunk, as verify does
+                    read_examples(self.files[fi], d, slice(lo, lo + n))
+                    raise
+                at += n
+
+    def close(self):
+        for f, _ in self.handles.values():
+            f.close()
+        self.handles = {}
+
+
+class _Sequence:
+    """One dataset's epochs in chunk-window order: stream position p of epoch e -> examples."""
+
+    def __init__(self, dataset, shuffle, seed, window):
+        self.ds, self.shuffle, self.seed, self.window = dataset, shuffle, seed, window
+        self.n = dataset.n_examples
+        self.rows = rows = chunk_rows(dataset.example_shape, 4)
+        blocks = [(fi, lo, min(rows, c - lo)) for fi, c in enumerate(dataset.counts) for lo in range(0, c, rows)]
+        self.block_file, self.block_lo, self.block_n = np.array(blocks, np.int64).reshape(-1, 3).T
+        self._epochs = {}
+
+    def _epoch(self, e):
+        """The chunk order of epoch e and the stream position where each window starts."""
+        if e not in self._epochs:
+            nb = len(self.block_n)
+            perm = np.random.default_rng([self.seed, e]).permutation(nb) if self.shuffle else np.arange(nb)
+            cum = np.concatenate([[0], np.cumsum(self.block_n[perm])])
+            self._epochs[e] = perm, np.append(cum[::self.window][: -(-nb // self.window)], self.n)
+            while len(self._epochs) > 2:  # a batch may straddle two epochs
+                self._epochs.pop(next(iter(self._epochs)))
+        return self._epochs[e]
+
+    def windows(self, start, count):
+        """(epoch, window, offset in window, count) pieces covering stream positions [start, start + count)."""
+        pieces, pos, stop = [], start, start + count
+        while pos < stop:
+            e, p = divmod(pos, self.n)
+            _, starts = self._epoch(e)
+            k = int(np.searchsorted(starts, p, side="right")) - 1
+            take = min(stop - pos, int(starts[k + 1]) - p)
+            pieces.append((e, k, p - int(starts[k]), take))
+            pos += take
+        return pieces
+
+    def load(self, e, k, files, spare=None):
+        """Window k of epoch e: (columns in read order, the order to serve them in, the LM flat
+        buffer); ``spare``: a flat buffer to reuse."""
+        perm, starts = self._epoch(e)
+        blocks = perm[k * self.window:(k + 1) * self.window]
+        m = int(starts[k + 1] - starts[k])
+        lm = self.ds.format == "lm"
+        flat = None
+        if lm:  # one flat buffer, 4 bytes longer than the rows: raw chunks carry their checksum after them
+            size = m * 4 * int(np.prod(self.ds.example_shape)) + 4
+            flat = spare[:size] if spare is not None and spare.size >= size else np.empty(size, np.uint8)
+            cols = [flat[:-4].view(np.int32).reshape(m, *self.ds.example_shape)]
+        else:
+            cols = [np.empty((m, *self.ds.example_shape), self.ds.dtype), np.empty(m, np.int32)]
+        # The window's chunks in file order, each file's run of them read at once where it can be
+        # (the shuffle below makes the order of the reads irrelevant to the stream, but it is fixed).
+        blocks = blocks[np.lexsort((self.block_lo[blocks], self.block_file[blocks]))]
+        files_of = self.block_file[blocks]
+        row_bytes = 4 * int(np.prod(self.ds.example_shape))
+        at = 0
+        for fi in np.unique(files_of).tolist():
+            mine = blocks[files_of == fi]
+            los, ns = self.block_lo[mine], self.block_n[mine]
+            if lm and files.raw_chunks(fi) == self.rows:
+                for lo, n in zip(los.tolist(), ns.tolist()):
+                    files.read_chunk(fi, lo, n, flat, at * row_bytes)
+                    at += n
+            else:
+                n = int(ns.sum())
+                files.read_blocks(fi, los, ns, [c[at:at + n] for c in cols])
+                at += n
+        # The shuffle within the window is applied as batches are served: a gather that replaces the
+        # copy a batch needs anyway.
+        order = np.random.default_rng([self.seed, e, k]).permutation(m) if self.shuffle else None
+        return cols, order, flat
+
+
+class GlobalStream:
+    """The training input: a dataset (``data_dir``: a directory or a list) or a Model Zoo
+    ``mixture`` (``[{"data_dir": ..., "weight": ...}, ...]``) as one endless stream of examples.
+
+    A mixture's epoch is Model Zoo's: enough examples that every component of weight above 5%
+    is seen once, each component contributing ``int(total * weight)`` examples from its own
+    stream (shuffled as above, seeded by (seed, component)); which positions of the epoch each
+    component fills is a permutation drawn from (seed, epoch), so every stretch of the stream
+    holds the components in about the stated proportions.
+    """
+
+    def __init__(self, data_dir=None, *, mixture=None, shuffle=False, seed=0, window=WINDOW_CHUNKS):
+        if (data_dir is None) == (mixture is None):
+            raise DataError("train_input: give one of data_dir or mixture")
+        if window < 1:
+            raise ValueError(f"window: expected >= 1 chunks, got {window}")
+        if mixture is None:
+            sources, weights, seeds = [data_dir], [1.0], [seed]
+        else:
+            sources, weights = _mixture(mixture)
+            seeds = [[seed, k] for k in range(len(sources))]
+        self.datasets = [Dataset(s) for s in sources]
+        for src, ds in zip(sources, self.datasets):
+            if ds.n_examples == 0:
+                raise DataError(f"{src}: the dataset holds no examples")
+            first = self.datasets[0]
+            if (ds.format, ds.example_shape) != (first.format, first.example_shape):
+                raise DataError(f"mixture: {src} holds {ds.format} examples of shape {ds.example_shape}, "
+                                f"{sources[0]} {first.format} of shape {first.example_shape}")
+        self.dataset = self.datasets[0]
+        self.format, self.example_shape = self.dataset.format, self.dataset.example_shape
+        self.shuffle, self.seed = shuffle, seed
+        self._seqs = [_Sequence(ds, shuffle, s, window) for ds, s in zip(self.datasets, seeds)]
+        w = np.asarray(weights, np.float64) / sum(weights)
+        big = [ds.n_examples / wk for ds, wk in zip(self.datasets, w) if wk > 0.05]
+        total = max(big or [ds.n_examples / wk for ds, wk in zip(self.datasets, w)])
+        self.per_epoch = [ds.n_examples if len(w) == 1 else int(total * wk) for ds, wk in zip(self.datasets, w)]
+        self.n = sum(self.per_epoch)
+        self._mix_epoch, self._labels, self._ranks = None, None, None
+        self._cache, self._last = {}, (0, 0, None)
+
+    @property
+    def vocab_size(self):
+        """The largest vocabulary any component's data_params.json states, or None."""
+        vocab = [ds.params["vocab_size"] for ds in self.datasets if "vocab_size" in ds.params]
+        return max(vocab) if vocab else None
+
+    def read(self, start, count):
+        """The examples at stream positions [start, start + count): LM ``[count, 3, S]`` or (features, labels)."""
+        lo, hi, window = self._last
+        if lo <= start and start + count <= hi:  # the common case, kept lean: a batch inside the current window
+            cols = _serve(window, start - lo, count)
+            return cols[0] if self.format == "lm" else tuple(cols)
+        cols = [np.empty((count, *self.example_shape), self.dataset.dtype)]
+        if self.format == "arrays":
+            cols.append(np.empty(count, np.int32))
+        if len(self._seqs) == 1:
+            self._fill(0, start, count, cols)
+        else:
+            at = 0
+            while at < count:  # one mixture epoch at a time
+                e, p = divmod(start + at, self.n)
+                take = min(count - at, self.n - p)
+                labels, ranks = self._mixture_epoch(e)
+                lab = labels[p:p + take]
+                for c in np.unique(lab).tolist():
+                    where = np.flatnonzero(lab == c)
+                    part = [np.empty((len(where), *col.shape[1:]), col.dtype) for col in cols]
+                    self._fill(c, e * self.per_epoch[c] + int(ranks[p + where[0]]), len(where), part)
+                    for col, got in zip(cols, part):
+                        col[at + where] = got
+                at += take
+        return cols[0] if self.format == "lm" else tuple(cols)
+
+    def _mixture_epoch(self, e):
+        """Which component fills each position of mixture epoch e, and its rank within that component."""
+        if self._mix_epoch != e:
+            labels = np.repeat(np.arange(len(self._seqs), dtype=np.uint8), self.per_epoch)
+            labels = labels[np.random.default_rng([self.seed, e, len(self._seqs)]).permutation(self.n)]
+            ranks = np.empty(self.n, np.int64)
+            for c in range(len(self._seqs)):
+                where = np.flatnonzero(labels == c)
+                ranks[where] = np.arange(len(where))
+            self._mix_epoch, self._labels, self._ranks = e, labels, ranks
+        return self._labels, self._ranks
+
+    def _fill(self, c, start, count, out):
+        """Component c's stream positions [start, start + count) into ``out``."""
+        at, seq = 0, self._seqs[c]
+        for e, k, off, n in seq.windows(start, count):
+            window = self._window(c, e, k)
+            for o, got in zip(out, _serve(window, off, n)):
+                o[at:at + n] = got
+            if len(self._seqs) == 1:  # remember where the window lies in the stream, for read's fast path
+                lo = e * seq.n + int(seq._epoch(e)[1][k])
+                self._last = (lo, lo + len(window[0][0]), window)
+            at += n
+
+    def _window(self, c, e, k):
+        """A window's examples, kept while batches are served from it (two: a batch may straddle)."""
+        key = (c, e, k)
+        if key not in self._cache:
+            spare = None
+            if len(self._cache) >= 2:  # reuse the oldest window's memory: fresh pages cost as much as the read
+                spare = self._cache.pop(next(iter(self._cache)))[2]
+            self._cache[key] = self._seqs[c].load(e, k, self.datasets[c]._files, spare)
+        return self._cache[key]
+
+    def close(self):
+        self._cache, self._last = {}, (0, 0, None)
+        for ds in self.datasets:
+            ds.close()
+
+
+def _serve(window, off, n):
+    """Positions [off, off + n) of a loaded window, as new arrays (one per column)."""
+    cols, order, _ = window
+    if order is None:
+        return [c[off:off + n].copy() for c in cols]
+    return [np.take(c, order[off:off + n], axis=0) for c in cols]
+
+
+def _mixture(mixture):
+    """Directories and weights of a Model Zoo ``mixture`` list, checked."""
+    if not isinstance(mixture, (list, tuple)) or not mixture:
+        raise DataError("mixture: expected a list of {data_dir, weight}")
+    sources, weights = [], []
+    for i, m in enumerate(mixture):
+        if not isinstance(m, Mapping) or "data_dir" not in m or "weight" not in m:
+            raise DataError(f"mixture[{i}]: expected data_dir and weight")
+        w = m["weight"]
+        if isinstance(w, bool) or not isinstance(w, (int, float)) or w < 0:
+            raise DataError(f"mixture[{i}].weight: expected a number >= 0, got {w!r}")
+        if w > 0:  # Model Zoo drops components of weight 0
+            sources.append(m["data_dir"])
+            weights.append(float(w))
+    if not weights:
+        raise DataError("mixture: every weight is 0")
+    if len(sources) > 255:
+        raise DataError(f"mixture: {len(sources)} components; at most 255")
+    return sources, weights
 
 
 def inspect_dataset(data_dir):
@@ -255,6 +456,9 @@ def inspect_dataset(data_dir):
     first = ds.read(0, min(1, ds.n_examples))
     info.update(max_seq_length=int(ds.example_shape[-1]), vocab_size=p.get("vocab_size"),
                 tokenizer=p.get("tokenizer"), n_tokens=p.get("n_tokens"))
+    for key in ("pad_id", "eos_id"):
+        if key in p:
+            info[key] = p[key]
     if info["n_tokens"] is None:  # other tools' files: count the tokens the loss sees
         info["n_loss_tokens"] = int(sum(int((ds.read(i, min(i + 4096, ds.n_examples))[:, 1] != 0).sum())
                                         for i in range(0, ds.n_examples, 4096)))
@@ -266,52 +470,5 @@ def inspect_dataset(data_dir):
             info["example_0_text"] = tok.decode(ids.tolist())
         except DataError as exc:
             info["example_0_text"] = f"(cannot decode: {exc})"
+    ds.close()
     return info
-
-
-class GlobalStream:
-    """The whole dataset as one endless stream of examples, independent of how it is read.
-
-    Epoch e visits every example once, in sorted-file order, or with ``shuffle`` in the
-    permutation drawn from (seed, e) alone. Stream position p is example ``order(p // n)[p % n]``.
-    The cluster's input workers read their CS-2's micro-batches from it, so the global batch of
-    step t is stream positions [t*B, (t+1)*B) whatever the number of CS-2s and workers.
-    """
-
-    def __init__(self, data_dir, *, shuffle=False, seed=0):
-        self.dataset = Dataset(data_dir)
-        self.shuffle, self.seed = shuffle, seed
-        self.n = self.dataset.n_examples
-        if self.n == 0:
-            raise DataError(f"{data_dir}: the dataset holds no examples")
-        self._orders = {}
-        self._reader = _Reader(self.dataset.files, self.dataset.format == "lm")
-
-    def order(self, epoch):
-        if epoch not in self._orders:
-            self._orders = {epoch: np.random.default_rng([self.seed, epoch]).permutation(self.n)
-                            if self.shuffle else np.arange(self.n)}
-        return self._orders[epoch]
-
-    def indices(self, start, count):
-        """Dataset example numbers at stream positions [start, start + count)."""
-        pos = np.arange(start, start + count, dtype=np.int64)
-        out = np.empty(count, np.int64)
-        for epoch in np.unique(pos // self.n).tolist():
-            sel = pos // self.n == epoch
-            out[sel] = self.order(epoch)[pos[sel] % self.n]
-        return out
-
-    def read(self, start, count):
-        """The examples at stream positions [start, start + count): LM ``[count, 3, S]`` or (features, labels)."""
-        ds = self.dataset
-        idx = self.indices(start, count)
-        files = np.searchsorted(ds.offsets, idx, side="right") - 1
-        lm = ds.format == "lm"
-        out = np.empty((count, *ds.example_shape), np.int32 if lm else np.float32)
-        labels = None if lm else np.empty(count, np.int32)
-        self._reader.read(files, idx - ds.offsets[files], out, labels)
-        return out if lm else (out, labels)
-
-    def close(self):
-        self._reader.close()

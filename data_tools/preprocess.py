@@ -3,29 +3,39 @@
 Text inputs are ``.txt`` files (one document each), ``.jsonl`` files (one document per line, in
 the ``text`` field or ``--jsonl_key``), directories (searched recursively for both), glob
 patterns, and ``stdlib``: the ``.py`` sources of this Python's standard library, a real corpus
-that exists offline on every machine. Files are tokenized in parallel (``--processes``), each
-document followed by the end-of-text id, and the stream is cut into examples of
+that exists offline on every machine. The inputs are cut into jobs of about JOB_BYTES, tokenized
+by workers started once (``--processes``; a tokenizer.json encodes each job's documents as one
+batch), each document followed by the end-of-text id; files are packed and written off the
+tokenizing thread (docs/design.md section 10). The stream is cut into examples of
 ``max_seq_length`` inputs whose labels are the inputs shifted by one: example i holds stream
 positions [i*S, i*S + S] so every token is predicted exactly once. The last example is padded
 (pad id = end-of-text, loss mask 0). Output does not depend on the number of processes.
 ``--seed N`` shuffles the examples with a fixed permutation before they are written.
 """
+import collections
 import glob
 import json
 import multiprocessing
 import os
+import queue
+import shutil
 import sys
 import sysconfig
+import tempfile
+import threading
 import time
 from pathlib import Path
 
 import numpy as np
 
 from data_tools.errors import DataError
-from data_tools.lmdata import DATA_PARAMS, write_array_file, write_lm_file
+from data_tools import DEFAULT_COMPRESSION
+from data_tools.lmdata import (DATA_PARAMS, SLAB_BYTES, LMFileWriter, chunk_rows, h5_filters, write_array_file)
 from data_tools.tokenizers import get_tokenizer
 
 TEXT_SUFFIXES = (".txt", ".jsonl")
+JOB_BYTES = 4 << 20  # input bytes per tokenizing job: see docs/design.md section 10
+FILE_BYTES = 64 << 20  # default examples per file: about this many bytes of int32 [n, 3, S]; section 10
 
 
 def stdlib_sources():
@@ -70,167 +80,393 @@ def discover_inputs(specs):
     return unique
 
 
-def read_documents(path, jsonl_key):
-    """The documents of one input file (invalid UTF-8 bytes become U+FFFD)."""
+def _line_range(f, lo, hi):
+    """The bytes of the whole lines that start in [lo, hi) of an open binary file."""
+    if lo > 0:
+        f.seek(lo - 1)
+        f.readline()  # the line under way at lo belongs to the range before
+    start = f.tell()
+    if start >= hi:
+        return start, b""
+    data = f.read(hi - start)
+    if data and not data.endswith(b"\n"):
+        data += f.readline()
+    return start, data
+
+
+def read_documents(path, jsonl_key, lo=0, hi=None):
+    """The documents of one input file, or of the lines starting in bytes [lo, hi) of a ``.jsonl``
+    (invalid UTF-8 bytes become U+FFFD)."""
     try:
-        raw = Path(path).read_bytes()
+        with open(path, "rb") as f:
+            start, raw = (0, f.read()) if hi is None else _line_range(f, lo, hi)
     except OSError as exc:
         raise DataError(f"{path}: cannot read ({exc.strerror})") from None
     text = raw.decode("utf-8", errors="replace")
     if Path(path).suffix != ".jsonl":
         return [text] if text else []
     docs = []
-    for lineno, line in enumerate(text.splitlines(), start=1):
+    for lineno, line in enumerate(text.split("\n"), start=1):  # not splitlines: JSON may hold U+2028 raw
         if not line.strip():
             continue
         try:
             obj = json.loads(line)
-        except ValueError as exc:
-            raise DataError(f"{path}:{lineno}: not valid JSON ({exc.msg})") from None
-        if not isinstance(obj, dict) or jsonl_key not in obj:
-            raise DataError(f"{path}:{lineno}: no '{jsonl_key}' field (set --jsonl_key)")
-        if not isinstance(obj[jsonl_key], str):
-            raise DataError(f"{path}:{lineno}: field '{jsonl_key}' is not a string")
+            if not isinstance(obj, dict) or jsonl_key not in obj:
+                raise DataError(f"no '{jsonl_key}' field (set --jsonl_key)")
+            if not isinstance(obj[jsonl_key], str):
+                raise DataError(f"field '{jsonl_key}' is not a string")
+        except ValueError as exc:  # bad JSON, or a DataError above: name the line in the whole file
+            with open(path, "rb") as f:
+                before = f.read(start).count(b"\n")
+            why = str(exc) if isinstance(exc, DataError) else f"not valid JSON ({exc.msg})"
+            raise DataError(f"{path}:{before + lineno}: {why}") from None
         if obj[jsonl_key]:
             docs.append(obj[jsonl_key])
     return docs
 
 
-def _tokenize_file(job):
-    """Worker: token ids of every document of one file, each followed by end-of-text."""
-    path, tokenizer, jsonl_key = job
-    parts = []
-    eot = np.array([tokenizer.eot_id], np.int32)
-    for doc in read_documents(path, jsonl_key):
-        parts += [tokenizer.encode_array(doc), eot]
-    nbytes = Path(path).stat().st_size
-    return (np.concatenate(parts) if parts else np.zeros(0, np.int32)), nbytes
+def plan_jobs(files):
+    """Tokenizing jobs of about JOB_BYTES of input each: ``.jsonl`` files cut at byte offsets (each
+    job takes the lines that start in its range), small ``.txt`` files grouped. The plan depends on
+    the inputs alone, so the output is the same for any number of processes."""
+    jobs, current, size = [], [], 0
+    for path in files:
+        n = Path(path).stat().st_size
+        pieces = ([(path, lo, min(lo + JOB_BYTES, n)) for lo in range(0, n, JOB_BYTES)]
+                  if Path(path).suffix == ".jsonl" else [(path, 0, None)])
+        for piece in pieces:
+            current.append(piece)
+            size += n if piece[2] is None else piece[2] - piece[1]
+            if size >= JOB_BYTES:
+                jobs.append(current)
+                current, size = [], 0
+    if current:
+        jobs.append(current)
+    return jobs
+
+
+_worker = {}  # per process: the tokenizer and jsonl key, set once when the worker starts
+
+
+def _init_worker(tokenizer, jsonl_key):
+    _worker.update(tokenizer=tokenizer, jsonl_key=jsonl_key)
+
+
+def _tokenize(job, spill=None):
+    """Token ids of every document of a job, each followed by end-of-text, and the input bytes read.
+
+    With ``spill`` (a path; pool workers) the ids go to that file and their count comes back
+    instead: pickling every token through the pool's pipes to the main process and on to the
+    writing worker cost more than the tokenizing (docs/design.md section 10)."""
+    docs, nbytes = [], 0
+    for path, lo, hi in job:
+        docs += read_documents(path, _worker["jsonl_key"], lo, hi)
+        nbytes += Path(path).stat().st_size if hi is None else hi - lo
+    ids = _worker["tokenizer"].encode_docs(docs)
+    if spill is None:
+        return ids, nbytes
+    ids.tofile(spill)
+    return len(ids), nbytes
+
+
+class _TokenStream:
+    """The token stream as the parts the jobs made, in order: arrays (one process) or spill files."""
+
+    def __init__(self):
+        self.parts, self.end = [], 0  # parts: (stream offset, source, n)
+
+    def add(self, source, n):
+        self.parts.append((self.end, source, n))
+        self.end += n
+
+    def slice(self, lo, hi):
+        """Stream tokens [lo, hi) as (source, offset, count) pieces, for ``gather``."""
+        return [(src, max(lo, at) - at, min(hi, at + n) - max(lo, at)) for at, src, n in self.parts
+                if at < hi and at + n > lo]
+
+    def drop_before(self, pos):
+        """Forget the parts wholly before stream position ``pos``; return their sources."""
+        gone = [src for at, src, n in self.parts if at + n <= pos]
+        self.parts = [p for p in self.parts if p[0] + p[2] > pos]
+        return gone
+
+
+def gather(pieces):
+    """The tokens of ``_TokenStream.slice`` pieces, as one int32 array."""
+    return np.concatenate([src[off:off + n] if isinstance(src, np.ndarray)
+                           else np.fromfile(src, np.int32, n, offset=4 * off) for src, off, n in pieces])
+
+
+def _in_order(pool, jobs, ahead, spill):
+    """(spill file, tokens, input bytes) of each job, tokenized on the pool, in job order, with at
+    most ``ahead`` jobs submitted and not yet taken: write jobs submitted meanwhile queue behind a
+    few, not behind all of them."""
+    def submit(k):
+        path = spill / f"job-{k:07d}.int32"
+        return path, pool.apply_async(_tokenize, (jobs[k], path))
+
+    pending = collections.deque(submit(k) for k in range(min(ahead, len(jobs))))
+    for k in range(len(jobs)):
+        path, result = pending.popleft()
+        if k + ahead < len(jobs):
+            pending.append(submit(k + ahead))
+        yield (path, *result.get())
+
+
+def n_packed(n_tokens, seq_len):
+    """How many examples ``pack`` makes of a stream of ``n_tokens``."""
+    full = (n_tokens - 1) // seq_len if n_tokens > seq_len else 0
+    return full + (n_tokens - full * seq_len >= 2)
+
+
+def pack(tokens, seq_len, pad_id, buffer=None):
+    """Cut a token stream into int32 ``[n, 3, S]`` examples with stride S (example i holds stream
+    positions [i*S, i*S + S]); a tail of 2 or more tokens becomes one padded example (a single
+    token left over is already the previous example's last label). ``buffer``: int32 memory to
+    pack into when large enough (reused, it spares the page faults of a fresh array)."""
+    s = seq_len
+    full = (len(tokens) - 1) // s if len(tokens) > s else 0
+    tail = len(tokens) - full * s
+    n = n_packed(len(tokens), s)
+    if buffer is not None and buffer.size >= n * 3 * s:
+        out = buffer[: n * 3 * s].reshape(n, 3, s)
+    else:
+        out = np.empty((n, 3, s), np.int32)
+    if full:
+        windows = np.lib.stride_tricks.sliding_window_view(tokens[: full * s + 1], s + 1)[::s]
+        out[:full, 0] = windows[:, :s]
+        out[:full, 1] = 1
+        out[:full, 2] = windows[:, 1:]
+    if tail >= 2:
+        rest = tokens[full * s:]
+        out[full] = pad_id
+        out[full, 1] = 0
+        out[full, 0, :tail] = rest
+        out[full, 1, :tail - 1] = 1
+        out[full, 2, :tail - 1] = rest[1:]
+    return out
+
+
+def _slabs(data, seq_len):
+    """(lo, hi) example ranges of about SLAB_BYTES, whole chunks each, over a file's examples."""
+    n = n_packed(len(data), seq_len) if data.ndim == 1 else len(data)
+    rows = chunk_rows((3, seq_len))
+    rows *= max(1, SLAB_BYTES // (rows * 12 * seq_len))
+    return n, [(lo, min(lo + rows, n)) for lo in range(0, n, rows)]
+
+
+def _slab(data, lo, hi, seq_len, pad_id, buffer):
+    """Examples [lo, hi) of a file: packed from its token stream into ``buffer``, or a view of ready examples."""
+    if data.ndim == 3:
+        return data[lo:hi]
+    return pack(data[lo * seq_len: hi * seq_len + 1], seq_len, pad_id, buffer)
+
+
+def _write_shard(path, data, seq_len, pad_id, compression):
+    """Pack (stream pieces, slab by slab into one buffer) and write one .h5 file, on a pool worker."""
+    if isinstance(data, list):
+        data = gather(data)
+    n, slabs = _slabs(data, seq_len)
+    buffer = np.empty(12 * seq_len * (slabs[0][1] - slabs[0][0]) // 4, np.int32) if data.ndim == 1 else None
+    w = LMFileWriter(path, n, seq_len, compression)
+    try:
+        for lo, hi in slabs:
+            w.write(_slab(data, lo, hi, seq_len, pad_id, buffer))
+    except BaseException:
+        w.file.close()
+        raise
+    w.close()
+
+
+class _Writer:
+    """Writes shards off the tokenizing thread: the pool's workers pack and write whole files; in
+    one process the main thread packs slabs into a ring of buffers and a writer thread writes them
+    (h5py lets go of the GIL while HDF5 works, so both cores work). A few files or slabs in flight
+    keep memory flat."""
+
+    def __init__(self, pool, depth):
+        self.pool, self.depth, self.pending, self.error = pool, depth, [], None
+        if pool is None:
+            self.work, self.free, self.n_buffers = queue.Queue(), queue.Queue(), 0
+            self.thread = threading.Thread(target=self._run, name="wse-preprocess-writer", daemon=True)
+            self.thread.start()
+
+    def submit(self, path, data, seq_len, pad_id, compression, spent=()):
+        """Write one file; ``spent``: spill files to delete once it (and every file before) is written."""
+        if self.pool is not None:
+            self.pending.append((self.pool.apply_async(_write_shard, (path, data, seq_len, pad_id, compression)),
+                                 spent))
+            while len(self.pending) > self.depth:
+                self._collect()
+            return
+        if isinstance(data, list):
+            data = gather(data)
+        n, slabs = _slabs(data, seq_len)
+        size = 3 * seq_len * (slabs[0][1] - slabs[0][0])
+        for lo, hi in slabs:
+            buffer = None
+            if data.ndim == 1:
+                if self.free.empty() and self.n_buffers < self.depth + 2:
+                    self.free.put(np.empty(size, np.int32))
+                    self.n_buffers += 1
+                buffer = self.free.get()
+                if buffer.size < size:
+                    buffer = np.empty(size, np.int32)
+            self._raise()
+            self.work.put((path, n, seq_len, compression, _slab(data, lo, hi, seq_len, pad_id, buffer), buffer))
+
+    def _run(self):
+        w = None
+        while (item := self.work.get()) is not None:
+            path, n, seq_len, compression, examples, buffer = item
+            try:
+                if self.error is None:
+                    if w is None:
+                        w = LMFileWriter(path, n, seq_len, compression)
+                    w.write(examples)
+                    if w.done == n:
+                        w, _ = None, w.close()
+            except BaseException as exc:  # handed to the main thread at its next submit or finish
+                self.error = exc
+                if w is not None:
+                    w.file.close()
+                    w = None
+            if buffer is not None:
+                self.free.put(buffer)  # also after a failure: the main thread waits for buffers
+
+    def finish(self):
+        """Wait for every write; raise the first failure."""
+        self.close()
+        self._raise()
+        while self.pending:
+            self._collect()
+
+    def _collect(self):
+        result, spent = self.pending.pop(0)
+        result.get()
+        for path in spent:
+            os.unlink(path)
+
+    def close(self):
+        """Stop the writer thread once its queue is written (or skipped, after a failure)."""
+        if self.pool is None and self.thread.is_alive():
+            self.work.put(None)
+            self.thread.join()
+
+    def _raise(self):
+        if self.error is not None:
+            raise self.error
 
 
 class Progress:
-    """Files and tokens so far, on one updating line (a tty) or every few seconds (a log)."""
+    """Input read so far, its rate and the time left, on one updating line (a tty) or every few
+    seconds (a log)."""
 
-    def __init__(self, total, stream=sys.stderr):
-        self.total, self.stream = total, stream
+    def __init__(self, total_bytes, stream=sys.stderr):
+        self.total, self.stream = total_bytes, stream
         self.tty = stream.isatty()
-        self.last = 0.0 if self.tty else time.monotonic()  # a log gets its first line after 5 s
+        self.t0 = time.monotonic()
+        self.last = 0.0 if self.tty else self.t0  # a log gets its first line after 5 s
 
     def update(self, done, tokens, force=False):
         now = time.monotonic()
         if not force and now - self.last < (0.2 if self.tty else 5.0):
             return
         self.last = now
+        rate = done / max(now - self.t0, 1e-9)
+        eta = (self.total - done) / rate if rate > 0 else 0.0
         width = 30
         filled = int(width * done / max(self.total, 1))
-        line = f"preprocess [{'#' * filled}{'.' * (width - filled)}] {done}/{self.total} files, {tokens:,} tokens"
+        line = (f"preprocess [{'#' * filled}{'.' * (width - filled)}] {done / 1e6:,.1f}/{self.total / 1e6:,.1f} MB, "
+                f"{tokens:,} tokens, {rate / 1e6:.1f} MB/s, "
+                + (f"{now - self.t0:.0f} s" if force else f"ETA {int(eta) // 60}:{int(eta) % 60:02d}"))
         self.stream.write(("\r" + line) if self.tty else line + "\n")
         if force and self.tty:
             self.stream.write("\n")
         self.stream.flush()
 
 
-class _Packer:
-    """Cuts the token stream into [3, S] examples with stride S; the last one padded."""
-
-    def __init__(self, seq_len, pad_id):
-        self.s, self.pad = seq_len, pad_id
-        self.pending = np.zeros(0, np.int32)
-
-    def feed(self, tokens):
-        """All whole examples the stream now allows, as an int32 array [n, 3, S]."""
-        self.pending = np.concatenate([self.pending, tokens])
-        s = self.s
-        n = (len(self.pending) - 1) // s if len(self.pending) > s else 0
-        out = np.empty((n, 3, s), np.int32)
-        if n == 0:
-            return out
-        windows = np.lib.stride_tricks.sliding_window_view(self.pending, s + 1)[: n * s : s]
-        out[:, 0] = windows[:, :s]
-        out[:, 1] = 1
-        out[:, 2] = windows[:, 1:]
-        self.pending = self.pending[n * s:]
-        return out
-
-    def finish(self):
-        """The padded last example (a single token left is already the previous example's last label)."""
-        m = len(self.pending)
-        out = np.empty((0, 3, self.s), np.int32)
-        if m >= 2:
-            out = np.full((1, 3, self.s), self.pad, np.int32)
-            out[0, 1] = 0
-            out[0, 0, :m] = self.pending
-            out[0, 1, :m - 1] = 1
-            out[0, 2, :m - 1] = self.pending[1:]
-        return out
+def _pool(processes, tokenizer, jsonl_key):
+    """Workers started once for the whole run: forked where the OS allows (no re-import), spawned elsewhere."""
+    method = "fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn"
+    return multiprocessing.get_context(method).Pool(processes, _init_worker, (tokenizer, jsonl_key))
 
 
-def preprocess_text(inputs, output_dir, max_seq_length, *, tokenizer="byte", samples_per_file=50000,
-                    processes=1, seed=None, jsonl_key="text", compression="gzip", overwrite=False,
+def preprocess_text(inputs, output_dir, max_seq_length, *, tokenizer="byte", samples_per_file=None,
+                    processes=1, seed=None, jsonl_key="text", compression=DEFAULT_COMPRESSION, overwrite=False,
                     progress=True):
-    """Tokenize, pack and write an LM dataset; returns the data_params dict (also written as JSON)."""
+    """Tokenize, pack and write an LM dataset; returns the data_params dict (also written as JSON).
+
+    ``samples_per_file`` defaults to about FILE_BYTES of examples per file.
+    """
+    if samples_per_file is None:
+        samples_per_file = max(1, FILE_BYTES // (12 * max(max_seq_length, 1)))
     if max_seq_length < 1 or samples_per_file < 1 or processes < 1:
         raise DataError("--max_seq_length, --samples_per_file and --processes must be >= 1")
+    h5_filters(compression)  # a bad --compression is refused before any work
     files = discover_inputs(inputs)
     tok = get_tokenizer(tokenizer)
     out = _prepare_output(output_dir, overwrite)
     t0 = time.perf_counter()
-    packer = _Packer(max_seq_length, tok.eot_id)
-    shards, buffer, all_examples = [], np.empty((0, 3, max_seq_length), np.int32), []
+    jobs = plan_jobs(files)
+    total_bytes = sum(Path(f).stat().st_size for f in files)
+    bar = Progress(total_bytes) if progress else None
+    s, per_file = max_seq_length, samples_per_file * max_seq_length  # stream tokens each file advances
+    shards, stream, written = [], _TokenStream(), 0  # written: where the next file starts in the stream
     n_tokens = nbytes = 0
-    bar = Progress(len(files)) if progress else None
 
-    pending = []  # writes in flight on the pool: (name, AsyncResult)
-
-    def flush(force=False):
-        nonlocal buffer
-        while len(buffer) >= samples_per_file or (force and len(buffer)):
-            chunk, buffer = buffer[:samples_per_file], buffer[samples_per_file:]
-            name = f"data-{len(shards):05d}.h5"
-            shards.append({"name": name, "n_examples": len(chunk)})
-            job = (out / name, chunk, compression)
-            if pool is None:
-                write_lm_file(*job)
-                continue
-            # Compression dominates once tokens are cheap, so files are written on the pool too;
-            # a bounded number in flight keeps memory flat.
-            pending.append(pool.apply_async(write_lm_file, job))
-            while len(pending) > 2 * processes:
-                pending.pop(0).get()
-
-    jobs = [(f, tok, jsonl_key) for f in files]
-    pool = multiprocessing.get_context("spawn").Pool(processes) if processes > 1 else None
+    # Fork the workers before any thread exists; then the writer.
+    pool = _pool(processes, tok, jsonl_key) if processes > 1 else None
+    writer = spill = None
     try:
-        results = pool.imap(_tokenize_file, jobs, chunksize=8) if pool else map(_tokenize_file, jobs)
-        for done, (ids, size) in enumerate(results, start=1):
-            n_tokens += len(ids)
+        writer = _Writer(pool, depth=2 * processes)
+
+        def write(pieces, n_examples, spent=()):
+            name = f"data-{len(shards):05d}.h5"
+            shards.append({"name": name, "n_examples": n_examples})
+            writer.submit(out / name, pieces, s, tok.eot_id, compression, spent)
+
+        if pool is None:
+            _init_worker(tok, jsonl_key)
+            results = ((ids, len(ids), size) for ids, size in map(_tokenize, jobs))
+        else:
+            spill = Path(tempfile.mkdtemp(prefix=".tokens-", dir=out))
+            results = _in_order(pool, jobs, 2 * processes, spill)
+        for source, n, size in results:
+            stream.add(source, n)
+            n_tokens += n
             nbytes += size
-            examples = packer.feed(ids)
-            if seed is None:
-                buffer = np.concatenate([buffer, examples])
-                flush()
-            else:
-                all_examples.append(examples)
+            while seed is None and stream.end - written > per_file:
+                # File k holds stream tokens [k*P*S, (k+1)*P*S]: the last one is also the next file's first.
+                pieces = stream.slice(written, written + per_file + 1)
+                written += per_file
+                spent = stream.drop_before(written)
+                write(pieces, samples_per_file, spent if pool else ())
             if bar:
-                bar.update(done, n_tokens)
-        tail = packer.finish()
+                bar.update(nbytes, n_tokens)
         if n_tokens < 2:
             raise DataError(f"--input {' '.join(map(str, inputs))}: no text found (all inputs are empty)")
         if seed is None:
-            buffer = np.concatenate([buffer, tail])
+            if stream.end - written >= 2:
+                write(stream.slice(written, stream.end), n_packed(stream.end - written, s))
         else:
-            every = np.concatenate(all_examples + [tail])
-            buffer = every[np.random.default_rng(seed).permutation(len(every))]
-        flush(force=True)
-        for result in pending:
-            result.get()
+            every = pack(gather(stream.slice(0, stream.end)), s, tok.eot_id)
+            every = every[np.random.default_rng(seed).permutation(len(every))]
+            for lo in range(0, len(every), samples_per_file):
+                write(every[lo:lo + samples_per_file], len(every[lo:lo + samples_per_file]))
+        writer.finish()
     finally:
+        if writer:
+            writer.close()
         if pool:
             pool.terminate()
+        if spill:
+            shutil.rmtree(spill, ignore_errors=True)
     if bar:
-        bar.update(len(files), n_tokens, force=True)
+        bar.update(nbytes, n_tokens, force=True)
     params = {
         "format": "lm",
-        "n_examples": sum(s["n_examples"] for s in shards),
+        "n_examples": sum(sh["n_examples"] for sh in shards),
         "n_tokens": n_tokens,
         "n_loss_tokens": n_tokens - 1,
         "vocab_size": tok.vocab_size,
@@ -249,8 +485,10 @@ def preprocess_text(inputs, output_dir, max_seq_length, *, tokenizer="byte", sam
     return params
 
 
-def preprocess_arrays(npz_path, output_dir, *, samples_per_file=50000, compression="gzip", overwrite=False):
-    """Write an array dataset (``features``, ``labels``) for ``fc_mlp`` from an ``.npz`` file."""
+def preprocess_arrays(npz_path, output_dir, *, samples_per_file=None, compression=DEFAULT_COMPRESSION,
+                      overwrite=False):
+    """Write an array dataset (``features``, ``labels``) for ``fc_mlp`` from an ``.npz`` file;
+    ``samples_per_file`` defaults to about FILE_BYTES of features per file."""
     path = Path(npz_path)
     try:
         npz = np.load(path, allow_pickle=False)
@@ -267,6 +505,11 @@ def preprocess_arrays(npz_path, output_dir, *, samples_per_file=50000, compressi
         raise DataError(f"{path}: labels must be non-negative integers, got {y.dtype}")
     if len(y) == 0:
         raise DataError(f"{path}: no examples")
+    if samples_per_file is None:
+        samples_per_file = max(1, FILE_BYTES // (4 * int(np.prod(x.shape[1:]))))
+    if samples_per_file < 1:
+        raise DataError("--samples_per_file must be >= 1")
+    h5_filters(compression)
     out = _prepare_output(output_dir, overwrite)
     shards = []
     for i, lo in enumerate(range(0, len(y), samples_per_file)):

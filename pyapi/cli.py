@@ -5,6 +5,7 @@ import importlib.metadata
 import os
 import sys
 
+from data_tools import COMPRESSIONS, DEFAULT_COMPRESSION
 from mpi_launch import MPILaunchError
 
 
@@ -401,11 +402,14 @@ def build_parser(argv=()):
     _opt(dp, "--output_dir", required=True, metavar="DIR", help="where the .h5 files and data_params.json go")
     _opt(dp, "--max_seq_length", type=int, metavar="S", help="tokens per example (text inputs)")
     dp.add_argument("--tokenizer", default="byte", help="'byte' (default) or a Hugging Face tokenizer.json")
-    _opt(dp, "--samples_per_file", type=int, default=50000, metavar="K", help="examples per .h5 file")
+    _opt(dp, "--samples_per_file", type=int, metavar="K",
+         help="examples per .h5 file (default: about 64 MiB of examples per file)")
     dp.add_argument("--processes", type=int, default=1, metavar="P", help="tokenize with P processes")
     dp.add_argument("--seed", type=int, help="shuffle the examples with this seed (default: keep order)")
     _opt(dp, "--jsonl_key", default="text", help="field of the .jsonl records holding the text")
-    dp.add_argument("--compression", default="gzip", choices=["gzip", "lzf", "none"])
+    dp.add_argument("--compression", default=DEFAULT_COMPRESSION, choices=list(COMPRESSIONS),
+                    help=f"HDF5 compression of the examples (default {DEFAULT_COMPRESSION}: fastest to write and read, "
+                    "see `wse bench input`)")
     dp.add_argument("--format", default="text", choices=["text", "arrays"])
     dp.add_argument("--overwrite", action="store_true", help="replace a dataset already in --output_dir")
     dp.set_defaults(func=_cmd_data_preprocess)

@@ -146,27 +146,34 @@ class Job:
             self._check_data("eval_input")
 
     def _check_data(self, section):
-        """Fail before any work starts if ``section``'s data cannot feed the model; return the Dataset."""
-        from data_tools.dataset import Dataset
+        """Fail before any work starts if ``section``'s data cannot feed the model; return the Dataset
+        (of evaluation data; training data, which may be a mixture, is checked as its stream)."""
+        from data_tools.dataset import Dataset, GlobalStream
         from wse_core.nn import build_model
 
         t = getattr(self.params, section)
-        ds = Dataset(t.data_dir)
-        if ds.n_examples == 0:
-            raise params_mod.ParamsError(f"{section}.data_dir: {t.data_dir} holds no examples")
+        mixture = getattr(t, "mixture", None)
+        where = f"{section}.mixture" if mixture is not None else f"{section}.data_dir: {t.data_dir}"
+        if section == "train_input":
+            ds = GlobalStream(t.data_dir, mixture=mixture)
+            ds.close()
+            fmt, shape, n, vocab = ds.format, ds.example_shape, ds.n, ds.vocab_size
+        else:
+            ds = Dataset(t.data_dir)
+            fmt, shape, n, vocab = ds.format, ds.example_shape, ds.n_examples, ds.params.get("vocab_size")
+        if n == 0:
+            raise params_mod.ParamsError(f"{where} holds no examples")
         m = self.params.model
         if build_model(m).is_lm:
-            if ds.format != "lm":
-                raise params_mod.ParamsError(f"{section}.data_dir: {t.data_dir} is an array dataset; {m['name']} needs "
-                                             "LM data")
-            seq = ds.example_shape[-1]
+            if fmt != "lm":
+                raise params_mod.ParamsError(f"{where} is an array dataset; {m['name']} needs LM data")
+            seq = shape[-1]
             if seq > m["max_position_embeddings"]:
                 raise params_mod.ParamsError(f"model.max_position_embeddings: {m['max_position_embeddings']} is shorter "
-                                             f"than the max_seq_length {seq} of {t.data_dir}")
-            vocab = ds.params.get("vocab_size")
+                                             f"than the max_seq_length {seq} of {where}")
             if vocab is not None and vocab > m["vocab_size"]:
                 raise params_mod.ParamsError(f"model.vocab_size: {m['vocab_size']} is smaller than the vocabulary "
-                                             f"{vocab} of {t.data_dir}")
-        elif ds.format != "arrays":
-            raise params_mod.ParamsError(f"{section}.data_dir: {t.data_dir} is LM data; fc_mlp needs an array dataset")
+                                             f"{vocab} of {where} (its data_params.json)")
+        elif fmt != "arrays":
+            raise params_mod.ParamsError(f"{where} is LM data; fc_mlp needs an array dataset")
         return ds

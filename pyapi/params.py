@@ -54,7 +54,8 @@ REQUIRED = object()
 
 SCHEMA = {
     "train_input": {
-        "data_dir": Key("paths", REQUIRED, "directory of HDF5 training shards (or a list of them)"),
+        "data_dir": Key("paths", None, "directory of HDF5 training shards (or a list of them); or mixture"),
+        "mixture": Key("mixture", None, "datasets mixed in proportion: a list of {data_dir, weight} (Model Zoo's)"),
         "batch_size": Key("int>0", REQUIRED, "global batch size, split evenly across the CS-2s"),
         "micro_batch_size": Key("int>0", None, "samples per micro-batch (default: batch_size / num_csx)"),
         "shuffle": Key("bool", True, "shuffle examples each epoch"),
@@ -107,7 +108,7 @@ SECTIONS_REQUIRED = ("train_input", "model", "optimizer", "runconfig")
 
 # -- the run spec: what mpi_launch and every rank receive ------------------------------------------
 
-_TYPES = {"path": str, "paths": str | tuple, "str": str, "bool": bool, "int>0": int, "int>1": int, "int>=0": int,
+_TYPES = {"path": str, "paths": str | tuple | None, "mixture": tuple | None, "str": str, "bool": bool, "int>0": int, "int>1": int, "int>=0": int,
           "float>=0": float, "float>0?": float | None, "int>0?": int | None, "lossscale": float | str,
           "lradjust": MappingProxyType | None, "betas": tuple, "hardware": MappingProxyType, "lr": object}
 
@@ -195,6 +196,15 @@ def _check(path, kind, value):
             return value
         if not isinstance(value, str) or not value:
             raise bad("a directory or a non-empty list of directories")
+    elif kind == "mixture":
+        if not (isinstance(value, list) and value and all(
+                isinstance(m, dict) and set(m) >= {"data_dir", "weight"} and set(m) <= {"data_dir", "weight", "data_subset"}
+                and isinstance(m["data_dir"], str) and m["data_dir"] and isinstance(m["weight"], (int, float))
+                and not isinstance(m["weight"], bool) and 0 <= m["weight"] < math.inf for m in value)
+                and any(m["weight"] > 0 for m in value)):
+            raise bad("a list of {data_dir: DIR, weight: number >= 0}, some weight > 0")
+        if any("data_subset" in m for m in value):
+            raise ParamsError(f"{path}: data_subset is not built (use each directory whole)")
     elif kind == "bool":
         if not isinstance(value, bool):
             raise bad("true or false")
@@ -355,6 +365,9 @@ MODEL_ZOO_OPTIMIZERS_NOT_BUILT = ("lamb", "adafactor", "lion", "adadelta", "adag
 
 def _check_consistency(p):
     t, r = p["train_input"], p["runconfig"]
+    if (t["data_dir"] is None) == (t["mixture"] is None):
+        raise ParamsError("train_input: give one of data_dir or mixture" + (
+            " (not both)" if t["data_dir"] is not None else " (the data to read)"))
     if t["batch_size"] % r["num_csx"]:
         raise ParamsError(f"train_input.batch_size: {t['batch_size']} does not split evenly across "
                           f"runconfig.num_csx {r['num_csx']}")

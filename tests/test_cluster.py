@@ -392,9 +392,9 @@ def test_an_exception_in_a_role_ends_the_job_with_one_line(tmp_path, data, jobs)
     target = bad / "data-00002.h5"
     target.write_bytes(sorted(data.glob("*.h5"))[2].read_bytes())
     with h5py.File(target) as f:
-        offset = f["data"].id.get_chunk_info(5).byte_offset
+        offset = f["data"].id.get_chunk_info_by_coord((5, 0, 0)).byte_offset
     raw = bytearray(target.read_bytes())
-    raw[offset + 3] ^= 0xFF  # example 5 of the third file now fails its checksum when read
+    raw[offset + 3] ^= 0xFF  # the chunk holding example 5 of the third file now fails its checksum
     target.write_bytes(bytes(raw))
     path, _ = params_file(tmp_path, bad, max_steps=4000)
     proc = jobs.run("fit", path, "--num_csx", 2, "--set", "train_input.shuffle=false")

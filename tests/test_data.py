@@ -7,9 +7,9 @@ import h5py
 import numpy as np
 import pytest
 
-from data_tools.dataset import Dataset, GlobalStream, Loader, inspect_dataset
+from data_tools.dataset import Dataset, GlobalStream, inspect_dataset
 from data_tools.errors import DataError
-from data_tools.lmdata import verify_dataset, write_lm_file
+from data_tools.lmdata import read_meta, verify_dataset, write_lm_file
 from data_tools.preprocess import preprocess_arrays, preprocess_text
 
 EOT = 256
@@ -54,13 +54,11 @@ def test_round_trip(tmp_path, corpus):
     ds = Dataset(tmp_path / "out")
     assert len(ds.files) == -(-params["n_examples"] // 7)
     np.testing.assert_array_equal(unpack(ds.read(0, ds.n_examples)), stream)
-    loader = Loader(tmp_path / "out", batch_size=ds.n_examples)
-    batch = loader.next_batch()
+    loader = GlobalStream(tmp_path / "out")
+    np.testing.assert_array_equal(unpack(loader.read(0, ds.n_examples)), stream)
     loader.close()
-    got = np.stack([batch["input_ids"], batch["loss_mask"], batch["labels"]], axis=1)
-    np.testing.assert_array_equal(unpack(got), stream)
-    with h5py.File(ds.files[0]) as f:
-        assert f.attrs["n_examples"] == 7 and f["data"].chunks == (1, 3, 64) and f["data"].fletcher32
+    with h5py.File(ds.files[0]) as f:  # one chunk holds many examples (here the file's 7), checksummed
+        assert f.attrs["n_examples"] == 7 and f["data"].chunks == (7, 3, 64) and f["data"].fletcher32
 
 
 def test_same_output_for_any_number_of_processes(tmp_path, corpus):
@@ -96,10 +94,11 @@ def test_arrays_format(tmp_path):
     params = preprocess_arrays(tmp_path / "xy.npz", tmp_path / "arr", samples_per_file=20)
     assert params["num_classes"] == 7 and len(params["files"]) == 3
     assert verify_dataset(tmp_path / "arr") == {"format": "arrays", "files": 3, "n_examples": 50}
-    with Loader(tmp_path / "arr", 50) as loader:
-        b = loader.next_batch()
-    np.testing.assert_array_equal(b["features"], x)
-    np.testing.assert_array_equal(b["labels"], y)
+    stream = GlobalStream(tmp_path / "arr")
+    features, labels = stream.read(0, 50)
+    stream.close()
+    np.testing.assert_array_equal(features, x)
+    np.testing.assert_array_equal(labels, y)
 
 
 # --- the loader -----------------------------------------------------------------------------------
@@ -142,35 +141,129 @@ def test_a_list_of_directories_is_one_dataset(lm_dir, tmp_path):
         Dataset([])
 
 
-def test_workers_split_files_and_cover_everything(lm_dir):
-    seen = []
-    for w in range(2):
-        with Loader(lm_dir, 3, worker_id=w, num_workers=2) as loader:
-            got = sum((ids(loader.next_batch()) for _ in range(loader.n_local // 3)), [])
-        files = [Dataset(lm_dir).files[i] for i in range(w, 5, 2)]
-        assert loader.files == files
-        seen += got
-    assert sorted(seen) == list(range(27))
+def worker_reads(data, steps, batch, num_csx, workers, start=0, window=2, shuffle=True, seed=3, mixture=None):
+    """What the cluster's input workers read for steps [start, steps): each its own GlobalStream,
+    micro-batch m of CS-2 c to worker m mod w (mpi_launch/roles/worker.py), reassembled per step."""
+    per_csx = batch // num_csx
+    mbs = min(2, per_csx)
+    streams = [GlobalStream(data, mixture=mixture, shuffle=shuffle, seed=seed, window=window)
+               for _ in range(num_csx * workers)]
+    out = []
+    for step in range(start, steps):
+        parts = {}
+        for c in range(num_csx):
+            for j in range(workers):
+                for m in range(j, per_csx // mbs, workers):
+                    base = step * batch + c * per_csx + m * mbs
+                    parts[base] = streams[c * workers + j].read(base, mbs)
+        out.append(np.concatenate([parts[k] for k in sorted(parts)]))
+    for s in streams:
+        s.close()
+    return np.concatenate(out)
+
+
+@pytest.mark.parametrize("window", [1, 2, 64])
+def test_every_example_once_per_epoch_for_any_workers_and_resume_point(lm_dir, window):
+    """The stream is a function of (seed, epoch) alone: any number of CS-2s and input workers read
+    the same examples, every epoch holds each example exactly once, and a run resumed at any step
+    reads what the uninterrupted run read from there."""
+    n, batch, steps = 27, 4, 20  # 80 examples: into the third epoch, batches straddling epochs
+    want = worker_reads(lm_dir, steps, batch, 1, 1, window=window)[:, 0, 0]
+    for e in range(2):
+        assert sorted(want[e * n:(e + 1) * n].tolist()) == list(range(n))
+    assert want[:n].tolist() != want[n:2 * n].tolist()  # a new order each epoch
+    for num_csx, workers in [(1, 2), (2, 1), (2, 2), (4, 1)]:
+        got = worker_reads(lm_dir, steps, batch, num_csx, workers, window=window)[:, 0, 0]
+        assert got.tolist() == want.tolist(), (num_csx, workers)
+    for start in (1, 6, 7, 13):
+        resumed = worker_reads(lm_dir, steps, batch, 2, 2, start=start, window=window)[:, 0, 0]
+        assert resumed.tolist() == want[start * batch:].tolist(), start
+    in_order = worker_reads(lm_dir, 7, batch, 2, 1, shuffle=False, window=window)[:, 0, 0]
+    assert in_order.tolist() == [i % n for i in range(28)]
 
 
 def test_shuffle_is_a_function_of_seed_and_epoch(lm_dir):
     def epochs(seed):
-        with Loader(lm_dir, 9, shuffle=True, seed=seed) as loader:
-            return [ids(loader.next_batch()) + ids(loader.next_batch()) + ids(loader.next_batch()) for _ in range(2)]
+        stream = GlobalStream(lm_dir, shuffle=True, seed=seed, window=2)
+        got = stream.read(0, 54)[:, 0, 0].tolist()
+        stream.close()
+        return got[:27], got[27:]
 
     a, b = epochs(1), epochs(1)
     assert a == b and sorted(a[0]) == list(range(27)) and a[0] != a[1] and a != epochs(2)
 
 
-def test_batches_span_epochs_and_resume_exactly(lm_dir):
-    with Loader(lm_dir, 5, shuffle=True, seed=3) as loader:
-        first = [ids(loader.next_batch()) for _ in range(7)]   # 35 examples: into epoch 1
-        pos = loader.position
-        rest = [ids(loader.next_batch()) for _ in range(4)]
-    assert pos == {"epoch": 1, "index": 8}
-    with Loader(lm_dir, 5, shuffle=True, seed=3, position=pos) as resumed:
-        assert [ids(resumed.next_batch()) for _ in range(4)] == rest
-    assert sorted(sum(first, [])[:27]) == list(range(27))
+def test_shuffled_reads_whole_chunks_and_stay_random_within_a_window(tmp_path):
+    """Chunks of many examples: a window's chunks come from all over the dataset, and inside a
+    window consecutive examples are rarely consecutive in the files."""
+    d = tmp_path / "big"
+    d.mkdir()
+    ex = np.zeros((4000, 3, 4096), np.int32)  # 48 KiB examples: 21 per 1 MiB chunk
+    ex[:, 0, 0] = np.arange(4000)
+    write_lm_file(d / "data-00000.h5", ex[:2000])
+    write_lm_file(d / "data-00001.h5", ex[2000:])
+    with h5py.File(d / "data-00000.h5") as f:
+        assert f["data"].chunks == (21, 3, 4096)
+    stream = GlobalStream(d, shuffle=True, seed=0, window=8)
+    got = stream.read(0, 4000)[:, 0, 0]
+    stream.close()
+    assert sorted(got.tolist()) == list(range(4000))
+    chunks = {(int(i) // 2000, int(i) % 2000 // 21) for i in got[:100]}  # inside the first window of 8 chunks
+    assert 4 <= len(chunks) <= 8 and {f for f, _ in chunks} == {0, 1}
+    assert np.mean(np.abs(np.diff(got)) == 1) < 0.05
+
+
+def test_a_mixture_keeps_its_proportions(tmp_path):
+    """Model Zoo's mixture: an epoch takes int(total * weight) examples of each directory (total
+    sees every directory above 5% once), interleaved so every stretch holds the stated shares."""
+    dirs = []
+    for name, count, first in (("web", 100, 0), ("code", 40, 1000)):
+        d = tmp_path / name
+        d.mkdir()
+        ex = np.zeros((count, 3, 4), np.int32)
+        ex[:, 0, 0] = np.arange(first, first + count)
+        write_lm_file(d / "data-00000.h5", ex)
+        dirs.append(str(d))
+    mixture = [{"data_dir": dirs[0], "weight": 0.75}, {"data_dir": dirs[1], "weight": 0.25}]
+    stream = GlobalStream(mixture=mixture, shuffle=True, seed=5)
+    assert stream.per_epoch == [120, 40] and stream.n == 160  # total = max(100 / .75, 40 / .25)
+    got = stream.read(0, 3 * 160)[:, 0, 0]
+    stream.close()
+    web = got < 1000
+    for e in range(3):
+        assert int(web[e * 160:(e + 1) * 160].sum()) == 120
+    assert set(got[:160][~web[:160]].tolist()) == set(range(1000, 1040))  # the smaller directory: once each
+    assert set(got[:160][web[:160]].tolist()) == set(range(100))  # the larger: all, 20 of them twice
+    shares = [web[i:i + 40].mean() for i in range(0, len(got), 40)]
+    assert all(0.5 <= s <= 0.95 for s in shares), shares
+    again = worker_reads(None, 30, 16, 2, 2, mixture=mixture, seed=5, window=64)[:, 0, 0]
+    assert again.tolist() == got.tolist()
+    with pytest.raises(DataError, match="every weight is 0"):
+        GlobalStream(mixture=[{"data_dir": dirs[0], "weight": 0}])
+
+
+def test_counts_come_from_data_params_and_a_changed_file_is_named(good):
+    """Opening our dataset reads data_params.json only; a file that no longer matches it is named
+    when first read (here: a file replaced by one with fewer examples)."""
+    files = sorted(good.glob("*.h5"))
+    ex = Dataset(good).read(0, 2)
+    write_lm_file(files[0], ex[:2])
+    ds = Dataset(good)  # opened, nothing read
+    assert ds.counts[0] == 4
+    with pytest.raises(DataError, match=r"data-00000.h5: holds 2 examples but data_params.json says 4"):
+        ds.read(0, 3)
+
+
+def test_a_damaged_chunk_is_named_by_the_loader(good):
+    """The loader reads our chunks raw and checks their Fletcher-32 itself: a flipped byte is found
+    and named by its chunk's examples, in order and shuffled."""
+    path = sorted(good.glob("*.h5"))[1]
+    damage_example(path, 2)
+    for shuffle in (False, True):
+        stream = GlobalStream(good, shuffle=shuffle)
+        with pytest.raises(DataError, match=f"{path}: dataset 'data' unreadable at examples 0..3"):
+            stream.read(0, stream.n)
+        stream.close()
 
 
 # --- errors: one clear line, non-zero exit, no traceback ------------------------------------------
@@ -201,10 +294,10 @@ def test_verify_accepts_good_data_and_other_tools_files(good, tmp_path):
 
 
 def damage_example(path, e):
-    """Flip a byte of example ``e``'s chunk: its checksum fails when it is read."""
+    """Flip a byte of the chunk holding example ``e``: its checksum fails when it is read."""
     raw = bytearray(path.read_bytes())
     with h5py.File(path) as f:
-        offset = f["data"].id.get_chunk_info(e).byte_offset
+        offset = f["data"].id.get_chunk_info_by_coord((e, 0, 0)).byte_offset
     raw[offset + 5] ^= 0xFF
     path.write_bytes(bytes(raw))
 
@@ -360,3 +453,121 @@ def test_inspect_and_read_name_a_damaged_file(good):
     assert_one_line_error(wse("data", "inspect", str(good)), f"{path}: dataset 'data' unreadable at examples 0..0")
     with pytest.raises(DataError, match=f"{path}: dataset 'data' unreadable at examples 0..1"):
         Dataset(good).read(0, 2)
+
+
+# --- Model Zoo's files and metadata -----------------------------------------------------------------
+
+def modelzoo_dir(path, *, vocab=50, seq=16, pad=0, eos=2, tokenizer="gpt2", n=12):
+    """A directory as Model Zoo's preprocessing writes it: nested data_params.json; pad_id != eos_id;
+    sequences packed to max_seq_length, and short ones (short_seq_prob) padded with pad_id; gzip,
+    one example per chunk, no checksum."""
+    rng = np.random.default_rng(4)
+    path.mkdir()
+    ex = np.full((n, 3, seq), pad, np.int32)
+    for i in range(n):
+        k = seq if i % 3 else int(rng.integers(3, seq - 2))  # every third example is short
+        toks = rng.integers(3, vocab, k + 1)
+        toks[-1] = eos
+        ex[i, 0, :k], ex[i, 2, :k], ex[i, 1, :k] = toks[:-1], toks[1:], 1
+    with h5py.File(path / "data-0.h5", "w") as f:
+        f.create_dataset("data", data=ex, chunks=(1, 3, seq), compression="gzip")
+        f.attrs["n_examples"] = n
+    (path / "data_params.json").write_text(json.dumps({
+        "setup": {"input_dir": "./raw", "output_dir": str(path), "processes": 1, "mode": "pretraining"},
+        "processing": {"huggingface_tokenizer": tokenizer, "max_seq_length": seq, "pad_id": pad, "eos_id": eos,
+                       "vocab_size": vocab, "short_seq_prob": 0.33, "write_in_batch": True},
+        "dataset": {"use_ftfy": True, "pack_sequences": True},
+        "post-process": {"n_examples": n, "num_tokens": int(ex[:, 1].sum()), "discarded_files": 0},
+        "features": ["input_ids", "attention_mask", "labels"]}))
+    return ex
+
+
+def test_modelzoo_files_verify_with_pad_not_eos_and_short_sequences(tmp_path):
+    """The last label of a sequence is not an input (the pad follows it): verify does not mistake
+    that for a wrong label, and still catches a label that is wrong."""
+    ex = modelzoo_dir(tmp_path / "mz")
+    assert verify_dataset(tmp_path / "mz") == {"format": "lm", "files": 1, "n_examples": 12}
+    bad = tmp_path / "bad"
+    ex[4, 2, 5] = (ex[4, 0, 6] + 1) % 50
+    modelzoo_dir(bad)
+    with h5py.File(bad / "data-0.h5", "r+") as f:
+        f["data"][4] = ex[4]
+    with pytest.raises(DataError, match="example 4: label at position 5"):
+        verify_dataset(bad)
+
+
+def test_nested_data_params_are_read(tmp_path):
+    modelzoo_dir(tmp_path / "mz", tokenizer=str(tmp_path / "hub"))
+    meta = read_meta(tmp_path / "mz")
+    assert {k: meta[k] for k in ("vocab_size", "pad_id", "eos_id", "max_seq_length", "short_seq_prob",
+                                 "n_examples")} == {"vocab_size": 50, "pad_id": 0, "eos_id": 2,
+                                                    "max_seq_length": 16, "short_seq_prob": 0.33, "n_examples": 12}
+    info = inspect_dataset(tmp_path / "mz")
+    assert info["vocab_size"] == 50 and info["pad_id"] == 0 and info["eos_id"] == 2
+    assert "cannot decode" in info["example_0_text"] and "hub" in info["example_0_text"]
+
+
+def test_inspect_decodes_with_the_datasets_own_tokenizer(tmp_path, corpus):
+    """A Model Zoo directory naming a tokenizer directory (a Hugging Face model's) is decoded with it."""
+    tokenizers = pytest.importorskip("tokenizers")
+    tok = tokenizers.Tokenizer(tokenizers.models.BPE())
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel()
+    tok.decoder = tokenizers.decoders.ByteLevel()
+    tok.train([str(tmp_path / "a.txt")], tokenizers.trainers.BpeTrainer(
+        vocab_size=300, special_tokens=["<|endoftext|>"], initial_alphabet=tokenizers.pre_tokenizers.ByteLevel.alphabet()))
+    (tmp_path / "hf-model").mkdir()
+    tok.save(str(tmp_path / "hf-model" / "tokenizer.json"))
+    preprocess_text([str(tmp_path / "a.txt")], tmp_path / "ours", 16, tokenizer=str(tmp_path / "hf-model"),
+                    progress=False)
+    ours = inspect_dataset(tmp_path / "ours")
+    assert ours["example_0_text"] == tok.decode(ours["example_0_ids"][:16])
+    modelzoo_dir(tmp_path / "mz", vocab=tok.get_vocab_size(), tokenizer=str(tmp_path / "hf-model"))
+    info = inspect_dataset(tmp_path / "mz")
+    assert info["example_0_text"] == tok.decode(info["example_0_ids"]) and "cannot" not in info["example_0_text"]
+
+
+def test_a_vocabulary_larger_than_the_models_is_refused_before_launch(tmp_path):
+    modelzoo_dir(tmp_path / "mz", vocab=50)
+    params = {"train_input": {"data_dir": str(tmp_path / "mz"), "batch_size": 2},
+              "model": {"name": "gpt2", "vocab_size": 40, "hidden_size": 16, "num_hidden_layers": 1,
+                        "num_heads": 2, "max_position_embeddings": 16},
+              "optimizer": {"learning_rate": 1e-3},
+              "runconfig": {"max_steps": 1, "model_dir": str(tmp_path / "model")}}
+    (tmp_path / "p.yaml").write_text(json.dumps(params))
+    assert_one_line_error(wse("fit", str(tmp_path / "p.yaml")), "model.vocab_size: 40 is smaller than the vocabulary 50",
+                          str(tmp_path / "mz"))
+    assert not (tmp_path / "model").exists()
+
+
+def test_jsonl_jobs_cut_at_any_byte_give_the_same_dataset(tmp_path, corpus, monkeypatch):
+    """Jobs take the .jsonl lines that start in their byte range: cutting the inputs into many
+    small jobs changes nothing in the output; an error names the line in the whole file."""
+    import data_tools.preprocess as pp
+
+    inputs, stream = corpus
+    whole = preprocess_text(inputs, tmp_path / "whole", 32, progress=False)
+    monkeypatch.setattr(pp, "JOB_BYTES", 97)
+    assert len(pp.plan_jobs(pp.discover_inputs(inputs))) > 10
+    cut = preprocess_text(inputs, tmp_path / "cut", 32, processes=2, progress=False)
+    assert cut["n_tokens"] == whole["n_tokens"] == len(stream)
+    for shard in whole["files"]:
+        assert (tmp_path / "whole" / shard["name"]).read_bytes() == (tmp_path / "cut" / shard["name"]).read_bytes()
+    lines = [json.dumps({"text": f"document {i} " * 20}) for i in range(30)]
+    lines[23] = '{"text": broken'
+    (tmp_path / "big.jsonl").write_text("\n".join(lines) + "\n")
+    with pytest.raises(DataError, match=r"big.jsonl:24: not valid JSON"):
+        preprocess_text([str(tmp_path / "big.jsonl")], tmp_path / "o", 8, progress=False)
+
+
+def test_progress_says_rate_and_time_left(tmp_path, corpus):
+    import io
+
+    from data_tools.preprocess import Progress
+
+    out = io.StringIO()
+    bar = Progress(10_000_000, stream=out)
+    bar.last = -1e9
+    bar.t0 -= 2.0
+    bar.update(4_000_000, 1234)
+    line = out.getvalue()
+    assert "4.0/10.0 MB" in line and "1,234 tokens" in line and "MB/s" in line and "ETA 0:0" in line

@@ -148,3 +148,19 @@ def test_hardware_constants_are_params():
         validate(apply_overrides(BASE, ["runconfig.hardware.io_gpbs=1"]))
     with pytest.raises(ParamsError, match=r"runconfig.hardware.clock_hz: expected a finite number > 0, got \.inf|inf"):
         validate(apply_overrides(BASE, ["runconfig.hardware.clock_hz=.inf"]))
+
+
+def test_a_mixture_instead_of_data_dir():
+    """Model Zoo's train_input.mixture: a list of {data_dir, weight}; exactly one of it and data_dir."""
+    mix = [{"data_dir": "web", "weight": 0.7}, {"data_dir": "code", "weight": 0.3}]
+    p = validate({**BASE, "train_input": {"mixture": mix, "batch_size": 8}})
+    assert p.train_input.data_dir is None and [dict(m) for m in p.train_input.mixture] == mix
+    for train_input, match in [({"data_dir": "d", "mixture": mix}, "train_input: give one of data_dir or mixture "
+                                                                   r"\(not both\)"),
+                               ({}, r"train_input: give one of data_dir or mixture \(the data to read\)"),
+                               ({"mixture": [{"data_dir": "d"}]}, "train_input.mixture: expected a list of"),
+                               ({"mixture": [{"data_dir": "d", "weight": 0}]}, "some weight > 0"),
+                               ({"mixture": [{"data_dir": "d", "weight": 1, "data_subset": "0-0.5"}]},
+                                "data_subset is not built")]:
+        with pytest.raises(ParamsError, match=match):
+            validate({**BASE, "train_input": {**train_input, "batch_size": 8}})

@@ -133,9 +133,12 @@ class CS2(Role):
             self.step_done(step)
 
     def seq_len(self):
-        from data_tools.dataset import Dataset
+        from data_tools.dataset import GlobalStream
 
         if not hasattr(self, "_seq"):
-            self._seq = int(Dataset(self.params.train_input.data_dir).example_shape[-1])
+            t = self.params.train_input
+            stream = GlobalStream(t.data_dir, mixture=t.mixture)
+            self._seq = int(stream.example_shape[-1])
+            stream.close()
         return self._seq
 

@@ -16,7 +16,7 @@ class InputWorker(Role):
         w = self.plan.num_workers_per_csx
         csx, j = divmod(self.index, w)
         t_in = self.params.train_input
-        stream = GlobalStream(t_in.data_dir, shuffle=t_in.shuffle, seed=t_in.shuffle_seed)
+        stream = GlobalStream(t_in.data_dir, mixture=t_in.mixture, shuffle=t_in.shuffle, seed=t_in.shuffle_seed)
         dest = self.plan.csx[csx]
         try:
             for step in range(self.start_step, self.max_steps):

@@ -304,8 +304,17 @@ class LanguageModel(Model):
 
     def batch_of(self, arrays):
         a = arrays[0] if isinstance(arrays, (list, tuple)) else arrays
-        return {"input_ids": np.ascontiguousarray(a[:, 0]), "loss_mask": np.ascontiguousarray(a[:, 1]),
-                "labels": np.ascontiguousarray(a[:, 2])}
+        batch = {"input_ids": np.ascontiguousarray(a[:, 0]), "loss_mask": np.ascontiguousarray(a[:, 1]),
+                 "labels": np.ascontiguousarray(a[:, 2])}
+        # Data of another vocabulary would index past the embedding table: say so, not IndexError.
+        v, ids = self.config["vocab_size"], batch["input_ids"]
+        labels = batch["labels"][batch["loss_mask"] != 0]
+        for name, x in (("input id", ids), ("label", labels)):
+            if x.size and (x.min() < 0 or x.max() >= v):
+                bad = int(x.max()) if x.max() >= v else int(x.min())
+                raise ValueError(f"{name} {bad} outside the model's vocabulary [0, {v}) (model.vocab_size): the data "
+                                 "was tokenized with another vocabulary")
+        return batch
 
     def first_input(self, batch, dtype):
         return np.ascontiguousarray(batch["input_ids"])
