@@ -228,7 +228,8 @@ class _Files:
 
 
 class _Sequence:
-    """One dataset's epochs in chunk-window order: stream position p of epoch e -> examples."""
+    """One dataset's epochs in chunk-window order: stream position p of epoch e -> examples.
+    ``seed``: a tuple of ints, (seed,) or, for a mixture's component k, (seed, k)."""
 
     def __init__(self, dataset, shuffle, seed, window):
         self.ds, self.shuffle, self.seed, self.window = dataset, shuffle, seed, window
@@ -242,7 +243,7 @@ class _Sequence:
         """The chunk order of epoch e and the stream position where each window starts."""
         if e not in self._epochs:
             nb = len(self.block_n)
-            perm = np.random.default_rng([self.seed, e]).permutation(nb) if self.shuffle else np.arange(nb)
+            perm = np.random.default_rng([*self.seed, e]).permutation(nb) if self.shuffle else np.arange(nb)
             cum = np.concatenate([[0], np.cumsum(self.block_n[perm])])
             self._epochs[e] = perm, np.append(cum[::self.window][: -(-nb // self.window)], self.n)
             while len(self._epochs) > 2:  # a batch may straddle two epochs
@@ -294,7 +295,7 @@ class _Sequence:
                 at += n
         # The shuffle within the window is applied as batches are served: a gather that replaces the
         # copy a batch needs anyway.
-        order = np.random.default_rng([self.seed, e, k]).permutation(m) if self.shuffle else None
+        order = np.random.default_rng([*self.seed, e, k]).permutation(m) if self.shuffle else None
         return cols, order, flat
 
 
@@ -315,10 +316,10 @@ class GlobalStream:
         if window < 1:
             raise ValueError(f"window: expected >= 1 chunks, got {window}")
         if mixture is None:
-            sources, weights, seeds = [data_dir], [1.0], [seed]
+            sources, weights, seeds = [data_dir], [1.0], [(seed,)]
         else:
             sources, weights = _mixture(mixture)
-            seeds = [[seed, k] for k in range(len(sources))]
+            seeds = [(seed, k) for k in range(len(sources))]
         self.datasets = [Dataset(s) for s in sources]
         for src, ds in zip(sources, self.datasets):
             if ds.n_examples == 0:
@@ -452,6 +453,7 @@ def inspect_dataset(data_dir):
             "example_shape": list(ds.example_shape)}
     if ds.format == "arrays":
         info["num_classes"] = p.get("num_classes")
+        ds.close()
         return info
     first = ds.read(0, min(1, ds.n_examples))
     info.update(max_seq_length=int(ds.example_shape[-1]), vocab_size=p.get("vocab_size"),

@@ -147,6 +147,10 @@ class LMFileWriter:
         if self.done != self.n:
             raise DataError(f"{self.path}: {self.done} of {self.n} examples written")
 
+    def abort(self):
+        """Close after a failure, without the count check (the failure is what gets reported)."""
+        self.file.close()
+
 
 def write_lm_file(path, examples, compression=DEFAULT_COMPRESSION):
     """Write ``examples`` (int32 ``[n, 3, S]``) as an LMData file."""
@@ -154,7 +158,7 @@ def write_lm_file(path, examples, compression=DEFAULT_COMPRESSION):
     try:
         w.write(examples.astype(np.int32, copy=False))
     except BaseException:
-        w.file.close()
+        w.abort()
         raise
     w.close()
 

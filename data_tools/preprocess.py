@@ -273,7 +273,7 @@ def _write_shard(path, data, seq_len, pad_id, compression):
         for lo, hi in slabs:
             w.write(_slab(data, lo, hi, seq_len, pad_id, buffer))
     except BaseException:
-        w.file.close()
+        w.abort()
         raise
     w.close()
 
@@ -325,11 +325,12 @@ class _Writer:
                         w = LMFileWriter(path, n, seq_len, compression)
                     w.write(examples)
                     if w.done == n:
-                        w, _ = None, w.close()
+                        done, w = w, None
+                        done.close()
             except BaseException as exc:  # handed to the main thread at its next submit or finish
                 self.error = exc
                 if w is not None:
-                    w.file.close()
+                    w.abort()
                     w = None
             if buffer is not None:
                 self.free.put(buffer)  # also after a failure: the main thread waits for buffers

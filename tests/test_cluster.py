@@ -66,7 +66,8 @@ def reference(p, steps, results=None):
     schedule = make_schedule(o["learning_rate"])
     scaler = LossScaler.from_params(validate(p).optimizer, model.config.get("fp16_type"))
     t_in = p["train_input"]
-    stream = GlobalStream(t_in["data_dir"], shuffle=t_in["shuffle"], seed=t_in["shuffle_seed"])
+    stream = GlobalStream(t_in.get("data_dir"), mixture=t_in.get("mixture"), shuffle=t_in["shuffle"],
+                          seed=t_in["shuffle_seed"])
     losses = []
     for t in range(steps):
         ex = stream.read(t * t_in["batch_size"], t_in["batch_size"])
@@ -108,6 +109,19 @@ def test_bit_identical_to_the_reference(tmp_path, data, jobs, num_csx, workers):
     _, metrics = fit_matches_reference(jobs, tmp_path, path, p, num_csx)
     assert (tmp_path / "model" / "plan.json").exists() and any((tmp_path / "model" / "logs").iterdir())
     assert_clock_agrees_with_the_walk(metrics, p, num_csx)
+
+
+def test_a_mixture_trains_as_the_reference_reads_it(tmp_path, data, jobs):
+    """train_input.mixture through the cluster: every input worker reads its share of the mixed
+    stream, and the weights equal the reference's on the same stream."""
+    (tmp_path / "notes.txt").write_text("wafer-scale engines stream weights layer by layer. " * 400)
+    preprocess_text([str(tmp_path / "notes.txt")], tmp_path / "notes", 32, progress=False)
+    path, p = params_file(tmp_path, data, num_workers_per_csx=2)
+    del p["train_input"]["data_dir"]
+    p["train_input"]["mixture"] = [{"data_dir": str(data), "weight": 0.6},
+                                   {"data_dir": str(tmp_path / "notes"), "weight": 0.4}]
+    path.write_text(yaml.safe_dump(p))
+    fit_matches_reference(jobs, tmp_path, path, p, 2)
 
 
 def assert_clock_agrees_with_the_walk(metrics, p, num_csx):
