@@ -127,6 +127,7 @@ def describe(params):
     from wse_core.optim import make_optimizer
     from wse_core.perf import Hardware
     from wse_core.perf.memory import rank_memory_bytes, wafer_bytes
+    from wse_core.perf.pipeline import choose
     from wse_core.perf.step import walk_step
 
     run, train, opt_cfg = params.runconfig, params.train_input, params.optimizer
@@ -142,6 +143,9 @@ def describe(params):
                                micro_batch_size=train.micro_batch_size, example_bytes=example)
     hw = Hardware.from_params(run.hardware)
     pow2 = run.num_csx & (run.num_csx - 1) == 0 and run.swarmx_fanout & (run.swarmx_fanout - 1) == 0
+    # Pipelined on one CS-2 (the run itself is not built yet; docs/design.md section 9): the whole batch.
+    strategy, why, placement, _ = choose(model, batch_size=train.batch_size, micro_batch_size=train.micro_batch_size,
+                                         seq_len=seq, n_states=n_states, hw=hw)
     return {
         "plan": plan.to_json(),
         "model": {"name": model.config["name"], "parameters": model.num_params(),
@@ -155,4 +159,5 @@ def describe(params):
                                num_wgt_servers=run.num_wgt_servers, swarmx_fanout=run.swarmx_fanout,
                                hw=hw).to_dict(),
         "bit_identical_to_reference": bool(pow2),
+        "pipeline": {"placement": placement.to_dict(), "faster_on_one_csx": strategy, "why": why},
     }

@@ -231,6 +231,25 @@ def _cmd_compile(args):
           f"{wafer['weights_in_flight'] / 2**20:.1f} MiB, of {wafer['capacity'] / 2**30:.1f} GiB of SRAM")
     exact = "yes" if d["bit_identical_to_reference"] else "no (num_csx and swarmx_fanout must be powers of two)"
     print(f"bit-identical to the single-process reference: {exact}")
+    pipe = d["pipeline"]
+    pl = pipe["placement"]
+    print(f"pipelined on one CS-2 (the model only; the pipelined run is not built yet): {pl['why']}")
+    if pl["fits"]:
+        print(f"  step {pl['step_s'] * 1e3:.3f} ms for {pl['micro_batches']} micro-batches of {pl['micro_batch_size']} "
+              f"through {len(pl['regions'])} stages (slowest {pl['slowest_stage_s'] * 1e3:.3f} ms), update "
+              f"{pl['update_s'] * 1e3:.3f} ms")
+        print(f"  {'layer':<12} {'columns':>9} {'PEs':>9} {'parameters':>13} {'need MiB':>10} {'usable MiB':>10} "
+              f"{'stage ms':>9}")
+        for r in pl["regions"]:
+            cols = f"{r['columns'][0]}-{r['columns'][1] - 1}"
+            print(f"  {r['name']:<12} {cols:>9} {r['pes']:>9,} {r['params']:>13,} {r['need_bytes'] / 2**20:>10.1f} "
+                  f"{r['capacity_bytes'] / 2**20:>10.1f} {r['stage_s'] * 1e3:>9.3f}")
+    print(f"faster on one CS-2: {pipe['why']}")
+    if args.plot:
+        from wse_core.perf.pipeline import plot_placement
+
+        plot_placement(pl, args.plot)
+        print(f"wrote {args.plot}")
     return 0
 
 
@@ -388,6 +407,7 @@ def build_parser(argv=()):
     _opt(p, "--num_csx", type=int, metavar="N", help="override runconfig.num_csx")
     p.add_argument("--set", action="append", metavar="KEY.PATH=VALUE", help="override a params value (repeatable)")
     p.add_argument("--json", action="store_true", help="print JSON")
+    p.add_argument("--plot", metavar="PNG", help="draw the pipelined placement on the wafer (needs matplotlib)")
     p.set_defaults(func=_cmd_compile)
 
     p = sub.add_parser("data", help="prepare, inspect and verify HDF5 datasets",

@@ -20,6 +20,9 @@ class Hardware:
     program_height: int = 994
     #: SRAM per PE, bytes. Source: seed 003 ("48 KB of SRAM" per core).
     pe_memory_bytes: int = 48 * 1024
+    #: Fraction of a PE's SRAM a pipelined layer's tensors may use; the rest holds its program,
+    #: fabric buffers and stack. **Assumption**: no public figure; 3/4.
+    pe_memory_usable: float = 0.75
     #: Clock, Hz: the factor the Cerebras SDK uses to turn PE cycles into seconds (DESIGN.md
     #: section 8). Not a measured frequency of a running CS-2.
     clock_hz: float = 850e6
