@@ -31,10 +31,11 @@ class RankPlan:
     parent: dict = field(default_factory=dict)         # SwarmX or CS-2 rank -> parent SwarmX rank (root: None)
     unit_owner: list = field(default_factory=list)     # unit index -> MemoryX index
     unit_bytes: list = field(default_factory=list)
+    pipeline: bool = False  # one CS-2 rank that also keeps every weight and updates it (docs/design.md s. 9)
 
     @property
     def world_size(self):
-        return 1 + len(self.memoryx) + len(self.swarmx) + len(self.csx) + sum(map(len, self.workers))
+        return 1 + len(set(self.memoryx) | set(self.csx)) + len(self.swarmx) + sum(map(len, self.workers))
 
     @property
     def swarmx_root(self):
@@ -44,6 +45,8 @@ class RankPlan:
         """(role, index within the role) of a rank."""
         if rank == self.coordinator:
             return "coordinator", 0
+        if self.pipeline and rank in self.csx:
+            return "pipeline", 0
         for role, ranks in (("memoryx", self.memoryx), ("swarmx", self.swarmx), ("csx", self.csx)):
             if rank in ranks:
                 return role, ranks.index(rank)
@@ -69,8 +72,13 @@ def partition_by_bytes(sizes, parts):
     return balance(sizes, parts)  # the simulated-time walk shares it (wse_core.perf.step)
 
 
-def make_plan(*, num_csx, num_wgt_servers, num_workers_per_csx, swarmx_fanout, unit_bytes):
-    """Lay out the ranks of a weight-streaming cluster."""
+def make_plan(*, num_csx, num_wgt_servers, num_workers_per_csx, swarmx_fanout, unit_bytes, pipeline=False):
+    """Lay out the ranks of a weight-streaming cluster, or of a pipelined run: the coordinator, one
+    CS-2 that is also the only weight store (rank 1), its input workers."""
+    if pipeline:
+        return RankPlan(1, 1, num_workers_per_csx, swarmx_fanout, memoryx=[1], csx=[1],
+                        workers=[list(range(2, 2 + num_workers_per_csx))], unit_owner=[0] * len(unit_bytes),
+                        unit_bytes=list(unit_bytes), pipeline=True)
     plan = RankPlan(num_csx, num_wgt_servers, num_workers_per_csx, swarmx_fanout,
                     unit_bytes=list(unit_bytes))
     plan.unit_owner = partition_by_bytes(list(unit_bytes), num_wgt_servers)
@@ -116,26 +124,53 @@ def plan_for(params):
     model = build_model(params.model)
     plan = make_plan(num_csx=r.num_csx, num_wgt_servers=r.num_wgt_servers,
                      num_workers_per_csx=r.num_workers_per_csx, swarmx_fanout=r.swarmx_fanout,
-                     unit_bytes=model.unit_bytes())
+                     unit_bytes=model.unit_bytes(), pipeline=strategy(params, model)[0] == "pipeline")
     return plan, model
+
+
+def optimizer_states(o):
+    """Arrays of optimizer state per parameter (``optimizer`` section): 2 for Adam, 1 or 0 for SGD."""
+    import numpy as np
+
+    from wse_core.optim import make_optimizer
+
+    if o.optimizer_type.lower() == "sgd" and o.momentum == 0:
+        return 0
+    return len(make_optimizer(o.optimizer_type).init_state(np.zeros(1, np.float32)))
+
+
+def strategy(params, model):
+    """(execution strategy, one line saying why, the pipelined Placement): ``runconfig.execution_strategy``,
+    with ``auto`` resolved by the model (``wse_core.perf.pipeline.choose``) on one CS-2."""
+    from wse_core.perf import Hardware
+    from wse_core.perf.pipeline import choose
+
+    r, t = params.runconfig, params.train_input
+    chosen, why, placement, _ = choose(model, batch_size=t.batch_size, micro_batch_size=t.micro_batch_size,
+                                       seq_len=params.model.get("max_position_embeddings"),
+                                       n_states=optimizer_states(params.optimizer),
+                                       hw=Hardware.from_params(r.hardware))
+    if r.execution_strategy == "pipeline" and not placement.fits:
+        raise PlanError(f"runconfig.execution_strategy: pipeline: the model {placement.why}")
+    if r.execution_strategy != "auto":
+        return r.execution_strategy, f"{r.execution_strategy} (runconfig.execution_strategy)", placement
+    if r.num_csx != 1:
+        return "weight_streaming", f"weight streaming: pipelined runs on one CS-2, this run has {r.num_csx}", placement
+    return chosen, why, placement
 
 
 def describe(params):
     """The plan of a validated params dict, with per-rank memory estimates: what `wse compile` prints."""
     import numpy as np
 
-    from wse_core.optim import make_optimizer
     from wse_core.perf import Hardware
     from wse_core.perf.memory import rank_memory_bytes, wafer_bytes
-    from wse_core.perf.pipeline import choose
     from wse_core.perf.step import walk_step
 
     run, train, opt_cfg = params.runconfig, params.train_input, params.optimizer
     plan, model = plan_for(params)
     unit_bytes = plan.unit_bytes
-    n_states = len(make_optimizer(opt_cfg.optimizer_type).init_state(np.zeros(1, np.float32)))
-    if opt_cfg.optimizer_type.lower() == "sgd" and opt_cfg.momentum == 0:
-        n_states = 0
+    n_states = optimizer_states(opt_cfg)
     per_csx = train.batch_size // run.num_csx
     seq = params.model.get("max_position_embeddings")
     example = sum(int(np.prod(shape)) * np.dtype(dtype).itemsize for shape, dtype in model.example_layout(1, seq))
@@ -143,9 +178,7 @@ def describe(params):
                                micro_batch_size=train.micro_batch_size, example_bytes=example)
     hw = Hardware.from_params(run.hardware)
     pow2 = run.num_csx & (run.num_csx - 1) == 0 and run.swarmx_fanout & (run.swarmx_fanout - 1) == 0
-    # Pipelined on one CS-2 (the run itself is not built yet; docs/design.md section 9): the whole batch.
-    strategy, why, placement, _ = choose(model, batch_size=train.batch_size, micro_batch_size=train.micro_batch_size,
-                                         seq_len=seq, n_states=n_states, hw=hw)
+    mode, why, placement = strategy(params, model)
     return {
         "plan": plan.to_json(),
         "model": {"name": model.config["name"], "parameters": model.num_params(),
@@ -159,5 +192,5 @@ def describe(params):
                                num_wgt_servers=run.num_wgt_servers, swarmx_fanout=run.swarmx_fanout,
                                hw=hw).to_dict(),
         "bit_identical_to_reference": bool(pow2),
-        "pipeline": {"placement": placement.to_dict(), "faster_on_one_csx": strategy, "why": why},
+        "execution_strategy": mode, "why": why, "pipeline": placement.to_dict(),
     }

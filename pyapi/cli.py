@@ -188,10 +188,16 @@ def _cmd_checkpoint_from_hf(args):
 def _load_params(args):
     from pyapi import params
 
+    return params.load(args.params, _overrides(args))
+
+
+def _overrides(args):
+    """--set, plus the options that are shorthands for a runconfig key."""
     overrides = list(args.set or [])
-    if getattr(args, "num_csx", None) is not None:
-        overrides.append(f"runconfig.num_csx={args.num_csx}")
-    return params.load(args.params, overrides)
+    for key in ("num_csx", "execution_strategy"):
+        if getattr(args, key, None) is not None:
+            overrides.append(f"runconfig.{key}={getattr(args, key)}")
+    return overrides
 
 
 def _cmd_compile(args):
@@ -231,9 +237,8 @@ def _cmd_compile(args):
           f"{wafer['weights_in_flight'] / 2**20:.1f} MiB, of {wafer['capacity'] / 2**30:.1f} GiB of SRAM")
     exact = "yes" if d["bit_identical_to_reference"] else "no (num_csx and swarmx_fanout must be powers of two)"
     print(f"bit-identical to the single-process reference: {exact}")
-    pipe = d["pipeline"]
-    pl = pipe["placement"]
-    print(f"pipelined on one CS-2 (the model only; the pipelined run is not built yet): {pl['why']}")
+    pl = d["pipeline"]
+    print(f"pipelined on one CS-2: {pl['why']}")
     if pl["fits"]:
         print(f"  step {pl['step_s'] * 1e3:.3f} ms for {pl['micro_batches']} micro-batches of {pl['micro_batch_size']} "
               f"through {len(pl['regions'])} stages (slowest {pl['slowest_stage_s'] * 1e3:.3f} ms), update "
@@ -244,7 +249,7 @@ def _cmd_compile(args):
             cols = f"{r['columns'][0]}-{r['columns'][1] - 1}"
             print(f"  {r['name']:<12} {cols:>9} {r['pes']:>9,} {r['params']:>13,} {r['need_bytes'] / 2**20:>10.1f} "
                   f"{r['capacity_bytes'] / 2**20:>10.1f} {r['stage_s'] * 1e3:>9.3f}")
-    print(f"faster on one CS-2: {pipe['why']}")
+    print(f"execution strategy: {d['why']}")
     if args.plot:
         from wse_core.perf.pipeline import plot_placement
 
@@ -259,7 +264,7 @@ def _cmd_fit(args):
     from mpi_launch.watchdog import JobInterrupted
     from pyapi.job import Job, JobError
 
-    job = Job.from_yaml(args.params, num_csx=args.num_csx, model_dir=args.model_dir, overrides=args.set)
+    job = Job.from_yaml(args.params, model_dir=args.model_dir, overrides=_overrides(args))
     if args.dry_run:
         print(" ".join(job.command(checkpoint_path=args.checkpoint_path, hostfile=args.hostfile)))
         return 0
@@ -362,11 +367,14 @@ def build_parser(argv=()):
                        description="Run the main demo job on built-in defaults (no data or config needed).")
     p.set_defaults(func=_cmd_demo)
 
-    p = sub.add_parser("fit", help="train in weight-streaming mode on an emulated cluster (starts mpiexec)",
+    p = sub.add_parser("fit", help="train on an emulated cluster, weight streaming or pipelined (starts mpiexec)",
                        description="Validate PARAMS, lay out the cluster (coordinator, MemoryX, SwarmX, CS-2s, "
-                                   "input workers) and train. Resumes from MODEL_DIR/latest if there is one.")
+                                   "input workers; or one pipelined CS-2) and train. Resumes from "
+                                   "MODEL_DIR/latest if there is one.")
     p.add_argument("params", metavar="PARAMS", help="params YAML file")
     _opt(p, "--num_csx", type=int, metavar="N", help="override runconfig.num_csx")
+    _opt(p, "--execution_strategy", choices=["weight_streaming", "pipeline", "auto"],
+         help="override runconfig.execution_strategy")
     _opt(p, "--model_dir", metavar="DIR", help="override runconfig.model_dir")
     _opt(p, "--checkpoint_path", metavar="PATH", help="resume from this checkpoint")
     p.add_argument("--set", action="append", metavar="KEY.PATH=VALUE", help="override a params value (repeatable)")
@@ -405,6 +413,8 @@ def build_parser(argv=()):
                                    "the SwarmX tree and estimated memory per rank. Nothing is launched.")
     p.add_argument("params", metavar="PARAMS", help="params YAML file")
     _opt(p, "--num_csx", type=int, metavar="N", help="override runconfig.num_csx")
+    _opt(p, "--execution_strategy", choices=["weight_streaming", "pipeline", "auto"],
+         help="override runconfig.execution_strategy")
     p.add_argument("--set", action="append", metavar="KEY.PATH=VALUE", help="override a params value (repeatable)")
     p.add_argument("--json", action="store_true", help="print JSON")
     p.add_argument("--plot", metavar="PNG", help="draw the pipelined placement on the wafer (needs matplotlib)")

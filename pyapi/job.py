@@ -90,6 +90,11 @@ class Job:
         self._check_inputs()
         cmd, plan = self._command(hostfile)
         r = self.params.runconfig
+        if r.execution_strategy != "weight_streaming":
+            from mpi_launch.plan import strategy
+            from wse_core.nn import build_model
+
+            stream.write(f"execution strategy: {strategy(self.params, build_model(self.params.model))[1]}\n")
         with RunDir(self.model_dir).lock() as run_dir:
             run = run_dir.prepare(self.params, checkpoint=checkpoint_path)
             result = FitResult(self.model_dir, start_step=run["start_step"], end_step=r.max_steps,

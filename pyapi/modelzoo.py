@@ -343,7 +343,6 @@ FIXED = {
     },
     "runconfig": {
         "mode": (("train",), "a mode other than train (use wse validate)"),
-        "execution_strategy": (("weight_streaming",), "pipelined execution"),
         "target_device": (("CSX", "CPU"), "another target device"),
         "compile_only": ((False,), "compile only (use wse compile)"),
         "validate_only": ((False,), "validate only (use wse compile)"),

@@ -51,6 +51,7 @@ class Key:
 
 
 REQUIRED = object()
+STRATEGIES = ("weight_streaming", "pipeline", "auto")
 
 SCHEMA = {
     "train_input": {
@@ -89,6 +90,8 @@ SCHEMA = {
         "save_initial_checkpoint": Key("bool", False, "also save before the first step"),
         "log_steps": Key("int>0", 1, "log every N steps"),
         "num_csx": Key("int>0", 1, "CS-2 systems"),
+        "execution_strategy": Key("strategy", "weight_streaming", "weight_streaming, pipeline (one CS-2, every "
+                                  "layer resident on the wafer) or auto (pipelined when the model fits and is faster)"),
         "num_wgt_servers": Key("int>0", 1, "MemoryX weight servers"),
         "num_workers_per_csx": Key("int>0", 1, "input workers per CS-2"),
         "swarmx_fanout": Key("int>1", 2, "children per SwarmX node"),
@@ -108,7 +111,7 @@ SECTIONS_REQUIRED = ("train_input", "model", "optimizer", "runconfig")
 
 # -- the run spec: what mpi_launch and every rank receive ------------------------------------------
 
-_TYPES = {"path": str, "paths": str | tuple | None, "mixture": tuple | None, "str": str, "bool": bool, "int>0": int, "int>1": int, "int>=0": int,
+_TYPES = {"strategy": str, "path": str, "paths": str | tuple | None, "mixture": tuple | None, "str": str, "bool": bool, "int>0": int, "int>1": int, "int>=0": int,
           "float>=0": float, "float>0?": float | None, "int>0?": int | None, "lossscale": float | str,
           "lradjust": MappingProxyType | None, "betas": tuple, "hardware": MappingProxyType, "lr": object}
 
@@ -196,6 +199,9 @@ def _check(path, kind, value):
             return value
         if not isinstance(value, str) or not value:
             raise bad("a directory or a non-empty list of directories")
+    elif kind == "strategy":
+        if value not in STRATEGIES:
+            raise bad(" or ".join(STRATEGIES))
     elif kind == "mixture":
         if not (isinstance(value, list) and value and all(
                 isinstance(m, dict) and set(m) >= {"data_dir", "weight"} and set(m) <= {"data_dir", "weight", "data_subset"}
@@ -365,6 +371,9 @@ MODEL_ZOO_OPTIMIZERS_NOT_BUILT = ("lamb", "adafactor", "lion", "adadelta", "adag
 
 def _check_consistency(p):
     t, r = p["train_input"], p["runconfig"]
+    if r["execution_strategy"] == "pipeline" and r["num_csx"] != 1:
+        raise ParamsError(f"runconfig.execution_strategy: pipeline runs on one CS-2, not runconfig.num_csx "
+                          f"{r['num_csx']} (use weight_streaming, or auto)")
     if (t["data_dir"] is None) == (t["mixture"] is None):
         raise ParamsError("train_input: give one of data_dir or mixture" + (
             " (not both)" if t["data_dir"] is not None else " (the data to read)"))

@@ -301,6 +301,72 @@ def test_sparse_gpt2_trains_bit_identically_and_checkpoints_only_nonzeros(tmp_pa
     assert plan_bytes[1] < 0.2 * dense_bytes[1]  # a block streams about a tenth of its dense bytes
 
 
+@pytest.mark.parametrize("sparsity", [None, 0.9])
+def test_a_pipelined_run_has_the_bits_of_weight_streaming_and_checkpoints_cross(tmp_path, data, jobs, sparsity):
+    """runconfig.execution_strategy pipeline: one CS-2 keeps every weight and updates it; the weights
+    equal the reference's (so weight streaming's). Checkpoints cross modes: 2 steps pipelined, then
+    weight streaming on 2 CS-2s and 2 MemoryX to step 3, then pipelined again to 4: the bits of 4
+    reference steps."""
+    path, p = params_file(tmp_path, data, max_steps=4, execution_strategy="pipeline", num_wgt_servers=1)
+    if sparsity:
+        p["model"]["sparsity"] = sparsity
+        path.write_text(yaml.safe_dump(p))
+    proc = jobs.run("fit", path, "--set", "runconfig.max_steps=2")
+    assert proc.returncode == 0, proc.stderr
+    plan = json.loads((tmp_path / "model" / "plan.json").read_text())["plan"]
+    assert plan["roles"] == ["coordinator", "pipeline", "worker"] and plan["pipeline"]
+    params, state, losses = reference(p, 2)
+    assert_bits(tmp_path / "model", params, state)
+    proc = jobs.run("fit", path, "--set", "runconfig.max_steps=3", "--set", "runconfig.execution_strategy=weight_streaming",
+                    "--set", "runconfig.num_wgt_servers=2", "--num_csx", 2)
+    assert proc.returncode == 0 and "resuming from checkpoint_2" in proc.stdout, proc.stderr
+    proc = jobs.run("fit", path)
+    assert proc.returncode == 0 and "resuming from checkpoint_3" in proc.stdout, proc.stderr
+    params, state, losses = reference(p, 4)
+    assert_bits(tmp_path / "model", params, state)
+    metrics = RunDir(tmp_path / "model").read_metrics()
+    assert [m["loss"] for m in metrics] == losses
+    assert metrics[0]["sim_stream_s"] == 0.0 and metrics[2]["sim_stream_s"] > 0  # pipelined, streamed
+    # The pipelined clock: a step of the pipeline model (plus the two control hops of 2 us).
+    from mpi_launch.plan import strategy
+    from pyapi.params import validate
+
+    placement = strategy(validate(p), build_model(p["model"]))[2]
+    assert metrics[3]["sim_step_s"] == pytest.approx(placement.step_s + 4e-6, rel=1e-3)
+
+
+@pytest.mark.parametrize("sparsity", [None, 0.5])
+def test_pipelined_fc_mlp_and_auto(tmp_path, jobs, sparsity):
+    """fc_mlp (dense and sparse) pipelined equals weight streaming bit for bit; auto says what it
+    chose and why in one line; pipeline on 2 CS-2s is refused."""
+    x = np.random.default_rng(0).standard_normal((256, 12)).astype(np.float32)
+    np.savez(tmp_path / "xy.npz", features=x, labels=(x[:, 0] > 0).astype(np.int64) + 2 * (x[:, 1] > 0))
+    from data_tools.preprocess import preprocess_arrays
+
+    preprocess_arrays(tmp_path / "xy.npz", tmp_path / "arr")
+    p = {"train_input": {"data_dir": str(tmp_path / "arr"), "batch_size": 16, "micro_batch_size": 4},
+         "model": {"name": "fc_mlp", "input_size": 12, "hidden_sizes": [32, 16], "num_classes": 4},
+         "optimizer": {"optimizer_type": "SGD", "learning_rate": 0.1, "momentum": 0.9},
+         "runconfig": {"max_steps": 3, "execution_strategy": "auto"}}
+    if sparsity:
+        p["model"]["sparsity"] = sparsity
+    got = {}
+    for mode in ("auto", "weight_streaming"):
+        p["runconfig"].update(execution_strategy=mode, model_dir=str(tmp_path / mode))
+        (tmp_path / f"{mode}.yaml").write_text(yaml.safe_dump(p))
+        proc = jobs.run("fit", tmp_path / f"{mode}.yaml")
+        assert proc.returncode == 0, proc.stderr
+        got[mode] = Checkpoint(tmp_path / mode).load()
+        if mode == "auto":
+            assert "execution strategy: pipelined: the model fits" in proc.stdout, proc.stdout
+    for n, w in got["auto"][0].items():
+        assert w.tobytes() == got["weight_streaming"][0][n].tobytes(), n
+    p["runconfig"].update(execution_strategy="pipeline", num_csx=2)
+    (tmp_path / "bad.yaml").write_text(yaml.safe_dump(p))
+    proc = jobs.run("fit", tmp_path / "bad.yaml")
+    assert proc.returncode == 1 and "runconfig.execution_strategy: pipeline runs on one CS-2" in one_line(proc)
+
+
 def test_resume_continues_bit_identically_and_keeps_its_books(tmp_path, data, jobs):
     """2 steps, a run killed at step 3 (metrics past the checkpoint), resume to 4: the same bits as
     4 steps in one go; metrics hold each step once; the output says where it resumed and what it trained;

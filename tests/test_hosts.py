@@ -70,7 +70,9 @@ def rx_bytes(ns, dev):
 
 
 def start_fit(hosts, tmp_path, data, max_steps):
-    path, p = params_file(tmp_path, data, max_steps=max_steps, num_csx=2, log_steps=100000, peer_timeout=5)
+    # peer_timeout at its default: between network namespaces a pair of ranks' first message (UCX
+    # over TCP) has taken over 5 s here; a killed rank is named by the watchdog, not by a timeout.
+    path, p = params_file(tmp_path, data, max_steps=max_steps, num_csx=2, log_steps=100000)
     # The namespaces share this machine's memory, so force UCX onto TCP as separate machines would be.
     env = dict(os.environ, HYDRA_LAUNCHER="ssh", HYDRA_LAUNCHER_EXEC=str(hosts["ssh"]), UCX_TLS="tcp,self")
     cmd = f"hostname host-a; exec {sys.executable} -m pyapi.cli fit {path} --hostfile {hosts['hostfile']}"

@@ -1,5 +1,6 @@
 """The pipelined mode's model (wse_core.perf.pipeline): placement, the memory fit at the seeds'
-boundary, the step time against weight streaming, and what `wse compile` shows of it."""
+boundary, the step time against weight streaming, and what `wse compile` shows of it (the
+pipelined run itself: tests/test_cluster.py)."""
 import math
 import subprocess
 import sys
@@ -49,6 +50,20 @@ def test_the_seeds_boundary_about_a_billion_parameters_fit_a_wafer():
     assert "of its 27.5 GB usable SRAM, +46.1 GB" in big.why and big.why.endswith("use weight streaming")
 
 
+def test_pipeline_refuses_a_model_that_does_not_fit_in_one_line():
+    from mpi_launch.plan import PlanError, strategy
+    from pyapi.params import validate
+
+    p = validate({"train_input": {"data_dir": "d", "batch_size": 64, "micro_batch_size": 1},
+                  "model": {"name": "gpt2", "vocab_size": 50257, "hidden_size": 2560, "num_hidden_layers": 32,
+                            "num_heads": 32, "max_position_embeddings": 512},
+                  "optimizer": {"learning_rate": 1e-4},
+                  "runconfig": {"max_steps": 1, "execution_strategy": "pipeline"}})
+    with pytest.raises(PlanError, match=r"^runconfig.execution_strategy: pipeline: the model does not fit one wafer: "
+                                        r"needs 73.6 GB .* use weight streaming$"):
+        strategy(p, build_model(p.model))
+
+
 def test_pipelined_is_faster_for_a_small_gpt2_and_not_from_some_size_on():
     """On one CS-2, a 124M GPT-2 steps faster pipelined (no weights to stream, each layer on a region
     its size keeps busy); a 350M one at a small batch does not (the pipeline's fill and drain), and a
@@ -77,4 +92,8 @@ def test_compile_shows_the_placement_and_the_choice(tmp_path):
     out = subprocess.run([sys.executable, "-m", "pyapi.cli", "compile", str(tmp_path / "p.yaml")],
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
-    assert "pipelined on one CS-2" in out.stdout and "blocks.1" in out.stdout and "faster on one CS-2: " in out.stdout
+    assert "pipelined on one CS-2: fits one wafer" in out.stdout and "blocks.1" in out.stdout
+    assert "execution strategy: weight_streaming (runconfig.execution_strategy)" in out.stdout
+    out = subprocess.run([sys.executable, "-m", "pyapi.cli", "compile", str(tmp_path / "p.yaml"),
+                          "--execution_strategy", "auto"], capture_output=True, text=True, timeout=120)
+    assert "execution strategy: pipelined: the model fits" in out.stdout and "rank   1  pipeline" in out.stdout

@@ -1,4 +1,5 @@
-"""The roles of the weight-streaming cluster, one module and one class each, with a ``run()``.
+"""The roles of the weight-streaming cluster, one module and one class each, with a ``run()``
+(and the pipelined run's CS-2, ``pipeline``: docs/design.md section 9).
 
 One training step (docs/design.md section 2), for streaming units u = 0..U-1:
 
@@ -23,7 +24,9 @@ that carry it are described in ``mpi_launch.protocol``.
 from mpi_launch.roles.coordinator import Coordinator
 from mpi_launch.roles.csx import CS2
 from mpi_launch.roles.memoryx import MemoryX
+from mpi_launch.roles.pipeline import PipelinedCS2
 from mpi_launch.roles.swarmx import SwarmX
 from mpi_launch.roles.worker import InputWorker
 
-ROLES = {"coordinator": Coordinator, "memoryx": MemoryX, "swarmx": SwarmX, "csx": CS2, "worker": InputWorker}
+ROLES = {"coordinator": Coordinator, "memoryx": MemoryX, "swarmx": SwarmX, "csx": CS2, "worker": InputWorker,
+         "pipeline": PipelinedCS2}

@@ -77,3 +77,15 @@ class Role:
         """Shapes and dtypes of unit u's weights (or gradients) on the wire: 16-bit patterns in a
         mixed-precision run (``Precision.wire_dtype``), float32 otherwise."""
         return [(self.shapes[n], self.model.precision.wire_dtype) for n in self.unit_params[u]]
+
+    def seq_len(self):
+        """Tokens per example of the training data (read once, from its metadata)."""
+        from data_tools.dataset import GlobalStream
+
+        if not hasattr(self, "_seq"):
+            t = self.params.train_input
+            stream = GlobalStream(t.data_dir, mixture=t.mixture)
+            self._seq = int(stream.example_shape[-1])
+            stream.close()
+        return self._seq
+

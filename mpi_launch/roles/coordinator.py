@@ -43,8 +43,13 @@ class Coordinator(Role):
         params_yaml = yaml.safe_dump(self.params.to_dict(), sort_keys=False)
         clock, lat = self.clock, self.hw.swarmx_hop_latency_s
         # Parts of a simulated step that do not change from step to step.
-        stream_s = io_seconds(self.model, self.hw)
-        optimizer_s = max(update_seconds(self.model, self.plan.unit_owner, self.hw))
+        if self.plan.pipeline:  # no weights cross the I/O; every region updates its own at once
+            from mpi_launch.plan import strategy
+
+            stream_s, optimizer_s = 0.0, strategy(self.params, self.model)[2].update_s
+        else:
+            stream_s = io_seconds(self.model, self.hw)
+            optimizer_s = max(update_seconds(self.model, self.plan.unit_owner, self.hw))
         t_start = time.perf_counter()
         scaler = LossScaler.from_params(o, self.model.config.get("fp16_type"))
         if self.run_info["checkpoint"]:

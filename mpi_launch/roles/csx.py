@@ -131,14 +131,3 @@ class CS2(Role):
             self.log(f"step {step}: loss_sum {loss_sum:.6f} tokens {n_tokens} "
                      f"time {t_end - t0:.3f}s waiting {t_wait + t_data + t_end - tg:.3f}s")
             self.step_done(step)
-
-    def seq_len(self):
-        from data_tools.dataset import GlobalStream
-
-        if not hasattr(self, "_seq"):
-            t = self.params.train_input
-            stream = GlobalStream(t.data_dir, mixture=t.mixture)
-            self._seq = int(stream.example_shape[-1])
-            stream.close()
-        return self._seq
-

@@ -16,32 +16,11 @@ from mpi_launch.roles.base import Role
 
 class MemoryX(Role):
     def run(self):
-        from data_tools.checkpoint import Checkpoint, CheckpointWriter
-        from wse_core.optim import make_optimizer, sum_of_squares
+        from wse_core.optim import sum_of_squares
         from wse_core.perf.step import update_seconds
 
-        o = self.params.optimizer
-        kwargs = {"lr": 0.0, "weight_decay": o.weight_decay}
-        if o.optimizer_type.lower() == "sgd":
-            kwargs.update(momentum=o.momentum, nesterov=o.nesterov)
-        else:
-            kwargs.update(betas=tuple(o.betas), eps=o.eps)
-        self.optimizer = make_optimizer(o.optimizer_type, **kwargs)
         owned = [n for n in self.model.param_names if self.param_owner[n] == self.index]
-        lr_factors = self.model.lr_factors(o.adjust_learning_rate)
-        if self.run_info["checkpoint"]:
-            self.weights, self.state = Checkpoint(self.run_info["checkpoint"]).load(owned)
-            for n in owned:  # a weights-only checkpoint (wse checkpoint from-hf): the optimizer starts fresh
-                if not self.state[n]:
-                    self.state[n] = self.optimizer.init_state(self.weights[n])
-            self.log(f"loaded {len(owned)} parameters from {self.run_info['checkpoint']}")
-        else:
-            self.weights = self.model.init_params(self.params.runconfig.seed, names=owned)
-            self.state = {n: self.optimizer.init_state(self.weights[n]) for n in owned}
-        self.owned = owned
-        # The CSR pattern of owned sparse weights, saved with every checkpoint beside their values.
-        self.sparse = {n: {"indptr": st.indptr, "indices": st.indices, "shape": np.array(st.shape, np.int64)}
-                       for n, st in self.model.structures.items() if n in owned}
+        self.setup(owned)
         root = self.plan.swarmx_root
         # (unit, index) of every use of an owned parameter: a tied parameter is used twice.
         uses = [(u, i, n) for u, names in enumerate(self.unit_params) for i, n in enumerate(names)
@@ -81,20 +60,59 @@ class MemoryX(Role):
             clock.receive(control["t"] + lat)
             if step >= self.start_step:
                 t_opt = time.perf_counter()
-                if not control["skip"]:  # a step whose 16-bit gradients overflowed is not applied
-                    for n in owned:
-                        self.optimizer.update(self.weights[n], total[n], self.state[n], step=step + 1,
-                                              lr=control["lr"] * lr_factors[n], grad_scale=control["grad_scale"],
-                                              name=n, decay=self.model.param_specs[n].decay)
-                    clock.advance(update_s)
+                self.apply(control, total, step, update_s)
                 self.timing(step, optimizer=time.perf_counter() - t_opt, at_grads_in=at_grads_in,
                             bytes_out=2 * sum(wire[n].nbytes for _, _, n in uses),
                             bytes_in=sum(wire[n].nbytes for _, _, n in uses))
-            if control["checkpoint"] is not None:
-                writer = CheckpointWriter(self.model_dir, control["checkpoint"])
-                table = writer.write_shard(self.index, self.weights, self.state, sparse=self.sparse)
-                self.comm.send(table, dest=coordinator, tag=tag(REPORT, 0, SHARD))
-            if control.get("eval"):  # the coordinator evaluates the weights of this step on eval_input
-                self.comm.send({n: self.weights[n] for n in owned}, dest=coordinator, tag=tag(REPORT, 0, EVAL_WEIGHTS))
+            self.after_update(control)
             if step >= self.start_step:
                 self.step_done(step)
+
+    def setup(self, owned):
+        """The weights and optimizer state of the parameters ``owned``: from the run's checkpoint, or new."""
+        from data_tools.checkpoint import Checkpoint
+        from wse_core.optim import make_optimizer
+
+        o = self.params.optimizer
+        kwargs = {"lr": 0.0, "weight_decay": o.weight_decay}
+        if o.optimizer_type.lower() == "sgd":
+            kwargs.update(momentum=o.momentum, nesterov=o.nesterov)
+        else:
+            kwargs.update(betas=tuple(o.betas), eps=o.eps)
+        self.optimizer = make_optimizer(o.optimizer_type, **kwargs)
+        self.lr_factors = self.model.lr_factors(o.adjust_learning_rate)
+        if self.run_info["checkpoint"]:
+            self.weights, self.state = Checkpoint(self.run_info["checkpoint"]).load(owned)
+            for n in owned:  # a weights-only checkpoint (wse checkpoint from-hf): the optimizer starts fresh
+                if not self.state[n]:
+                    self.state[n] = self.optimizer.init_state(self.weights[n])
+            self.log(f"loaded {len(owned)} parameters from {self.run_info['checkpoint']}")
+        else:
+            self.weights = self.model.init_params(self.params.runconfig.seed, names=owned)
+            self.state = {n: self.optimizer.init_state(self.weights[n]) for n in owned}
+        self.owned = owned
+        # The CSR pattern of owned sparse weights, saved with every checkpoint beside their values.
+        self.sparse = {n: {"indptr": st.indptr, "indices": st.indices, "shape": np.array(st.shape, np.int64)}
+                       for n, st in self.model.structures.items() if n in owned}
+
+    def apply(self, control, grads, step, update_s):
+        """The update the coordinator ordered (none for a step whose 16-bit gradients overflowed)."""
+        if control["skip"]:
+            return
+        for n in self.owned:
+            self.optimizer.update(self.weights[n], grads[n], self.state[n], step=step + 1,
+                                  lr=control["lr"] * self.lr_factors[n], grad_scale=control["grad_scale"],
+                                  name=n, decay=self.model.param_specs[n].decay)
+        self.clock.advance(update_s)
+
+    def after_update(self, control):
+        """A checkpoint shard, and the weights for an evaluation, when the coordinator asks for them."""
+        from data_tools.checkpoint import CheckpointWriter
+
+        coordinator = self.plan.coordinator
+        if control["checkpoint"] is not None:
+            writer = CheckpointWriter(self.model_dir, control["checkpoint"])
+            table = writer.write_shard(self.index, self.weights, self.state, sparse=self.sparse)
+            self.comm.send(table, dest=coordinator, tag=tag(REPORT, 0, SHARD))
+        if control.get("eval"):  # the coordinator evaluates the weights of this step on eval_input
+            self.comm.send({n: self.weights[n] for n in self.owned}, dest=coordinator, tag=tag(REPORT, 0, EVAL_WEIGHTS))

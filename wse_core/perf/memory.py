@@ -16,8 +16,8 @@ def rank_memory_bytes(plan, model, *, n_states, per_csx, seq_len, micro_batch_si
         memory[rank] = owned * (2 + n_states)
     for rank in plan.swarmx:
         memory[rank] = biggest * (1 + len(plan.children[rank]))
-    for rank in plan.csx:
-        memory[rank] = 3 * biggest + 4 * model.activation_floats(per_csx, seq_len)
+    for rank in plan.csx:  # a pipelined CS-2 is also the MemoryX: both add up
+        memory[rank] = memory.get(rank, 0) + 3 * biggest + 4 * model.activation_floats(per_csx, seq_len)
     for ranks in plan.workers:
         for rank in ranks:
             memory[rank] = 4 * micro_batch_size * example_bytes

@@ -134,7 +134,8 @@ def place(model, *, micro_batch_size, micro_batches, seq_len=None, n_states=2, h
         mid = math.sqrt(lo * hi)
         lo, hi = (mid, hi) if sum(max(f, math.ceil(t * pes_total / mid)) for f, t in zip(floor, full)) > pes_total \
             else (lo, mid)
-    min_cols = [math.ceil(f / height) for f in floor]  # whole columns: at least the memory's
+    # Whole columns: at least the memory's, and two (the GEMM model keeps column 0 for the inputs' edge).
+    min_cols = [max(2, math.ceil(f / height)) for f in floor]
     if sum(min_cols) > width:
         return Placement(False, [], need, capacity, micro_batches, micro_batch_size, why=(
             f"does not fit one wafer: its {S} layers need {sum(min_cols)} of the {width} columns for their memory"))

@@ -1,0 +1,82 @@
+"""The CS-2 of a pipelined run: every layer stays on the wafer with its gradients and optimizer
+state, samples flow through the layers, and the update happens here (docs/design.md section 9).
+
+It is a MemoryX for all the weights that computes the step itself: the same forward, loss and
+backward as the reference step (``wse_core.nn.reference.accumulate``, the balanced tree over
+micro-batches the weight-streaming cluster keeps too), then the coordinator's protocol of a
+MemoryX server (norms in, control back, update, checkpoint shard 0, weights for an evaluation).
+So its weights are bit-identical to weight streaming and to the reference, and its checkpoints
+are a weight-streaming run's with one MemoryX.
+
+Simulated time: the pipelined step of ``wse_core.perf.pipeline`` (fill, slowest stage, drain)
+for the compute, and its on-wafer update."""
+import time
+
+import numpy as np
+
+from mpi_launch import messaging as msg
+from mpi_launch.protocol import CONTROL, DATA, LOSS, NORMS, REPORT, STEP_TIME, tag
+from mpi_launch.roles.memoryx import MemoryX
+
+
+class PipelinedCS2(MemoryX):
+    def run(self):
+        from mpi_launch.plan import strategy
+        from wse_core.nn.reference import accumulate
+        from wse_core.optim import sum_of_squares
+        from wse_core.optim.loss_scale import LossScaler
+
+        self.setup(list(self.model.param_names))
+        placement = strategy(self.params, self.model)[2]
+        compute_s, update_s = placement.step_s - placement.update_s, placement.update_s
+        scaler = LossScaler.from_params(self.params.optimizer, self.model.config.get("fp16_type"))
+        loss_scale = scaler.scale  # a static scale never changes; a dynamic one comes each step
+        workers, w = self.plan.workers[0], self.plan.num_workers_per_csx
+        seq = self.seq_len() if self.model.is_lm else None
+        layout = self.model.example_layout(self.mbs, seq)
+        coordinator, clock, lat = self.plan.coordinator, self.clock, self.hw.swarmx_hop_latency_s
+        self._controls = []
+        for step in range(self.start_step - 1, self.max_steps):
+            if step >= self.start_step:
+                t0 = time.perf_counter()
+                raw, reqs = [], []
+                for m in range(self.n_micro):
+                    a = [np.empty(shape, dtype) for shape, dtype in layout]
+                    raw.append(a)
+                    reqs += [self.comm.Irecv(x, source=workers[m % w], tag=tag(DATA, m, i)) for i, x in enumerate(a)]
+                msg.wait_all(reqs, f"input workers {workers} (micro-batches of step {step})")
+                t_data = time.perf_counter() - t0
+                batch = self.model.batch_of([np.concatenate([r[i] for r in raw]) for i in range(len(layout))])
+                if scaler.dynamic:
+                    loss_scale = self._control("loss_scale", step)["loss_scale"]
+                loss_sum, n_tokens, unit_grads = accumulate(
+                    self.model, self.model.compute_weights(self.weights), batch, self.mbs,
+                    dropout=(self.params.runconfig.seed, step + 1), loss_scale=loss_scale)
+                grads = self.model.combine_unit_grads(unit_grads)
+                clock.advance(compute_s)
+                self.comm.send({"loss_sum": loss_sum, "tokens": n_tokens, "t": clock.now}, dest=coordinator,
+                               tag=tag(REPORT, 0, LOSS))
+                self.comm.send({"sumsq": [(n, sum_of_squares(grads[n])) for n in self.owned], "t": clock.now,
+                                "left": clock.now}, dest=coordinator, tag=tag(REPORT, 0, NORMS))
+                self.comm.send({"compute": compute_s, "waited": 0.0}, dest=coordinator, tag=tag(REPORT, 0, STEP_TIME))
+                t_compute = time.perf_counter() - t0 - t_data
+            control = self._control("lr", step)
+            clock.receive(control["t"] + lat)
+            if step >= self.start_step:
+                t_opt = time.perf_counter()
+                self.apply(control, grads, step, update_s)
+                self.timing(step, seconds=time.perf_counter() - t0, data_wait=t_data, compute=t_compute,
+                            optimizer=time.perf_counter() - t_opt)
+                self.log(f"step {step}: loss_sum {loss_sum:.6f} tokens {n_tokens}")
+            self.after_update(control)
+            if step >= self.start_step:
+                self.step_done(step)
+
+    def _control(self, key, step):
+        """The coordinator's next CONTROL message holding ``key``: this rank gets both the CS-2's
+        (the loss scale) and the MemoryX server's (the update), in the order they were sent."""
+        while not any(key in c for c in self._controls):
+            self._controls.append(msg.recv_object(self.comm, self.plan.coordinator, tag(CONTROL),
+                                                  f"the coordinator (step {step})"))
+        i = next(i for i, c in enumerate(self._controls) if key in c)
+        return self._controls.pop(i)
