@@ -34,8 +34,8 @@ class ParamsWarning(UserWarning):
 # -- the trainer layout ---------------------------------------------------------------------------
 
 #: (trainer path under ``trainer.init``, flat path): scalar keys with a fixed home in both layouts.
-#: The cluster keys of wse-cluster's own (swarmx_fanout, timeouts, hardware) live beside Model Zoo's
-#: in ``backend.cluster_config``.
+#: The cluster keys of wse-cluster's own (swarmx_fanout, timeouts, hardware, execution_strategy,
+#: which Model Zoo's 2.x layout no longer has) live beside Model Zoo's in ``backend.cluster_config``.
 INIT_HOMES = (
     ("model_dir", "runconfig.model_dir"),
     ("seed", "runconfig.seed"),
@@ -49,6 +49,7 @@ INIT_HOMES = (
     ("backend.cluster_config.peer_timeout", "runconfig.peer_timeout"),
     ("backend.cluster_config.startup_timeout", "runconfig.startup_timeout"),
     ("backend.cluster_config.hardware", "runconfig.hardware"),
+    ("backend.cluster_config.execution_strategy", "runconfig.execution_strategy"),
     ("precision.enabled", "model.mixed_precision"),
     ("precision.fp16_type", "model.fp16_type"),
     ("precision.precision_opt_level", "runconfig.precision_opt_level"),

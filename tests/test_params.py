@@ -164,3 +164,18 @@ def test_a_mixture_instead_of_data_dir():
                                 "data_subset is not built")]:
         with pytest.raises(ParamsError, match=match):
             validate({**BASE, "train_input": {**train_input, "batch_size": 8}})
+
+
+def test_execution_strategy_in_both_layouts():
+    from pyapi.modelzoo import flatten
+
+    p = validate({**BASE, "runconfig": {"max_steps": 5, "execution_strategy": "auto"}})
+    assert p.runconfig.execution_strategy == "auto"
+    trainer = {"trainer": {"init": {"backend": {"backend_type": "CSX", "cluster_config": {"execution_strategy": "pipeline"}},
+                                    "model": dict(BASE["model"]), "optimizer": {"AdamW": {}},
+                                    "schedulers": [{"ConstantLR": {"learning_rate": 1e-3}}],
+                                    "loop": {"max_steps": 5}},
+                           "fit": {"train_dataloader": dict(BASE["train_input"])}}}
+    assert validate(trainer).runconfig.execution_strategy == "pipeline"
+    with pytest.raises(ParamsError, match="runconfig.execution_strategy: expected weight_streaming or pipeline or auto"):
+        validate({**BASE, "runconfig": {"max_steps": 5, "execution_strategy": "layer_pipelined"}})
