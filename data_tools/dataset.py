@@ -172,8 +172,9 @@ class _Files:
         if fi not in self.raw:
             plist = d.id.get_create_plist()
             filters = [plist.get_filter(i)[0] for i in range(plist.get_nfilters())]
-            ok = d.chunks is not None and d.chunks[1:] == d.shape[1:] and filters in ([], [h5py.h5z.FILTER_FLETCHER32]) \
-                and d.dtype == np.dtype("<i4") and sys.byteorder == "little"  # chunk_ok reads words little-endian
+            ok = (d.chunks is not None and d.chunks[1:] == d.shape[1:]
+                  and filters in ([], [h5py.h5z.FILTER_FLETCHER32]) and d.dtype == np.dtype("<i4")
+                  and sys.byteorder == "little")  # chunk_ok reads the words little-endian
             self.raw[fi] = (d.chunks[0] if ok else 0, bool(filters))
         return self.raw[fi][0]
 

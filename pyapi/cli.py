@@ -227,7 +227,7 @@ def _cmd_compile(args):
             detail = f"{d['micro_batches_per_csx']} micro-batches per step"
         print(f"  rank {rank:>3}  {role:<11} {mem[str(rank)] / 2**20:9.1f} MiB  {detail}")
     sim, wafer = d["simulated"], d["wafer_bytes"]
-    print(f"simulated step (a model of the hardware, wse_core.perf; {sim['detail']['precision']}, "
+    print(f"simulated step, weight streaming (a model of the hardware, wse_core.perf; {sim['detail']['precision']}, "
           f"{sim['detail']['io_gbps']:g} Gb/s per CS-2): {sim['step_s'] * 1e3:.3f} ms, "
           f"{sim['samples_per_s']:.1f} samples/s")
     print(f"  compute {sim['compute_s'] * 1e3:.3f} ms, waiting for weights {sim['exposed_stream_s'] * 1e3:.3f} ms "

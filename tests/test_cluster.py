@@ -317,7 +317,7 @@ def test_a_pipelined_run_has_the_bits_of_weight_streaming_and_checkpoints_cross(
     assert plan["roles"] == ["coordinator", "pipeline", "worker"] and plan["pipeline"]
     params, state, losses = reference(p, 2)
     assert_bits(tmp_path / "model", params, state)
-    proc = jobs.run("fit", path, "--set", "runconfig.max_steps=3", "--set", "runconfig.execution_strategy=weight_streaming",
+    proc = jobs.run("fit", path, "--set", "runconfig.max_steps=3", "--execution_strategy", "weight_streaming",
                     "--set", "runconfig.num_wgt_servers=2", "--num_csx", 2)
     assert proc.returncode == 0 and "resuming from checkpoint_2" in proc.stdout, proc.stderr
     proc = jobs.run("fit", path)

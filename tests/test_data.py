@@ -513,8 +513,9 @@ def test_inspect_decodes_with_the_datasets_own_tokenizer(tmp_path, corpus):
     tok = tokenizers.Tokenizer(tokenizers.models.BPE())
     tok.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel()
     tok.decoder = tokenizers.decoders.ByteLevel()
+    alphabet = tokenizers.pre_tokenizers.ByteLevel.alphabet()
     tok.train([str(tmp_path / "a.txt")], tokenizers.trainers.BpeTrainer(
-        vocab_size=300, special_tokens=["<|endoftext|>"], initial_alphabet=tokenizers.pre_tokenizers.ByteLevel.alphabet()))
+        vocab_size=300, special_tokens=["<|endoftext|>"], initial_alphabet=alphabet))
     (tmp_path / "hf-model").mkdir()
     tok.save(str(tmp_path / "hf-model" / "tokenizer.json"))
     preprocess_text([str(tmp_path / "a.txt")], tmp_path / "ours", 16, tokenizer=str(tmp_path / "hf-model"),

@@ -58,7 +58,7 @@ def test_wse_compile(tmp_path):
     assert slow["stream_s"] == pytest.approx(100 * sim["stream_s"]) and slow["step_s"] > sim["step_s"]
     proc = run()
     assert proc.returncode == 0 and "memoryx" in proc.stdout and "MiB" in proc.stdout
-    assert "simulated step (a model of the hardware" in proc.stdout and "wafer memory per CS-2" in proc.stdout
+    assert "simulated step, weight streaming (a model of the hardware" in proc.stdout and "wafer memory per CS-2" in proc.stdout
     proc = run("--set", "optimizer.learning_rate=fast")
     assert proc.returncode == 1 and proc.stderr.strip() == (
         "wse compile: error: optimizer.learning_rate: expected a number or a list of schedulers, got 'fast'")

@@ -223,7 +223,8 @@ def plot_placement(placement, path, hw=None):
         lo, hi = r["columns"]
         ax.add_patch(plt.Rectangle((lo, 0), hi - lo, hw.program_height, color=colors(k % 20), ec="white", lw=0.3))
         full = r["need_bytes"] / r["capacity_bytes"]
-        ax.add_patch(plt.Rectangle((lo, 0), hi - lo, hw.program_height * min(1.0, full), color="black", alpha=0.18, lw=0))
+        ax.add_patch(plt.Rectangle((lo, 0), hi - lo, hw.program_height * min(1.0, full), color="black",
+                                   alpha=0.18, lw=0))
         if hi - lo >= hw.program_width / 60:
             ax.text((lo + hi) / 2, hw.program_height / 2, r["name"], rotation=90, ha="center", va="center", fontsize=7)
     ax.set_xlim(0, hw.program_width)
