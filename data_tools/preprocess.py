@@ -267,7 +267,7 @@ def _write_shard(path, data, seq_len, pad_id, compression):
     if isinstance(data, list):
         data = gather(data)
     n, slabs = _slabs(data, seq_len)
-    buffer = np.empty(12 * seq_len * (slabs[0][1] - slabs[0][0]) // 4, np.int32) if data.ndim == 1 else None
+    buffer = np.empty(3 * seq_len * (slabs[0][1] - slabs[0][0]), np.int32) if data.ndim == 1 else None
     w = LMFileWriter(path, n, seq_len, compression)
     try:
         for lo, hi in slabs:

@@ -124,7 +124,9 @@ def plan_for(params):
     model = build_model(params.model)
     plan = make_plan(num_csx=r.num_csx, num_wgt_servers=r.num_wgt_servers,
                      num_workers_per_csx=r.num_workers_per_csx, swarmx_fanout=r.swarmx_fanout,
-                     unit_bytes=model.unit_bytes(), pipeline=strategy(params, model)[0] == "pipeline")
+                     unit_bytes=model.unit_bytes(),
+                     # The pipeline model runs only when the params leave the choice to it, or ask for it.
+                     pipeline=r.execution_strategy != "weight_streaming" and strategy(params, model)[0] == "pipeline")
     return plan, model
 
 
