@@ -43,7 +43,7 @@ _MAX_REPORT = 3000
 _report_fd = None  # the child's end of the report pipe, once supervised
 
 
-def _die_with_parent(sig):
+def die_with_parent(sig):
     """Ask the kernel to send ``sig`` to this process when its parent dies (Linux; elsewhere a no-op)."""
     import ctypes
 
@@ -86,7 +86,7 @@ def supervise():
     if child == 0:
         sock.close()
         os.close(read_end)
-        _die_with_parent(signal.SIGKILL)
+        die_with_parent(signal.SIGKILL)
         if os.getppid() != supervisor_pid:  # the supervisor died before the line above took effect
             os._exit(1)
         _report_fd = write_end
@@ -132,7 +132,7 @@ class Supervisor:
         for sig in (signal.SIGCHLD, _PARENT_GONE, *_FORWARDED):
             signal.signal(sig, lambda *_: None)  # the wakeup fd carries the signal number
         self.parent = os.getppid()
-        _die_with_parent(_PARENT_GONE)
+        die_with_parent(_PARENT_GONE)
         self.send({"event": "hello", "token": token, "pid": child, "supervisor": os.getpid(),
                    "host": socket.gethostname()})
 

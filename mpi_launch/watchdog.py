@@ -437,7 +437,7 @@ def launch(cmd, plan, run_dir, *, peer_timeout, startup_timeout, hostfile=None, 
             banner = []  # hydra's failure banner comes on stdout; it goes to logs/mpiexec.log
             try:
                 for line in proc.stdout:
-                    if line.startswith("=") or banner:
+                    if line.startswith(("=", "YOUR APPLICATION TERMINATED")) or banner:
                         banner.append(line)
                     elif line.strip():
                         stream.write(line)

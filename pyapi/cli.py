@@ -288,6 +288,150 @@ def _cmd_fit(args):
     return 0
 
 
+def _cmd_appliance_start(args):
+    from mpi_launch.appliance.client import default_state_dir
+
+    state_dir = args.state_dir or default_state_dir()
+    if args.foreground:
+        from mpi_launch.appliance.service import Service
+
+        service = Service(state_dir, args.socket, args.num_csx)
+        print(f"appliance: pid {os.getpid()}, {args.num_csx} CS-2s, socket {service.socket_path}", flush=True)
+        service.serve()
+        return 0
+    from mpi_launch.appliance.service import start_background
+
+    pid, sock = start_background(state_dir, args.socket, args.num_csx)
+    print(f"appliance started: pid {pid}, {args.num_csx} CS-2s, socket {sock}, state in {state_dir}")
+    if args.socket or state_dir != default_state_dir():
+        print(f"  (other commands find it with --socket {sock} or WSE_APPLIANCE_SOCKET={sock})")
+    return 0
+
+
+def _cmd_appliance_stop(args):
+    import time
+
+    from mpi_launch.appliance.client import ApplianceError, Client
+    from mpi_launch.appliance.service import GRACE_SECONDS
+
+    client = Client(args.socket)
+    reply = client.stop()
+    deadline = time.monotonic() + GRACE_SECONDS + 30
+    while time.monotonic() < deadline:  # until the service has ended its jobs' ranks and closed its socket
+        try:
+            client.status()
+        except ApplianceError:
+            break
+        time.sleep(0.2)
+    else:
+        raise ApplianceError(f"the appliance (pid {reply['pid']}) is still stopping after "
+                             f"{GRACE_SECONDS + 30:g} s")
+    kept = f"; {reply['running']} running job(s) interrupted, resumed at its next start" if reply["running"] else ""
+    print(f"appliance stopped (pid {reply['pid']}){kept}")
+    return 0
+
+
+def _cmd_appliance_status(args):
+    from mpi_launch.appliance.client import Client
+
+    _print_json_or_lines(Client(args.socket).status(), args.json)
+    return 0
+
+
+def _cmd_submit(args):
+    from pyapi.job import Job
+
+    job = Job.from_yaml(args.params, model_dir=args.model_dir, overrides=_overrides(args))
+    if args.slurm:
+        from mpi_launch.appliance import slurm
+
+        job_id, script = slurm.submit(job, max_restarts=args.max_restarts, name=args.name)
+        print(f"submitted Slurm job {job_id} ({job.params.runconfig.num_csx} CS-2s, model_dir {job.model_dir}); "
+              f"script {script}")
+        return 0
+    handle = job.submit(max_restarts=args.max_restarts, priority=args.priority, name=args.name, socket=args.socket)
+    st = handle.status()
+    print(f"job {handle.id}: {st['state']} ({st['num_csx']} CS-2s, model_dir {handle.model_dir}); "
+          f"follow it with `wse logs {handle.id} -f`")
+    if args.follow:
+        return _follow(handle.client, handle.id)
+    return 0
+
+
+def _follow(client, job_id):
+    for piece in client.logs(job_id, follow=True):
+        sys.stdout.write(piece)
+        sys.stdout.flush()
+    job = client.job(job_id)
+    print(f"job {job_id}: {job['state']}" + (f": {job['reason']}" if job["state"] != "done" and job["reason"] else ""),
+          file=sys.stderr)
+    return 0 if job["state"] == "done" else 1
+
+
+def _fmt(x, spec, empty="-"):
+    return empty if x is None else format(x, spec)
+
+
+def _cmd_jobs(args):
+    import json
+
+    if args.slurm:
+        from mpi_launch.appliance import slurm
+
+        jobs = slurm.jobs()
+    else:
+        from mpi_launch.appliance.client import Client
+
+        jobs = Client(args.socket).jobs()
+    if args.json:
+        print(json.dumps(jobs, indent=2))
+        return 0
+    if not jobs:
+        print("no jobs")
+        return 0
+    print(f"{'ID':>5}  {'STATE':<10} {'USER':<10} {'CS-2':>4} {'STEP':>9} {'LOSS':>8} {'SIM ms':>8} {'WALL s':>8} "
+          f"{'RESTARTS':>8}  NAME")
+    for j in jobs:
+        step = f"{j['step']}/{j['max_steps']}" if j.get("max_steps") else _fmt(j.get("step"), "")
+        print(f"{j['id']:>5}  {j['state']:<10} {j['user']:<10} {_fmt(j['num_csx'], '>4')} {step:>9} "
+              f"{_fmt(j.get('loss'), '8.4f'):>8} {_fmt(j.get('sim_seconds') and j['sim_seconds'] * 1e3, '8.4g'):>8} "
+              f"{_fmt(j.get('wall_seconds'), '8.1f'):>8} {_fmt(j.get('restarts'), '>8')}  {j['name']}")
+        if j.get("reason") and j["state"] in ("failed", "cancelled", "queued"):
+            print(f"{'':>7}{j['reason']}")
+    return 0
+
+
+def _cmd_logs(args):
+    if args.slurm:
+        from mpi_launch.appliance import slurm
+
+        sys.stdout.write(slurm.logs(args.job))
+        return 0
+    from mpi_launch.appliance.client import Client
+
+    client = Client(args.socket)
+    if args.follow:
+        return _follow(client, args.job)
+    for piece in client.logs(args.job):
+        sys.stdout.write(piece)
+    return 0
+
+
+def _cmd_cancel(args):
+    if args.slurm:
+        from mpi_launch.appliance import slurm
+
+        slurm.cancel(args.job)
+        print(f"Slurm job {args.job}: cancel sent (scancel)")
+        return 0
+    from mpi_launch.appliance.client import Client
+
+    job = Client(args.socket).cancel(args.job)
+    print(f"job {args.job}: " + ("cancelled" if job["state"] == "cancelled" else
+                                 "cancelling (its ranks are being stopped)"))
+    return 0
+
+
 def _cmd_validate(args):
     import json
 
@@ -381,6 +525,66 @@ def build_parser(argv=()):
     p.add_argument("--dry-run", "--dry_run", dest="dry_run", action="store_true", help="print the mpiexec command only")
     p.add_argument("--hostfile", metavar="FILE", help="hosts for mpiexec (one per line)")
     p.set_defaults(func=_cmd_fit)
+
+    p = sub.add_parser("appliance", help="a service owning a pool of CS-2s that queues and runs users' jobs",
+                       description="The appliance: a long-running service owning a pool of emulated CS-2s. Users "
+                                   "queue jobs on it with `wse submit`, and list, follow and cancel them with "
+                                   "`wse jobs`, `wse logs`, `wse cancel`; each sees only their own jobs.")
+    ap_sub = p.add_subparsers(dest="appliance_command", metavar="ACTION", required=True)
+    ap = ap_sub.add_parser("start", help="start the service (in the background unless --foreground)")
+    _opt(ap, "--num_csx", type=int, default=4, metavar="N", help="CS-2s in the pool (default 4)")
+    ap.add_argument("--socket", metavar="PATH", help="where it listens (default: STATE_DIR/appliance.sock)")
+    _opt(ap, "--state_dir", metavar="DIR", help="its job records and logs (default: /var/lib/wse-appliance "
+                                                "for root, ~/.local/state/wse-appliance for others)")
+    ap.add_argument("--foreground", action="store_true", help="run in this process (for systemd and the like)")
+    ap.set_defaults(func=_cmd_appliance_start)
+    for name, func, text in (("stop", _cmd_appliance_stop, "stop the service; running jobs resume at its next "
+                                                           "start"),
+                             ("status", _cmd_appliance_status, "the pool: CS-2s free, jobs queued and running")):
+        ap = ap_sub.add_parser(name, help=text)
+        ap.add_argument("--socket", metavar="PATH", help="the appliance's socket (default: see `wse submit --help`)")
+        if name == "status":
+            ap.add_argument("--json", action="store_true", help="print JSON")
+        ap.set_defaults(func=func)
+
+    socket_help = ("the appliance's socket (default: $WSE_APPLIANCE_SOCKET, else this user's own appliance, else "
+                   "/var/lib/wse-appliance/appliance.sock)")
+    p = sub.add_parser("submit", help="queue a training job on the appliance (or on Slurm with --slurm)",
+                       description="Validate PARAMS, check its data as you, and queue it on the appliance; print "
+                                   "the job id at once. The job waits until its CS-2s are free, runs as you, "
+                                   "resumes from MODEL_DIR/latest, and is restarted from its latest checkpoint "
+                                   "after a fault up to --max_restarts times.")
+    p.add_argument("params", metavar="PARAMS", help="params YAML file")
+    _opt(p, "--num_csx", type=int, metavar="K", help="override runconfig.num_csx")
+    _opt(p, "--execution_strategy", choices=["weight_streaming", "pipeline", "auto"],
+         help="override runconfig.execution_strategy")
+    _opt(p, "--model_dir", metavar="DIR", help="override runconfig.model_dir")
+    _opt(p, "--max_restarts", type=int, default=0, metavar="R", help="restarts after a fault (default 0)")
+    p.add_argument("--priority", type=int, default=0, metavar="P",
+                   help="higher runs first; first come, first served within a priority (default 0)")
+    p.add_argument("--name", help="the job's name in `wse jobs` (default: model_dir's name)")
+    p.add_argument("--set", action="append", metavar="KEY.PATH=VALUE", help="override a params value (repeatable)")
+    p.add_argument("-f", "--follow", action="store_true", help="then follow its log until it ends")
+    p.add_argument("--slurm", action="store_true", help="submit to Slurm with sbatch instead (one task per rank)")
+    p.add_argument("--socket", metavar="PATH", help=socket_help)
+    p.set_defaults(func=_cmd_submit)
+
+    p = sub.add_parser("jobs", help="your jobs on the appliance: state, CS-2s, step, loss, simulated and wall time")
+    p.add_argument("--json", action="store_true", help="print JSON")
+    p.add_argument("--slurm", action="store_true", help="your wse jobs on Slurm (squeue and sacct)")
+    p.add_argument("--socket", metavar="PATH", help=socket_help)
+    p.set_defaults(func=_cmd_jobs)
+    p = sub.add_parser("logs", help="a job's log; -f follows it until the job ends")
+    p.add_argument("job", type=int, metavar="JOB")
+    p.add_argument("-f", "--follow", action="store_true", help="follow until the job ends")
+    p.add_argument("--slurm", action="store_true", help="JOB is a Slurm job id")
+    p.add_argument("--socket", metavar="PATH", help=socket_help)
+    p.set_defaults(func=_cmd_logs)
+    p = sub.add_parser("cancel", help="cancel a queued job, or stop a running one cleanly")
+    p.add_argument("job", type=int, metavar="JOB")
+    p.add_argument("--slurm", action="store_true", help="JOB is a Slurm job id (scancel)")
+    p.add_argument("--socket", metavar="PATH", help=socket_help)
+    p.set_defaults(func=_cmd_cancel)
 
     p = sub.add_parser("validate", help="eval loss of a checkpoint on eval_input (no mpiexec)",
                        description="Load a checkpoint (default: MODEL_DIR/latest) and compute the model's loss "
@@ -536,12 +740,15 @@ def main(argv=None):
             default_show(message, category, *rest, **kwargs)
 
     warnings.showwarning = show
+    from mpi_launch.appliance.client import ApplianceError
+    from pyapi.job import JobError
+
     try:
         from wse_core import configure_process
 
         configure_process()
         return args.func(args)
-    except (ValueError, TypeError, OSError, MPILaunchError) as exc:
+    except (ValueError, TypeError, OSError, MPILaunchError, ApplianceError, JobError) as exc:
         # User-facing failures are one line; WSE_DEBUG=1 shows the traceback behind it.
         if os.environ.get("WSE_DEBUG"):
             raise

@@ -6,6 +6,9 @@
     result = job.fit()       # starts mpiexec underneath; works from a script or a notebook
     result.metrics[-1]["loss"]
     job.validate()           # eval loss of the latest checkpoint on eval_input
+
+    handle = job.submit(max_restarts=1)   # or queue it on a running appliance (`wse appliance start`)
+    handle.status(); handle.wait(); handle.metrics(); handle.cancel()
 """
 import json
 import sys
@@ -65,20 +68,23 @@ class Job:
         from mpi_launch.rundir import RunDir
 
         self._check_inputs()
-        cmd, _ = self._command(hostfile)
+        cmd, _ = self._command(hostfile, None)
         with RunDir(self.model_dir).lock("wse fit --dry-run") as run_dir:
             run_dir.prepare(self.params, checkpoint=checkpoint_path)
         return cmd
 
-    def _command(self, hostfile):
+    def _command(self, hostfile, cores):
         from mpi_launch.mpiexec import check_capacity, fit_command
 
-        cmd, plan = fit_command(self.params, hostfile=hostfile)
-        check_capacity(plan, hostfile=hostfile)
+        cmd, plan = fit_command(self.params, hostfile=hostfile, cores=cores)
+        check_capacity(plan, hostfile=hostfile, cores=cores)
         return cmd, plan
 
-    def fit(self, *, checkpoint_path=None, hostfile=None, stream=sys.stdout):
+    def fit(self, *, checkpoint_path=None, hostfile=None, cores=None, stream=sys.stdout):
         """Train; raise JobError with one line if any rank fails.
+
+        ``cores``: how many of this machine's cores the job's CS-2 ranks share (default: all; the
+        appliance gives each job its share of the pool).
 
         Only one job runs in a model_dir at a time (RunDirBusy names the one that does). SIGTERM,
         SIGINT or SIGHUP to this process end the job's ranks and raise
@@ -88,7 +94,7 @@ class Job:
         from mpi_launch.watchdog import launch
 
         self._check_inputs()
-        cmd, plan = self._command(hostfile)
+        cmd, plan = self._command(hostfile, cores)
         r = self.params.runconfig
         if r.execution_strategy != "weight_streaming":
             from mpi_launch.plan import strategy
@@ -113,6 +119,19 @@ class Job:
                     raise JobError(failure)
             result.metrics = run_dir.read_metrics()
         return result
+
+    def submit(self, *, max_restarts=0, priority=0, name=None, socket=None):
+        """Queue the job on a running appliance (docs/design.md section 11); return its ``SubmittedJob``.
+
+        The data is checked here first, as the submitting user. The job runs as that user, resumes
+        from model_dir's latest checkpoint, and is restarted from its checkpoint after a fault up to
+        ``max_restarts`` times. ``socket``: the appliance's (default: ``$WSE_APPLIANCE_SOCKET``, this
+        user's own appliance, then the machine's).
+        """
+        from mpi_launch.appliance.client import Client
+
+        self._check_inputs()
+        return Client(socket).submit(self.params, max_restarts=max_restarts, priority=priority, name=name)
 
     def validate(self, *, checkpoint_path=None, batches=None):
         """Eval loss of a checkpoint (default: model_dir's latest) on ``eval_input``.

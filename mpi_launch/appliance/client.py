@@ -1,0 +1,185 @@
+"""Talking to the appliance: where its socket is, one request per connection, and the job handle.
+
+The wire format is one JSON object per line over a unix socket: the client sends one request
+(``{"op": ..., ...}``) and reads replies until the service closes the connection; a reply with
+``"error"`` is a refusal, one line. Who is asking is not in the request: the service reads the
+caller's uid from the socket itself (``SO_PEERCRED``). See docs/design.md section 11.
+"""
+import json
+import os
+import socket
+import time
+from pathlib import Path
+
+#: The socket of an appliance started by root, which serves every user of the machine.
+SYSTEM_STATE_DIR = Path("/var/lib/wse-appliance")
+SOCKET_NAME = "appliance.sock"
+SOCKET_ENV = "WSE_APPLIANCE_SOCKET"
+#: A request line longer than this is refused (params files are a few KiB).
+MAX_LINE = 1 << 20
+
+
+class ApplianceError(RuntimeError):
+    """The appliance refused a request or cannot be reached (one line)."""
+
+
+def user_state_dir():
+    """Where an appliance started by an ordinary user keeps its state: $XDG_STATE_HOME/wse-appliance."""
+    base = os.environ.get("XDG_STATE_HOME") or Path.home() / ".local" / "state"
+    return Path(base) / "wse-appliance"
+
+
+def default_state_dir():
+    return SYSTEM_STATE_DIR if os.geteuid() == 0 else user_state_dir()
+
+
+def default_socket():
+    """$WSE_APPLIANCE_SOCKET; else this user's own appliance if one has a socket; else the machine's."""
+    if os.environ.get(SOCKET_ENV):
+        return Path(os.environ[SOCKET_ENV])
+    own = default_state_dir() / SOCKET_NAME
+    if own.exists():
+        return own
+    return SYSTEM_STATE_DIR / SOCKET_NAME
+
+
+def send_line(sock, obj):
+    sock.sendall((json.dumps(obj) + "\n").encode())
+
+
+class Client:
+    """Requests to one appliance."""
+
+    def __init__(self, socket_path=None):
+        self.path = Path(socket_path) if socket_path else default_socket()
+
+    def _connect(self):
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            s.connect(str(self.path))
+        except FileNotFoundError:
+            s.close()
+            raise ApplianceError(f"no appliance at {self.path}: start one with `wse appliance start`, "
+                                 f"or name its socket with --socket or ${SOCKET_ENV}") from None
+        except OSError as exc:
+            s.close()
+            raise ApplianceError(f"cannot reach the appliance at {self.path}: {exc.strerror or exc}") from None
+        return s
+
+    def stream(self, op, **fields):
+        """Send one request; yield each reply until the service closes the connection."""
+        with self._connect() as s:
+            try:
+                send_line(s, {"op": op, **fields})
+            except OSError as exc:
+                raise ApplianceError(f"the appliance at {self.path} dropped the connection: "
+                                     f"{exc.strerror or exc}") from None
+            buffer = b""
+            while True:
+                try:
+                    chunk = s.recv(65536)
+                except OSError as exc:  # e.g. reset by a service that is stopping
+                    raise ApplianceError(f"the appliance at {self.path} dropped the connection: "
+                                         f"{exc.strerror or exc}") from None
+                if not chunk:
+                    break
+                buffer += chunk
+                *lines, buffer = buffer.split(b"\n")
+                for line in lines:
+                    reply = json.loads(line)
+                    if "error" in reply:
+                        raise ApplianceError(reply["error"])
+                    yield reply
+        if buffer.strip():
+            raise ApplianceError(f"the appliance at {self.path} closed the connection mid-reply")
+
+    def request(self, op, **fields):
+        """One request, one reply."""
+        for reply in self.stream(op, **fields):
+            return reply
+        raise ApplianceError(f"the appliance at {self.path} closed the connection without a reply")
+
+    # -- the operations ------------------------------------------------------------------------
+    def status(self):
+        return self.request("status")
+
+    def submit(self, params, *, max_restarts=0, priority=0, name=None):
+        """Queue a validated job (``pyapi.params.RunSpec``); return its ``SubmittedJob``."""
+        d = params.to_dict()
+        model_dir = Path(d["runconfig"]["model_dir"]).absolute()
+        d["runconfig"]["model_dir"] = str(model_dir)
+        reply = self.request("submit", params=d, cwd=os.getcwd(), max_restarts=max_restarts, priority=priority,
+                             name=name or model_dir.name)
+        return SubmittedJob(self, reply["job"]["id"], model_dir)
+
+    def jobs(self):
+        return self.request("jobs")["jobs"]
+
+    def job(self, job_id):
+        return self.request("job", id=job_id)["job"]
+
+    def cancel(self, job_id):
+        return self.request("cancel", id=job_id)["job"]
+
+    def logs(self, job_id, follow=False):
+        """The job's log as it grows (``follow``) or as it stands: an iterator of text pieces."""
+        for reply in self.stream("logs", id=job_id, follow=follow):
+            if "data" in reply:
+                yield reply["data"]
+
+    def wait(self, job_id, timeout=None):
+        """The job's record once it has ended (or ApplianceError after ``timeout`` seconds)."""
+        return self.request("wait", id=job_id, timeout=timeout)["job"]
+
+    def stop(self):
+        return self.request("stop")
+
+
+class SubmittedJob:
+    """A job in the appliance's queue, from Python: ``status()``, ``wait()``, ``metrics()``, ``logs()``, ``cancel()``."""
+
+    def __init__(self, client, job_id, model_dir):
+        self.client, self.id, self.model_dir = client, job_id, Path(model_dir)
+
+    def __repr__(self):
+        return f"SubmittedJob(id={self.id}, model_dir={str(self.model_dir)!r})"
+
+    def status(self):
+        """The job's record: state, CS-2s, step, loss, simulated and wall seconds, restarts, reason."""
+        return self.client.job(self.id)
+
+    def wait(self, timeout=None):
+        """Block until the job ends; return its record, or raise JobError if it failed or was cancelled."""
+        from pyapi.job import JobError
+
+        job = self.client.wait(self.id, timeout)
+        if job["state"] != "done":
+            raise JobError(f"job {self.id} {job['state']}: {job['reason']}")
+        return job
+
+    def metrics(self):
+        """Every step's record of metrics.jsonl so far (read from the job's model_dir)."""
+        from mpi_launch.rundir import RunDir
+
+        return RunDir(self.model_dir).read_metrics()
+
+    def logs(self, follow=False):
+        return "".join(self.client.logs(self.id, follow))
+
+    def cancel(self):
+        return self.client.cancel(self.id)
+
+
+def wait_for_socket(path, proc, timeout):
+    """Wait until an appliance answers at ``path`` (True), or ``proc`` exits (False)."""
+    deadline = time.monotonic() + timeout
+    client = Client(path)
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            return False
+        try:
+            client.status()
+            return True
+        except ApplianceError:
+            time.sleep(0.1)
+    return False

@@ -1,0 +1,663 @@
+"""The appliance: a long-running service that owns a pool of emulated CS-2s and runs users' jobs on it.
+
+``wse appliance start --num_csx N`` starts it (``python -m mpi_launch.appliance.service``). It
+listens on a unix socket, keeps its jobs in SQLite (``store``), and runs each job as a runner
+process (``runner``: ``Job.fit`` under the watchdog) with the job's share of the machine's
+cores. One thread, one ``select``: requests, the runners' exits (SIGCHLD through the wakeup fd)
+and a half-second tick while someone follows a log or a cancelled runner is given its grace.
+It never spins (docs/design.md section 3).
+
+Scheduling (docs/design.md section 11): a job waits until its CS-2s are free; queued jobs are
+considered by priority, then in order of submission, and a later job that fits may start ahead of
+one that does not. That overtaking is bounded: once ``MAX_OVERTAKES`` later jobs have started
+ahead of a waiting job, nothing behind it starts until it has, so the CS-2s it needs come free
+and a large job is never starved by a stream of small ones.
+
+Users: the caller of every request is the uid the kernel gives for the socket's peer
+(``SO_PEERCRED``), never a name in the request. A user sees and controls only their own jobs;
+root sees all. A service run by root runs each job as the user who submitted it (their uid,
+groups, home and directory), so a job writes only where its user may; a service run by an
+ordinary user serves only that user.
+"""
+import argparse
+import codecs
+import fcntl
+import json
+import os
+import pwd
+import selectors
+import signal
+import socket
+import struct
+import subprocess
+import sys
+import time
+import traceback
+import warnings
+from pathlib import Path
+
+from mpi_launch import MPILaunchError
+from mpi_launch.appliance.client import MAX_LINE, SOCKET_ENV, SOCKET_NAME, ApplianceError, Client
+from mpi_launch.appliance.runner import EXIT_BAD_INPUT, EXIT_JOB_FAILED
+from mpi_launch.appliance.store import ACTIVE, ENDED, Store
+
+#: How many later jobs may start ahead of a waiting job before it holds the pool for itself.
+MAX_OVERTAKES = 2
+#: Seconds a cancelled or stopped job's runner gets to end its ranks before its process group is killed.
+GRACE_SECONDS = 30.0
+#: A connection that has not sent its request within this many seconds is closed.
+IDLE_SECONDS = 30.0
+MAX_CONNECTIONS = 256
+#: Seconds between looks at a followed log (only while someone follows one).
+TICK_SECONDS = 0.5
+_LOG_CHUNK = 65536
+_REQUIRED = object()
+
+
+class RequestError(ValueError):
+    """A request the service refuses; the message is the one line the caller sees."""
+
+
+def _user(uid):
+    try:
+        return pwd.getpwuid(uid).pw_name
+    except KeyError:
+        return str(uid)
+
+
+class _Conn:
+    def __init__(self, sock):
+        self.sock = sock
+        self.pid, self.uid, self.gid = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
+                                                                         struct.calcsize("3i")))
+        self.inbuf, self.outbuf = b"", b""
+        self.opened = time.monotonic()
+        self.answered = False       # its request has been read (it may be following a log or waiting)
+        self.close_after = False    # close once outbuf is sent
+        self.follow = None          # (job id, offset, decoder) while following a log
+        self.wait = None            # (job id, deadline) while waiting for a job to end
+
+
+class Service:
+    """The appliance's state and its loop. ``serve()`` runs until ``wse appliance stop`` or SIGTERM."""
+
+    def __init__(self, state_dir, socket_path=None, num_csx=4):
+        if not isinstance(num_csx, int) or num_csx < 1:
+            raise ValueError(f"--num_csx: expected a positive integer, got {num_csx!r}")
+        self.state_dir = Path(state_dir).absolute()
+        self.socket_path = Path(socket_path).absolute() if socket_path else self.state_dir / SOCKET_NAME
+        self.num_csx, self.cores = num_csx, os.cpu_count() or 1
+        self.owner = os.geteuid()
+        self.state_dir.mkdir(parents=True, exist_ok=True)
+        self._lock_fd = self._lock()
+        self.logs_dir = self.state_dir / "logs"
+        self.logs_dir.mkdir(mode=0o700, exist_ok=True)
+        self.log = open(self.state_dir / "service.log", "a", buffering=1)
+        self.store = Store(self.state_dir / "jobs.sqlite")
+        self.listener = self._listen()
+        self.conns = {}        # fd -> _Conn
+        self.procs = {}        # job id -> the runner (Popen) of its current attempt
+        self.cancelling = {}   # job id -> who cancelled it
+        self.deadlines = {}    # job id -> monotonic time at which its runner's process group is killed
+        self.stopping = False
+        self.sel = selectors.DefaultSelector()
+        for job_id in self.store.requeue_running("the appliance stopped while it ran; resumed from its latest "
+                                                 "checkpoint"):
+            self.say(f"job {job_id}: was running when the appliance stopped; queued again")
+
+    # -- start-up ------------------------------------------------------------------------------
+    def _lock(self):
+        """One service per state directory: an flock the kernel drops when the service dies."""
+        fd = os.open(self.state_dir / "service.lock", os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.read(fd, 100).decode(errors="replace").strip() or "?"
+            os.close(fd)
+            raise ApplianceError(f"{self.state_dir}: in use by the appliance of pid {holder}") from None
+        os.ftruncate(fd, 0)
+        os.write(fd, str(os.getpid()).encode())
+        return fd
+
+    def _listen(self):
+        if self.socket_path.exists():
+            try:
+                Client(self.socket_path).status()
+                raise ApplianceError(f"{self.socket_path}: an appliance already answers there")
+            except ApplianceError as exc:
+                if "already answers" in str(exc):
+                    raise
+            self.socket_path.unlink()  # left by a service that was killed
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        s.bind(str(self.socket_path))
+        # Root's appliance serves every user (each is told apart by the kernel, not by the request).
+        os.chmod(self.socket_path, 0o666 if self.owner == 0 else 0o600)
+        s.listen(64)
+        s.setblocking(False)
+        return s
+
+    def say(self, line):
+        self.log.write(f"{time.strftime('%Y-%m-%d %H:%M:%S')} {line}\n")
+
+    # -- the loop ------------------------------------------------------------------------------
+    def serve(self):
+        wake_r, wake_w = os.pipe()
+        os.set_blocking(wake_r, False)
+        os.set_blocking(wake_w, False)
+        signal.set_wakeup_fd(wake_w)
+        for sig in (signal.SIGCHLD, signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+            signal.signal(sig, lambda *_: None)  # the wakeup fd carries the signal number
+        self.sel.register(self.listener, selectors.EVENT_READ, "accept")
+        self.sel.register(wake_r, selectors.EVENT_READ, "signal")
+        self.say(f"appliance started: pid {os.getpid()}, {self.num_csx} CS-2s, {self.cores} cores, socket "
+                 f"{self.socket_path}")
+        self.schedule()
+        while not (self.stopping and not self.procs):
+            timeout = TICK_SECONDS if self.conns or self.deadlines else None
+            for key, events in self.sel.select(timeout):
+                if key.data == "accept":
+                    self._accept()
+                elif key.data == "signal":
+                    for sig in os.read(wake_r, 512):
+                        if sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+                            self.begin_stop(f"signal {signal.Signals(sig).name}")
+                else:
+                    conn = key.data
+                    if events & selectors.EVENT_READ:
+                        self._read(conn)
+                    if events & selectors.EVENT_WRITE and conn.sock.fileno() in self.conns:
+                        self._flush(conn)
+            self.reap()
+            self.tick()
+        for conn in list(self.conns.values()):
+            self._flush(conn)
+            self._close(conn)
+        self.say("appliance stopped")
+        self.socket_path.unlink(missing_ok=True)
+        self.store.close()
+        os.close(self._lock_fd)
+
+    def begin_stop(self, why):
+        """Stop taking jobs; interrupt the running ones (they resume from their checkpoints at the next start)."""
+        if self.stopping:
+            return
+        self.stopping = True
+        self.say(f"stopping ({why}): {len(self.procs)} running job(s) interrupted")
+        self.sel.unregister(self.listener)
+        self.listener.close()
+        for job_id in self.procs:
+            self._signal_runner(job_id, signal.SIGTERM)
+
+    # -- connections ---------------------------------------------------------------------------
+    def _accept(self):
+        try:
+            sock, _ = self.listener.accept()
+        except OSError:
+            return
+        if len(self.conns) >= MAX_CONNECTIONS:
+            sock.close()
+            return
+        sock.setblocking(False)
+        conn = _Conn(sock)
+        self.conns[sock.fileno()] = conn
+        self.sel.register(sock, selectors.EVENT_READ, conn)
+
+    def _read(self, conn):
+        try:
+            chunk = conn.sock.recv(65536)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:
+            chunk = b""
+        if not chunk:
+            self._close(conn)
+            return
+        if conn.answered:
+            return  # one request per connection: anything more is ignored
+        conn.inbuf += chunk
+        if b"\n" not in conn.inbuf:
+            if len(conn.inbuf) > MAX_LINE:
+                self._reply(conn, {"error": f"request longer than {MAX_LINE} bytes"}, last=True)
+            return
+        line = conn.inbuf.split(b"\n", 1)[0]
+        conn.answered, conn.inbuf = True, b""
+        self._handle(conn, line)
+
+    def _send(self, conn, obj):
+        conn.outbuf += (json.dumps(obj) + "\n").encode()
+        self._flush(conn)
+
+    def _reply(self, conn, obj, last=True):
+        self._send(conn, obj)
+        if last:
+            conn.close_after = True
+            if not conn.outbuf:
+                self._close(conn)
+
+    def _flush(self, conn):
+        if conn.outbuf:
+            try:
+                sent = conn.sock.send(conn.outbuf)
+                conn.outbuf = conn.outbuf[sent:]
+            except (BlockingIOError, InterruptedError):
+                pass
+            except OSError:
+                self._close(conn)
+                return
+        if conn.sock.fileno() not in self.conns:
+            return
+        if conn.close_after and not conn.outbuf:
+            self._close(conn)
+            return
+        events = selectors.EVENT_READ | (selectors.EVENT_WRITE if conn.outbuf else 0)
+        self.sel.modify(conn.sock, events, conn)
+
+    def _close(self, conn):
+        fd = conn.sock.fileno()
+        if fd in self.conns:
+            del self.conns[fd]
+            self.sel.unregister(conn.sock)
+        conn.sock.close()
+
+    # -- requests ------------------------------------------------------------------------------
+    def _handle(self, conn, line):
+        try:
+            try:
+                req = json.loads(line)
+            except (ValueError, RecursionError):
+                raise RequestError("a request is one line of JSON") from None
+            if not isinstance(req, dict):
+                raise RequestError("a request is a JSON object")
+            op = req.pop("op", None)
+            handler = getattr(self, f"op_{op}", None) if isinstance(op, str) and op.isidentifier() else None
+            if handler is None:
+                raise RequestError(f"unknown request {op!r}")
+            handler(conn, req)
+        except (RequestError, ValueError, MPILaunchError) as exc:  # ParamsError is a ValueError
+            self._reply(conn, {"error": str(exc).splitlines()[0] if str(exc) else type(exc).__name__})
+        except Exception as exc:  # a request must never take the service down
+            self.say(f"request from uid {conn.uid} failed: {traceback.format_exc()}")
+            self._reply(conn, {"error": f"request refused: {type(exc).__name__}: {(str(exc).splitlines() or [''])[0]}"})
+
+    @staticmethod
+    def _fields(req, spec):
+        """``req``'s fields checked against ``spec`` {name: (type, default)}: unknown or mistyped ones refused."""
+        unknown = set(req) - set(spec)
+        if unknown:
+            raise RequestError(f"unknown field {sorted(unknown)[0]!r}")
+        out = {}
+        for name, (kind, default) in spec.items():
+            value = req.get(name, default)
+            if value is _REQUIRED:
+                raise RequestError(f"{name}: required")
+            if value is not None and (not isinstance(value, kind) or isinstance(value, bool) and kind is not bool):
+                kinds = kind if isinstance(kind, tuple) else (kind,)
+                raise RequestError(f"{name}: expected {' or '.join(k.__name__ for k in kinds)}, "
+                                   f"got {type(value).__name__}")
+            out[name] = value
+        return out
+
+    def _job_of(self, conn, job_id):
+        job = self.store.get(job_id)
+        if job is None or (conn.uid != 0 and job["uid"] != conn.uid):
+            raise RequestError(f"no job {job_id} of yours (user {_user(conn.uid)})")
+        return job
+
+    def op_status(self, conn, req):
+        self._fields(req, {})
+        counts = {}
+        for job in self.store.jobs(states=ACTIVE):
+            counts[job["state"]] = counts.get(job["state"], 0) + 1
+        self._reply(conn, {"pid": os.getpid(), "user": _user(self.owner), "num_csx": self.num_csx,
+                           "free_csx": self.num_csx - self._busy(), "cores": self.cores,
+                           "queued": counts.get("queued", 0), "running": counts.get("running", 0),
+                           "socket": str(self.socket_path), "state_dir": str(self.state_dir),
+                           "stopping": self.stopping})
+
+    def op_submit(self, conn, req):
+        from pyapi.params import validate
+
+        f = self._fields(req, {"params": (dict, _REQUIRED), "cwd": (str, _REQUIRED), "max_restarts": (int, 0),
+                               "priority": (int, 0), "name": (str, "job")})
+        if self.stopping:
+            raise RequestError("the appliance is stopping; submit again once it has been started")
+        if self.owner != 0 and conn.uid != self.owner:
+            raise RequestError(f"this appliance serves only user {_user(self.owner)}; start your own with "
+                               "`wse appliance start`")
+        try:
+            account = pwd.getpwuid(conn.uid)
+        except KeyError:
+            raise RequestError(f"uid {conn.uid} has no account on this machine") from None
+        if not 0 <= f["max_restarts"] <= 100:
+            raise RequestError(f"max_restarts: expected 0..100, got {f['max_restarts']}")
+        if not -1000 <= f["priority"] <= 1000:
+            raise RequestError(f"priority: expected -1000..1000, got {f['priority']}")
+        name = "".join(c for c in f["name"] if c.isprintable())[:64] or "job"
+        if not os.path.isabs(f["cwd"]):
+            raise RequestError(f"cwd: expected an absolute path, got {f['cwd']!r}")
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the submitter's own check showed them
+            spec = validate(f["params"])
+        r = spec.runconfig
+        model_dir = str(r.model_dir)
+        if not os.path.isabs(model_dir):
+            raise RequestError(f"runconfig.model_dir: expected an absolute path, got {model_dir!r}")
+        if r.num_csx > self.num_csx:
+            raise RequestError(f"runconfig.num_csx: {r.num_csx} CS-2s asked, the appliance has {self.num_csx}")
+        for other in self.store.jobs(states=ACTIVE):
+            if os.path.normpath(other["model_dir"]) == os.path.normpath(model_dir):
+                raise RequestError(f"runconfig.model_dir: {model_dir} is the model_dir of job {other['id']} "
+                                   f"({other['state']}); use another")
+        from mpi_launch.mpiexec import check_capacity
+        from mpi_launch.plan import plan_for
+
+        check_capacity(plan_for(spec)[0], cores=self._cores_for(r.num_csx))
+        job_id = self.store.add(uid=conn.uid, gid=account.pw_gid, user=account.pw_name, name=name,
+                                params=spec.to_dict(), cwd=f["cwd"], model_dir=model_dir, num_csx=r.num_csx,
+                                max_steps=r.max_steps, priority=f["priority"], max_restarts=f["max_restarts"])
+        self.say(f"job {job_id}: submitted by {account.pw_name}: {r.num_csx} CS-2s, {model_dir}")
+        self.schedule()
+        self._reply(conn, {"job": self._public(self.store.get(job_id))})
+
+    def op_jobs(self, conn, req):
+        self._fields(req, {})
+        jobs = self.store.jobs(uid=None if conn.uid == 0 else conn.uid)
+        self._reply(conn, {"jobs": [self._public(j) for j in jobs]})
+
+    def op_job(self, conn, req):
+        f = self._fields(req, {"id": (int, _REQUIRED)})
+        self._reply(conn, {"job": self._public(self._job_of(conn, f["id"]))})
+
+    def op_cancel(self, conn, req):
+        f = self._fields(req, {"id": (int, _REQUIRED)})
+        job = self._job_of(conn, f["id"])
+        who = _user(conn.uid)
+        if job["state"] in ENDED:
+            raise RequestError(f"job {job['id']} has already ended ({job['state']})")
+        if job["state"] == "queued":
+            self._end(job, "cancelled", f"cancelled by {who} while queued")
+        elif job["id"] not in self.cancelling:
+            self.cancelling[job["id"]] = who
+            self._signal_runner(job["id"], signal.SIGTERM)
+            self.say(f"job {job['id']}: cancel asked by {who}; its ranks are being stopped")
+        self._reply(conn, {"job": self._public(self.store.get(job["id"]))})
+
+    def op_logs(self, conn, req):
+        f = self._fields(req, {"id": (int, _REQUIRED), "follow": (bool, False)})
+        job = self._job_of(conn, f["id"])
+        conn.follow = (job["id"], 0, codecs.getincrementaldecoder("utf-8")("replace"), f["follow"])
+        self._pump_log(conn)
+
+    def op_wait(self, conn, req):
+        f = self._fields(req, {"id": (int, _REQUIRED), "timeout": ((int, float), None)})
+        job = self._job_of(conn, f["id"])
+        deadline = None if f["timeout"] is None else time.monotonic() + f["timeout"]
+        conn.wait = (job["id"], deadline)
+        self._check_wait(conn)
+
+    def op_stop(self, conn, req):
+        self._fields(req, {})
+        if conn.uid not in (0, self.owner):
+            raise RequestError("only root may stop this appliance" if self.owner == 0 else
+                               f"only {_user(self.owner)} or root may stop this appliance")
+        self._reply(conn, {"stopping": True, "running": len(self.procs), "pid": os.getpid()})
+        self.begin_stop(f"asked by {_user(conn.uid)}")
+
+    # -- what a job record shows ---------------------------------------------------------------
+    @staticmethod
+    def _progress(job):
+        """Step, loss and simulated seconds so far, from model_dir's metrics.jsonl."""
+        from mpi_launch.rundir import RunDir
+
+        steps = [m for m in RunDir(job["model_dir"]).read_metrics() if "sim_step_s" in m]
+        last = steps[-1] if steps else {}
+        return {"step": last.get("step", 0), "loss": last.get("loss"),
+                "sim_seconds": sum(m["sim_step_s"] for m in steps)}
+
+    def _public(self, job):
+        keys = ("id", "name", "user", "state", "num_csx", "priority", "max_restarts", "restarts", "max_steps",
+                "model_dir", "submitted", "started", "ended", "reason", "step", "loss", "sim_seconds")
+        out = {k: job[k] for k in keys}
+        if job["state"] not in ENDED:
+            out.update(self._progress(job))
+        out["wall_seconds"] = None if job["started"] is None else (job["ended"] or time.time()) - job["started"]
+        return out
+
+    # -- scheduling ----------------------------------------------------------------------------
+    def _busy(self):
+        return sum(j["num_csx"] for j in self.store.jobs(states=("running",)))
+
+    def _cores_for(self, num_csx):
+        """A job's share of this machine's cores: as its share of the CS-2 pool."""
+        return max(1, self.cores * num_csx // self.num_csx)
+
+    def schedule(self):
+        if self.stopping:
+            return
+        starts, overtaken = pick(self.store.queue(), self.num_csx - self._busy())
+        for job_id in overtaken:
+            self.store.update(job_id, overtaken=self.store.get(job_id)["overtaken"] + 1)
+        for job in starts:
+            self._start(job)
+
+    def _start(self, job):
+        """Start an attempt of ``job``: its runner, as its user, writing its log."""
+        attempt = job["restarts"] + 1
+        cores = self._cores_for(job["num_csx"])
+        log_path = self.logs_dir / f"job_{job['id']}.log"
+        with open(log_path, "ab") as log:
+            log.write(f"== {time.strftime('%Y-%m-%d %H:%M:%S')} job {job['id']} attempt {attempt}: "
+                      f"{job['num_csx']} CS-2s, {cores} core(s), user {job['user']}, in {job['cwd']}\n".encode())
+            log.flush()
+            env = {k: v for k, v in os.environ.items() if k not in (SOCKET_ENV, "XDG_RUNTIME_DIR", "XDG_STATE_HOME")}
+            as_user = {}
+            if self.owner == 0 and job["uid"] != 0:
+                account = pwd.getpwuid(job["uid"])
+                env.update(HOME=account.pw_dir, USER=account.pw_name, LOGNAME=account.pw_name)
+                as_user = {"user": job["uid"], "group": job["gid"],
+                           "extra_groups": os.getgrouplist(account.pw_name, job["gid"])}
+            try:
+                proc = subprocess.Popen([sys.executable, "-u", "-m", "mpi_launch.appliance.runner"],
+                                        stdin=subprocess.PIPE, stdout=log, stderr=subprocess.STDOUT, cwd=job["cwd"],
+                                        env=env, start_new_session=True, **as_user)
+            except OSError as exc:
+                self._end(job, "failed", f"cannot start as {job['user']} in {job['cwd']}: {exc.strerror or exc}")
+                return
+        orders = {"params": job["params"], "cores": cores, "appliance_pid": os.getpid()}
+        try:
+            proc.stdin.write(json.dumps(orders).encode())
+            proc.stdin.close()
+        except OSError:
+            pass  # the runner is already gone: reap() reads its exit
+        self.procs[job["id"]] = proc
+        self.store.update(job["id"], state="running", pid=proc.pid, started=job["started"] or time.time())
+        self.say(f"job {job['id']}: attempt {attempt} started (runner pid {proc.pid}, {cores} core(s))")
+
+    def _end(self, job, state, reason):
+        self.store.update(job["id"], state=state, ended=time.time(), pid=None, reason=reason, **self._progress(job))
+        self.say(f"job {job['id']}: {state}" + (f": {reason}" if reason and state != "done" else ""))
+
+    def _signal_runner(self, job_id, sig):
+        proc = self.procs.get(job_id)
+        if proc is None:
+            return
+        try:
+            proc.send_signal(sig)  # the runner ends its ranks (JobInterrupted) and exits
+        except ProcessLookupError:
+            pass
+        self.deadlines.setdefault(job_id, time.monotonic() + GRACE_SECONDS)
+
+    def reap(self):
+        """Act on every runner that has exited: done, failed, restarted, cancelled or left to resume."""
+        changed = False
+        for job_id, proc in list(self.procs.items()):
+            code = proc.poll()
+            if code is None:
+                continue
+            changed = True
+            del self.procs[job_id]
+            self.deadlines.pop(job_id, None)
+            job = self.store.get(job_id)
+            line = self._last_line(job_id)
+            if job_id in self.cancelling:
+                self._end(job, "cancelled", f"cancelled by {self.cancelling.pop(job_id)} while running")
+            elif self.stopping:
+                self.store.update(job_id, state="queued", pid=None,
+                                  reason="interrupted when the appliance stopped; resumes from its latest checkpoint")
+            elif code == 0:
+                self._end(job, "done", job["reason"])  # the last fault it survived, if any
+            elif code == EXIT_BAD_INPUT:
+                self._end(job, "failed", line)
+            else:
+                why = line if code == EXIT_JOB_FAILED else f"its runner ended with {_exit_name(code)}"
+                if job["restarts"] < job["max_restarts"]:
+                    n = job["restarts"] + 1
+                    self.store.update(job_id, restarts=n, reason=why)
+                    self._log(job_id, f"== restart {n} of {job['max_restarts']} from the latest checkpoint after: "
+                                      f"{why}\n")
+                    self.say(f"job {job_id}: failed ({why}); restart {n} of {job['max_restarts']}")
+                    self._start(self.store.get(job_id))
+                else:
+                    self._end(job, "failed", why)
+        if changed:
+            self.schedule()
+
+    # -- logs, waits and deadlines -------------------------------------------------------------
+    def _log(self, job_id, text):
+        with open(self.logs_dir / f"job_{job_id}.log", "a") as f:
+            f.write(text)
+
+    def _last_line(self, job_id):
+        path = self.logs_dir / f"job_{job_id}.log"
+        try:
+            with open(path, "rb") as f:
+                f.seek(max(0, path.stat().st_size - 4096))
+                lines = [ln for ln in f.read().decode(errors="replace").splitlines() if ln.strip()]
+        except OSError:
+            return "its log is missing"
+        return lines[-1].strip() if lines else "it printed nothing"
+
+    def _pump_log(self, conn):
+        """Send what the log holds beyond what was sent; end the reply at its end, or, when following,
+        once the job has ended. A slow reader is served at the next tick."""
+        job_id, offset, decoder, follow = conn.follow
+        path = self.logs_dir / f"job_{job_id}.log"
+        while True:
+            if len(conn.outbuf) > _LOG_CHUNK:
+                return
+            try:
+                with open(path, "rb") as f:
+                    f.seek(offset)
+                    data = f.read(_LOG_CHUNK)
+            except FileNotFoundError:
+                data = b""
+            if not data:
+                break
+            offset += len(data)
+            conn.follow = (job_id, offset, decoder, follow)
+            self._send(conn, {"data": decoder.decode(data)})
+            if conn.sock.fileno() not in self.conns:
+                return
+        job = self.store.get(job_id)
+        if follow and job["state"] not in ENDED:
+            return
+        conn.follow = None
+        self._reply(conn, {"end": self._public(job)})
+
+    def _check_wait(self, conn):
+        job_id, deadline = conn.wait
+        job = self.store.get(job_id)
+        if job["state"] in ENDED:
+            conn.wait = None
+            self._reply(conn, {"job": self._public(job)})
+        elif deadline is not None and time.monotonic() > deadline:
+            conn.wait = None
+            self._reply(conn, {"error": f"job {job_id} is still {job['state']}"})
+
+    def tick(self):
+        now = time.monotonic()
+        for conn in list(self.conns.values()):
+            if conn.sock.fileno() not in self.conns:
+                continue
+            if conn.follow is not None:
+                self._pump_log(conn)
+            elif conn.wait is not None:
+                self._check_wait(conn)
+            elif not conn.answered and now - conn.opened > IDLE_SECONDS:
+                self._close(conn)
+        for job_id, deadline in list(self.deadlines.items()):
+            if now > deadline and job_id in self.procs:
+                self.say(f"job {job_id}: its runner did not end within {GRACE_SECONDS:g} s; killed")
+                try:
+                    os.killpg(self.procs[job_id].pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+                self.deadlines[job_id] = float("inf")
+
+
+def pick(queue, free, max_overtakes=MAX_OVERTAKES):
+    """The jobs of ``queue`` (in its order) to start on ``free`` CS-2s, and the ids of the waiting jobs
+    each start passes (one id per passing: a job passed twice is listed twice).
+
+    A job that does not fit lets later ones that do start ahead of it, until ``max_overtakes`` have;
+    from then on it holds the pool: nothing behind it starts before it does.
+    """
+    starts, overtaken, waiting = [], [], []
+    for job in queue:
+        if job["num_csx"] <= free:
+            free -= job["num_csx"]
+            starts.append(job)
+            overtaken += [w["id"] for w in waiting]
+        else:
+            waiting.append(job)
+            if job["overtaken"] + overtaken.count(job["id"]) >= max_overtakes:
+                break
+    return starts, overtaken
+
+
+def _exit_name(code):
+    if code < 0:
+        try:
+            return signal.Signals(-code).name
+        except ValueError:
+            return f"signal {-code}"
+    return f"exit code {code}"
+
+
+def start_background(state_dir, socket_path, num_csx, timeout=60.0):
+    """Start the service as a daemon (its own session, output in STATE_DIR/service.log); return its pid."""
+    state_dir = Path(state_dir).absolute()
+    state_dir.mkdir(parents=True, exist_ok=True)
+    socket_path = Path(socket_path).absolute() if socket_path else state_dir / SOCKET_NAME
+    with open(state_dir / "service.log", "a") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "mpi_launch.appliance.service", "--state_dir", str(state_dir),
+                                 "--socket", str(socket_path), "--num_csx", str(num_csx)],
+                                stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
+                                start_new_session=True, cwd="/")
+    from mpi_launch.appliance.client import wait_for_socket
+
+    if not wait_for_socket(socket_path, proc, timeout):
+        if proc.poll() is None:
+            proc.kill()
+        lines = (state_dir / "service.log").read_text(errors="replace").strip().splitlines()
+        raise ApplianceError(lines[-1] if lines else f"the appliance did not start (see {state_dir}/service.log)")
+    return proc.pid, socket_path
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(prog="python -m mpi_launch.appliance.service")
+    p.add_argument("--state_dir", required=True)
+    p.add_argument("--socket")
+    p.add_argument("--num_csx", type=int, default=4)
+    args = p.parse_args(argv)
+    try:
+        service = Service(args.state_dir, args.socket, args.num_csx)
+    except (ApplianceError, ValueError, OSError) as exc:
+        print(f"wse appliance: error: {exc}", flush=True)
+        return 1
+    service.serve()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

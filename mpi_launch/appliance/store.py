@@ -1,0 +1,103 @@
+"""The appliance's record of its jobs: one SQLite file in its state directory (docs/design.md section 11).
+
+Every change of a job's state is written here before the service acts on it, so a service that
+is killed and started again finds its queue as it was: queued jobs wait in the same order, and
+jobs that were running go back to the head of the queue and resume from their latest checkpoint.
+"""
+import json
+import sqlite3
+import time
+
+#: A job's life: queued -> running -> done | failed | cancelled (running -> queued when the service stops).
+ACTIVE = ("queued", "running")
+ENDED = ("done", "failed", "cancelled")
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS jobs (
+    id            INTEGER PRIMARY KEY AUTOINCREMENT,
+    uid           INTEGER NOT NULL,
+    gid           INTEGER NOT NULL,
+    user          TEXT    NOT NULL,
+    name          TEXT    NOT NULL,
+    params        TEXT    NOT NULL,   -- the validated flat params (JSON): what the runner trains
+    cwd           TEXT    NOT NULL,   -- the submitter's directory: relative data paths resolve here
+    model_dir     TEXT    NOT NULL,
+    num_csx       INTEGER NOT NULL,
+    max_steps     INTEGER NOT NULL,
+    priority      INTEGER NOT NULL,
+    max_restarts  INTEGER NOT NULL,
+    state         TEXT    NOT NULL,
+    restarts      INTEGER NOT NULL DEFAULT 0,  -- restarts after a fault of the job's own
+    overtaken     INTEGER NOT NULL DEFAULT 0,  -- later jobs started while this one waited
+    submitted     REAL    NOT NULL,
+    started       REAL,
+    ended         REAL,
+    pid           INTEGER,                     -- the runner of the current attempt
+    reason        TEXT,                        -- why it failed or was cancelled; the last fault it survived
+    step          INTEGER,                     -- where it ended (model_dir's metrics then: a later job may reuse it)
+    loss          REAL,
+    sim_seconds   REAL
+)"""
+
+_FIELDS = ("id", "uid", "gid", "user", "name", "params", "cwd", "model_dir", "num_csx", "max_steps", "priority",
+           "max_restarts", "state", "restarts", "overtaken", "submitted", "started", "ended", "pid", "reason",
+           "step", "loss", "sim_seconds")
+
+
+class Store:
+    """The jobs table. Only the service writes it (it holds the state directory's lock)."""
+
+    def __init__(self, path):
+        self.db = sqlite3.connect(str(path), isolation_level=None)  # autocommit: each update is durable
+        self.db.row_factory = sqlite3.Row
+        self.db.execute("PRAGMA journal_mode=WAL")
+        self.db.execute(_SCHEMA)
+
+    def close(self):
+        self.db.close()
+
+    def add(self, **job):
+        job = {**job, "params": json.dumps(job["params"]), "state": "queued", "submitted": time.time()}
+        keys = ", ".join(job)
+        marks = ", ".join("?" for _ in job)
+        return self.db.execute(f"INSERT INTO jobs ({keys}) VALUES ({marks})", tuple(job.values())).lastrowid
+
+    def get(self, job_id):
+        row = self.db.execute("SELECT * FROM jobs WHERE id = ?", (job_id,)).fetchone()
+        return None if row is None else _job(row)
+
+    def update(self, job_id, **fields):
+        unknown = set(fields) - set(_FIELDS)
+        if unknown:
+            raise KeyError(f"jobs table: no column {sorted(unknown)[0]}")
+        sets = ", ".join(f"{k} = ?" for k in fields)
+        self.db.execute(f"UPDATE jobs SET {sets} WHERE id = ?", (*fields.values(), job_id))
+
+    def jobs(self, uid=None, states=None):
+        """Jobs in submission order, of one user (``uid``) or all, in ``states`` or any."""
+        sql, args = "SELECT * FROM jobs WHERE 1", []
+        if uid is not None:
+            sql += " AND uid = ?"
+            args.append(uid)
+        if states is not None:
+            sql += f" AND state IN ({', '.join('?' for _ in states)})"
+            args += list(states)
+        return [_job(r) for r in self.db.execute(sql + " ORDER BY id", args)]
+
+    def queue(self):
+        """Queued jobs in the order they are considered: higher priority first, then first come."""
+        rows = self.db.execute("SELECT * FROM jobs WHERE state = 'queued' ORDER BY priority DESC, id")
+        return [_job(r) for r in rows]
+
+    def requeue_running(self, why):
+        """Jobs recorded as running belong to a service that is gone: they wait again, ahead of later ones."""
+        ids = [r["id"] for r in self.db.execute("SELECT id FROM jobs WHERE state = 'running'")]
+        for job_id in ids:
+            self.update(job_id, state="queued", pid=None, reason=why)
+        return ids
+
+
+def _job(row):
+    job = dict(row)
+    job["params"] = json.loads(job["params"])
+    return job
