@@ -345,6 +345,10 @@ def _cmd_submit(args):
     if args.slurm:
         from mpi_launch.appliance import slurm
 
+        for flag, given in (("--priority", args.priority), ("--follow", args.follow), ("--socket", args.socket)):
+            if given:
+                raise ValueError(f"{flag}: not with --slurm (Slurm orders its queue by its own policy; "
+                                 "`wse logs --slurm JOB` prints the output)")
         job_id, script = slurm.submit(job, max_restarts=args.max_restarts, name=args.name)
         print(f"submitted Slurm job {job_id} ({job.params.runconfig.num_csx} CS-2s, model_dir {job.model_dir}); "
               f"script {script}")

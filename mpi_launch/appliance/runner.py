@@ -34,6 +34,29 @@ def _wait_for_lock(model_dir):
             time.sleep(0.5)
 
 
+def attempt(params, *, cores=None, hostfile=None):
+    """Train ``params`` (a validated flat dict) as ``wse fit`` does; print the outcome as the last
+    line and return ``(exit code, that line)``: 0, EXIT_BAD_INPUT, EXIT_JOB_FAILED or 128 + signal."""
+    from mpi_launch import MPILaunchError
+    from mpi_launch.watchdog import JobInterrupted
+    from pyapi.job import Job, JobError
+    from pyapi.params import RunSpec
+
+    job = Job(RunSpec.from_dict(params))
+    try:
+        _wait_for_lock(job.model_dir)
+        result = job.fit(cores=cores, hostfile=hostfile, stream=sys.stdout)
+        code, line = 0, f"done: trained steps {result.start_step + 1}..{result.end_step}; outputs in {result.model_dir}"
+    except JobError as exc:
+        code, line = EXIT_JOB_FAILED, str(exc)
+    except JobInterrupted as exc:
+        code, line = 128 + exc.signal, f"interrupted by {exc}: the job's ranks were stopped"
+    except (ValueError, TypeError, OSError, MPILaunchError) as exc:
+        code, line = EXIT_BAD_INPUT, f"error: {exc}"
+    print(line, flush=True)
+    return code, line
+
+
 def main():
     from mpi_launch.supervisor import die_with_parent
 
@@ -46,28 +69,10 @@ def main():
     if os.getppid() != orders["appliance_pid"]:
         print("the appliance ended before this job started")
         return 128 + signal.SIGTERM
-    from mpi_launch import MPILaunchError
-    from mpi_launch.watchdog import JobInterrupted
-    from pyapi.job import Job, JobError
-    from pyapi.params import RunSpec
     from wse_core import configure_process
 
     configure_process()
-    job = Job(RunSpec.from_dict(orders["params"]))  # validated by the service
-    try:
-        _wait_for_lock(job.model_dir)
-        result = job.fit(cores=orders["cores"], stream=sys.stdout)
-    except JobError as exc:
-        print(exc)
-        return EXIT_JOB_FAILED
-    except JobInterrupted as exc:
-        print(f"interrupted by {exc}: the job's ranks were stopped")
-        return 128 + exc.signal
-    except (ValueError, TypeError, OSError, MPILaunchError) as exc:
-        print(f"error: {exc}")
-        return EXIT_BAD_INPUT
-    print(f"done: trained steps {result.start_step + 1}..{result.end_step}; outputs in {result.model_dir}")
-    return 0
+    return attempt(orders["params"], cores=orders["cores"])[0]  # validated by the service
 
 
 if __name__ == "__main__":
