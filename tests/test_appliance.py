@@ -357,7 +357,11 @@ def test_users_see_and_control_only_their_own_jobs_and_jobs_run_as_their_user(tm
         os.chown(p, account.pw_uid, account.pw_gid)
     theirs = params_file(home / "p.yaml", home / "lm", home / "model")
     forbidden = params_file(home / "f.yaml", home / "lm", tmp_path / "not-theirs")
-    for p in (theirs, forbidden):
+    secret = tmp_path / "secret"  # root's run: its progress must not show in the other user's job
+    secret.mkdir()
+    (secret / "metrics.jsonl").write_text(json.dumps({"step": 7, "loss": 1.5, "sim_step_s": 0.1}) + "\n")
+    peek = params_file(home / "peek.yaml", home / "lm", secret)
+    for p in (theirs, forbidden, peek):
         os.chown(p, account.pw_uid, account.pw_gid)
     client = Client(a.socket)
 
@@ -381,6 +385,9 @@ def test_users_see_and_control_only_their_own_jobs_and_jobs_run_as_their_user(tm
             out["stop"] = str(exc)
         out["submitted"] = Job.from_yaml(theirs).submit(socket=a.socket).id
         out["forbidden"] = Job.from_yaml(forbidden).submit(socket=a.socket).id
+        out["peek"] = Job.from_yaml(peek).submit(socket=a.socket).id
+        d = Job.from_yaml(theirs, model_dir=home / "elsewhere").params.to_dict()
+        out["cwd"] = client.request("submit", params=d, cwd=str(tmp_path))["job"]["id"]  # a directory not theirs
         return out
 
     got = as_user(account, home, attempts)
@@ -397,6 +404,10 @@ def test_users_see_and_control_only_their_own_jobs_and_jobs_run_as_their_user(tm
     bad = a.wait(got["forbidden"])
     assert bad["state"] == "failed" and "Permission denied" in bad["reason"], bad
     assert not (tmp_path / "not-theirs").exists()
+    peeked = a.wait(got["peek"])
+    assert peeked["state"] == "failed" and peeked["step"] == 0 and peeked["loss"] is None, peeked
+    bad = a.wait(got["cwd"])
+    assert bad["state"] == "failed" and bad["reason"] == f"error: cannot enter {tmp_path}: Permission denied", bad
     everyone = {j["id"]: j["user"] for j in a.client.jobs()}
     assert everyone[roots] == "root" and everyone[got["submitted"]] == account.pw_name
     assert a.client.job(roots)["state"] == "running"

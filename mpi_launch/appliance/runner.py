@@ -69,6 +69,11 @@ def main():
     if os.getppid() != orders["appliance_pid"]:
         print("the appliance ended before this job started")
         return 128 + signal.SIGTERM
+    try:  # again, as the user: the service entered the directory before it took the user's identity
+        os.chdir(orders["cwd"])
+    except OSError as exc:
+        print(f"error: cannot enter {orders['cwd']}: {exc.strerror}")
+        return EXIT_BAD_INPUT
     from wse_core import configure_process
 
     configure_process()

@@ -404,12 +404,29 @@ class Service:
         self.begin_stop(f"asked by {_user(conn.uid)}")
 
     # -- what a job record shows ---------------------------------------------------------------
-    @staticmethod
-    def _progress(job):
-        """Step, loss and simulated seconds so far, from model_dir's metrics.jsonl."""
+    def _progress(self, job):
+        """Step, loss and simulated seconds so far, from model_dir's metrics.jsonl.
+
+        Root's service reads the file only if the job's user owns it, and never through a symlink at
+        its end: a model_dir naming another user's run must not show that run's progress.
+        """
         from mpi_launch.rundir import RunDir
 
-        steps = [m for m in RunDir(job["model_dir"]).read_metrics() if "sim_step_s" in m]
+        steps = []
+        try:
+            fd = os.open(RunDir(job["model_dir"]).metrics, os.O_RDONLY | os.O_NOFOLLOW)
+        except OSError:
+            fd = None
+        if fd is not None:
+            with open(fd, errors="replace") as f:
+                if self.owner != 0 or os.fstat(fd).st_uid == job["uid"]:
+                    for line in f:
+                        try:
+                            record = json.loads(line)
+                        except ValueError:
+                            continue  # a torn last line, from a killed writer
+                        if isinstance(record, dict) and "sim_step_s" in record:
+                            steps.append(record)
         last = steps[-1] if steps else {}
         return {"step": last.get("step", 0), "loss": last.get("loss"),
                 "sim_seconds": sum(m["sim_step_s"] for m in steps)}
@@ -463,7 +480,7 @@ class Service:
             except OSError as exc:
                 self._end(job, "failed", f"cannot start as {job['user']} in {job['cwd']}: {exc.strerror or exc}")
                 return
-        orders = {"params": job["params"], "cores": cores, "appliance_pid": os.getpid()}
+        orders = {"params": job["params"], "cores": cores, "cwd": job["cwd"], "appliance_pid": os.getpid()}
         try:
             proc.stdin.write(json.dumps(orders).encode())
             proc.stdin.close()
