@@ -282,6 +282,8 @@ def test_malformed_and_hostile_requests_get_one_line_and_leave_the_service_runni
         reply = _raw(a.socket, payload)
         assert len(reply.splitlines()) == 1 and expected in json.loads(reply)["error"], (payload[:60], reply)
     assert a.client.jobs() == []
+    again = a.wse("appliance", "start", "--state_dir", a.state_dir)
+    assert again.returncode == 1 and "an appliance already answers there" in again.stderr, again.stderr
     st = a.client.status()
     assert st["free_csx"] == 2 and st["queued"] == st["running"] == 0
     idle.close()

@@ -171,15 +171,16 @@ class SubmittedJob:
 
 
 def wait_for_socket(path, proc, timeout):
-    """Wait until an appliance answers at ``path`` (True), or ``proc`` exits (False)."""
+    """Wait until the appliance ``proc`` answers at ``path`` (True), or exits (False)."""
     deadline = time.monotonic() + timeout
     client = Client(path)
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             return False
         try:
-            client.status()
-            return True
+            if client.status()["pid"] == proc.pid:
+                return True
         except ApplianceError:
-            time.sleep(0.1)
+            pass
+        time.sleep(0.1)
     return False

@@ -73,7 +73,8 @@ class _Conn:
         self.inbuf, self.outbuf = b"", b""
         self.opened = time.monotonic()
         self.answered = False       # its request has been read (it may be following a log or waiting)
-        self.close_after = False    # close once outbuf is sent
+        self.close_after = False    # half-close once outbuf is sent
+        self.closed_at = None       # when it was half-closed (it is closed when the peer closes, or idles)
         self.follow = None          # (job id, offset, decoder) while following a log
         self.wait = None            # (job id, deadline) while waiting for a job to end
 
@@ -213,11 +214,12 @@ class Service:
             self._close(conn)
             return
         if conn.answered:
-            return  # one request per connection: anything more is ignored
+            return  # one request per connection: anything more is read and dropped
         conn.inbuf += chunk
         if b"\n" not in conn.inbuf:
             if len(conn.inbuf) > MAX_LINE:
-                self._reply(conn, {"error": f"request longer than {MAX_LINE} bytes"}, last=True)
+                conn.answered, conn.inbuf = True, b""
+                self._reply(conn, {"error": f"request longer than {MAX_LINE} bytes"})
             return
         line = conn.inbuf.split(b"\n", 1)[0]
         conn.answered, conn.inbuf = True, b""
@@ -227,14 +229,14 @@ class Service:
         conn.outbuf += (json.dumps(obj) + "\n").encode()
         self._flush(conn)
 
-    def _reply(self, conn, obj, last=True):
+    def _reply(self, conn, obj):
+        """The last reply: once sent, the connection is half-closed (see ``_flush``)."""
+        conn.close_after = True
         self._send(conn, obj)
-        if last:
-            conn.close_after = True
-            if not conn.outbuf:
-                self._close(conn)
 
     def _flush(self, conn):
+        if conn.closed_at is not None:
+            return
         if conn.outbuf:
             try:
                 sent = conn.sock.send(conn.outbuf)
@@ -247,7 +249,15 @@ class Service:
         if conn.sock.fileno() not in self.conns:
             return
         if conn.close_after and not conn.outbuf:
-            self._close(conn)
+            # Half-close, and drop what the peer still sends until it closes: closing with unread
+            # input would reset the connection and could lose the reply (a request too long, say).
+            try:
+                conn.sock.shutdown(socket.SHUT_WR)
+            except OSError:
+                self._close(conn)
+                return
+            conn.closed_at = time.monotonic()
+            self.sel.modify(conn.sock, selectors.EVENT_READ, conn)
             return
         events = selectors.EVENT_READ | (selectors.EVENT_WRITE if conn.outbuf else 0)
         self.sel.modify(conn.sock, events, conn)
@@ -600,7 +610,7 @@ class Service:
                 self._pump_log(conn)
             elif conn.wait is not None:
                 self._check_wait(conn)
-            elif not conn.answered and now - conn.opened > IDLE_SECONDS:
+            elif now - (conn.closed_at or conn.opened) > IDLE_SECONDS and (conn.closed_at or not conn.answered):
                 self._close(conn)
         for job_id, deadline in list(self.deadlines.items()):
             if now > deadline and job_id in self.procs:
@@ -646,6 +656,13 @@ def start_background(state_dir, socket_path, num_csx, timeout=60.0):
     state_dir = Path(state_dir).absolute()
     state_dir.mkdir(parents=True, exist_ok=True)
     socket_path = Path(socket_path).absolute() if socket_path else state_dir / SOCKET_NAME
+    try:
+        running = Client(socket_path).status()
+        raise ApplianceError(f"{socket_path}: an appliance already answers there (pid {running['pid']}, "
+                             f"{running['num_csx']} CS-2s)")
+    except ApplianceError as exc:
+        if "already answers" in str(exc):
+            raise
     with open(state_dir / "service.log", "a") as out:
         proc = subprocess.Popen([sys.executable, "-m", "mpi_launch.appliance.service", "--state_dir", str(state_dir),
                                  "--socket", str(socket_path), "--num_csx", str(num_csx)],
