@@ -229,6 +229,23 @@ def test_the_service_killed_and_started_again_runs_its_jobs(tmp_path, data, jobs
     assert weights(tmp_path / "r") == direct_fit(jobs, tmp_path, data, max_steps=40)
 
 
+def test_stop_interrupts_running_jobs_and_the_next_start_resumes_them(tmp_path, data, jobs, appliance):
+    """`wse appliance stop` ends a running job's ranks cleanly and keeps it queued; started again,
+    the service resumes it from its checkpoint to the bits of an uninterrupted run."""
+    a = appliance(2)
+    job_id = a.submit(params_file(tmp_path / "p.yaml", data, tmp_path / "m", max_steps=30))
+    until(lambda: a.client.job(job_id)["step"] >= 4, "step 4")
+    r = a.wse("appliance", "stop")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.startswith("appliance stopped (pid ") and "1 running job(s) interrupted" in r.stdout, r.stdout
+    until(lambda: jobs.leftovers() == [], "the service and the job's processes end", timeout=60)
+    a.start()
+    rec = a.wait(job_id)
+    assert rec["state"] == "done" and rec["restarts"] == 0, rec
+    assert "resuming from checkpoint_" in a.wse("logs", job_id).stdout
+    assert weights(tmp_path / "m") == direct_fit(jobs, tmp_path, data, max_steps=30)
+
+
 def _cmdlines():
     out = []
     for d in Path("/proc").iterdir():
@@ -344,8 +361,8 @@ def as_user(account, cwd, fn):
     return out
 
 
-def test_users_see_and_control_only_their_own_jobs_and_jobs_run_as_their_user(tmp_path, data, jobs, appliance,
-                                                                              other_user):
+def test_users_see_and_control_only_their_own_jobs_and_jobs_run_as_their_user(tmp_path, data, jobs, other_user,
+                                                                              appliance):  # torn down first
     """Root's appliance: a second user sees none of root's jobs and cannot cancel, follow or stop them
     (one line each); their own job runs as them (files theirs), and where they may not write it fails
     with the reason; root sees every job."""

@@ -44,7 +44,8 @@ def default_socket():
 
 
 def send_line(sock, obj):
-    sock.sendall((json.dumps(obj) + "\n").encode())
+    # MSG_NOSIGNAL: a peer gone is an error here, not a SIGPIPE (`wse` restores its default action).
+    sock.sendall((json.dumps(obj) + "\n").encode(), socket.MSG_NOSIGNAL)
 
 
 class Client:

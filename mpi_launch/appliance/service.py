@@ -148,6 +148,7 @@ class Service:
         signal.set_wakeup_fd(wake_w)
         for sig in (signal.SIGCHLD, signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
             signal.signal(sig, lambda *_: None)  # the wakeup fd carries the signal number
+        signal.signal(signal.SIGPIPE, signal.SIG_IGN)  # a client gone mid-reply is an OSError, not our end
         self.sel.register(self.listener, selectors.EVENT_READ, "accept")
         self.sel.register(wake_r, selectors.EVENT_READ, "signal")
         self.say(f"appliance started: pid {os.getpid()}, {self.num_csx} CS-2s, {self.cores} cores, socket "
