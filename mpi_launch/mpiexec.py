@@ -81,7 +81,9 @@ def fit_command(params, *, hostfile=None, cores=None):
     plan, _ = plan_for(params)
     cores = cores or os.cpu_count() or 1
     csx_threads = max(1, cores // r.num_csx)
-    entry = [sys.executable, "-m", "mpi_launch.run", str(Path(r.model_dir).resolve())]
+    # -P (Python 3.11+): the ranks run in the job's directory, which must not come first on their import path.
+    entry = [sys.executable, *(["-P"] if sys.version_info >= (3, 11) else []), "-m", "mpi_launch.run",
+             str(Path(r.model_dir).resolve())]
     # Ranks before the CS-2s, the CS-2s, the input workers after them (the plan's order).
     segments = [(plan.csx[0], 1), (len(plan.csx), csx_threads), (plan.world_size - plan.csx[-1] - 1, 1)]
     # The watchdog ends the job when a rank fails (mpi_launch.watchdog), on one host or several,

@@ -317,10 +317,11 @@ def _cmd_appliance_stop(args):
     client = Client(args.socket)
     reply = client.stop()
     deadline = time.monotonic() + GRACE_SECONDS + 30
-    while time.monotonic() < deadline:  # until the service has ended its jobs' ranks and closed its socket
+    while time.monotonic() < deadline:  # until the service has ended its jobs' ranks and exited
         try:
-            client.status()
-        except ApplianceError:
+            if open(f"/proc/{reply['pid']}/stat").read().rsplit(")", 1)[1].split()[0] in "ZX":
+                break  # exited, not yet reaped by its parent
+        except OSError:
             break
         time.sleep(0.2)
     else:
@@ -362,9 +363,13 @@ def _cmd_submit(args):
     return 0
 
 
+#: A job's log is its user's text: shown without the control characters that could drive a terminal.
+_UNPRINTABLE = {c: None for c in range(32) if chr(c) not in "\n\t"} | {0x7f: None}
+
+
 def _follow(client, job_id):
     for piece in client.logs(job_id, follow=True):
-        sys.stdout.write(piece)
+        sys.stdout.write(piece.translate(_UNPRINTABLE))
         sys.stdout.flush()
     job = client.job(job_id)
     print(f"job {job_id}: {job['state']}" + (f": {job['reason']}" if job["state"] != "done" and job["reason"] else ""),
@@ -417,7 +422,7 @@ def _cmd_logs(args):
     if args.follow:
         return _follow(client, args.job)
     for piece in client.logs(args.job):
-        sys.stdout.write(piece)
+        sys.stdout.write(piece.translate(_UNPRINTABLE))
     return 0
 
 

@@ -7,8 +7,10 @@ the job's log; its exit code tells the service what happened (the codes below), 
 line it prints says why. It reads its orders, one JSON object, from standard input.
 """
 import json
+import os
 import signal
 import sys
+import threading
 import time
 
 #: The job cannot run as given (params, data, permissions): restarting would fail the same way.
@@ -34,17 +36,71 @@ def _wait_for_lock(model_dir):
             time.sleep(0.5)
 
 
-def attempt(params, *, cores=None, hostfile=None):
+class _Progress(threading.Thread):
+    """Reports the job's step, loss and simulated seconds to the service, once a second, from
+    model_dir's metrics.jsonl: read here, as the job's user, so the service never opens a user's path."""
+
+    def __init__(self, metrics, fd):
+        super().__init__(name="wse-progress", daemon=True)
+        self.metrics, self.fd = metrics, fd
+        self.inode, self.offset, self.state, self.sent = None, 0, None, None
+        self.stopped = threading.Event()
+
+    def run(self):
+        while not self.stopped.wait(1.0):
+            self.report()
+
+    def report(self):
+        try:
+            with open(self.metrics, "rb") as f:
+                st = os.fstat(f.fileno())
+                if (st.st_ino, st.st_dev) != self.inode or st.st_size < self.offset:  # rewritten by a resume
+                    self.inode, self.offset, self.state = (st.st_ino, st.st_dev), 0, None
+                f.seek(self.offset)
+                data = f.read()
+        except OSError:
+            return
+        done = data.rfind(b"\n") + 1  # whole lines only: the last may be being written
+        self.offset += done
+        for line in data[:done].splitlines():
+            try:
+                r = json.loads(line)
+            except ValueError:
+                continue
+            try:
+                sim = (self.state or {}).get("sim_seconds", 0.0) + float(r["sim_step_s"])
+                self.state = {"step": int(r["step"]), "loss": r.get("loss"), "sim_seconds": sim}
+            except (TypeError, KeyError, ValueError):
+                continue  # not a step's record
+        if self.state is not None and self.state != self.sent:
+            try:
+                os.write(self.fd, (json.dumps(self.state) + "\n").encode())
+                self.sent = dict(self.state)
+            except OSError:
+                pass
+
+    def stop(self):
+        self.stopped.set()
+        self.join()
+        self.report()
+
+
+def attempt(params, *, cores=None, hostfile=None, progress_fd=None):
     """Train ``params`` (a validated flat dict) as ``wse fit`` does; print the outcome as the last
-    line and return ``(exit code, that line)``: 0, EXIT_BAD_INPUT, EXIT_JOB_FAILED or 128 + signal."""
+    line and return ``(exit code, that line)``: 0, EXIT_BAD_INPUT, EXIT_JOB_FAILED or 128 + signal.
+    With ``progress_fd``, report progress on it as the job goes (``_Progress``)."""
     from mpi_launch import MPILaunchError
+    from mpi_launch.rundir import RunDir
     from mpi_launch.watchdog import JobInterrupted
     from pyapi.job import Job, JobError
     from pyapi.params import RunSpec
 
     job = Job(RunSpec.from_dict(params))
+    progress = None if progress_fd is None else _Progress(RunDir(job.model_dir).metrics, progress_fd)
     try:
         _wait_for_lock(job.model_dir)
+        if progress is not None:
+            progress.start()
         result = job.fit(cores=cores, hostfile=hostfile, stream=sys.stdout)
         code, line = 0, f"done: trained steps {result.start_step + 1}..{result.end_step}; outputs in {result.model_dir}"
     except JobError as exc:
@@ -53,6 +109,9 @@ def attempt(params, *, cores=None, hostfile=None):
         code, line = 128 + exc.signal, f"interrupted by {exc}: the job's ranks were stopped"
     except (ValueError, TypeError, OSError, MPILaunchError) as exc:
         code, line = EXIT_BAD_INPUT, f"error: {exc}"
+    finally:
+        if progress is not None and progress.is_alive():
+            progress.stop()
     print(line, flush=True)
     return code, line
 
@@ -64,12 +123,10 @@ def main():
     # The service owns the job: if it dies, the job stops (SIGTERM ends the ranks cleanly) and
     # the service, started again, resumes it from its checkpoint.
     die_with_parent(signal.SIGTERM)
-    import os
-
     if os.getppid() != orders["appliance_pid"]:
         print("the appliance ended before this job started")
         return 128 + signal.SIGTERM
-    try:  # again, as the user: the service entered the directory before it took the user's identity
+    try:  # as the user: the service starts the runner in "/" (docs/design.md section 11)
         os.chdir(orders["cwd"])
     except OSError as exc:
         print(f"error: cannot enter {orders['cwd']}: {exc.strerror}")
@@ -77,7 +134,7 @@ def main():
     from wse_core import configure_process
 
     configure_process()
-    return attempt(orders["params"], cores=orders["cores"])[0]  # validated by the service
+    return attempt(orders["params"], cores=orders["cores"], progress_fd=orders["progress_fd"])[0]
 
 
 if __name__ == "__main__":

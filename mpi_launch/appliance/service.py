@@ -3,55 +3,72 @@
 ``wse appliance start --num_csx N`` starts it (``python -m mpi_launch.appliance.service``). It
 listens on a unix socket, keeps its jobs in SQLite (``store``), and runs each job as a runner
 process (``runner``: ``Job.fit`` under the watchdog) with the job's share of the machine's
-cores. One thread, one ``select``: requests, the runners' exits (SIGCHLD through the wakeup fd)
-and a half-second tick while someone follows a log or a cancelled runner is given its grace.
-It never spins (docs/design.md section 3).
+cores. One thread, one ``select``: requests, the runners' exits (SIGCHLD through the wakeup fd),
+their progress reports (a pipe each), the children that check submitted params, and a
+half-second tick while any connection is open or a runner is given its grace. It never spins
+(docs/design.md section 3), and it never opens a path a user named: their files are read and
+written by their own processes (the checker, the runner), never by the service.
 
 Scheduling (docs/design.md section 11): a job waits until its CS-2s are free; queued jobs are
 considered by priority, then in order of submission, and a later job that fits may start ahead of
 one that does not. That overtaking is bounded: once ``MAX_OVERTAKES`` later jobs have started
 ahead of a waiting job, nothing behind it starts until it has, so the CS-2s it needs come free
-and a large job is never starved by a stream of small ones.
+and a large job is never starved by a stream of small ones. Only root (or the owner of a
+user's appliance) may raise a job's priority above 0.
 
 Users: the caller of every request is the uid the kernel gives for the socket's peer
 (``SO_PEERCRED``), never a name in the request. A user sees and controls only their own jobs;
 root sees all. A service run by root runs each job as the user who submitted it (their uid,
-groups, home and directory), so a job writes only where its user may; a service run by an
-ordinary user serves only that user.
+groups, home, umask and directory), so a job reads and writes only where its user may; a service
+run by an ordinary user serves only that user.
 """
 import argparse
 import codecs
+import errno
 import fcntl
 import json
+import math
 import os
 import pwd
+import resource
 import selectors
 import signal
 import socket
+import stat
 import struct
 import subprocess
 import sys
+import tempfile
 import time
 import traceback
-import warnings
 from pathlib import Path
 
-from mpi_launch import MPILaunchError
 from mpi_launch.appliance.client import MAX_LINE, SOCKET_ENV, SOCKET_NAME, ApplianceError, Client
 from mpi_launch.appliance.runner import EXIT_BAD_INPUT, EXIT_JOB_FAILED
 from mpi_launch.appliance.store import ACTIVE, ENDED, Store
 
 #: How many later jobs may start ahead of a waiting job before it holds the pool for itself.
 MAX_OVERTAKES = 2
-#: Seconds a cancelled or stopped job's runner gets to end its ranks before its process group is killed.
+#: Seconds a cancelled or stopped job's runner gets to end its ranks before it is killed.
 GRACE_SECONDS = 30.0
-#: A connection that has not sent its request within this many seconds is closed.
+#: A connection that has not sent its request, or not taken its reply, within this many seconds is closed.
 IDLE_SECONDS = 30.0
-MAX_CONNECTIONS = 256
-#: Seconds between looks at a followed log (only while someone follows one).
+MAX_CONNECTIONS = 512
+#: Connections one user may hold at once (a `wse logs -f` holds one): no user can lock the others out.
+MAX_CONNECTIONS_PER_USER = 32
+#: Seconds between looks at followed logs, waits and deadlines (only while there are any).
 TICK_SECONDS = 0.5
+#: The child that checks a submitted job's params: CPU seconds and bytes of address space it may use.
+CHECK_SECONDS = 60
+CHECK_MEMORY = 4 << 30
+#: Longest path accepted for a job's directory or model_dir.
+MAX_PATH = 4096
 _LOG_CHUNK = 65536
 _REQUIRED = object()
+#: What of the service's environment a job of another user gets: locale, and how MPI is set up on
+#: this machine; never the rest (root's tokens, PATH, TMPDIR).
+_ENV_KEEP = ("LANG", "LANGUAGE", "TZ")
+_ENV_PREFIXES = ("LC_", "HYDRA_", "MPIR_", "MPICH_", "UCX_", "FI_")
 
 
 class RequestError(ValueError):
@@ -65,18 +82,59 @@ def _user(uid):
         return str(uid)
 
 
+def _printable(text, limit=None):
+    """``text`` without control characters (a user's line shown on root's terminal carries no escapes)."""
+    out = "".join(c if c.isprintable() else " " for c in text)
+    return out if limit is None else out[:limit]
+
+
+def _path(value, what):
+    if not os.path.isabs(value) or len(value) > MAX_PATH or not value.isprintable():
+        raise RequestError(f"{what}: expected an absolute path of printable characters, got {value[:100]!r}")
+    return os.path.normpath(value)
+
+
+def _umask_of(pid):
+    """The umask of process ``pid`` (the submitting client): its job's files get the modes its own would."""
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    return 0o077
+
+
 class _Conn:
     def __init__(self, sock):
         self.sock = sock
         self.pid, self.uid, self.gid = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
                                                                          struct.calcsize("3i")))
         self.inbuf, self.outbuf = b"", b""
-        self.opened = time.monotonic()
+        self.opened = self.sent = time.monotonic()  # sent: when its reply last moved
         self.answered = False       # its request has been read (it may be following a log or waiting)
         self.close_after = False    # half-close once outbuf is sent
         self.closed_at = None       # when it was half-closed (it is closed when the peer closes, or idles)
-        self.follow = None          # (job id, offset, decoder) while following a log
+        self.follow = None          # (job id, offset, decoder, follow) while sending a log
         self.wait = None            # (job id, deadline) while waiting for a job to end
+        self.check = None           # the params check of its submit, while it runs
+        self.eof = False            # the peer has shut its side (it may still read)
+        self.watched = False        # registered with the selector
+
+
+class _Check:
+    """A child process checking a submitted job's params as its user, within CPU and memory limits."""
+
+    def __init__(self, pid, fd, fields, account, umask):
+        self.pid, self.fd, self.fields, self.account, self.umask = pid, fd, fields, account, umask
+        self.buf, self.started = b"", time.monotonic()
+
+
+class _Progress:
+    """The pipe on which a job's runner reports its step, loss and simulated seconds."""
+
+    def __init__(self, job_id, fd):
+        self.job_id, self.fd, self.buf = job_id, fd, b""
 
 
 class Service:
@@ -85,26 +143,38 @@ class Service:
     def __init__(self, state_dir, socket_path=None, num_csx=4):
         if not isinstance(num_csx, int) or num_csx < 1:
             raise ValueError(f"--num_csx: expected a positive integer, got {num_csx!r}")
+        os.umask(0o077)  # the job records, logs and service log are the service's alone
         self.state_dir = Path(state_dir).absolute()
         self.socket_path = Path(socket_path).absolute() if socket_path else self.state_dir / SOCKET_NAME
         self.num_csx, self.cores = num_csx, os.cpu_count() or 1
         self.owner = os.geteuid()
         self.state_dir.mkdir(parents=True, exist_ok=True)
+        # Root's: others may reach the socket inside it, and read nothing else.
+        os.chmod(self.state_dir, 0o711 if self.owner == 0 else 0o700)
         self._lock_fd = self._lock()
         self.logs_dir = self.state_dir / "logs"
-        self.logs_dir.mkdir(mode=0o700, exist_ok=True)
+        self.logs_dir.mkdir(exist_ok=True)
         self.log = open(self.state_dir / "service.log", "a", buffering=1)
         self.store = Store(self.state_dir / "jobs.sqlite")
         self.listener = self._listen()
         self.conns = {}        # fd -> _Conn
         self.procs = {}        # job id -> the runner (Popen) of its current attempt
+        self.progress = {}     # job id -> {"step", "loss", "sim_seconds"} its runner reported
         self.cancelling = {}   # job id -> who cancelled it
-        self.deadlines = {}    # job id -> monotonic time at which its runner's process group is killed
+        self.deadlines = {}    # job id -> monotonic time at which its runner is killed
         self.stopping = False
+        self.accept_paused = None  # monotonic time to accept again after running out of descriptors
         self.sel = selectors.DefaultSelector()
+        # The checker children fork from this process: they find these already imported.
+        import mpi_launch.plan  # noqa: F401
+        import pyapi.params  # noqa: F401
+
         for job_id in self.store.requeue_running("the appliance stopped while it ran; resumed from its latest "
                                                  "checkpoint"):
             self.say(f"job {job_id}: was running when the appliance stopped; queued again")
+        for job in self.store.queue():
+            if job["num_csx"] > self.num_csx:
+                self._end(job, "failed", f"asks {job['num_csx']} CS-2s; the appliance now has {self.num_csx}")
 
     # -- start-up ------------------------------------------------------------------------------
     def _lock(self):
@@ -121,7 +191,13 @@ class Service:
         return fd
 
     def _listen(self):
-        if self.socket_path.exists():
+        try:
+            mode = self.socket_path.lstat().st_mode
+        except FileNotFoundError:
+            mode = None
+        if mode is not None:
+            if not stat.S_ISSOCK(mode):
+                raise ApplianceError(f"{self.socket_path}: exists and is not a socket; choose another --socket")
             try:
                 Client(self.socket_path).status()
                 raise ApplianceError(f"{self.socket_path}: an appliance already answers there")
@@ -140,6 +216,16 @@ class Service:
     def say(self, line):
         self.log.write(f"{time.strftime('%Y-%m-%d %H:%M:%S')} {line}\n")
 
+    def _guarded(self, what, fn, *args):
+        """Run one piece of the loop's work; a failure is logged and does not end the service."""
+        try:
+            return fn(*args)
+        except Exception:
+            try:
+                self.say(f"{what} failed: {traceback.format_exc()}")
+            except OSError:
+                pass
+
     # -- the loop ------------------------------------------------------------------------------
     def serve(self):
         wake_r, wake_w = os.pipe()
@@ -153,22 +239,26 @@ class Service:
         self.sel.register(wake_r, selectors.EVENT_READ, "signal")
         self.say(f"appliance started: pid {os.getpid()}, {self.num_csx} CS-2s, {self.cores} cores, socket "
                  f"{self.socket_path}")
-        self.schedule()
+        self._guarded("scheduling", self.schedule)
         while not (self.stopping and not self.procs):
-            timeout = TICK_SECONDS if self.conns or self.deadlines else None
-            for key, events in self.sel.select(timeout):
-                if key.data == "accept":
+            busy = self.conns or self.deadlines or self.accept_paused is not None
+            for key, events in self.sel.select(TICK_SECONDS if busy else None):
+                data = key.data
+                if data == "accept":
                     self._accept()
-                elif key.data == "signal":
+                elif data == "signal":
                     for sig in os.read(wake_r, 512):
                         if sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
                             self.begin_stop(f"signal {signal.Signals(sig).name}")
-                else:
-                    conn = key.data
+                elif isinstance(data, _Progress):
+                    self._guarded(f"job {data.job_id}'s progress", self._read_progress, data)
+                elif isinstance(data, _Conn) and data.check is not None and key.fd == data.check.fd:
+                    self._guarded("a params check", self._read_check, data)
+                elif isinstance(data, _Conn):
                     if events & selectors.EVENT_READ:
-                        self._read(conn)
-                    if events & selectors.EVENT_WRITE and conn.sock.fileno() in self.conns:
-                        self._flush(conn)
+                        self._guarded("a request", self._read, data)
+                    if events & selectors.EVENT_WRITE and data.sock.fileno() in self.conns:
+                        self._guarded("a reply", self._flush, data)
             self.reap()
             self.tick()
         for conn in list(self.conns.values()):
@@ -185,7 +275,8 @@ class Service:
             return
         self.stopping = True
         self.say(f"stopping ({why}): {len(self.procs)} running job(s) interrupted")
-        self.sel.unregister(self.listener)
+        if self.accept_paused is None:
+            self.sel.unregister(self.listener)
         self.listener.close()
         for job_id in self.procs:
             self._signal_runner(job_id, signal.SIGTERM)
@@ -194,7 +285,12 @@ class Service:
     def _accept(self):
         try:
             sock, _ = self.listener.accept()
-        except OSError:
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError as exc:
+            if exc.errno in (errno.EMFILE, errno.ENFILE):  # out of descriptors: wait a second, don't spin
+                self.sel.unregister(self.listener)
+                self.accept_paused = time.monotonic() + 1.0
             return
         if len(self.conns) >= MAX_CONNECTIONS:
             sock.close()
@@ -202,7 +298,11 @@ class Service:
         sock.setblocking(False)
         conn = _Conn(sock)
         self.conns[sock.fileno()] = conn
-        self.sel.register(sock, selectors.EVENT_READ, conn)
+        self._watch(conn)
+        if sum(c.uid == conn.uid for c in self.conns.values()) > MAX_CONNECTIONS_PER_USER:
+            conn.answered = True
+            self._reply(conn, {"error": f"user {_user(conn.uid)} has {MAX_CONNECTIONS_PER_USER} connections to "
+                                        "the appliance open already"})
 
     def _read(self, conn):
         try:
@@ -212,7 +312,11 @@ class Service:
         except OSError:
             chunk = b""
         if not chunk:
-            self._close(conn)
+            if conn.answered and conn.closed_at is None and (conn.check or conn.follow or conn.wait or conn.outbuf):
+                conn.eof = True  # it has said all it will say; its reply is still to come
+                self._watch(conn)
+            else:
+                self._close(conn)
             return
         if conn.answered:
             return  # one request per connection: anything more is read and dropped
@@ -227,6 +331,8 @@ class Service:
         self._handle(conn, line)
 
     def _send(self, conn, obj):
+        if not conn.outbuf:
+            conn.sent = time.monotonic()
         conn.outbuf += (json.dumps(obj) + "\n").encode()
         self._flush(conn)
 
@@ -236,19 +342,18 @@ class Service:
         self._send(conn, obj)
 
     def _flush(self, conn):
-        if conn.closed_at is not None:
+        if conn.closed_at is not None or conn.sock.fileno() not in self.conns:
             return
         if conn.outbuf:
             try:
                 sent = conn.sock.send(conn.outbuf)
                 conn.outbuf = conn.outbuf[sent:]
+                conn.sent = time.monotonic()
             except (BlockingIOError, InterruptedError):
                 pass
             except OSError:
                 self._close(conn)
                 return
-        if conn.sock.fileno() not in self.conns:
-            return
         if conn.close_after and not conn.outbuf:
             # Half-close, and drop what the peer still sends until it closes: closing with unread
             # input would reset the connection and could lose the reply (a request too long, say).
@@ -257,18 +362,33 @@ class Service:
             except OSError:
                 self._close(conn)
                 return
+            if conn.eof:
+                self._close(conn)
+                return
             conn.closed_at = time.monotonic()
-            self.sel.modify(conn.sock, selectors.EVENT_READ, conn)
-            return
-        events = selectors.EVENT_READ | (selectors.EVENT_WRITE if conn.outbuf else 0)
-        self.sel.modify(conn.sock, events, conn)
+        self._watch(conn)
+
+    def _watch(self, conn):
+        """Select on what the connection may still do: send (unless it is at its end), take its reply."""
+        events = (0 if conn.eof else selectors.EVENT_READ) | (selectors.EVENT_WRITE if conn.outbuf else 0)
+        if events and conn.watched:
+            self.sel.modify(conn.sock, events, conn)
+        elif events:
+            self.sel.register(conn.sock, events, conn)
+        elif conn.watched:
+            self.sel.unregister(conn.sock)
+        conn.watched = bool(events)
 
     def _close(self, conn):
         fd = conn.sock.fileno()
         if fd in self.conns:
             del self.conns[fd]
-            self.sel.unregister(conn.sock)
+            if conn.watched:
+                self.sel.unregister(conn.sock)
+                conn.watched = False
         conn.sock.close()
+        if conn.check is not None:  # closed for a fault or a timeout: nothing is queued
+            self._end_check(conn)
 
     # -- requests ------------------------------------------------------------------------------
     def _handle(self, conn, line):
@@ -282,20 +402,20 @@ class Service:
             op = req.pop("op", None)
             handler = getattr(self, f"op_{op}", None) if isinstance(op, str) and op.isidentifier() else None
             if handler is None:
-                raise RequestError(f"unknown request {op!r}")
+                raise RequestError(f"unknown request {_printable(str(op), 40)!r}")
             handler(conn, req)
-        except (RequestError, ValueError, MPILaunchError) as exc:  # ParamsError is a ValueError
-            self._reply(conn, {"error": str(exc).splitlines()[0] if str(exc) else type(exc).__name__})
+        except ValueError as exc:  # RequestError, ParamsError
+            self._reply(conn, {"error": _printable(str(exc).splitlines()[0] if str(exc) else type(exc).__name__)})
         except Exception as exc:  # a request must never take the service down
             self.say(f"request from uid {conn.uid} failed: {traceback.format_exc()}")
-            self._reply(conn, {"error": f"request refused: {type(exc).__name__}: {(str(exc).splitlines() or [''])[0]}"})
+            self._reply(conn, {"error": f"request refused: {type(exc).__name__}"})
 
     @staticmethod
     def _fields(req, spec):
         """``req``'s fields checked against ``spec`` {name: (type, default)}: unknown or mistyped ones refused."""
         unknown = set(req) - set(spec)
         if unknown:
-            raise RequestError(f"unknown field {sorted(unknown)[0]!r}")
+            raise RequestError(f"unknown field {_printable(sorted(unknown)[0], 40)!r}")
         out = {}
         for name, (kind, default) in spec.items():
             value = req.get(name, default)
@@ -309,7 +429,7 @@ class Service:
         return out
 
     def _job_of(self, conn, job_id):
-        job = self.store.get(job_id)
+        job = self.store.get(job_id) if -2**63 <= job_id < 2**63 else None
         if job is None or (conn.uid != 0 and job["uid"] != conn.uid):
             raise RequestError(f"no job {job_id} of yours (user {_user(conn.uid)})")
         return job
@@ -326,8 +446,7 @@ class Service:
                            "stopping": self.stopping})
 
     def op_submit(self, conn, req):
-        from pyapi.params import validate
-
+        """Check what can be checked here, then the params in a child as the caller (``_read_check``)."""
         f = self._fields(req, {"params": (dict, _REQUIRED), "cwd": (str, _REQUIRED), "max_restarts": (int, 0),
                                "priority": (int, 0), "name": (str, "job")})
         if self.stopping:
@@ -343,31 +462,108 @@ class Service:
             raise RequestError(f"max_restarts: expected 0..100, got {f['max_restarts']}")
         if not -1000 <= f["priority"] <= 1000:
             raise RequestError(f"priority: expected -1000..1000, got {f['priority']}")
-        name = "".join(c for c in f["name"] if c.isprintable())[:64] or "job"
-        if not os.path.isabs(f["cwd"]):
-            raise RequestError(f"cwd: expected an absolute path, got {f['cwd']!r}")
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # the submitter's own check showed them
-            spec = validate(f["params"])
-        r = spec.runconfig
-        model_dir = str(r.model_dir)
-        if not os.path.isabs(model_dir):
-            raise RequestError(f"runconfig.model_dir: expected an absolute path, got {model_dir!r}")
-        if r.num_csx > self.num_csx:
-            raise RequestError(f"runconfig.num_csx: {r.num_csx} CS-2s asked, the appliance has {self.num_csx}")
-        for other in self.store.jobs(states=ACTIVE):
-            if os.path.normpath(other["model_dir"]) == os.path.normpath(model_dir):
-                raise RequestError(f"runconfig.model_dir: {model_dir} is the model_dir of job {other['id']} "
-                                   f"({other['state']}); use another")
+        if f["priority"] > 0 and conn.uid not in (0, self.owner):
+            raise RequestError("priority: above 0 only for root (you may lower a job's priority, not raise it)")
+        f["name"] = _printable(f["name"], 64).strip() or "job"
+        f["cwd"] = _path(f["cwd"], "cwd")
+        self._start_check(conn, f, account)
+
+    def _start_check(self, conn, fields, account):
+        """Fork a child that validates the params and plans the job as the caller, limited in CPU and memory:
+        no params, however built, can take the service's time or memory."""
+        r, w = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # the child: never returns
+            signal.set_wakeup_fd(-1)  # the service's wakeup pipe is not the child's to write
+            os.close(r)
+            out = {"error": "the params check failed"}
+            try:
+                if self.owner == 0 and account.pw_uid != 0:
+                    os.setgroups(os.getgrouplist(account.pw_name, account.pw_gid))
+                    os.setgid(account.pw_gid)
+                    os.setuid(account.pw_uid)
+                resource.setrlimit(resource.RLIMIT_CPU, (CHECK_SECONDS, CHECK_SECONDS))
+                resource.setrlimit(resource.RLIMIT_AS, (CHECK_MEMORY, CHECK_MEMORY))
+                out = self._check_params(fields["params"])
+            except MemoryError:
+                out = {"error": f"the params check needed more than its {CHECK_MEMORY >> 30} GiB of memory"}
+            except BaseException as exc:
+                out = {"error": (str(exc).splitlines() or [type(exc).__name__])[0] or type(exc).__name__}
+            finally:
+                try:
+                    data = json.dumps(out).encode()
+                    while data:
+                        data = data[os.write(w, data):]
+                finally:
+                    os._exit(0)
+        os.close(w)
+        os.set_blocking(r, False)
+        conn.check = _Check(pid, r, fields, account, _umask_of(conn.pid))
+        self.sel.register(r, selectors.EVENT_READ, conn)
+
+    def _check_params(self, raw):
+        """In the checker child: the validated params and what the service needs of them, or the error."""
+        import warnings
+
         from mpi_launch.mpiexec import check_capacity
         from mpi_launch.plan import plan_for
+        from pyapi.params import validate
 
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the submitter's own check showed them
+            spec = validate(raw)
+        r = spec.runconfig
+        if r.num_csx > self.num_csx:
+            return {"error": f"runconfig.num_csx: {r.num_csx} CS-2s asked, the appliance has {self.num_csx}"}
         check_capacity(plan_for(spec)[0], cores=self._cores_for(r.num_csx))
-        job_id = self.store.add(uid=conn.uid, gid=account.pw_gid, user=account.pw_name, name=name,
-                                params=spec.to_dict(), cwd=f["cwd"], model_dir=model_dir, num_csx=r.num_csx,
-                                max_steps=r.max_steps, priority=f["priority"], max_restarts=f["max_restarts"])
-        self.say(f"job {job_id}: submitted by {account.pw_name}: {r.num_csx} CS-2s, {model_dir}")
-        self.schedule()
+        return {"params": spec.to_dict(), "num_csx": r.num_csx, "max_steps": r.max_steps,
+                "model_dir": str(r.model_dir)}
+
+    def _read_check(self, conn):
+        check = conn.check
+        try:
+            chunk = os.read(check.fd, 65536)
+        except BlockingIOError:
+            return
+        if chunk:
+            check.buf += chunk
+            if len(check.buf) <= 4 * MAX_LINE:
+                return
+        self._end_check(conn)
+        try:
+            out = json.loads(check.buf)
+        except ValueError:
+            out = {"error": "the params check ended without an answer (its CPU or memory limit?)"}
+        try:
+            if "error" in out:
+                raise RequestError(str(out["error"]))
+            self._queue(conn, check, out)
+        except ValueError as exc:
+            self._reply(conn, {"error": _printable(str(exc))})
+
+    def _end_check(self, conn):
+        check, conn.check = conn.check, None
+        self.sel.unregister(check.fd)
+        os.close(check.fd)
+        try:
+            os.kill(check.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        os.waitpid(check.pid, 0)
+
+    def _queue(self, conn, check, checked):
+        f, account = check.fields, check.account
+        model_dir = _path(checked["model_dir"], "runconfig.model_dir")
+        for other in self.store.jobs(uid=account.pw_uid, states=ACTIVE):
+            if other["model_dir"] == model_dir:
+                raise RequestError(f"runconfig.model_dir: {model_dir} is the model_dir of your job {other['id']} "
+                                   f"({other['state']}); use another")
+        job_id = self.store.add(uid=account.pw_uid, gid=account.pw_gid, user=account.pw_name, name=f["name"],
+                                params=checked["params"], cwd=f["cwd"], umask=check.umask, model_dir=model_dir,
+                                num_csx=checked["num_csx"], max_steps=checked["max_steps"], priority=f["priority"],
+                                max_restarts=f["max_restarts"])
+        self.say(f"job {job_id}: submitted by {account.pw_name}: {checked['num_csx']} CS-2s, {model_dir}")
+        self._guarded("scheduling", self.schedule)
         self._reply(conn, {"job": self._public(self.store.get(job_id))})
 
     def op_jobs(self, conn, req):
@@ -387,6 +583,7 @@ class Service:
             raise RequestError(f"job {job['id']} has already ended ({job['state']})")
         if job["state"] == "queued":
             self._end(job, "cancelled", f"cancelled by {who} while queued")
+            self._guarded("scheduling", self.schedule)  # it may have been holding the pool
         elif job["id"] not in self.cancelling:
             self.cancelling[job["id"]] = who
             self._signal_runner(job["id"], signal.SIGTERM)
@@ -415,41 +612,36 @@ class Service:
         self.begin_stop(f"asked by {_user(conn.uid)}")
 
     # -- what a job record shows ---------------------------------------------------------------
-    def _progress(self, job):
-        """Step, loss and simulated seconds so far, from model_dir's metrics.jsonl.
-
-        Root's service reads the file only if the job's user owns it, and never through a symlink at
-        its end: a model_dir naming another user's run must not show that run's progress.
-        """
-        from mpi_launch.rundir import RunDir
-
-        steps = []
-        try:
-            fd = os.open(RunDir(job["model_dir"]).metrics, os.O_RDONLY | os.O_NOFOLLOW)
-        except OSError:
-            fd = None
-        if fd is not None:
-            with open(fd, errors="replace") as f:
-                if self.owner != 0 or os.fstat(fd).st_uid == job["uid"]:
-                    for line in f:
-                        try:
-                            record = json.loads(line)
-                        except ValueError:
-                            continue  # a torn last line, from a killed writer
-                        if isinstance(record, dict) and "sim_step_s" in record:
-                            steps.append(record)
-        last = steps[-1] if steps else {}
-        return {"step": last.get("step", 0), "loss": last.get("loss"),
-                "sim_seconds": sum(m["sim_step_s"] for m in steps)}
-
     def _public(self, job):
         keys = ("id", "name", "user", "state", "num_csx", "priority", "max_restarts", "restarts", "max_steps",
                 "model_dir", "submitted", "started", "ended", "reason", "step", "loss", "sim_seconds")
         out = {k: job[k] for k in keys}
-        if job["state"] not in ENDED:
-            out.update(self._progress(job))
+        out.update(self.progress.get(job["id"], {}))
+        out["step"] = out["step"] or 0
         out["wall_seconds"] = None if job["started"] is None else (job["ended"] or time.time()) - job["started"]
         return out
+
+    def _read_progress(self, p):
+        """A runner's progress lines (it runs as the job's user: every value is checked)."""
+        try:
+            chunk = os.read(p.fd, 65536)
+        except BlockingIOError:
+            return
+        if not chunk:
+            self.sel.unregister(p.fd)
+            os.close(p.fd)
+            return
+        p.buf = (p.buf + chunk)[-MAX_LINE:]
+        *lines, p.buf = p.buf.split(b"\n")
+        for line in lines:
+            try:
+                r = json.loads(line)
+                step, loss, sim = int(r["step"]), r["loss"], float(r["sim_seconds"])
+                loss = None if loss is None else float(loss)
+            except (ValueError, TypeError, KeyError, RecursionError, OverflowError):
+                continue
+            if 0 <= step < 2**62 and math.isfinite(sim) and (loss is None or math.isfinite(loss)):
+                self.progress[p.job_id] = {"step": step, "loss": loss, "sim_seconds": sim}
 
     # -- scheduling ----------------------------------------------------------------------------
     def _busy(self):
@@ -460,49 +652,61 @@ class Service:
         return max(1, self.cores * num_csx // self.num_csx)
 
     def schedule(self):
-        if self.stopping:
-            return
-        starts, overtaken = pick(self.store.queue(), self.num_csx - self._busy())
-        for job_id in overtaken:
-            self.store.update(job_id, overtaken=self.store.get(job_id)["overtaken"] + 1)
-        for job in starts:
-            self._start(job)
+        """Start what the queue and the free CS-2s allow (again if a start failed: its CS-2s are free)."""
+        while not self.stopping:
+            starts, overtaken = pick(self.store.queue(), self.num_csx - self._busy())
+            for job_id in overtaken:
+                self.store.update(job_id, overtaken=self.store.get(job_id)["overtaken"] + 1)
+            if all([self._start(job) for job in starts]):
+                return
 
     def _start(self, job):
-        """Start an attempt of ``job``: its runner, as its user, writing its log."""
+        """Start an attempt of ``job``: its runner, as its user, writing its log. False if it could not start."""
         attempt = job["restarts"] + 1
         cores = self._cores_for(job["num_csx"])
-        log_path = self.logs_dir / f"job_{job['id']}.log"
-        with open(log_path, "ab") as log:
-            log.write(f"== {time.strftime('%Y-%m-%d %H:%M:%S')} job {job['id']} attempt {attempt}: "
-                      f"{job['num_csx']} CS-2s, {cores} core(s), user {job['user']}, in {job['cwd']}\n".encode())
-            log.flush()
-            env = {k: v for k, v in os.environ.items() if k not in (SOCKET_ENV, "XDG_RUNTIME_DIR", "XDG_STATE_HOME")}
+        orders = {"params": job["params"], "cores": cores, "cwd": job["cwd"], "appliance_pid": os.getpid()}
+        progress_r, progress_w = os.pipe()
+        try:
+            env = {"PATH": f"{Path(sys.executable).parent}:/usr/local/bin:/usr/bin:/bin"}
             as_user = {}
             if self.owner == 0 and job["uid"] != 0:
                 account = pwd.getpwuid(job["uid"])
-                env.update(HOME=account.pw_dir, USER=account.pw_name, LOGNAME=account.pw_name)
+                env.update({k: v for k, v in os.environ.items() if k in _ENV_KEEP or k.startswith(_ENV_PREFIXES)})
+                env.update(HOME=account.pw_dir, USER=account.pw_name, LOGNAME=account.pw_name,
+                           SHELL=account.pw_shell)
                 as_user = {"user": job["uid"], "group": job["gid"],
                            "extra_groups": os.getgrouplist(account.pw_name, job["gid"])}
-            try:
-                proc = subprocess.Popen([sys.executable, "-u", "-m", "mpi_launch.appliance.runner"],
-                                        stdin=subprocess.PIPE, stdout=log, stderr=subprocess.STDOUT, cwd=job["cwd"],
-                                        env=env, start_new_session=True, **as_user)
-            except OSError as exc:
-                self._end(job, "failed", f"cannot start as {job['user']} in {job['cwd']}: {exc.strerror or exc}")
-                return
-        orders = {"params": job["params"], "cores": cores, "cwd": job["cwd"], "appliance_pid": os.getpid()}
-        try:
-            proc.stdin.write(json.dumps(orders).encode())
-            proc.stdin.close()
-        except OSError:
-            pass  # the runner is already gone: reap() reads its exit
+            else:  # the service's own user: their environment, as they started the service
+                env = {k: v for k, v in os.environ.items() if k != SOCKET_ENV}
+            orders["progress_fd"] = progress_w
+            with open(self.logs_dir / f"job_{job['id']}.log", "ab") as log, tempfile.TemporaryFile() as stdin:
+                log.write(f"== {time.strftime('%Y-%m-%d %H:%M:%S')} job {job['id']} attempt {attempt}: "
+                          f"{job['num_csx']} CS-2s, {cores} core(s), user {job['user']}, in {job['cwd']}\n".encode())
+                log.flush()
+                stdin.write(json.dumps(orders).encode())  # a file: writing it never waits on the runner
+                stdin.seek(0)
+                # cwd "/": the runner enters the job's directory itself, as the user, after Python has
+                # set its import path (-P: nor is that directory put on it).
+                proc = subprocess.Popen([sys.executable, *_SAFE_PATH, "-u", "-m", "mpi_launch.appliance.runner"],
+                                        stdin=stdin, stdout=log, stderr=subprocess.STDOUT, cwd="/", env=env,
+                                        umask=job["umask"], start_new_session=True, pass_fds=(progress_w,),
+                                        **as_user)
+        except (OSError, ValueError, KeyError, subprocess.SubprocessError) as exc:
+            os.close(progress_r)
+            os.close(progress_w)
+            self._end(job, "failed", f"cannot start as {job['user']}: {exc}")
+            return False
+        os.close(progress_w)
+        os.set_blocking(progress_r, False)
+        self.sel.register(progress_r, selectors.EVENT_READ, _Progress(job["id"], progress_r))
         self.procs[job["id"]] = proc
         self.store.update(job["id"], state="running", pid=proc.pid, started=job["started"] or time.time())
         self.say(f"job {job['id']}: attempt {attempt} started (runner pid {proc.pid}, {cores} core(s))")
+        return True
 
     def _end(self, job, state, reason):
-        self.store.update(job["id"], state=state, ended=time.time(), pid=None, reason=reason, **self._progress(job))
+        p = self.progress.pop(job["id"], {})
+        self.store.update(job["id"], state=state, ended=time.time(), pid=None, reason=reason, **p)
         self.say(f"job {job['id']}: {state}" + (f": {reason}" if reason and state != "done" else ""))
 
     def _signal_runner(self, job_id, sig):
@@ -519,36 +723,44 @@ class Service:
         """Act on every runner that has exited: done, failed, restarted, cancelled or left to resume."""
         changed = False
         for job_id, proc in list(self.procs.items()):
-            code = proc.poll()
-            if code is None:
+            if proc.poll() is None:
                 continue
             changed = True
             del self.procs[job_id]
             self.deadlines.pop(job_id, None)
-            job = self.store.get(job_id)
-            line = self._last_line(job_id)
-            if job_id in self.cancelling:
-                self._end(job, "cancelled", f"cancelled by {self.cancelling.pop(job_id)} while running")
-            elif self.stopping:
-                self.store.update(job_id, state="queued", pid=None,
-                                  reason="interrupted when the appliance stopped; resumes from its latest checkpoint")
-            elif code == 0:
-                self._end(job, "done", job["reason"])  # the last fault it survived, if any
-            elif code == EXIT_BAD_INPUT:
-                self._end(job, "failed", line)
-            else:
-                why = line if code == EXIT_JOB_FAILED else f"its runner ended with {_exit_name(code)}"
-                if job["restarts"] < job["max_restarts"]:
-                    n = job["restarts"] + 1
-                    self.store.update(job_id, restarts=n, reason=why)
-                    self._log(job_id, f"== restart {n} of {job['max_restarts']} from the latest checkpoint after: "
-                                      f"{why}\n")
-                    self.say(f"job {job_id}: failed ({why}); restart {n} of {job['max_restarts']}")
-                    self._start(self.store.get(job_id))
-                else:
-                    self._end(job, "failed", why)
+            self._guarded(f"job {job_id}'s end", self._ended, job_id, proc.returncode)
         if changed:
-            self.schedule()
+            self._guarded("scheduling", self.schedule)
+
+    def _ended(self, job_id, code):
+        job = self.store.get(job_id)
+        line = self._last_line(job_id)
+        cancelled_by = self.cancelling.pop(job_id, None)
+        interrupted = code in (-signal.SIGTERM, -signal.SIGKILL, 128 + signal.SIGTERM)
+        if code == 0:
+            self._end(job, "done", job["reason"])  # the last fault it survived, if any
+        elif code == EXIT_BAD_INPUT:
+            self._end(job, "failed", line)
+        elif cancelled_by is not None:
+            self._end(job, "cancelled", f"cancelled by {cancelled_by} while running")
+        elif self.stopping and interrupted:
+            p = self.progress.pop(job_id, {})
+            self.store.update(job_id, state="queued", pid=None,
+                              reason="interrupted when the appliance stopped; resumes from its latest checkpoint", **p)
+        else:
+            why = line if code == EXIT_JOB_FAILED else f"its runner ended with {_exit_name(code)}"
+            if job["restarts"] >= job["max_restarts"]:
+                self._end(job, "failed", why)
+                return
+            n = job["restarts"] + 1
+            self._log(job_id, f"== restart {n} of {job['max_restarts']} from the latest checkpoint after: {why}\n")
+            self.say(f"job {job_id}: failed ({why}); restart {n} of {job['max_restarts']}")
+            if self.stopping:  # it restarts when the appliance is started again
+                self.store.update(job_id, state="queued", pid=None, restarts=n, reason=why,
+                                  **self.progress.pop(job_id, {}))
+                return
+            self.store.update(job_id, restarts=n, reason=why)
+            self._start(self.store.get(job_id))
 
     # -- logs, waits and deadlines -------------------------------------------------------------
     def _log(self, job_id, text):
@@ -563,7 +775,7 @@ class Service:
                 lines = [ln for ln in f.read().decode(errors="replace").splitlines() if ln.strip()]
         except OSError:
             return "its log is missing"
-        return lines[-1].strip() if lines else "it printed nothing"
+        return _printable(lines[-1].strip(), 1000) if lines else "it printed nothing"
 
     def _pump_log(self, conn):
         """Send what the log holds beyond what was sent; end the reply at its end, or, when following,
@@ -604,23 +816,38 @@ class Service:
 
     def tick(self):
         now = time.monotonic()
+        if self.accept_paused is not None and now > self.accept_paused and not self.stopping:
+            self.accept_paused = None
+            self.sel.register(self.listener, selectors.EVENT_READ, "accept")
         for conn in list(self.conns.values()):
             if conn.sock.fileno() not in self.conns:
                 continue
-            if conn.follow is not None:
-                self._pump_log(conn)
+            if conn.outbuf and now - conn.sent > IDLE_SECONDS:
+                self._close(conn)  # it does not take its reply
+            elif conn.check is not None:
+                if now - conn.check.started > CHECK_SECONDS + IDLE_SECONDS:
+                    self._end_check(conn)
+                    self._reply(conn, {"error": f"the params check did not end within {CHECK_SECONDS} s"})
+            elif conn.follow is not None:
+                self._guarded("a log", self._pump_log, conn)
             elif conn.wait is not None:
-                self._check_wait(conn)
+                self._guarded("a wait", self._check_wait, conn)
             elif now - (conn.closed_at or conn.opened) > IDLE_SECONDS and (conn.closed_at or not conn.answered):
                 self._close(conn)
         for job_id, deadline in list(self.deadlines.items()):
             if now > deadline and job_id in self.procs:
+                # The runner's session: the runner itself. Its ranks end when its watchdog's
+                # connections close, which its death does (docs/design.md section 3).
                 self.say(f"job {job_id}: its runner did not end within {GRACE_SECONDS:g} s; killed")
                 try:
                     os.killpg(self.procs[job_id].pid, signal.SIGKILL)
                 except ProcessLookupError:
                     pass
                 self.deadlines[job_id] = float("inf")
+
+
+#: Python's -P (3.11+): the runner's import path does not start with a directory anyone chose.
+_SAFE_PATH = ("-P",) if sys.version_info >= (3, 11) else ()
 
 
 def pick(queue, free, max_overtakes=MAX_OVERTAKES):
@@ -664,9 +891,9 @@ def start_background(state_dir, socket_path, num_csx, timeout=60.0):
     except ApplianceError as exc:
         if "already answers" in str(exc):
             raise
-    with open(state_dir / "service.log", "a") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "mpi_launch.appliance.service", "--state_dir", str(state_dir),
-                                 "--socket", str(socket_path), "--num_csx", str(num_csx)],
+    with open(os.open(state_dir / "service.log", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600), "a") as out:
+        proc = subprocess.Popen([sys.executable, *_SAFE_PATH, "-m", "mpi_launch.appliance.service", "--state_dir",
+                                 str(state_dir), "--socket", str(socket_path), "--num_csx", str(num_csx)],
                                 stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
                                 start_new_session=True, cwd="/")
     from mpi_launch.appliance.client import wait_for_socket

@@ -65,6 +65,10 @@ def submit(job, *, max_restarts=0, name=None):
         raise ValueError(f"--max_restarts: expected 0..100, got {max_restarts}")
     job._check_inputs()
     model_dir = job.model_dir.absolute()
+    for what, path in (("model_dir", model_dir), ("the current directory", Path.cwd())):
+        if not str(path).isprintable() or any(c.isspace() for c in str(path)):
+            raise ValueError(f"{what}: {str(path)!r} has spaces or control characters, which #SBATCH lines "
+                             "cannot carry; use another")
     name = re.sub(r"[^\w.-]", "_", name or model_dir.name)[:64]
     (model_dir / "logs").mkdir(parents=True, exist_ok=True)
     frozen = model_dir / "slurm_job.yaml"

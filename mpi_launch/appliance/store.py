@@ -2,7 +2,8 @@
 
 Every change of a job's state is written here before the service acts on it, so a service that
 is killed and started again finds its queue as it was: queued jobs wait in the same order, and
-jobs that were running go back to the head of the queue and resume from their latest checkpoint.
+jobs that were running are queued again, in their places (submission order), and resume from their
+latest checkpoints.
 """
 import json
 import sqlite3
@@ -21,6 +22,7 @@ CREATE TABLE IF NOT EXISTS jobs (
     name          TEXT    NOT NULL,
     params        TEXT    NOT NULL,   -- the validated flat params (JSON): what the runner trains
     cwd           TEXT    NOT NULL,   -- the submitter's directory: relative data paths resolve here
+    umask         INTEGER NOT NULL,   -- the submitter's: the job's files get the modes theirs would
     model_dir     TEXT    NOT NULL,
     num_csx       INTEGER NOT NULL,
     max_steps     INTEGER NOT NULL,
@@ -39,8 +41,8 @@ CREATE TABLE IF NOT EXISTS jobs (
     sim_seconds   REAL
 )"""
 
-_FIELDS = ("id", "uid", "gid", "user", "name", "params", "cwd", "model_dir", "num_csx", "max_steps", "priority",
-           "max_restarts", "state", "restarts", "overtaken", "submitted", "started", "ended", "pid", "reason",
+_FIELDS = ("id", "uid", "gid", "user", "name", "params", "cwd", "umask", "model_dir", "num_csx", "max_steps",
+           "priority", "max_restarts", "state", "restarts", "overtaken", "submitted", "started", "ended", "pid", "reason",
            "step", "loss", "sim_seconds")
 
 
