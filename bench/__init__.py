@@ -19,6 +19,8 @@ BENCHMARKS = {
                                "count what is named right."),
     "scaling": ("bench.scaling", "Scaling of the emulated cluster, from the simulated-time model: samples/s and "
                                  "speed-up for 1 to 192 CS-2s."),
+    "appliance": ("bench.appliance", "The appliance against `wse fit`: the same jobs queued on a CS-2 pool, and run "
+                                     "one after another directly."),
     "fabric": ("bench.fabric", "The PE-mesh simulator's speed, and BiCGSTAB cycles per iteration next to the "
                                "SC20 figures."),
 }
