@@ -128,6 +128,30 @@ def test_pick_first_come_within_priority_and_bounded_overtaking():
     assert [j["id"] for j in pick([small[0], small[1]], free=1)[0]] == [2]  # first come
 
 
+def test_a_job_table_of_the_first_version_is_read_and_extended(tmp_path):
+    """A state directory written before the umask column: its jobs read back (umask 0o077), new ones add."""
+    import sqlite3
+
+    from mpi_launch.appliance.store import Store
+
+    db = sqlite3.connect(tmp_path / "jobs.sqlite")
+    db.execute("CREATE TABLE jobs (id INTEGER PRIMARY KEY AUTOINCREMENT, uid INTEGER NOT NULL, gid INTEGER NOT NULL, "
+               "user TEXT NOT NULL, name TEXT NOT NULL, params TEXT NOT NULL, cwd TEXT NOT NULL, model_dir TEXT NOT "
+               "NULL, num_csx INTEGER NOT NULL, max_steps INTEGER NOT NULL, priority INTEGER NOT NULL, max_restarts "
+               "INTEGER NOT NULL, state TEXT NOT NULL, restarts INTEGER NOT NULL DEFAULT 0, overtaken INTEGER NOT "
+               "NULL DEFAULT 0, submitted REAL NOT NULL, started REAL, ended REAL, pid INTEGER, reason TEXT, step "
+               "INTEGER, loss REAL, sim_seconds REAL)")
+    db.execute("INSERT INTO jobs (uid, gid, user, name, params, cwd, model_dir, num_csx, max_steps, priority, "
+               "max_restarts, state, submitted) VALUES (0, 0, 'root', 'old', '{}', '/', '/m', 1, 3, 0, 0, 'queued', 0)")
+    db.commit()
+    db.close()
+    store = Store(tmp_path / "jobs.sqlite")
+    assert store.get(1)["umask"] == 0o077 and store.queue()[0]["name"] == "old"
+    new = store.add(uid=0, gid=0, user="root", name="new", params={}, cwd="/", umask=0o022, model_dir="/n", num_csx=1,
+                    max_steps=3, priority=0, max_restarts=0)
+    assert store.get(new)["umask"] == 0o022
+
+
 def test_three_jobs_on_four_csx_two_at_once_the_third_waits_all_bit_identical_to_wse_fit(tmp_path, data, jobs,
                                                                                       appliance):
     """3 jobs of 2 CS-2s on a pool of 4: two run side by side, the third starts when one ends; every
@@ -164,6 +188,11 @@ def test_cancel_of_a_queued_and_of_a_running_job(tmp_path, data, jobs, appliance
     r = a.wse("cancel", queued_id)
     assert r.returncode == 0 and f"job {queued_id}: cancelled" in r.stdout, r.stderr
     until(lambda: a.client.job(run_id)["step"] >= 2, "the long job trains")
+    # Clients that wait or follow and go away (Ctrl-C on `job.wait()`, `wse logs -f`) hold nothing:
+    # more of them than one user may hold connections at once, and the user is still served.
+    for request in [{"op": "logs", "id": run_id, "follow": True}] * 5 + [{"op": "wait", "id": run_id}] * 40:
+        _raw(a.socket, json.dumps(request).encode() + b"\n", read=False)
+    assert a.client.job(run_id)["state"] == "running"
     r = a.wse("cancel", run_id)
     assert r.returncode == 0, r.stderr
     rec = a.wait(run_id, 120)
@@ -324,12 +353,20 @@ def test_malformed_and_hostile_requests_get_one_line_and_leave_the_service_runni
     refusal = []
     worker = threading.Thread(target=lambda: refusal.append(_raw(a.socket, json.dumps(
         {"op": "submit", "params": slow, "cwd": str(tmp_path)}).encode() + b"\n")))
+    second = threading.Thread(target=lambda: refusal.append(_raw(a.socket, json.dumps(
+        {"op": "submit", "params": slow, "cwd": str(tmp_path)}).encode() + b"\n")))
     service = a.client.status()["pid"]
     worker.start()
-    until(lambda: _children(service), "the service forks the check")
-    assert a.client.status()["pid"] == service and worker.is_alive(), "answered while the check runs"
+    second.start()
+    until(lambda: len(_children(service)) == 2, "the service forks the checks")
+    assert a.client.status()["pid"] == service and worker.is_alive(), "answered while the checks run"
+    third = json.loads(_raw(a.socket, json.dumps({"op": "submit", "params": slow, "cwd": str(tmp_path)}).encode()
+                            + b"\n"))
+    assert third["error"] == "too many submissions being checked at once; submit again in a moment", third
     worker.join()
-    assert "runconfig.num_csx: 4 CS-2s asked, the appliance has 2" in refusal[0], refusal
+    second.join()
+    assert all("runconfig.num_csx: 4 CS-2s asked, the appliance has 2" in r for r in refusal), refusal
+
     assert a.client.jobs() == []
     again = a.wse("appliance", "start", "--state_dir", a.state_dir)
     assert again.returncode == 1 and "an appliance already answers there" in again.stderr, again.stderr

@@ -46,6 +46,7 @@ from pathlib import Path
 from mpi_launch.appliance.client import MAX_LINE, SOCKET_ENV, SOCKET_NAME, ApplianceError, Client
 from mpi_launch.appliance.runner import EXIT_BAD_INPUT, EXIT_JOB_FAILED
 from mpi_launch.appliance.store import ACTIVE, ENDED, Store
+from mpi_launch.supervisor import die_with_parent
 
 #: How many later jobs may start ahead of a waiting job before it holds the pool for itself.
 MAX_OVERTAKES = 2
@@ -61,6 +62,12 @@ TICK_SECONDS = 0.5
 #: The child that checks a submitted job's params: CPU seconds and bytes of address space it may use.
 CHECK_SECONDS = 60
 CHECK_MEMORY = 4 << 30
+#: Params checks running at once: per user, and in all (each may use CHECK_MEMORY).
+MAX_CHECKS_PER_USER = 2
+MAX_CHECKS = max(2, os.cpu_count() or 1)
+#: Errors of the machine, not of a job: a start that meets one is tried again this many seconds later.
+_TRANSIENT = (errno.EMFILE, errno.ENFILE, errno.EAGAIN, errno.ENOMEM, errno.ENOSPC)
+RETRY_SECONDS = 5.0
 #: Longest path accepted for a job's directory or model_dir.
 MAX_PATH = 4096
 _LOG_CHUNK = 65536
@@ -92,6 +99,17 @@ def _path(value, what):
     if not os.path.isabs(value) or len(value) > MAX_PATH or not value.isprintable():
         raise RequestError(f"{what}: expected an absolute path of printable characters, got {value[:100]!r}")
     return os.path.normpath(value)
+
+
+def _mapped_bytes():
+    """This process's address space now (VmSize): what a child's RLIMIT_AS must allow beyond."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmSize:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return 0
 
 
 def _umask_of(pid):
@@ -154,20 +172,28 @@ class Service:
         self._lock_fd = self._lock()
         self.logs_dir = self.state_dir / "logs"
         self.logs_dir.mkdir(exist_ok=True)
+        for path in [self.logs_dir, *self.state_dir.iterdir()]:  # also what an older service left readable
+            if path != self.socket_path and not path.is_symlink():
+                os.chmod(path, 0o700 if path.is_dir() else 0o600)
         self.log = open(self.state_dir / "service.log", "a", buffering=1)
         self.store = Store(self.state_dir / "jobs.sqlite")
         self.listener = self._listen()
         self.conns = {}        # fd -> _Conn
         self.procs = {}        # job id -> the runner (Popen) of its current attempt
         self.progress = {}     # job id -> {"step", "loss", "sim_seconds"} its runner reported
+        self.pipes = {}        # job id -> its runner's progress pipe (_Progress)
+        self.zombies = []      # params-check children killed and not yet reaped
+        self.retry_at = None   # monotonic time to try starting jobs again (after a transient error)
         self.cancelling = {}   # job id -> who cancelled it
         self.deadlines = {}    # job id -> monotonic time at which its runner is killed
         self.stopping = False
         self.accept_paused = None  # monotonic time to accept again after running out of descriptors
         self.sel = selectors.DefaultSelector()
         # The checker children fork from this process: they find these already imported.
+        import mpi_launch.mpiexec  # noqa: F401
         import mpi_launch.plan  # noqa: F401
         import pyapi.params  # noqa: F401
+        import wse_core.nn  # noqa: F401
 
         for job_id in self.store.requeue_running("the appliance stopped while it ran; resumed from its latest "
                                                  "checkpoint"):
@@ -214,17 +240,17 @@ class Service:
         return s
 
     def say(self, line):
-        self.log.write(f"{time.strftime('%Y-%m-%d %H:%M:%S')} {line}\n")
+        try:
+            self.log.write(f"{time.strftime('%Y-%m-%d %H:%M:%S')} {line}\n")
+        except OSError:
+            pass  # a full disk must not end the service: its log is best effort
 
     def _guarded(self, what, fn, *args):
         """Run one piece of the loop's work; a failure is logged and does not end the service."""
         try:
             return fn(*args)
         except Exception:
-            try:
-                self.say(f"{what} failed: {traceback.format_exc()}")
-            except OSError:
-                pass
+            self.say(f"{what} failed: {traceback.format_exc()}")
 
     # -- the loop ------------------------------------------------------------------------------
     def serve(self):
@@ -241,7 +267,8 @@ class Service:
                  f"{self.socket_path}")
         self._guarded("scheduling", self.schedule)
         while not (self.stopping and not self.procs):
-            busy = self.conns or self.deadlines or self.accept_paused is not None
+            busy = self.conns or self.deadlines or self.zombies or self.accept_paused is not None \
+                or self.retry_at is not None
             for key, events in self.sel.select(TICK_SECONDS if busy else None):
                 data = key.data
                 if data == "accept":
@@ -312,7 +339,7 @@ class Service:
         except OSError:
             chunk = b""
         if not chunk:
-            if conn.answered and conn.closed_at is None and (conn.check or conn.follow or conn.wait or conn.outbuf):
+            if conn.answered and conn.closed_at is None and (conn.check or conn.outbuf):
                 conn.eof = True  # it has said all it will say; its reply is still to come
                 self._watch(conn)
             else:
@@ -471,19 +498,36 @@ class Service:
     def _start_check(self, conn, fields, account):
         """Fork a child that validates the params and plans the job as the caller, limited in CPU and memory:
         no params, however built, can take the service's time or memory."""
+        checks = [c.check for c in self.conns.values() if c.check is not None]
+        if sum(c.account.pw_uid == account.pw_uid for c in checks) >= MAX_CHECKS_PER_USER or len(checks) >= MAX_CHECKS:
+            raise RequestError("too many submissions being checked at once; submit again in a moment")
         r, w = os.pipe()
-        pid = os.fork()
-        if pid == 0:  # the child: never returns
-            signal.set_wakeup_fd(-1)  # the service's wakeup pipe is not the child's to write
+        service = os.getpid()
+        try:
+            pid = os.fork()
+        except OSError:
             os.close(r)
+            os.close(w)
+            raise
+        if pid == 0:  # the child: everything under the finally, which never returns
             out = {"error": "the params check failed"}
             try:
+                signal.set_wakeup_fd(-1)  # the service's wakeup pipe, sockets and files are not the child's
+                for sig in (signal.SIGCHLD, signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGPIPE):
+                    signal.signal(sig, signal.SIG_DFL)
+                os.closerange(3, w)
+                os.closerange(w + 1, resource.getrlimit(resource.RLIMIT_NOFILE)[0])
+                die_with_parent(signal.SIGKILL)  # a service killed takes its checks along
+                if os.getppid() != service:
+                    raise RuntimeError("the appliance ended")
                 if self.owner == 0 and account.pw_uid != 0:
                     os.setgroups(os.getgrouplist(account.pw_name, account.pw_gid))
                     os.setgid(account.pw_gid)
                     os.setuid(account.pw_uid)
+                resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
                 resource.setrlimit(resource.RLIMIT_CPU, (CHECK_SECONDS, CHECK_SECONDS))
-                resource.setrlimit(resource.RLIMIT_AS, (CHECK_MEMORY, CHECK_MEMORY))
+                limit = _mapped_bytes() + CHECK_MEMORY  # beyond what the service had mapped already
+                resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
                 out = self._check_params(fields["params"])
             except MemoryError:
                 out = {"error": f"the params check needed more than its {CHECK_MEMORY >> 30} GiB of memory"}
@@ -540,6 +584,9 @@ class Service:
             self._queue(conn, check, out)
         except ValueError as exc:
             self._reply(conn, {"error": _printable(str(exc))})
+        except Exception as exc:  # the submitter gets its line whatever went wrong here
+            self.say(f"a submission of uid {conn.uid} failed: {traceback.format_exc()}")
+            self._reply(conn, {"error": f"request refused: {type(exc).__name__}"})
 
     def _end_check(self, conn):
         check, conn.check = conn.check, None
@@ -549,7 +596,17 @@ class Service:
             os.kill(check.pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
-        os.waitpid(check.pid, 0)
+        self.zombies.append(check.pid)  # reaped without waiting (a child in D state must not stop the loop)
+        self._reap_zombies()
+
+    def _reap_zombies(self):
+        for pid in list(self.zombies):
+            try:
+                if os.waitpid(pid, os.WNOHANG)[0] == 0:
+                    continue
+            except ChildProcessError:
+                pass
+            self.zombies.remove(pid)
 
     def _queue(self, conn, check, checked):
         f, account = check.fields, check.account
@@ -622,15 +679,14 @@ class Service:
         return out
 
     def _read_progress(self, p):
-        """A runner's progress lines (it runs as the job's user: every value is checked)."""
+        """A runner's progress lines (it runs as the job's user: every value is checked). True at the pipe's end."""
         try:
             chunk = os.read(p.fd, 65536)
         except BlockingIOError:
-            return
+            return False
         if not chunk:
-            self.sel.unregister(p.fd)
-            os.close(p.fd)
-            return
+            self._close_progress(p.job_id)
+            return True
         p.buf = (p.buf + chunk)[-MAX_LINE:]
         *lines, p.buf = p.buf.split(b"\n")
         for line in lines:
@@ -642,6 +698,21 @@ class Service:
                 continue
             if 0 <= step < 2**62 and math.isfinite(sim) and (loss is None or math.isfinite(loss)):
                 self.progress[p.job_id] = {"step": step, "loss": loss, "sim_seconds": sim}
+        return False
+
+    def _close_progress(self, job_id):
+        p = self.pipes.pop(job_id, None)
+        if p is not None:
+            self.sel.unregister(p.fd)
+            os.close(p.fd)
+
+    def _drain_progress(self, job_id):
+        """At the runner's end: what it wrote last, then the pipe closed (whatever of its children still holds it)."""
+        p = self.pipes.get(job_id)
+        for _ in range(64):  # bounded: a descendant could keep writing
+            if p is None or self._read_progress(p):
+                break
+        self._close_progress(job_id)
 
     # -- scheduling ----------------------------------------------------------------------------
     def _busy(self):
@@ -652,12 +723,22 @@ class Service:
         return max(1, self.cores * num_csx // self.num_csx)
 
     def schedule(self):
-        """Start what the queue and the free CS-2s allow (again if a start failed: its CS-2s are free)."""
+        """Start what the queue and the free CS-2s allow (again if a job could not start: its CS-2s are free).
+
+        An error of the machine (out of descriptors, processes, memory, disk) leaves the job queued
+        and the next start RETRY_SECONDS later; only an error of the job's own fails it.
+        """
+        self.retry_at = None
         while not self.stopping:
             starts, overtaken = pick(self.store.queue(), self.num_csx - self._busy())
             for job_id in overtaken:
                 self.store.update(job_id, overtaken=self.store.get(job_id)["overtaken"] + 1)
-            if all([self._start(job) for job in starts]):
+            try:
+                if all([self._start(job) for job in starts]):
+                    return
+            except OSError as exc:  # transient (``_start``)
+                self.say(f"cannot start a job now ({exc}); trying again in {RETRY_SECONDS:g} s")
+                self.retry_at = time.monotonic() + RETRY_SECONDS
                 return
 
     def _start(self, job):
@@ -665,7 +746,7 @@ class Service:
         attempt = job["restarts"] + 1
         cores = self._cores_for(job["num_csx"])
         orders = {"params": job["params"], "cores": cores, "cwd": job["cwd"], "appliance_pid": os.getpid()}
-        progress_r, progress_w = os.pipe()
+        progress_r, progress_w = os.pipe()  # EMFILE here is transient: schedule() tries again
         try:
             env = {"PATH": f"{Path(sys.executable).parent}:/usr/local/bin:/usr/bin:/bin"}
             as_user = {}
@@ -694,11 +775,14 @@ class Service:
         except (OSError, ValueError, KeyError, subprocess.SubprocessError) as exc:
             os.close(progress_r)
             os.close(progress_w)
+            if isinstance(exc, OSError) and exc.errno in _TRANSIENT:
+                raise
             self._end(job, "failed", f"cannot start as {job['user']}: {exc}")
             return False
         os.close(progress_w)
         os.set_blocking(progress_r, False)
-        self.sel.register(progress_r, selectors.EVENT_READ, _Progress(job["id"], progress_r))
+        self.pipes[job["id"]] = _Progress(job["id"], progress_r)
+        self.sel.register(progress_r, selectors.EVENT_READ, self.pipes[job["id"]])
         self.procs[job["id"]] = proc
         self.store.update(job["id"], state="running", pid=proc.pid, started=job["started"] or time.time())
         self.say(f"job {job['id']}: attempt {attempt} started (runner pid {proc.pid}, {cores} core(s))")
@@ -728,6 +812,7 @@ class Service:
             changed = True
             del self.procs[job_id]
             self.deadlines.pop(job_id, None)
+            self._guarded(f"job {job_id}'s progress", self._drain_progress, job_id)
             self._guarded(f"job {job_id}'s end", self._ended, job_id, proc.returncode)
         if changed:
             self._guarded("scheduling", self.schedule)
@@ -816,6 +901,9 @@ class Service:
 
     def tick(self):
         now = time.monotonic()
+        self._reap_zombies()
+        if self.retry_at is not None and now > self.retry_at:
+            self._guarded("scheduling", self.schedule)
         if self.accept_paused is not None and now > self.accept_paused and not self.stopping:
             self.accept_paused = None
             self.sel.register(self.listener, selectors.EVENT_READ, "accept")
@@ -834,6 +922,8 @@ class Service:
                 self._guarded("a wait", self._check_wait, conn)
             elif now - (conn.closed_at or conn.opened) > IDLE_SECONDS and (conn.closed_at or not conn.answered):
                 self._close(conn)
+            elif conn.answered and not conn.close_after and now - conn.opened > IDLE_SECONDS:
+                self._close(conn)  # answered, nothing pending, no reply coming (a failure was logged)
         for job_id, deadline in list(self.deadlines.items()):
             if now > deadline and job_id in self.procs:
                 # The runner's session: the runner itself. Its ranks end when its watchdog's

@@ -41,6 +41,9 @@ CREATE TABLE IF NOT EXISTS jobs (
     sim_seconds   REAL
 )"""
 
+#: Columns added after the table's first version, with what rows of that version get.
+_ADDED = {"umask": "INTEGER NOT NULL DEFAULT 63"}  # 0o077: files for the user alone
+
 _FIELDS = ("id", "uid", "gid", "user", "name", "params", "cwd", "umask", "model_dir", "num_csx", "max_steps",
            "priority", "max_restarts", "state", "restarts", "overtaken", "submitted", "started", "ended", "pid", "reason",
            "step", "loss", "sim_seconds")
@@ -54,6 +57,10 @@ class Store:
         self.db.row_factory = sqlite3.Row
         self.db.execute("PRAGMA journal_mode=WAL")
         self.db.execute(_SCHEMA)
+        columns = {r["name"] for r in self.db.execute("PRAGMA table_info(jobs)")}
+        for column, decl in _ADDED.items():  # a table made by an earlier version of this module
+            if column not in columns:
+                self.db.execute(f"ALTER TABLE jobs ADD COLUMN {column} {decl}")
 
     def close(self):
         self.db.close()
