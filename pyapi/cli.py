@@ -35,6 +35,17 @@ def _opt(parser, name, **kwargs):
     parser.add_argument(*names, **kwargs)
 
 
+def _job_args(parser, model_dir=True):
+    """What every command that takes a training job takes: PARAMS and the overrides of its runconfig."""
+    parser.add_argument("params", metavar="PARAMS", help="params YAML file")
+    _opt(parser, "--num_csx", type=int, metavar="N", help="override runconfig.num_csx")
+    _opt(parser, "--execution_strategy", choices=["weight_streaming", "pipeline", "auto"],
+         help="override runconfig.execution_strategy")
+    if model_dir:
+        _opt(parser, "--model_dir", metavar="DIR", help="override runconfig.model_dir")
+    parser.add_argument("--set", action="append", metavar="KEY.PATH=VALUE", help="override a params value (repeatable)")
+
+
 def _print_json_or_lines(obj, as_json):
     import json
 
@@ -524,13 +535,8 @@ def build_parser(argv=()):
                        description="Validate PARAMS, lay out the cluster (coordinator, MemoryX, SwarmX, CS-2s, "
                                    "input workers; or one pipelined CS-2) and train. Resumes from "
                                    "MODEL_DIR/latest if there is one.")
-    p.add_argument("params", metavar="PARAMS", help="params YAML file")
-    _opt(p, "--num_csx", type=int, metavar="N", help="override runconfig.num_csx")
-    _opt(p, "--execution_strategy", choices=["weight_streaming", "pipeline", "auto"],
-         help="override runconfig.execution_strategy")
-    _opt(p, "--model_dir", metavar="DIR", help="override runconfig.model_dir")
+    _job_args(p)
     _opt(p, "--checkpoint_path", metavar="PATH", help="resume from this checkpoint")
-    p.add_argument("--set", action="append", metavar="KEY.PATH=VALUE", help="override a params value (repeatable)")
     p.add_argument("--dry-run", "--dry_run", dest="dry_run", action="store_true", help="print the mpiexec command only")
     p.add_argument("--hostfile", metavar="FILE", help="hosts for mpiexec (one per line)")
     p.set_defaults(func=_cmd_fit)
@@ -540,6 +546,8 @@ def build_parser(argv=()):
                                    "queue jobs on it with `wse submit`, and list, follow and cancel them with "
                                    "`wse jobs`, `wse logs`, `wse cancel`; each sees only their own jobs.")
     ap_sub = p.add_subparsers(dest="appliance_command", metavar="ACTION", required=True)
+    socket_help = ("the appliance's socket (default: $WSE_APPLIANCE_SOCKET, else this user's own appliance, else "
+                   "/var/lib/wse-appliance/appliance.sock)")
     ap = ap_sub.add_parser("start", help="start the service (in the background unless --foreground)")
     _opt(ap, "--num_csx", type=int, default=4, metavar="N", help="CS-2s in the pool (default 4)")
     ap.add_argument("--socket", metavar="PATH", help="where it listens (default: STATE_DIR/appliance.sock)")
@@ -551,28 +559,21 @@ def build_parser(argv=()):
                                                            "start"),
                              ("status", _cmd_appliance_status, "the pool: CS-2s free, jobs queued and running")):
         ap = ap_sub.add_parser(name, help=text)
-        ap.add_argument("--socket", metavar="PATH", help="the appliance's socket (default: see `wse submit --help`)")
+        ap.add_argument("--socket", metavar="PATH", help=socket_help)
         if name == "status":
             ap.add_argument("--json", action="store_true", help="print JSON")
         ap.set_defaults(func=func)
 
-    socket_help = ("the appliance's socket (default: $WSE_APPLIANCE_SOCKET, else this user's own appliance, else "
-                   "/var/lib/wse-appliance/appliance.sock)")
     p = sub.add_parser("submit", help="queue a training job on the appliance (or on Slurm with --slurm)",
                        description="Validate PARAMS, check its data as you, and queue it on the appliance; print "
                                    "the job id at once. The job waits until its CS-2s are free, runs as you, "
                                    "resumes from MODEL_DIR/latest, and is restarted from its latest checkpoint "
                                    "after a fault up to --max_restarts times.")
-    p.add_argument("params", metavar="PARAMS", help="params YAML file")
-    _opt(p, "--num_csx", type=int, metavar="K", help="override runconfig.num_csx")
-    _opt(p, "--execution_strategy", choices=["weight_streaming", "pipeline", "auto"],
-         help="override runconfig.execution_strategy")
-    _opt(p, "--model_dir", metavar="DIR", help="override runconfig.model_dir")
+    _job_args(p)
     _opt(p, "--max_restarts", type=int, default=0, metavar="R", help="restarts after a fault (default 0)")
     p.add_argument("--priority", type=int, default=0, metavar="P",
                    help="higher runs first; first come, first served within a priority (default 0)")
     p.add_argument("--name", help="the job's name in `wse jobs` (default: model_dir's name)")
-    p.add_argument("--set", action="append", metavar="KEY.PATH=VALUE", help="override a params value (repeatable)")
     p.add_argument("-f", "--follow", action="store_true", help="then follow its log until it ends")
     p.add_argument("--slurm", action="store_true", help="submit to Slurm with sbatch instead (one task per rank)")
     p.add_argument("--socket", metavar="PATH", help=socket_help)
@@ -624,11 +625,7 @@ def build_parser(argv=()):
     p = sub.add_parser("compile", help="print the rank plan and per-rank memory of a params file (no training)",
                        description="Validate PARAMS and print the rank plan: roles, MemoryX layer ownership, "
                                    "the SwarmX tree and estimated memory per rank. Nothing is launched.")
-    p.add_argument("params", metavar="PARAMS", help="params YAML file")
-    _opt(p, "--num_csx", type=int, metavar="N", help="override runconfig.num_csx")
-    _opt(p, "--execution_strategy", choices=["weight_streaming", "pipeline", "auto"],
-         help="override runconfig.execution_strategy")
-    p.add_argument("--set", action="append", metavar="KEY.PATH=VALUE", help="override a params value (repeatable)")
+    _job_args(p, model_dir=False)
     p.add_argument("--json", action="store_true", help="print JSON")
     p.add_argument("--plot", metavar="PNG", help="draw the pipelined placement on the wafer (needs matplotlib)")
     p.set_defaults(func=_cmd_compile)

@@ -21,7 +21,7 @@ from mpi_launch.appliance.client import ApplianceError, Client
 from mpi_launch.appliance.service import MAX_OVERTAKES, pick
 from mpi_launch.rundir import RunDir
 from mpi_launch.watchdog import job_processes
-from pyapi.job import Job, JobError
+from pyapi.job import Job
 
 
 @pytest.fixture(scope="module")
@@ -170,7 +170,7 @@ def test_three_jobs_on_four_csx_two_at_once_the_third_waits_all_bit_identical_to
     assert r1["started"] < r2["ended"] and r2["started"] < r1["ended"], "the first two ran at once"
     assert r3["started"] >= min(r1["ended"], r2["ended"]) - 0.5, "the third waited for two CS-2s"
     listed = a.wse("jobs")
-    assert listed.returncode == 0 and all(f"  done  " in ln for ln in listed.stdout.splitlines()[1:]), listed.stdout
+    assert listed.returncode == 0 and all("  done  " in ln for ln in listed.stdout.splitlines()[1:]), listed.stdout
     log = a.wse("logs", ids[0])
     assert "step     3/3" in log.stdout and "done: trained steps 1..3" in log.stdout, log.stdout
     expected = direct_fit(jobs, tmp_path, data)
