@@ -6,6 +6,7 @@ import re
 import shutil
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -528,6 +529,23 @@ def wait_for_event(run_dir, rank, event, job, timeout=120):
         assert job.poll() is None, job.communicate()
         time.sleep(0.05)
     raise AssertionError(f"rank {rank} never reported {event}")
+
+
+def test_an_input_worker_runs_one_step_ahead_of_its_cs2_and_no_further(tmp_path, data):
+    """A CS-2 that takes step 0 and then stays away 2 s: its worker has read step 1 and waits for
+    the CS-2 to take it, instead of sending every step of the run into the CS-2's queue of
+    unexpected messages (over TCP that queue has no bound: step 0 took 36 s with 30,000 steps);
+    every later micro-batch then arrives whole and in order (checked in tests/_worker_ahead.py)."""
+    from mpi_launch.mpiexec import run_mpi
+    from mpi_launch.plan import plan_for
+
+    _, p = params_file(tmp_path, data, max_steps=40, num_csx=1, num_workers_per_csx=1)
+    params = validate(p)
+    RunDir(tmp_path / "model").prepare(params)
+    program = Path(__file__).with_name("_worker_ahead.py")
+    proc = run_mpi(plan_for(params)[0].world_size, [sys.executable, program, tmp_path / "model"], timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout.strip().splitlines()[-1]) == {"worker_done": 0}
 
 
 @pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGSTOP], ids=["kill", "stop"])

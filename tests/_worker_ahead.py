@@ -1,0 +1,70 @@
+"""How far an input worker runs ahead of a CS-2 that is slow to take its micro-batches.
+
+Run with the plan's ranks (``mpiexec -n <world size> python tests/_worker_ahead.py RUN_DIR``): the
+worker rank runs the real ``InputWorker``, noting in RUN_DIR/worker_step each step whose sends
+completed; the CS-2 rank takes step 0's micro-batches, stays away for ``AWAY_S``, reads how far the
+worker got meanwhile, then takes every later step and checks each micro-batch against the stream.
+Other ranks only finalize. The CS-2 rank prints ``{"worker_done": last step the worker finished}``.
+"""
+import json
+import sys
+import time
+
+import numpy as np
+from mpi4py import MPI
+
+from data_tools.dataset import GlobalStream
+from mpi_launch.plan import plan_for
+from mpi_launch.protocol import DATA, tag
+from mpi_launch.roles.base import Role
+from mpi_launch.roles.worker import InputWorker
+from mpi_launch.rundir import RunDir
+from pyapi.params import RunSpec
+
+AWAY_S = 2.0
+
+
+def main(run_dir):
+    comm = MPI.COMM_WORLD
+    run = RunDir(run_dir).read_run()
+    params = RunSpec.from_dict(run["params"])
+    plan, _ = plan_for(params)
+    role, index = plan.role_of(comm.rank)
+    if role == "worker":
+        Noting(comm, plan, params, run, index).run()
+    elif role == "csx":
+        take(comm, plan, params, run)
+    MPI.Finalize()
+
+
+class Noting(InputWorker):
+    def step_done(self, step):
+        super().step_done(step)
+        (self.model_dir / "worker_step").write_text(str(step))
+
+
+def take(comm, plan, params, run):
+    me = Role(comm, plan, params, run, 0)  # the tag layout and batch geometry of the real CS-2
+    (worker,) = plan.workers[0]
+    layout = me.model.example_layout(me.mbs, me.seq_len())
+    stream = GlobalStream(params.train_input.data_dir, shuffle=params.train_input.shuffle,
+                          seed=params.train_input.shuffle_seed)
+
+    def receive_step(step):
+        for m in range(me.n_micro):
+            got = [np.empty(shape, dtype) for shape, dtype in layout]
+            for i, a in enumerate(got):
+                comm.Recv(a, source=worker, tag=tag(DATA, m, i))
+            assert np.array_equal(got[0], stream.read(step * me.batch_size + m * me.mbs, me.mbs)), (step, m)
+
+    receive_step(0)
+    time.sleep(AWAY_S)  # the worker is free to run ahead now, as far as its sends let it
+    done = int((me.model_dir / "worker_step").read_text())
+    for step in range(1, me.max_steps):
+        receive_step(step)
+    stream.close()
+    print(json.dumps({"worker_done": done}), flush=True)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
