@@ -24,6 +24,7 @@ import sysconfig
 import tempfile
 import threading
 import time
+from concurrent.futures.process import BrokenProcessPool, ProcessPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -203,14 +204,14 @@ def _in_order(pool, jobs, ahead, spill):
     few, not behind all of them."""
     def submit(k):
         path = spill / f"job-{k:07d}.int32"
-        return path, pool.apply_async(_tokenize, (jobs[k], path))
+        return path, pool.submit(_tokenize, jobs[k], path)
 
     pending = collections.deque(submit(k) for k in range(min(ahead, len(jobs))))
     for k in range(len(jobs)):
         path, result = pending.popleft()
         if k + ahead < len(jobs):
             pending.append(submit(k + ahead))
-        yield (path, *result.get())
+        yield (path, *result.result())
 
 
 def n_packed(n_tokens, seq_len):
@@ -294,8 +295,7 @@ class _Writer:
     def submit(self, path, data, seq_len, pad_id, compression, spent=()):
         """Write one file; ``spent``: spill files to delete once it (and every file before) is written."""
         if self.pool is not None:
-            self.pending.append((self.pool.apply_async(_write_shard, (path, data, seq_len, pad_id, compression)),
-                                 spent))
+            self.pending.append((self.pool.submit(_write_shard, path, data, seq_len, pad_id, compression), spent))
             while len(self.pending) > self.depth:
                 self._collect()
             return
@@ -344,7 +344,7 @@ class _Writer:
 
     def _collect(self):
         result, spent = self.pending.pop(0)
-        result.get()
+        result.result()
         for path in spent:
             os.unlink(path)
 
@@ -388,9 +388,14 @@ class Progress:
 
 
 def _pool(processes, tokenizer, jsonl_key):
-    """Workers started once for the whole run: forked where the OS allows (no re-import), spawned elsewhere."""
+    """Workers started once for the whole run: forked where the OS allows (no re-import), spawned elsewhere.
+
+    An executor, not ``multiprocessing.Pool``: when a worker dies (killed, out of memory) the
+    executor breaks and every wait raises, where a Pool starts a new worker and waits forever for
+    the task the dead one held."""
     method = "fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn"
-    return multiprocessing.get_context(method).Pool(processes, _init_worker, (tokenizer, jsonl_key))
+    return ProcessPoolExecutor(processes, mp_context=multiprocessing.get_context(method), initializer=_init_worker,
+                               initargs=(tokenizer, jsonl_key))
 
 
 def preprocess_text(inputs, output_dir, max_seq_length, *, tokenizer="byte", samples_per_file=None,
@@ -456,11 +461,14 @@ def preprocess_text(inputs, output_dir, max_seq_length, *, tokenizer="byte", sam
             for lo in range(0, len(every), samples_per_file):
                 write(every[lo:lo + samples_per_file], len(every[lo:lo + samples_per_file]))
         writer.finish()
+    except BrokenProcessPool:
+        raise DataError(f"--output_dir {out}: a worker process died (killed, or out of memory); the dataset "
+                        "there is incomplete (no data_params.json): run again with --overwrite") from None
     finally:
         if writer:
             writer.close()
         if pool:
-            pool.terminate()
+            pool.shutdown(cancel_futures=True)  # after a failure: waits only for the tasks under way
         if spill:
             shutil.rmtree(spill, ignore_errors=True)
     if bar:

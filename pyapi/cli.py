@@ -727,10 +727,33 @@ def build_parser(argv=()):
 
 
 def main(argv=None):
-    import signal
+    try:
+        code = _main(argv)
+        sys.stdout.flush()  # here, where a reader that left is caught, rather than at exit
+        return code
+    except BrokenPipeError:
+        if not _stdout_gone():
+            raise
+        # `wse ... | head`: the reader left. End quietly, as other command-line tools do; not by
+        # SIGPIPE's default action, which would also end wse without a word when a pipe to one of
+        # its own processes breaks (a killed preprocessing worker did).
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # nothing left to flush at exit
+        return 1
 
-    if hasattr(signal, "SIGPIPE"):  # `wse ... | head` ends quietly, as other command-line tools do
-        signal.signal(signal.SIGPIPE, signal.SIG_DFL)
+
+def _stdout_gone():
+    """Whether standard output is a pipe whose reader has closed it."""
+    import select
+
+    try:
+        poll = select.poll()
+        poll.register(sys.stdout.fileno(), 0)
+        return any(events & select.POLLERR for _, events in poll.poll(0))
+    except (OSError, ValueError, AttributeError):  # no fileno, or no poll on this platform
+        return False
+
+
+def _main(argv):
     argv = sys.argv[1:] if argv is None else list(argv)
     args = build_parser(argv).parse_args(argv)
     import warnings
@@ -756,8 +779,8 @@ def main(argv=None):
         return args.func(args)
     except (ValueError, TypeError, OSError, MPILaunchError, ApplianceError, JobError) as exc:
         # User-facing failures are one line; WSE_DEBUG=1 shows the traceback behind it.
-        if os.environ.get("WSE_DEBUG"):
-            raise
+        if os.environ.get("WSE_DEBUG") or (isinstance(exc, BrokenPipeError) and _stdout_gone()):
+            raise  # main() ends quietly when the reader of our output left
         print(f"wse {args.command}: error: {exc}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:

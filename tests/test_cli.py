@@ -79,6 +79,22 @@ def test_unknown_command_is_one_clear_error():
     assert proc.returncode == 2 and "invalid choice: 'frobnicate'" in proc.stderr
 
 
+def test_a_reader_that_leaves_ends_wse_quietly(tmp_path):
+    """`wse ... | head`: once the reader has closed the pipe, wse ends with status 1 and says
+    nothing (as other command-line tools do); an error of its own is still one line."""
+    from data_tools.preprocess import preprocess_text
+
+    preprocess_text(["stdlib"], tmp_path / "lm", 16, samples_per_file=500, progress=False)
+    for args, err in [(["data", "inspect", str(tmp_path / "lm")], ""),
+                      (["data", "inspect", str(tmp_path / "none")], "wse data: error: ")]:
+        proc = subprocess.Popen([sys.executable, "-m", "pyapi.cli", *args], stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True)
+        proc.stdout.close()  # before wse has written anything: its first write meets a reader gone
+        assert proc.wait(timeout=120) == 1
+        said = proc.stderr.read()
+        assert said.startswith(err) and len(said.splitlines()) == (1 if err else 0), said
+
+
 def test_mpiexec_comes_from_the_mpich_wheel():
     """The mpiexec found is the wheel's, in this environment's scripts directory, not PATH's."""
     import importlib.metadata

@@ -364,6 +364,54 @@ def test_refuses_to_overwrite_a_dataset(good, corpus):
     assert Dataset(good).example_shape == (3, 16)
 
 
+def test_a_killed_preprocessing_worker_ends_the_run_with_one_line(tmp_path):
+    """SIGKILL of a worker as soon as the workers exist (60 MB of text keep them busy for a second
+    or more): one line naming the output and what to do, never a hang (multiprocessing.Pool waited
+    forever for the task the dead worker held); the incomplete output is no dataset."""
+    import os
+    import signal
+    import time
+
+    letters = np.frombuffer(b"abcdefghij klmnopqrs tuvwxyz\n", np.uint8)
+    rng = np.random.default_rng(0)
+    for i in range(4):
+        (tmp_path / f"in{i}.txt").write_bytes(letters[rng.integers(0, len(letters), 15 << 20)].tobytes())
+    proc = subprocess.Popen([sys.executable, "-m", "pyapi.cli", "data", "preprocess", "--input", str(tmp_path),
+                             "--output_dir", str(tmp_path / "out"), "--max_seq_length", "128", "--processes", "2"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+
+    def forked():  # the workers: children with the parent's command line (not multiprocessing's helpers)
+        mine = (lambda pid: open(f"/proc/{pid}/cmdline", "rb").read())
+        kids = []
+        for d in filter(str.isdigit, os.listdir("/proc")):
+            try:
+                if int(open(f"/proc/{d}/stat").read().rsplit(")", 1)[1].split()[1]) == proc.pid \
+                        and mine(d) == mine(proc.pid):
+                    kids.append(int(d))
+            except (OSError, IndexError):
+                pass
+        return kids
+
+    deadline = time.monotonic() + 120
+    try:
+        while len(kids := forked()) < 2:
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+            time.sleep(0.01)
+        os.kill(kids[0], signal.SIGKILL)
+        out, err = proc.communicate(timeout=120)  # a hang fails here
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)  # what a failure left
+        except ProcessLookupError:
+            pass
+    assert proc.returncode == 1 and "Traceback" not in err, err
+    assert err.strip().splitlines() == [f"wse data: error: --output_dir {tmp_path / 'out'}: a worker process died "
+                                        "(killed, or out of memory); the dataset there is incomplete (no "
+                                        "data_params.json): run again with --overwrite"]
+    with pytest.raises(DataError):
+        Dataset(tmp_path / "out")
+
+
 def test_cli_preprocess_inspect_json(tmp_path, corpus):
     out = tmp_path / "cli"
     proc = wse("data", "preprocess", "--input", *corpus[0], "--output-dir", str(out), "--max-seq-length", "32",

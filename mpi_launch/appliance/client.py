@@ -44,7 +44,7 @@ def default_socket():
 
 
 def send_line(sock, obj):
-    # MSG_NOSIGNAL: a peer gone is an error here, not a SIGPIPE (`wse` restores its default action).
+    # MSG_NOSIGNAL: a peer gone is an error here, not a SIGPIPE, whatever the calling program set.
     sock.sendall((json.dumps(obj) + "\n").encode(), socket.MSG_NOSIGNAL)
 
 
