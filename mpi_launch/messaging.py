@@ -4,7 +4,8 @@ Never spin (docs/design.md section 3): MPICH's blocking ``Wait``/``Recv`` busy-p
 oversubscribed machine (8 ranks on 2 cores) a waiting rank then steals the core from the rank that
 computes. ``wait_all`` tests the requests and sleeps between tests with an exponential backoff
 (50 us up to 1 ms), so a rank that waits costs almost nothing; past ``timeout`` it raises
-``PeerTimeout`` naming what it was waiting for. Bulk tensors move as numpy buffers (upper-case
+``PeerTimeout`` naming what it was waiting for. The timeout follows the job's pace: a peer may be
+computing a whole step while this rank waits for it (``Role.step_done`` sets it). Bulk tensors move as numpy buffers (upper-case
 calls), cut into chunks of ``CHUNK_FLOATS`` elements; small control messages as pickled objects.
 
 Tags come from mpi_launch.protocol. Chunks of one tensor share one tag: MPI matches messages between two ranks with the same tag in
@@ -19,8 +20,10 @@ from mpi4py import MPI
 
 from mpi_launch.protocol import tag
 
-#: Seconds a rank waits for a peer before declaring it unresponsive (``set_timeout`` changes it).
-_timeout = {"seconds": 300.0}
+#: Seconds a rank waits for a peer before declaring it unresponsive, and why that long
+#: (``set_timeout`` changes both). At first, while ranks import and connect, a generous allowance.
+FIRST_STEP_TIMEOUT = 300.0
+_timeout = {"seconds": FIRST_STEP_TIMEOUT, "why": "the first step's allowance; a longer runconfig.peer_timeout raises it"}
 _MIN_SLEEP, _MAX_SLEEP = 50e-6, 1e-3
 
 #: Elements per message (1 MiB of float32): large enough that MPI's per-message cost is small
@@ -36,9 +39,17 @@ class PeerLost(RuntimeError):
     """An exchange with a peer failed in MPI: usually the echo of that peer's death."""
 
 
-def set_timeout(seconds):
-    """Set how long waits last before ``PeerTimeout``: long while 14 ranks import on 2 cores, short after."""
-    _timeout["seconds"] = float(seconds)
+def set_timeout(seconds, why):
+    """Set how long waits last before ``PeerTimeout``, and ``why`` (said in its message)."""
+    _timeout.update(seconds=float(seconds), why=why)
+
+
+def _expired(timeout, what):
+    """The PeerTimeout of a wait for ``what`` that lasted ``timeout`` (None: the job's timeout)."""
+    if timeout is None:
+        return PeerTimeout(f"no answer within {_timeout['seconds']:.1f} s ({_timeout['why']}) "
+                           f"while waiting for {what}")
+    return PeerTimeout(f"no answer within {timeout:g} s while waiting for {what}")
 
 
 def _test(test, what):
@@ -56,8 +67,8 @@ def wait_all(requests, what, timeout=None):
     never taken for a silent peer.
     """
     requests = [r for r in requests if r is not None]
-    timeout = _timeout["seconds"] if timeout is None else timeout
-    deadline, pause = time.monotonic() + timeout, _MIN_SLEEP
+    limit = _timeout["seconds"] if timeout is None else timeout
+    deadline, pause = time.monotonic() + limit, _MIN_SLEEP
     while requests:
         done = _test(lambda: MPI.Request.Testsome(requests), what)
         if done is None:  # every request was already complete (MPI_UNDEFINED)
@@ -65,10 +76,10 @@ def wait_all(requests, what, timeout=None):
         if done:
             finished = set(done)
             requests = [r for i, r in enumerate(requests) if i not in finished]
-            deadline, pause = time.monotonic() + timeout, _MIN_SLEEP
+            deadline, pause = time.monotonic() + limit, _MIN_SLEEP
             continue
         if time.monotonic() > deadline:
-            raise PeerTimeout(f"no answer within {timeout:g} s while waiting for {what}")
+            raise _expired(timeout, what)
         time.sleep(pause)
         pause = min(pause * 2, _MAX_SLEEP)
 
@@ -76,15 +87,14 @@ def wait_all(requests, what, timeout=None):
 def recv_object(comm, source, tag_, what, timeout=None):
     """A pickled message of any size from ``source``, received without spinning: probe with sleeps
     in between until it is there (an ``irecv`` without a buffer holds only 32 KiB), then take it."""
-    timeout = _timeout["seconds"] if timeout is None else timeout
-    deadline = time.monotonic() + timeout
+    deadline = time.monotonic() + (_timeout["seconds"] if timeout is None else timeout)
     pause = _MIN_SLEEP
     while True:
         message = _test(lambda: comm.improbe(source=source, tag=tag_), what)
         if message is not None:
             return _test(message.recv, what)
         if time.monotonic() > deadline:
-            raise PeerTimeout(f"no answer within {timeout:g} s while waiting for {what}")
+            raise _expired(timeout, what)
         time.sleep(pause)
         pause = min(pause * 2, _MAX_SLEEP)
 
@@ -122,12 +132,11 @@ def _in_order(items, on_done, what):
     Sleeps with backoff only while the next item is incomplete, and restarts both the backoff and
     the timeout whenever an item completes (a long transfer that keeps moving is not a silent peer).
     """
-    timeout = _timeout["seconds"]
     for reqs, payload in items:
-        deadline, pause = time.monotonic() + timeout, _MIN_SLEEP
+        deadline, pause = time.monotonic() + _timeout["seconds"], _MIN_SLEEP
         while not _test(lambda: MPI.Request.Testall(reqs), what):
             if time.monotonic() > deadline:
-                raise PeerTimeout(f"no answer within {timeout:g} s while waiting for {what}")
+                raise _expired(None, what)
             time.sleep(pause)
             pause = min(pause * 2, _MAX_SLEEP)
         on_done(payload)

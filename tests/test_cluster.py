@@ -125,6 +125,22 @@ def test_a_mixture_trains_as_the_reference_reads_it(tmp_path, data, jobs):
     fit_matches_reference(jobs, tmp_path, path, p, 2)
 
 
+def test_steps_longer_than_the_peer_timeout_train(tmp_path, jobs):
+    """A model whose steps take about twice runconfig.peer_timeout here (2 s): its ranks wait out
+    whole steps of their peers' compute and the job trains (with a fixed peer_timeout the MemoryX
+    gave up waiting for the gradients of step 1, as GPT-2 124M did at the default 20 s)."""
+    preprocess_text(["stdlib"], tmp_path / "lm", 128, samples_per_file=4000, progress=False)
+    p = {"train_input": {"data_dir": str(tmp_path / "lm"), "batch_size": 32, "micro_batch_size": 8},
+         "model": {"name": "gpt2", "vocab_size": 257, "hidden_size": 512, "num_hidden_layers": 4, "num_heads": 4,
+                   "max_position_embeddings": 128},
+         "optimizer": {"optimizer_type": "AdamW", "learning_rate": 1e-4},
+         "runconfig": {"max_steps": 3, "model_dir": str(tmp_path / "model"), "peer_timeout": 2}}
+    (tmp_path / "params.yaml").write_text(yaml.safe_dump(p))
+    proc = jobs.run("fit", tmp_path / "params.yaml", timeout=600)
+    assert proc.returncode == 0, proc.stderr
+    assert [m["step"] for m in RunDir(tmp_path / "model").read_metrics()] == [1, 2, 3]
+
+
 def assert_clock_agrees_with_the_walk(metrics, p, num_csx):
     """The ranks' simulated clocks give the step the analytical walk gives (what `wse compile`
     prints), within 5%; the parts that do not depend on the run are the walk's."""

@@ -46,6 +46,17 @@ def test_a_wait_for_a_silent_peer_times_out_naming_it():
     done = comm.Irecv(buf, source=0, tag=tag(GRADS, 4))
     msg.wait_all([sent, done], "self", timeout=1)
     msg.wait_all([done], "self again", timeout=1)  # already complete: returns, never waits out the timeout
+    saved = dict(msg._timeout)
+    try:  # the job's timeout (Role.step_done sets it) says why it is that long
+        msg.set_timeout(0.3, "runconfig.peer_timeout 0 s + twice the longest step so far, 0.1 s")
+        req = comm.Irecv(buf, source=0, tag=tag(GRADS, 5))
+        with pytest.raises(msg.PeerTimeout, match=r"^no answer within 0.3 s \(runconfig.peer_timeout 0 s \+ twice the "
+                                                  r"longest step so far, 0.1 s\) while waiting for SwarmX rank 7$"):
+            msg.wait_all([req], "SwarmX rank 7")
+        req.Cancel()
+        req.Wait()
+    finally:
+        msg._timeout.update(saved)
 
 
 def test_the_tag_layout_is_sized_for_the_job_and_refuses_what_it_cannot_name():

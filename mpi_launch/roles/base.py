@@ -43,6 +43,11 @@ class Role:
         self.hw = Hardware.from_params(params.runconfig.hardware)
         self.clock = Clock()
         self.unit_stream_bytes = stream_bytes(self.model, self.hw.bytes_per_value)
+        # The first step's waits (every rank importing and connecting) get a fixed allowance, longer
+        # with a longer peer_timeout (a model whose first step takes longer than that needs one).
+        self._step_began, self._longest_step = time.monotonic(), 0.0
+        if params.runconfig.peer_timeout > msg.FIRST_STEP_TIMEOUT:
+            msg.set_timeout(params.runconfig.peer_timeout, "runconfig.peer_timeout, the first step's allowance")
 
     def port(self, gbps):
         """A port of a link this rank keeps (see wse_core.perf.clock)."""
@@ -56,9 +61,16 @@ class Role:
         return min(self.hw.swarmx_port_gbps * self.hw.swarmx_ports_per_child, self.hw.io_gbps)
 
     def step_done(self, step):
-        """After the first step every rank is past its imports: from now on a silent peer is a lost one."""
-        if step == self.start_step:
-            msg.set_timeout(self.params.runconfig.peer_timeout)
+        """After each step, how long a peer may stay silent: ``runconfig.peer_timeout`` plus twice the
+        longest step this rank has seen. A peer may be computing a whole step while this rank waits
+        for it (the coordinator waits out every CS-2's forward pass for the losses), and the first
+        step, with its imports and connections, bounds what a healthy job takes."""
+        now = time.monotonic()
+        self._longest_step = max(self._longest_step, now - self._step_began)
+        self._step_began = now
+        peer = self.params.runconfig.peer_timeout
+        msg.set_timeout(peer + 2 * self._longest_step, f"runconfig.peer_timeout {peer:g} s + twice the longest "
+                                                       f"step so far, {self._longest_step:.1f} s")
 
     def log(self, text):
         self.log_file.write(f"{time.strftime('%H:%M:%S')} {text}\n")

@@ -9,8 +9,6 @@ sends the micro-batches are small enough to go eagerly, and a worker ran thousan
 into its CS-2's queue of unexpected messages, which MPI searches on every receive: over TCP between
 two hosts step 0 took 36 s with ``max_steps`` 30,000 (0.2 s with 3).
 """
-import math
-
 import numpy as np
 
 from mpi_launch import messaging as msg
@@ -36,9 +34,14 @@ class InputWorker(Role):
                     parts = [batch] if isinstance(batch, np.ndarray) else list(batch)
                     keep.append(parts)
                     reqs += [self.comm.Issend(a, dest=dest, tag=tag(DATA, m, i)) for i, a in enumerate(parts)]
-                # The CS-2 takes them when it starts that step, a whole step of its compute from now:
-                # no timeout of its own here (a CS-2 that hangs is named by the coordinator's).
-                msg.wait_all(reqs, f"CS-2 {csx} to take the micro-batches of step {step}", timeout=math.inf)
+                # The CS-2 takes them when it starts that step: a whole step of its compute from now.
+                msg.wait_all(reqs, f"CS-2 {csx} to take the micro-batches of step {step}")
                 self.step_done(step)
         finally:
             stream.close()
+
+    def step_done(self, step):
+        # A worker's step s ends when its CS-2 begins step s: the first ends before the CS-2 has
+        # computed anything, so here the first step's allowance lasts until the CS-2 begins the second.
+        if step > self.start_step:
+            super().step_done(step)
