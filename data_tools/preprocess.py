@@ -392,10 +392,13 @@ def _pool(processes, tokenizer, jsonl_key):
 
     An executor, not ``multiprocessing.Pool``: when a worker dies (killed, out of memory) the
     executor breaks and every wait raises, where a Pool starts a new worker and waits forever for
-    the task the dead one held."""
+    the task the dead one held. A first task starts the workers here (forking them all at once,
+    before the executor's thread or any of ours exists)."""
     method = "fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn"
-    return ProcessPoolExecutor(processes, mp_context=multiprocessing.get_context(method), initializer=_init_worker,
+    pool = ProcessPoolExecutor(processes, mp_context=multiprocessing.get_context(method), initializer=_init_worker,
                                initargs=(tokenizer, jsonl_key))
+    pool.submit(int).result()
+    return pool
 
 
 def preprocess_text(inputs, output_dir, max_seq_length, *, tokenizer="byte", samples_per_file=None,
@@ -421,10 +424,10 @@ def preprocess_text(inputs, output_dir, max_seq_length, *, tokenizer="byte", sam
     shards, stream, written = [], _TokenStream(), 0  # written: where the next file starts in the stream
     n_tokens = nbytes = 0
 
-    # Fork the workers before any thread exists; then the writer.
-    pool = _pool(processes, tok, jsonl_key) if processes > 1 else None
-    writer = spill = None
+    pool = writer = spill = None
     try:
+        # Fork the workers before any thread exists; then the writer.
+        pool = _pool(processes, tok, jsonl_key) if processes > 1 else None
         writer = _Writer(pool, depth=2 * processes)
 
         def write(pieces, n_examples, spent=()):
@@ -461,9 +464,9 @@ def preprocess_text(inputs, output_dir, max_seq_length, *, tokenizer="byte", sam
             for lo in range(0, len(every), samples_per_file):
                 write(every[lo:lo + samples_per_file], len(every[lo:lo + samples_per_file]))
         writer.finish()
-    except BrokenProcessPool:
+    except BrokenProcessPool as exc:
         raise DataError(f"--output_dir {out}: a worker process died (killed, or out of memory); the dataset "
-                        "there is incomplete (no data_params.json): run again with --overwrite") from None
+                        "there is incomplete (no data_params.json): run again with --overwrite") from exc
     finally:
         if writer:
             writer.close()

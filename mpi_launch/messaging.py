@@ -5,8 +5,9 @@ oversubscribed machine (8 ranks on 2 cores) a waiting rank then steals the core 
 computes. ``wait_all`` tests the requests and sleeps between tests with an exponential backoff
 (50 us up to 1 ms), so a rank that waits costs almost nothing; past ``timeout`` it raises
 ``PeerTimeout`` naming what it was waiting for. The timeout follows the job's pace: a peer may be
-computing a whole step while this rank waits for it (``Role.step_done`` sets it). Bulk tensors move as numpy buffers (upper-case
-calls), cut into chunks of ``CHUNK_FLOATS`` elements; small control messages as pickled objects.
+computing a whole step while this rank waits for it (``Role.step_done`` sets it). Bulk tensors
+move as numpy buffers (upper-case calls), cut into chunks of ``CHUNK_FLOATS`` elements; small
+control messages as pickled objects.
 
 Tags come from mpi_launch.protocol. Chunks of one tensor share one tag: MPI matches messages between two ranks with the same tag in
 the order they were posted, so the receiver posts one receive per chunk into views of its buffer.
@@ -21,9 +22,8 @@ from mpi4py import MPI
 from mpi_launch.protocol import tag
 
 #: Seconds a rank waits for a peer before declaring it unresponsive, and why that long
-#: (``set_timeout`` changes both). At first, while ranks import and connect, a generous allowance.
-FIRST_STEP_TIMEOUT = 300.0
-_timeout = {"seconds": FIRST_STEP_TIMEOUT, "why": "the first step's allowance; a longer runconfig.peer_timeout raises it"}
+#: (``set_timeout`` changes both; a role sets them from runconfig, ``Role.step_done``).
+_timeout = {"seconds": 300.0, "why": "the default"}
 _MIN_SLEEP, _MAX_SLEEP = 50e-6, 1e-3
 
 #: Elements per message (1 MiB of float32): large enough that MPI's per-message cost is small

@@ -737,18 +737,21 @@ def main(argv=None):
         # `wse ... | head`: the reader left. End quietly, as other command-line tools do; not by
         # SIGPIPE's default action, which would also end wse without a word when a pipe to one of
         # its own processes breaks (a killed preprocessing worker did).
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # nothing left to flush at exit
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())  # nothing left to flush at exit
+        os.close(devnull)
         return 1
 
 
 def _stdout_gone():
-    """Whether standard output is a pipe whose reader has closed it."""
+    """Whether standard output's reader has gone: a pipe's reader closed it (POLLERR), a socket's
+    peer shut it (POLLHUP)."""
     import select
 
     try:
         poll = select.poll()
         poll.register(sys.stdout.fileno(), 0)
-        return any(events & select.POLLERR for _, events in poll.poll(0))
+        return any(events & (select.POLLERR | select.POLLHUP) for _, events in poll.poll(0))
     except (OSError, ValueError, AttributeError):  # no fileno, or no poll on this platform
         return False
 

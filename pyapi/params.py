@@ -99,7 +99,7 @@ SCHEMA = {
         "seed": Key("int>=0", 0, "seed of the model initialisation and of the dropout masks"),
         "eval_frequency": Key("int>0?", None, "evaluate on eval_input every N steps and after the last (null: never)"),
         "eval_steps": Key("int>0?", None, "batches of eval_input an evaluation reads (null: all of it)"),
-        "peer_timeout": Key("int>0", 20, "seconds a silent peer is waited for beyond twice the longest step so far (in the first step: 300 s, or this if longer) before the job ends; also how long a stopped rank is given"),
+        "peer_timeout": Key("int>0", 20, "seconds a silent peer is waited for beyond twice the longest step so far and a checkpoint's write (until a step has set the pace: beyond startup_timeout) before the job ends; also how long a stopped rank is given"),
         "hardware": Key("hardware", {}, "constants of the emulated hardware to override (wse_core.perf.Hardware: "
                                         "io_gbps, clock_hz, precision, ...)"),
         "startup_timeout": Key("int>0", 300, "seconds every rank has to start (imports, connecting, loading its "

@@ -2,11 +2,13 @@
 
 Run with the plan's ranks (``mpiexec -n <world size> python tests/_worker_ahead.py RUN_DIR``): the
 worker rank runs the real ``InputWorker``, noting in RUN_DIR/worker_step each step whose sends
-completed; the CS-2 rank takes step 0's micro-batches, stays away for ``AWAY_S``, reads how far the
-worker got meanwhile, then takes every later step and checks each micro-batch against the stream.
+completed; the CS-2 rank takes step 0's micro-batches, stays away for ``AWAY_S`` (it only lets MPI
+progress), reads how far the worker got meanwhile, then takes every later step and checks each
+micro-batch against the stream.
 Other ranks only finalize. The CS-2 rank prints ``{"worker_done": last step the worker finished}``.
 """
 import json
+import os
 import sys
 import time
 
@@ -40,7 +42,9 @@ def main(run_dir):
 class Noting(InputWorker):
     def step_done(self, step):
         super().step_done(step)
-        (self.model_dir / "worker_step").write_text(str(step))
+        tmp = self.model_dir / "worker_step.tmp"
+        tmp.write_text(str(step))
+        os.replace(tmp, self.model_dir / "worker_step")  # never read half written
 
 
 def take(comm, plan, params, run):
@@ -58,8 +62,15 @@ def take(comm, plan, params, run):
             assert np.array_equal(got[0], stream.read(step * me.batch_size + m * me.mbs, me.mbs)), (step, m)
 
     receive_step(0)
-    time.sleep(AWAY_S)  # the worker is free to run ahead now, as far as its sends let it
-    done = int((me.model_dir / "worker_step").read_text())
+    noted, deadline = me.model_dir / "worker_step", time.monotonic() + 60
+    while not noted.exists() and time.monotonic() < deadline:  # the worker learns step 0 was taken
+        comm.Iprobe()
+        time.sleep(0.01)
+    away = time.monotonic() + AWAY_S
+    while time.monotonic() < away:  # the worker is free to run ahead now, as far as its sends let it
+        comm.Iprobe()  # MPI progress, as a CS-2 at work makes none: no acknowledgement waits on this rank
+        time.sleep(0.01)
+    done = int(noted.read_text())
     for step in range(1, me.max_steps):
         receive_step(step)
     stream.close()

@@ -138,7 +138,11 @@ def test_steps_longer_than_the_peer_timeout_train(tmp_path, jobs):
     (tmp_path / "params.yaml").write_text(yaml.safe_dump(p))
     proc = jobs.run("fit", tmp_path / "params.yaml", timeout=600)
     assert proc.returncode == 0, proc.stderr
-    assert [m["step"] for m in RunDir(tmp_path / "model").read_metrics()] == [1, 2, 3]
+    metrics = RunDir(tmp_path / "model").read_metrics()
+    assert [m["step"] for m in metrics] == [1, 2, 3]
+    if min(m["step_seconds"] for m in metrics) <= 2:
+        pytest.skip(f"steps of {min(m['step_seconds'] for m in metrics):.1f} s here: too fast to test waits longer "
+                    "than peer_timeout")
 
 
 def assert_clock_agrees_with_the_walk(metrics, p, num_csx):
@@ -547,11 +551,11 @@ def wait_for_event(run_dir, rank, event, job, timeout=120):
     raise AssertionError(f"rank {rank} never reported {event}")
 
 
-def test_an_input_worker_runs_one_step_ahead_of_its_cs2_and_no_further(tmp_path, data):
-    """A CS-2 that takes step 0 and then stays away 2 s: its worker has read step 1 and waits for
-    the CS-2 to take it, instead of sending every step of the run into the CS-2's queue of
-    unexpected messages (over TCP that queue has no bound: step 0 took 36 s with 30,000 steps);
-    every later micro-batch then arrives whole and in order (checked in tests/_worker_ahead.py)."""
+def test_an_input_worker_runs_a_bounded_number_of_steps_ahead_of_its_cs2(tmp_path, data):
+    """A CS-2 that takes step 0 and then stays away 2 s: its worker has sent steps 1 and 2
+    (AHEAD_STEPS) and waits for the CS-2 to take step 1, instead of sending every step of the run
+    into the CS-2's queue of unexpected messages (over TCP that queue has no bound: step 0 took 36 s
+    with 30,000 steps); every later micro-batch arrives whole and in order (tests/_worker_ahead.py)."""
     from mpi_launch.mpiexec import run_mpi
     from mpi_launch.plan import plan_for
 

@@ -2,6 +2,7 @@
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import h5py
 import numpy as np
@@ -381,12 +382,13 @@ def test_a_killed_preprocessing_worker_ends_the_run_with_one_line(tmp_path):
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
 
     def forked():  # the workers: children with the parent's command line (not multiprocessing's helpers)
-        mine = (lambda pid: open(f"/proc/{pid}/cmdline", "rb").read())
+        proc_fs = Path("/proc")
         kids = []
-        for d in filter(str.isdigit, os.listdir("/proc")):
+        for d in filter(str.isdigit, os.listdir(proc_fs)):
             try:
-                if int(open(f"/proc/{d}/stat").read().rsplit(")", 1)[1].split()[1]) == proc.pid \
-                        and mine(d) == mine(proc.pid):
+                parent = int((proc_fs / d / "stat").read_text().rsplit(")", 1)[1].split()[1])
+                if parent == proc.pid and ((proc_fs / d / "cmdline").read_bytes()
+                                           == (proc_fs / str(parent) / "cmdline").read_bytes()):
                     kids.append(int(d))
             except (OSError, IndexError):
                 pass

@@ -9,6 +9,12 @@ from mpi_launch import protocol
 from mpi_launch.rundir import LineLog, RunDir
 
 
+#: Bytes per second a checkpoint is taken to be written at (every shard, with its sha256) while
+#: the job's other ranks wait: an assumption, a slow disk's; measured here, a 1 GB shard took about
+#: 6 s (170 MB/s). It lengthens how long a silent peer is waited for (``Role.step_done``).
+SAVE_BYTES_PER_S = 50e6
+
+
 class Role:
     def __init__(self, comm, plan, params, run, index):
         from wse_core.nn import build_model
@@ -43,11 +49,17 @@ class Role:
         self.hw = Hardware.from_params(params.runconfig.hardware)
         self.clock = Clock()
         self.unit_stream_bytes = stream_bytes(self.model, self.hw.bytes_per_value)
-        # The first step's waits (every rank importing and connecting) get a fixed allowance, longer
-        # with a longer peer_timeout (a model whose first step takes longer than that needs one).
-        self._step_began, self._longest_step = time.monotonic(), 0.0
-        if params.runconfig.peer_timeout > msg.FIRST_STEP_TIMEOUT:
-            msg.set_timeout(params.runconfig.peer_timeout, "runconfig.peer_timeout, the first step's allowance")
+        # How long a peer may stay silent (step_done): until a step has set the pace, as long as
+        # ranks may take to start, plus peer_timeout; a checkpoint's write is allowed for throughout.
+        from mpi_launch.plan import optimizer_states
+
+        r = params.runconfig
+        checkpoint_bytes = sum(plan.unit_bytes) * (1 + optimizer_states(params.optimizer))
+        self._save_s = checkpoint_bytes / SAVE_BYTES_PER_S
+        self._step_began, self._longest_step, self._uncounted = time.monotonic(), 0.0, self.UNCOUNTED_STEPS
+        msg.set_timeout(r.startup_timeout + r.peer_timeout + self._save_s,
+                        f"runconfig.startup_timeout {r.startup_timeout:g} s + peer_timeout {r.peer_timeout:g} s"
+                        f"{self._for_a_checkpoint()}, the first steps' allowance")
 
     def port(self, gbps):
         """A port of a link this rank keeps (see wse_core.perf.clock)."""
@@ -60,17 +72,28 @@ class Role:
         """Rate of a SwarmX link to a child: its bundle of ports, at most a CS-2's I/O."""
         return min(self.hw.swarmx_port_gbps * self.hw.swarmx_ports_per_child, self.hw.io_gbps)
 
+    #: Steps at the start whose length sets no pace: the first also holds every rank's start-up.
+    UNCOUNTED_STEPS = 1
+
     def step_done(self, step):
         """After each step, how long a peer may stay silent: ``runconfig.peer_timeout`` plus twice the
-        longest step this rank has seen. A peer may be computing a whole step while this rank waits
-        for it (the coordinator waits out every CS-2's forward pass for the losses), and the first
-        step, with its imports and connections, bounds what a healthy job takes."""
+        longest step this rank has seen (the first not counted) plus a checkpoint's write. A peer may
+        be computing a whole step while this rank waits for it (the coordinator waits out every
+        CS-2's forward pass for the losses); the longest step, not the last, because a checkpoint or
+        an evaluation makes some steps longer than others (docs/design.md section 3)."""
         now = time.monotonic()
-        self._longest_step = max(self._longest_step, now - self._step_began)
+        if self._uncounted:
+            self._uncounted -= 1
+        else:
+            self._longest_step = max(self._longest_step, now - self._step_began)
+            peer = self.params.runconfig.peer_timeout
+            msg.set_timeout(peer + 2 * self._longest_step + self._save_s,
+                            f"runconfig.peer_timeout {peer:g} s + twice the longest step so far, "
+                            f"{self._longest_step:.1f} s{self._for_a_checkpoint()}")
         self._step_began = now
-        peer = self.params.runconfig.peer_timeout
-        msg.set_timeout(peer + 2 * self._longest_step, f"runconfig.peer_timeout {peer:g} s + twice the longest "
-                                                       f"step so far, {self._longest_step:.1f} s")
+
+    def _for_a_checkpoint(self):
+        return f" + {self._save_s:.1f} s to write a checkpoint" if self._save_s >= 0.05 else ""
 
     def log(self, text):
         self.log_file.write(f"{time.strftime('%H:%M:%S')} {text}\n")

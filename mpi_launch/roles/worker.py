@@ -4,11 +4,14 @@ Its messages carry no simulated time: input is prefetched and small beside the w
 model takes it as there when a step starts (docs/design.md section 8).
 
 Sends are synchronous (``Issend``): one completes only once the CS-2 has posted the receive of that
-step, so a worker reads step s + 1 while its CS-2 computes step s and goes no further. With plain
-sends the micro-batches are small enough to go eagerly, and a worker ran thousands of steps ahead
-into its CS-2's queue of unexpected messages, which MPI searches on every receive: over TCP between
-two hosts step 0 took 36 s with ``max_steps`` 30,000 (0.2 s with 3).
+step, so a worker is at most ``AHEAD_STEPS`` steps ahead of the step its CS-2 computes (a slow read,
+a new file, does not stall the CS-2) and no further. With plain sends the micro-batches are small
+enough to go eagerly, and a worker ran thousands of steps ahead into its CS-2's queue of unexpected
+messages, which MPI searches on every receive: over TCP between two hosts step 0 took 36 s with
+``max_steps`` 30,000 (0.2 s with 3).
 """
+import collections
+
 import numpy as np
 
 from mpi_launch import messaging as msg
@@ -16,7 +19,15 @@ from mpi_launch.protocol import DATA, tag
 from mpi_launch.roles.base import Role
 
 
+#: Steps of micro-batches a worker has sent beyond the one its CS-2 has taken.
+AHEAD_STEPS = 2
+
+
 class InputWorker(Role):
+    # A worker's step s ends when its CS-2 begins step s: the first ends before the CS-2 has
+    # computed anything, the second holds its start-up, so neither sets the pace (Role.step_done).
+    UNCOUNTED_STEPS = 2
+
     def run(self):
         from data_tools.dataset import GlobalStream
 
@@ -25,6 +36,14 @@ class InputWorker(Role):
         t_in = self.params.train_input
         stream = GlobalStream(t_in.data_dir, mixture=t_in.mixture, shuffle=t_in.shuffle, seed=t_in.shuffle_seed)
         dest = self.plan.csx[csx]
+        sent = collections.deque()  # (step, requests, arrays they send) not yet taken by the CS-2
+
+        def taken():
+            # The CS-2 takes a step's micro-batches when it begins that step.
+            step, reqs, _ = sent.popleft()
+            msg.wait_all(reqs, f"CS-2 {csx} to take the micro-batches of step {step}")
+            self.step_done(step)
+
         try:
             for step in range(self.start_step, self.max_steps):
                 base = step * self.batch_size + csx * self.per_csx
@@ -34,14 +53,10 @@ class InputWorker(Role):
                     parts = [batch] if isinstance(batch, np.ndarray) else list(batch)
                     keep.append(parts)
                     reqs += [self.comm.Issend(a, dest=dest, tag=tag(DATA, m, i)) for i, a in enumerate(parts)]
-                # The CS-2 takes them when it starts that step: a whole step of its compute from now.
-                msg.wait_all(reqs, f"CS-2 {csx} to take the micro-batches of step {step}")
-                self.step_done(step)
+                sent.append((step, reqs, keep))
+                if len(sent) >= AHEAD_STEPS:
+                    taken()
+            while sent:
+                taken()
         finally:
             stream.close()
-
-    def step_done(self, step):
-        # A worker's step s ends when its CS-2 begins step s: the first ends before the CS-2 has
-        # computed anything, so here the first step's allowance lasts until the CS-2 begins the second.
-        if step > self.start_step:
-            super().step_done(step)
