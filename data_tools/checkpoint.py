@@ -27,12 +27,14 @@ import io
 import json
 import os
 import shutil
+import warnings
 from pathlib import Path
 
 import h5py
 import numpy as np
 
-from data_tools.errors import CheckpointError
+from data_tools.errors import CheckpointError, DataError, DataWarning
+from data_tools.tokenizers import write_hf_tokenizer
 
 #: 2 added ``metadata_sha256``; format 1 checkpoints still load, without that check of the index.
 FORMAT_VERSION = 2
@@ -158,8 +160,11 @@ class CheckpointWriter:
             raise _write_failed(path, exc, self.model_dir) from None
         return table
 
-    def commit(self, tables, *, params_yaml="", loader_state=None, rng_state=None, loss_scale=None):
-        """Write the index from the shards' tables, then move the checkpoint into place and point ``latest`` at it."""
+    def commit(self, tables, *, params_yaml="", loader_state=None, rng_state=None, loss_scale=None, numerics=None):
+        """Write the index from the shards' tables, then move the checkpoint into place and point ``latest`` at it.
+
+        ``numerics``: the numerics environment the weights were computed in (``wse_core.numerics``),
+        which a resume compares with its own."""
         tensors = {}
         for table in tables:
             tensors.update(table)
@@ -169,7 +174,7 @@ class CheckpointWriter:
         attrs = {"format_version": FORMAT_VERSION, "step": self.step, "num_shards": num_shards,
                  "params_yaml": params_yaml, "loader_state": json.dumps(loader_state),
                  "rng_state": json.dumps(rng_state), "loss_scale": json.dumps(loss_scale),
-                 "tensors": json.dumps(tensors),
+                 "numerics": json.dumps(numerics), "tensors": json.dumps(tensors),
                  "shard_sha256": json.dumps(shard_sha)}
         attrs["metadata_sha256"] = _metadata_sha256(attrs)
         buf = io.BytesIO()
@@ -313,6 +318,7 @@ class Checkpoint:
             self.loader_state = json.loads(a["loader_state"])
             self.rng_state = json.loads(a["rng_state"])
             self.loss_scale = json.loads(a.get("loss_scale", "null"))  # the loss scaler's state (or null)
+            self.numerics = json.loads(a.get("numerics", "null"))  # null: written before it was recorded
             self.tensors = json.loads(a["tensors"])
             self.shard_sha256 = json.loads(a["shard_sha256"])
             if not (isinstance(self.tensors, dict) and isinstance(self.shard_sha256, dict)):
@@ -425,12 +431,13 @@ class Checkpoint:
                 "n_params": int(sum(s["parameters"] for s in shards)),
                 "n_tensors": len(self.param_names), "sparse_tensors": len(self.sparse_names()),
                 "optimizer_states": sorted({s for n in self.param_names for s in self.state_names(n)}),
-                "loader_state": self.loader_state, "params_yaml": self.params_yaml}
+                "loader_state": self.loader_state, "numerics": self.numerics, "params_yaml": self.params_yaml}
 
     def convert(self, to, output):
         """Write the weights (parameter names as keys) as ``npz``, ``h5`` or a torch ``state_dict``, or
         as a Hugging Face directory (``hf``: config.json and model.safetensors that transformers'
-        GPT2LMHeadModel / LlamaForCausalLM load).
+        GPT2LMHeadModel / LlamaForCausalLM load, and the training data's tokenizer for AutoTokenizer,
+        or a DataWarning saying why there is none).
 
         Sparse weights are written dense (``[out, in]``, zeros off the pattern), as PyTorch expects.
         """
@@ -463,7 +470,8 @@ class Checkpoint:
         from wse_core.nn import build_model
 
         try:
-            model = build_model(yaml.safe_load(self.params_yaml)["model"])
+            params = yaml.safe_load(self.params_yaml)
+            model = build_model(params["model"])
             if not model.is_lm:
                 raise ValueError(f"model.name: {model.config['name']} has no Hugging Face counterpart here "
                                  "(gpt2, gpt3, llama have)")
@@ -472,7 +480,19 @@ class Checkpoint:
             raise CheckpointError(f"{self.dir}: --to hf: {exc}") from None
         out = Path(output)
         out.mkdir(parents=True, exist_ok=True)
-        (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         save_file({k: np.ascontiguousarray(v) for k, v in tensors.items()}, str(out / "model.safetensors"),
                   metadata={"format": "pt"})
+        data = params.get("train_input") or {}
+        dirs = data.get("data_dir") or [m["data_dir"] for m in data.get("mixture") or ()]
+        try:
+            if not dirs:
+                raise DataError("the checkpoint's params name no train_input.data_dir")
+            config.update(write_hf_tokenizer([dirs] if isinstance(dirs, str) else dirs, out,
+                                             vocab_size=model.config["vocab_size"],
+                                             max_length=model.config["max_position_embeddings"]))
+        except DataError as exc:
+            # Unset rather than transformers' defaults (GPT-2's 50256, LLaMA's 1 and 2), ids of other vocabularies.
+            config.update(bos_token_id=None, eos_token_id=None)
+            warnings.warn(f"{out}: no tokenizer written: {exc}", DataWarning, stacklevel=3)
+        (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         return out

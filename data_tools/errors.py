@@ -7,3 +7,7 @@ class DataError(ValueError):
 
 class CheckpointError(ValueError):
     """A checkpoint is missing, incomplete or damaged."""
+
+
+class DataWarning(UserWarning):
+    """Something was written without a part that could not be made (one line: which part, and why)."""

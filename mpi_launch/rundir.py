@@ -4,7 +4,8 @@ Layout (docs/design.md section 4); no other module spells these names:
 
     model_dir/
       .wse.lock               held (flock) by the launcher while a job runs; says which job
-      run.json                what every rank reads: validated params, start step, checkpoint
+      run.json                what every rank reads: validated params, start step, checkpoint;
+                              and the numerics environment the launcher saw (wse_core.numerics)
       params.yaml             the resolved params (loads again with `wse fit` / `wse validate`)
       plan.json               the rank plan and memory estimates (`wse compile --json`)
       metrics.jsonl           one JSON object per step
@@ -13,6 +14,7 @@ Layout (docs/design.md section 4); no other module spells these names:
       logs/pid_rank_<r>       each rank's pid (for people and tests that want to signal one)
       logs/mpiexec.log        hydra's own messages
       logs/watchdog.log       every report of the ranks' supervisors, as the watchdog received it
+      logs/hwloc.xml          never written: named to hydra so it leaves no file in /tmp (mpiexec.hydra_env)
       checkpoint_<step>/, latest   the checkpoint store (data_tools.checkpoint)
 """
 import fcntl
@@ -87,6 +89,10 @@ class RunDir:
     def watchdog_log(self):
         return self.logs / "watchdog.log"
 
+    @property
+    def hwloc_xml(self):
+        return self.logs / "hwloc.xml"
+
     def rank_log(self, rank):
         return self.logs / f"rank_{rank}.log"
 
@@ -159,12 +165,15 @@ class RunDir:
         """Write ``run.json``, ``params.yaml`` and ``plan.json``; return the run dict.
 
         Resumes from ``checkpoint`` if given, else from ``latest`` if there is one; metrics of
-        steps after the start step are dropped (they are about to be trained again).
+        steps after the start step are dropped (they are about to be trained again). A checkpoint
+        written under another numerics environment is refused in one line, unless
+        ``runconfig.allow_numerics_change``: then the run dict's ``numerics_changed`` says what differs.
         """
         import yaml
 
         from data_tools.checkpoint import LATEST, Checkpoint, clean_up
         from mpi_launch.plan import describe
+        from wse_core.numerics import environment
 
         clean_up(self.path)  # what a killed or failed save left (this job holds the lock)
         self.logs.mkdir(parents=True, exist_ok=True)
@@ -172,13 +181,15 @@ class RunDir:
             stale.unlink()
         if checkpoint is None and (self.path / LATEST).is_file():
             checkpoint = self.path
-        start, ckpt_dir = 0, None
+        start, ckpt_dir, numerics, changed = 0, None, environment(), []
         if checkpoint is not None:
             ckpt = Checkpoint(checkpoint)
             start, ckpt_dir = ckpt.step, str(ckpt.dir.resolve())
             _check_compatible(ckpt, params)
+            changed = _check_numerics(ckpt, numerics, params.runconfig.allow_numerics_change)
         self.truncate_metrics(start)
-        run = {"params": params.to_dict(), "start_step": start, "checkpoint": ckpt_dir}
+        run = {"params": params.to_dict(), "start_step": start, "checkpoint": ckpt_dir, "numerics": numerics,
+               "numerics_changed": changed}
         self.run_json.write_text(json.dumps(run, indent=1))
         self.params_yaml.write_text(yaml.safe_dump(params.to_dict(), sort_keys=False))
         self.plan_json.write_text(json.dumps(describe(params), indent=1))
@@ -186,6 +197,24 @@ class RunDir:
 
     def read_run(self):
         return json.loads(self.run_json.read_text())
+
+
+def _check_numerics(ckpt, numerics, allow):
+    """What of the numerics environment changed since ``ckpt`` was written; refused unless ``allow``.
+
+    Refused by default: same params, same bits is this project's promise, and a resume that breaks
+    it silently is worse than one that stops to ask (a careful user learns it before a day of
+    training, not after); one setting lets a user who knows go on.
+    """
+    from wse_core.numerics import differences
+
+    changed = differences(ckpt.numerics or {}, numerics)
+    if changed and not allow:
+        raise MPILaunchError(f"{ckpt.dir}: written under another numerics environment ({'; '.join(changed)}): "
+                             "resuming here would not give an uninterrupted run's bits; set "
+                             "runconfig.allow_numerics_change: true (--set runconfig.allow_numerics_change=true) "
+                             "to resume anyway")
+    return changed
 
 
 def _check_compatible(ckpt, params):

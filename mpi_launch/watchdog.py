@@ -37,7 +37,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from mpi_launch.mpiexec import mpi_env
+from mpi_launch.mpiexec import hydra_env, mpi_env
 from mpi_launch.supervisor import CONTROL_ENV
 
 #: Seconds to wait after an incident for others from the same moment, so the earliest is named.
@@ -84,8 +84,9 @@ class Incident:
 class Watchdog:
     """Listens for the ranks' supervisors, keeps what they report, and ends the job at the first fault."""
 
-    def __init__(self, plan, *, peer_timeout, startup_timeout, hostfile=None, log=None):
+    def __init__(self, plan, *, peer_timeout, startup_timeout, hostfile=None, log=None, on_ready=None):
         self.plan, self.log = plan, log
+        self.on_ready = on_ready     # called once, with the seconds since start, when every rank is ready
         self.peer_timeout, self.startup_timeout = float(peer_timeout), float(startup_timeout)
         self.token = secrets.token_hex(16)
         self.host = "127.0.0.1" if hostfile is None else _reachable_address(hostfile)
@@ -241,6 +242,9 @@ class Watchdog:
             s.pid, s.host, s.connected = msg.get("pid"), msg.get("host"), True
         elif kind == "ready":
             s.ready = True
+            if self.on_ready is not None and all(x.ready for x in self.ranks.values()):
+                on_ready, self.on_ready = self.on_ready, None
+                on_ready(time.time() - self._started)
         elif kind == "done":
             s.done = True
             if rank == self.plan.coordinator:
@@ -412,15 +416,31 @@ class JobInterrupted(BaseException):
         self.signal = sig
 
 
-def launch(cmd, plan, run_dir, *, peer_timeout, startup_timeout, hostfile=None, stream=sys.stdout):
+def launch(cmd, plan, run_dir, *, peer_timeout, startup_timeout, hostfile=None, stream=sys.stdout, next_up=None):
     """Run the job under a watchdog, streaming the coordinator's lines; return (exit code, failure line or None).
+
+    Says when every rank is ready, and ``next_up`` (what the ranks do before the first step's line),
+    so a big model's start-up is not a silence.
 
     SIGTERM, SIGINT and SIGHUP end the job cleanly and raise JobInterrupted (from the main thread;
     elsewhere only the caller's own KeyboardInterrupt handling applies).
     """
     log = open(run_dir.watchdog_log, "w")
+    said = threading.Lock()  # the watchdog's thread and this one write whole lines to the stream
+
+    def say(line):
+        with said:
+            stream.write(line)
+            stream.flush()
+
+    def ready(seconds):  # on the watchdog's thread, which must go on watching whatever becomes of the stream
+        try:
+            say(f"{plan.world_size} ranks ready in {seconds:.1f} s" + (f"; {next_up}" if next_up else "") + "\n")
+        except (OSError, ValueError):
+            pass  # the stream's reader left (or it was closed): this thread's next write meets it and says so
+
     watchdog = Watchdog(plan, peer_timeout=peer_timeout, startup_timeout=startup_timeout, hostfile=hostfile,
-                        log=log)
+                        log=log, on_ready=ready)
     previous = {}
 
     def interrupted(sig, frame):
@@ -432,7 +452,8 @@ def launch(cmd, plan, run_dir, *, peer_timeout, startup_timeout, hostfile=None, 
     try:
         with tempfile.TemporaryFile("w+") as err:
             proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, text=True, start_new_session=True,
-                                    env=mpi_env(1, {"OMP_WAIT_POLICY": "PASSIVE", **watchdog.env()}))
+                                    env=mpi_env(1, {"OMP_WAIT_POLICY": "PASSIVE", **watchdog.env(),
+                                                   **hydra_env(run_dir.hwloc_xml)}))
             watchdog.start(proc)
             banner = []  # hydra's failure banner comes on stdout; it goes to logs/mpiexec.log
             try:
@@ -440,8 +461,7 @@ def launch(cmd, plan, run_dir, *, peer_timeout, startup_timeout, hostfile=None, 
                     if line.startswith(("=", "YOUR APPLICATION TERMINATED")) or banner:
                         banner.append(line)
                     elif line.strip():
-                        stream.write(line)
-                        stream.flush()
+                        say(line)
                 deadline = time.monotonic() + TEARDOWN_SECONDS
                 while proc.poll() is None and time.monotonic() < deadline:
                     time.sleep(0.05)

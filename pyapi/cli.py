@@ -28,6 +28,18 @@ def _cmd_demo(args):
     return demo.main()
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse's parser, answering a mistyped choice with the closest one (`wse fitt`: did you mean
+    fit?) rather than the list of all. (Python 3.14's ``suggest_on_error`` does this; we support 3.10.)"""
+
+    def _check_value(self, action, value):
+        if action.choices is not None and value not in action.choices:
+            from wse_core._checks import did_you_mean
+
+            raise argparse.ArgumentError(action, f"invalid choice: {value!r} "
+                                                 f"({did_you_mean(value, list(action.choices))})")
+
+
 def _opt(parser, name, **kwargs):
     """Add an option under both spellings: --output_dir and --output-dir."""
     names = [name] + ([name.replace("_", "-")] if "_" in name else [])
@@ -103,6 +115,10 @@ def _cmd_checkpoint_info(args):
         info["shards"] = ", ".join(f"{s['name']} ({s['parameters']:,} params, {s['bytes']:,} B)"
                                    for s in info["shards"])
         info["params_yaml"] = f"{len(info['params_yaml'].splitlines())} lines"
+        if info["numerics"]:
+            from wse_core.numerics import describe
+
+            info["numerics"] = describe(info["numerics"])
     _print_json_or_lines(info, args.json)
     return 0
 
@@ -516,7 +532,7 @@ def build_parser(argv=()):
     chosen = tuple(argv[:2])
     from bench import BENCHMARKS
 
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="wse",
         description="wse-cluster: an emulated wafer-scale cluster (CS-2 systems, MemoryX, SwarmX) on CPUs and MPI.")
     parser.add_argument("--version", action="version", version=f"wse-cluster {_version()}")
@@ -676,7 +692,8 @@ def build_parser(argv=()):
                                            "directory")
     cp.add_argument("path", metavar="PATH")
     cp.add_argument("--to", required=True, choices=["npz", "h5", "torch", "hf"],
-                    help="hf: a directory with config.json and model.safetensors (GPT2LMHeadModel, LlamaForCausalLM)")
+                    help="hf: a directory with config.json and model.safetensors (GPT2LMHeadModel, LlamaForCausalLM) "
+                         "and the training data's tokenizer (AutoTokenizer)")
     cp.add_argument("--output", required=True, metavar="FILE")
     cp.set_defaults(func=_cmd_checkpoint_convert)
     cp = ck_sub.add_parser("from-hf", help="a checkpoint a run can start from, from a Hugging Face model directory",
@@ -717,6 +734,11 @@ def build_parser(argv=()):
         if chosen != ("bench", name):  # only the chosen benchmark is imported, for its own options
             bench_sub.add_parser(name, help=summary, description=summary)
             continue
+        # A benchmark module loads the kernels as it is imported (here, for its options), so the process
+        # is set up first; _main's call, which every other subcommand gets before it runs, is then a no-op.
+        from wse_core import configure_process
+
+        configure_process()
         module = importlib.import_module(module_name)
         bp = bench_sub.add_parser(name, help=summary, description=module.__doc__,
                                   formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -761,12 +783,13 @@ def _main(argv):
     args = build_parser(argv).parse_args(argv)
     import warnings
 
+    from data_tools.errors import DataWarning
     from pyapi.modelzoo import ParamsWarning
 
     default_show = warnings.showwarning
 
-    def show(message, category, *rest, **kwargs):  # a params warning is one line, as errors are
-        if issubclass(category, ParamsWarning):
+    def show(message, category, *rest, **kwargs):  # our warnings are one line, as errors are
+        if issubclass(category, (ParamsWarning, DataWarning)):
             print(f"wse {args.command}: warning: {message}", file=sys.stderr)
         else:
             default_show(message, category, *rest, **kwargs)

@@ -18,15 +18,11 @@ def _python():
 
 
 def _numpy():
-    import numpy as np
+    from wse_core.numerics import describe, environment
 
-    blas = "unknown BLAS"
-    try:
-        deps = np.show_config(mode="dicts")["Build Dependencies"]
-        blas = f"{deps['blas']['name']} {deps['blas'].get('version', '')}".strip()
-    except (KeyError, TypeError, ValueError):
-        pass
-    return f"{np.__version__}, BLAS {blas}"
+    env = environment()
+    variables = " ".join(f"{k}={v}" for k, v in env["variables"].items())
+    return describe(env).removeprefix("numpy ") + (f" ({variables})" if variables else "")
 
 
 def _openmp():

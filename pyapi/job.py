@@ -35,6 +35,19 @@ class FitResult:
         return self.end_step - self.start_step
 
 
+def _ranks(plan):
+    """The ranks of ``plan`` in a few words: "7 MPI ranks (coordinator, 1 MemoryX, 1 SwarmX, 2 CS-2s, ...)"."""
+    counts = [(1, "coordinator", "")]
+    if plan.pipeline:
+        counts.append((len(plan.csx), "pipelined CS-2", "s"))
+    else:
+        counts += [(len(plan.memoryx), "MemoryX", ""), (len(plan.swarmx), "SwarmX", ""), (len(plan.csx), "CS-2", "s")]
+    counts.append((sum(map(len, plan.workers)), "input worker", "s"))
+    parts = [name if name == "coordinator" else f"{n} {name}{plural if n != 1 else ''}"
+             for n, name, plural in counts if n]
+    return f"{plan.world_size} MPI ranks ({', '.join(parts)})"
+
+
 class Job:
     """A validated training job."""
 
@@ -92,13 +105,13 @@ class Job:
         """
         from mpi_launch.rundir import RunDir
         from mpi_launch.watchdog import launch
+        from wse_core.nn import build_model
 
         self._check_inputs()
         cmd, plan = self._command(hostfile, cores)
         r = self.params.runconfig
         if r.execution_strategy != "weight_streaming":
             from mpi_launch.plan import strategy
-            from wse_core.nn import build_model
 
             stream.write(f"execution strategy: {strategy(self.params, build_model(self.params.model))[1]}\n")
         with RunDir(self.model_dir).lock() as run_dir:
@@ -107,14 +120,24 @@ class Job:
                                checkpoint=run["checkpoint"])
             if run["checkpoint"]:
                 stream.write(f"resuming from {Path(run['checkpoint']).name} (step {run['start_step']})\n")
+            if run["numerics_changed"]:
+                changed = "; ".join(run["numerics_changed"])
+                stream.write(f"the numerics environment changed since that checkpoint ({changed}): resuming anyway "
+                             "(runconfig.allow_numerics_change); the bits will differ from an uninterrupted run's\n")
             if result.start_step >= result.end_step:
                 stream.write(f"nothing to train: the checkpoint is at step {result.start_step}, "
                              f"runconfig.max_steps is {result.end_step}\n")
                 result.end_step = result.start_step
             else:
+                # Said as it happens: a 12 x 768 GPT-2 takes 10 s and more on 2 cores before its first
+                # step's line (ranks starting, weights initialised, the first step itself).
+                stream.write(f"starting {_ranks(plan)}\n")
+                stream.flush()
+                weights = (f"loading the weights of {Path(run['checkpoint']).name}" if run["checkpoint"] else
+                           f"initialising {build_model(self.params.model).num_params():,} weights")
                 code, failure = launch(cmd, plan, run_dir, peer_timeout=r.peer_timeout,
                                        startup_timeout=r.startup_timeout, hostfile=hostfile,
-                                       stream=stream)
+                                       stream=stream, next_up=f"{weights}, then step {result.start_step + 1}")
                 if code != 0:
                     raise JobError(failure)
             result.metrics = run_dir.read_metrics()

@@ -50,6 +50,7 @@ INIT_HOMES = (
     ("backend.cluster_config.startup_timeout", "runconfig.startup_timeout"),
     ("backend.cluster_config.hardware", "runconfig.hardware"),
     ("backend.cluster_config.execution_strategy", "runconfig.execution_strategy"),
+    ("backend.cluster_config.allow_numerics_change", "runconfig.allow_numerics_change"),
     ("precision.enabled", "model.mixed_precision"),
     ("precision.fp16_type", "model.fp16_type"),
     ("precision.precision_opt_level", "runconfig.precision_opt_level"),

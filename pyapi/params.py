@@ -21,7 +21,7 @@ from types import MappingProxyType
 import yaml
 
 from pyapi import modelzoo
-from wse_core._checks import show
+from wse_core._checks import did_you_mean, show
 
 #: Values (scalars, lists, mappings; an alias counted each time it is used) a params document may
 #: expand to: a real one has a few hundred; an alias bomb has billions.
@@ -104,6 +104,9 @@ SCHEMA = {
                                         "io_gbps, clock_hz, precision, ...)"),
         "startup_timeout": Key("int>0", 300, "seconds every rank has to start (imports, connecting, loading its "
                                             "checkpoint) before the job is ended"),
+        "allow_numerics_change": Key("bool", False, "resume from a checkpoint written under another numerics "
+                                     "environment (BLAS kernel, numpy): the continuation's bits then differ from an "
+                                     "uninterrupted run's; refused unless true"),
     },
 }
 SECTIONS_REQUIRED = ("train_input", "model", "optimizer", "runconfig")
@@ -312,7 +315,7 @@ def _validate_flat(raw, report, problems):
     for section in raw:
         if section not in SCHEMA and section != "model":
             report.fates[_name(section)] = "refused: unknown section"
-            problems.append(f"{_name(section)}: unknown section (known: {', '.join(sorted([*SCHEMA, 'model']))})")
+            problems.append(f"{_name(section)}: unknown section ({did_you_mean(section, sorted([*SCHEMA, 'model']))})")
     for section in SECTIONS_REQUIRED:
         if section not in raw:
             problems.append(f"{section}: missing section")
@@ -327,7 +330,7 @@ def _validate_flat(raw, report, problems):
         for key in given:
             if key not in keys:
                 report.fates[f"{section}.{_name(key)}"] = "refused: unknown key"
-                problems.append(f"{section}.{_name(key)}: unknown key (known: {', '.join(keys)})")
+                problems.append(f"{section}.{_name(key)}: unknown key ({did_you_mean(key, keys)})")
         out[section] = {}
         for key, spec in keys.items():
             try:

@@ -30,14 +30,18 @@ class Jobs:
         return subprocess.Popen([sys.executable, "-m", "pyapi.cli", *map(str, args)], stdout=subprocess.PIPE,
                                 stderr=subprocess.PIPE, text=True, start_new_session=True, **kwargs)
 
-    def run(self, *args, timeout=240):
-        """Run to completion (a generous timeout that only a hang reaches); return a CompletedProcess."""
+    def run(self, *args, timeout=240, **kwargs):
+        """Run to completion (a generous timeout that only a hang reaches); return a CompletedProcess.
+        ``kwargs`` go to Popen (``cwd``, ``env``)."""
+        import os
+        import signal
         import subprocess
 
-        proc = self.start(*args)
+        proc = self.start(*args, **kwargs)
         try:
             out, err = proc.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)  # its command line may not name the marker (relative paths)
             self.kill_all()
             out, err = proc.communicate()
             raise AssertionError(f"`wse {' '.join(map(str, args))}` did not end within {timeout} s:\n{err}") from None

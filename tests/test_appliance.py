@@ -128,6 +128,28 @@ def test_pick_first_come_within_priority_and_bounded_overtaking():
     assert [j["id"] for j in pick([small[0], small[1]], free=1)[0]] == [2]  # first come
 
 
+def test_a_submission_carrying_other_variables_or_bad_values_is_refused_in_one_line():
+    """Only numerics variables travel with a job (LD_PRELOAD or PYTHONPATH would reach what the runner
+    loads), with printable values of bounded length, at most MAX_NUMERICS of them."""
+    from mpi_launch.appliance.service import MAX_NUMERICS, RequestError, check_numerics
+
+    fine = {"OPENBLAS_CORETYPE": "Haswell", "OMP_NUM_THREADS": "1", "GOTO_NUM_THREADS": "1", "NPY_x": ""}
+    assert check_numerics(fine) == fine
+    cases = [({"LD_PRELOAD": "/tmp/x.so"}, r"^numerics: 'LD_PRELOAD' is not a numerics variable \(OPENBLAS_\*, "),
+             ({"PYTHONPATH": "/tmp"}, r"^numerics: 'PYTHONPATH' is not a numerics variable"),
+             ({"OMP_NUM_THREADS=1 LD_PRELOAD": "x"}, r"^numerics: 'OMP_NUM_THREADS=1 LD_PRELOAD' is not a numerics"),
+             ({"OMP_NUM_THREADS": "1\nLD_PRELOAD=x"}, r"^numerics\.OMP_NUM_THREADS: expected printable text of at "
+                                                     r"most 1024 characters, got '1\\nLD_PRELOAD=x'$"),
+             ({"OMP_NUM_THREADS": 1}, r"^numerics\.OMP_NUM_THREADS: expected printable text .*, got 1$"),
+             ({"OPENBLAS_CORETYPE": "x" * 1025}, r"^numerics\.OPENBLAS_CORETYPE: expected printable text"),
+             ({f"OMP_{i}": "1" for i in range(MAX_NUMERICS + 1)}, rf"^numerics: at most {MAX_NUMERICS} variables, "
+                                                                 rf"got {MAX_NUMERICS + 1}$")]
+    for variables, line in cases:
+        with pytest.raises(RequestError, match=line) as refused:
+            check_numerics(variables)
+        assert "\n" not in str(refused.value)
+
+
 def test_a_job_table_of_the_first_version_is_read_and_extended(tmp_path):
     """A state directory written before the umask column: its jobs read back (umask 0o077), new ones add."""
     import sqlite3
@@ -147,9 +169,62 @@ def test_a_job_table_of_the_first_version_is_read_and_extended(tmp_path):
     db.close()
     store = Store(tmp_path / "jobs.sqlite")
     assert store.get(1)["umask"] == 0o077 and store.queue()[0]["name"] == "old"
+    assert store.get(1)["numerics"] is None  # not sent: its runner gets what that version gave it
     new = store.add(uid=0, gid=0, user="root", name="new", params={}, cwd="/", umask=0o022, model_dir="/n", num_csx=1,
-                    max_steps=3, priority=0, max_restarts=0)
-    assert store.get(new)["umask"] == 0o022
+                    max_steps=3, priority=0, max_restarts=0, numerics={"OMP_NUM_THREADS": "1"})
+    assert store.get(new)["umask"] == 0o022 and store.get(new)["numerics"] == {"OMP_NUM_THREADS": "1"}
+
+
+def test_a_state_directory_of_a_newer_version_or_of_another_program_is_refused_in_one_line(tmp_path, jobs):
+    """A jobs table of a newer version, one with columns unlike ours, a file that is not SQLite: each
+    refused in one line naming the file and what to do; `wse appliance start` says that line."""
+    import sqlite3
+
+    from mpi_launch.appliance.store import VERSION, Store
+
+    newer, foreign, garbage = tmp_path / "newer.sqlite", tmp_path / "foreign.sqlite", tmp_path / "garbage.sqlite"
+    Store(newer).close()
+    db = sqlite3.connect(newer)
+    db.execute(f"PRAGMA user_version = {VERSION + 1}")
+    db.close()
+    db = sqlite3.connect(foreign)
+    db.execute("CREATE TABLE jobs (id INTEGER PRIMARY KEY, command TEXT)")
+    db.close()
+    garbage.write_bytes(b"not a database " * 100)
+    cases = {newer: f"{newer}: a jobs table of version {VERSION + 1}, written by a newer wse-cluster (this one "
+                    f"knows up to {VERSION}); start the appliance of that version, or start this one with another "
+                    "--state_dir",
+             foreign: f"{foreign}: its jobs table has column 'command', unlike any wse-cluster's; move it away or "
+                      "start with another --state_dir",
+             garbage: f"{garbage}: not a jobs table this appliance can read (file is not a database); move it away "
+                      "or start with another --state_dir"}
+    for path, line in cases.items():
+        with pytest.raises(ApplianceError) as refused:
+            Store(path)
+        assert str(refused.value) == line
+    state = tmp_path / "state"
+    state.mkdir()
+    shutil.copy(newer, state / "jobs.sqlite")
+    r = jobs.run("appliance", "start", "--state_dir", state, "--socket", tmp_path / "a.sock", timeout=120)
+    assert r.returncode == 1 and r.stderr.strip().splitlines() == [
+        f"wse appliance: error: {state / 'jobs.sqlite'}: a jobs table of version "
+        f"{VERSION + 1}, written by a newer wse-cluster (this one knows up to {VERSION}); start the appliance of "
+        "that version, or start this one with another --state_dir"], r.stderr
+
+
+def test_a_state_directory_holding_another_users_files_is_refused_in_one_line(tmp_path, jobs):
+    """State another user could have written (a jobs table names the uid each job runs as) is not
+    adopted: `wse appliance start` says so in one line."""
+    if os.geteuid() != 0:
+        pytest.skip("needs root to give a file to another user")
+    state = tmp_path / "state"
+    state.mkdir()
+    (state / "jobs.sqlite").write_bytes(b"")
+    os.chown(state / "jobs.sqlite", 54321, 54321)
+    r = jobs.run("appliance", "start", "--state_dir", state, "--socket", tmp_path / "a.sock", timeout=120)
+    assert r.returncode == 1 and r.stderr.strip().splitlines() == [
+        f"wse appliance: error: {state / 'jobs.sqlite'}: owned by 54321, not by root, who starts this appliance; "
+        "an appliance adopts only state of its own: chown it, or start with another --state_dir"], r.stderr
 
 
 def test_three_jobs_on_four_csx_two_at_once_the_third_waits_all_bit_identical_to_wse_fit(tmp_path, data, jobs,
@@ -176,6 +251,33 @@ def test_three_jobs_on_four_csx_two_at_once_the_third_waits_all_bit_identical_to
     expected = direct_fit(jobs, tmp_path, data)
     for i in range(3):
         assert weights(tmp_path / f"m{i}") == expected, f"job {ids[i]}"
+
+
+def test_a_job_runs_in_the_numerics_environment_of_its_submitter_and_equals_wse_fit_there(tmp_path, data, jobs,
+                                                                                         appliance, monkeypatch):
+    """A service started without them, a job submitted from a shell with OMP_NUM_THREADS,
+    OPENBLAS_NUM_THREADS and OPENBLAS_CORETYPE set: its runner has them and none of the service's own
+    numerics variables, and its weights equal `wse fit`'s in that shell, bit for bit. The kernel named
+    is the one OpenBLAS picks here anyway (tests never change it)."""
+    from threadpoolctl import threadpool_info
+
+    from wse_core.numerics import is_numerics_variable
+
+    kernel = next(lib for lib in threadpool_info() if lib["user_api"] == "blas")["architecture"]
+    for name in [k for k in os.environ if is_numerics_variable(k)]:
+        monkeypatch.delenv(name)
+    monkeypatch.setenv("OPENBLAS_VERBOSE", "0")  # the service's own (0: OpenBLAS's default)
+    a = appliance(2)
+    monkeypatch.delenv("OPENBLAS_VERBOSE")
+    shell = {"OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "OPENBLAS_CORETYPE": kernel}
+    for name, value in shell.items():
+        monkeypatch.setenv(name, value)
+    job_id = a.submit(params_file(tmp_path / "p.yaml", data, tmp_path / "m"))
+    rec = a.wait(job_id)
+    assert rec["state"] == "done", rec
+    seen = RunDir(tmp_path / "m").read_run()["numerics"]["variables"]  # the runner's, as it prepared the run
+    assert {k: seen.get(k) for k in shell} == shell and "OPENBLAS_VERBOSE" not in seen, seen
+    assert weights(tmp_path / "m") == direct_fit(jobs, tmp_path, data)
 
 
 def test_cancel_of_a_queued_and_of_a_running_job(tmp_path, data, jobs, appliance):
@@ -334,6 +436,11 @@ def test_malformed_and_hostile_requests_get_one_line_and_leave_the_service_runni
             "cwd: expected an absolute path",
         json.dumps({"op": "submit", "params": good, "cwd": str(tmp_path), "max_restarts": -1}).encode() + b"\n":
             "max_restarts: expected 0..100",
+        json.dumps({"op": "submit", "params": good, "cwd": str(tmp_path),
+                    "numerics": {"LD_PRELOAD": "/tmp/x.so"}}).encode() + b"\n":
+            "numerics: 'LD_PRELOAD' is not a numerics variable",
+        json.dumps({"op": "submit", "params": good, "cwd": str(tmp_path), "numerics": ["OMP_NUM_THREADS"]}).encode()
+        + b"\n": "numerics: expected dict, got list",
         json.dumps({"op": "submit", "params": good, "cwd": "/tmp\0x"}).encode() + b"\n":
             "cwd: expected an absolute path of printable characters",
         json.dumps({"op": "submit", "params": {**good, "runconfig": {**good["runconfig"], "model_dir": "/tmp/m\0"}},

@@ -79,6 +79,24 @@ def test_unknown_command_is_one_clear_error():
     assert proc.returncode == 2 and "invalid choice: 'frobnicate'" in proc.stderr
 
 
+@pytest.mark.parametrize("argv,said", [(["fitt"], "invalid choice: 'fitt' (did you mean fit?)"),
+                                       (["data", "inspct", "x"], "invalid choice: 'inspct' (did you mean inspect?)")])
+def test_a_mistyped_command_is_answered_with_the_closest_one(argv, said):
+    proc = wse(*argv)
+    assert proc.returncode == 2 and proc.stderr.splitlines()[-1].endswith(said), proc.stderr
+
+
+def test_a_benchmark_sets_the_process_up_before_its_kernels_load():
+    """The benchmark's module loads the kernels when the command line reads its options: no warning
+    that configure_process() came too late (as a user's shell, without the tests' OMP_WAIT_POLICY)."""
+    import os
+
+    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
+    proc = subprocess.run([sys.executable, "-m", "pyapi.cli", "bench", "optim", "--size", "1000", "--repeats", "1"],
+                          capture_output=True, text=True, timeout=120, env=env)
+    assert proc.returncode == 0 and "Warning" not in proc.stderr, proc.stderr
+
+
 def test_a_reader_that_leaves_ends_wse_quietly(tmp_path):
     """`wse ... | head`: once the reader has closed the pipe, wse ends with status 1 and says
     nothing (as other command-line tools do); an error of its own is still one line."""
@@ -200,3 +218,55 @@ def test_bench_scaling_from_the_model(tmp_path):
         fixed = m["per_csx_fixed"]
         assert fixed["16"]["samples_per_s"] >= 0.9 * 16 * fixed["1"]["samples_per_s"]
     assert "(b) global batch 512" in proc.stdout and "GPT-NeoX 20B" in proc.stdout
+
+
+def readme_tour():
+    """The commands of the README's "A quick tour" (its bash blocks before the first subsection), as
+    written: continuations joined, comments dropped."""
+    import shlex
+    from pathlib import Path
+
+    lines = (Path(__file__).resolve().parents[1] / "README.md").read_text().splitlines()
+    start = lines.index("## A quick tour")
+    commands, fence, pending = [], None, ""
+    for line in lines[start + 1:]:
+        if line.startswith("```"):
+            fence = None if fence is not None else line[3:].strip()
+        elif fence is None and line.startswith("#"):
+            break  # the first subsection
+        elif fence == "bash":
+            pending += line
+            if pending.endswith("\\"):
+                pending = pending[:-1]
+                continue
+            argv, pending = shlex.split(pending, comments=True), ""
+            if argv:
+                commands.append(argv)
+    return commands
+
+
+def test_the_readme_tour_runs_as_written_after_the_demo(tmp_path, jobs, monkeypatch):
+    """Every command of the README's quick tour, and those the demo suggests, run as written where the demo
+    ran (its data and params, a short run in its model_dir): exit 0, no traceback, no Python warning;
+    `wse fit` says what it does before its first step."""
+    import os
+
+    from pyapi import demo
+
+    tour = readme_tour()
+    assert tour and all(argv[0] == "wse" for argv in tour), tour
+    assert ["wse", "validate", "wse_demo/params.yaml"] in tour  # the demo's eval_input makes it work
+    monkeypatch.chdir(tmp_path)
+    demo.prepare()  # the demo's data and params.yaml, as `wse demo` writes them
+    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}  # a user's shell, not the tests'
+    assert jobs.run("fit", "wse_demo/params.yaml", "--set", "runconfig.max_steps=2", cwd=tmp_path,
+                    env=env).returncode == 0
+    suggested = [["wse", "params", "keys", "wse_demo/params.yaml"], ["wse", "checkpoint", "info", "wse_demo/model"],
+                 ["wse", "data", "inspect", "wse_demo/data"]]
+    for argv in tour + suggested:
+        proc = jobs.run(*argv[1:], cwd=tmp_path, env=env)
+        said = proc.stdout + proc.stderr
+        assert proc.returncode == 0 and "Traceback" not in said and "Warning" not in proc.stderr, (argv, said)
+        if argv[1] == "fit":
+            before = proc.stdout.split("step     1/", 1)[0]
+            assert "starting " in before and " ranks ready in " in before, proc.stdout

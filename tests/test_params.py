@@ -50,6 +50,19 @@ def test_errors_name_the_key(override, match):
         validate(apply_overrides(BASE, [override]))
 
 
+@pytest.mark.parametrize("override,said", [
+    ("model.hiden_size=64", "model.hiden_size: unknown key (did you mean hidden_size?)"),
+    ("runconfig.max_step=3", "runconfig.max_step: unknown key (did you mean max_steps?)"),
+    ("traininput.batch_size=8", "traininput: unknown section (did you mean train_input?)"),
+    ("model.name=gtp2", "model.name: unknown model 'gtp2' (did you mean gpt2?)"),
+])
+def test_a_mistyped_key_is_answered_with_the_closest_one(override, said):
+    """One line with the likely key, not the list of every key of the section."""
+    with pytest.raises(ParamsError) as err:
+        validate(apply_overrides(BASE, [override]))
+    assert str(err.value) == said
+
+
 def test_missing_sections_and_keys():
     with pytest.raises(ParamsError, match="runconfig: missing section"):
         validate({k: v for k, v in BASE.items() if k != "runconfig"})

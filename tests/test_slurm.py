@@ -164,3 +164,19 @@ def test_on_slurm_a_killed_rank_restarts_from_the_checkpoint_and_a_cancel_ends_e
     until(lambda: not any(f"mpi_launch.run {long} " in c for c in _cmdlines()), "no rank of the cancelled job",
           timeout=90)
 
+
+
+def test_the_sbatch_script_exports_the_numerics_variables_it_is_given(tmp_path):
+    """Where a site has sbatch pass on no environment (SBATCH_EXPORT=NONE), the variables that decide a
+    job's bits still reach it: the script exports them, quoted, before it runs the job."""
+    from pyapi.job import Job
+
+    job = Job.from_yaml(params_file(tmp_path / "p.yaml", tmp_path / "lm", tmp_path / "m"))
+    text = wse_slurm.script(job, world_size=7, max_restarts=0, name="t",
+                            numerics={"OPENBLAS_CORETYPE": "Haswell", "OMP_PROC_BIND": "spread, close"})
+    exports = [ln for ln in text.splitlines() if ln.startswith("export ")]
+    assert exports == ["export OPENBLAS_CORETYPE=Haswell", "export OMP_PROC_BIND='spread, close'"]
+    assert text.index(exports[-1]) < text.index("\nexec ")
+    shell = subprocess.run(["bash", "-c", "\n".join(exports) + '\nprintf %s "$OMP_PROC_BIND"'], capture_output=True,
+                           text=True, env={}, timeout=30)
+    assert shell.stdout == "spread, close"

@@ -149,3 +149,29 @@ def test_a_connection_without_the_job_token_is_ignored(watchdog):
     assert intruder.closed_by_watchdog()
     time.sleep(0.5)
     assert watchdog.verdict is None and watchdog.ranks[1].pid == 1001 and len(sups) == PLAN.world_size
+
+
+def test_the_launcher_hears_once_when_every_rank_is_ready():
+    """`on_ready` is called once, when the last rank says it is ready (the launcher's line that the
+    ranks are up and what comes before the first step), not before and not again."""
+    heard = []
+    dog = Watchdog(PLAN, peer_timeout=0.5, startup_timeout=30.0, on_ready=heard.append)
+    proc = subprocess.Popen(["sleep", "60"], start_new_session=True)
+    dog.start(proc)
+    try:
+        sups = connect_all(dog, ready=False)
+        for s in sups[:-1]:
+            s.send("ready")
+        time.sleep(0.3)  # time for those reports to arrive: none of them may call it
+        assert heard == []
+        sups[-1].send("ready")
+        sups[0].send("ready")  # said twice: still one call
+        deadline = time.monotonic() + 10
+        while not heard and time.monotonic() < deadline:
+            time.sleep(0.02)
+        time.sleep(0.2)
+        assert len(heard) == 1 and heard[0] >= 0
+    finally:
+        dog.end()
+        proc.wait()
+        dog.stop()

@@ -17,6 +17,15 @@ def show(value):
     return _REPR.repr(value)
 
 
+def did_you_mean(name, known):
+    """What an error about an unknown ``name`` says of the ``known`` ones: the closest when one is
+    close (a typo: ``did you mean hidden_size?``), else all of them (``known: a, b, c``)."""
+    import difflib
+
+    close = difflib.get_close_matches(str(name), [str(k) for k in known], n=1)
+    return f"did you mean {close[0]}?" if close else f"known: {', '.join(map(str, known))}"
+
+
 def check_float_array(name, x, *, writeable=False):
     """Return ``x`` flattened to a 1-D view after checking type, dtype and contiguity."""
     if not isinstance(x, np.ndarray):

@@ -105,12 +105,17 @@ class Client:
         return self.request("status")
 
     def submit(self, params, *, max_restarts=0, priority=0, name=None):
-        """Queue a validated job (``pyapi.params.RunSpec``); return its ``SubmittedJob``."""
+        """Queue a validated job (``pyapi.params.RunSpec``); return its ``SubmittedJob``.
+
+        This process's numerics variables (``wse_core.numerics``: BLAS kernel, thread counts) go with
+        it, so the job computes the bits ``wse fit`` computes here."""
+        from wse_core.numerics import numerics_variables
+
         d = params.to_dict()
         model_dir = Path(d["runconfig"]["model_dir"]).absolute()
         d["runconfig"]["model_dir"] = str(model_dir)
         reply = self.request("submit", params=d, cwd=os.getcwd(), max_restarts=max_restarts, priority=priority,
-                             name=name or model_dir.name)
+                             name=name or model_dir.name, numerics=numerics_variables())
         return SubmittedJob(self, reply["job"]["id"], model_dir)
 
     def jobs(self):

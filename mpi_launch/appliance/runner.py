@@ -1,6 +1,7 @@
 """One attempt of an appliance job: ``python -m mpi_launch.appliance.runner``, started by the service.
 
-It runs as the user who submitted the job, in the directory they submitted it from, and trains
+It runs as the user who submitted the job, in the directory they submitted it from, with the
+numerics variables of their shell (BLAS kernel, thread counts: sent with the job), and trains
 exactly as ``wse fit`` does (``pyapi.Job.fit``: the launcher, its watchdog, resume from the
 latest checkpoint in model_dir), on the cores the service gave the job. Its standard output is
 the job's log; its exit code tells the service what happened (the codes below), and the last

@@ -47,6 +47,7 @@ from mpi_launch.appliance.client import MAX_LINE, SOCKET_ENV, SOCKET_NAME, Appli
 from mpi_launch.appliance.runner import EXIT_BAD_INPUT, EXIT_JOB_FAILED
 from mpi_launch.appliance.store import ACTIVE, ENDED, Store
 from mpi_launch.supervisor import die_with_parent
+from wse_core.numerics import ENV_NAMES, ENV_PREFIXES, is_numerics_variable
 
 #: How many later jobs may start ahead of a waiting job before it holds the pool for itself.
 MAX_OVERTAKES = 2
@@ -73,9 +74,13 @@ MAX_PATH = 4096
 _LOG_CHUNK = 65536
 _REQUIRED = object()
 #: What of the service's environment a job of another user gets: locale, and how MPI is set up on
-#: this machine; never the rest (root's tokens, PATH, TMPDIR).
+#: this machine; never the rest (root's tokens, PATH, TMPDIR). Its numerics variables (BLAS kernel,
+#: thread counts) are the submitter's, sent with the job (``check_numerics``), for every job.
 _ENV_KEEP = ("LANG", "LANGUAGE", "TZ")
 _ENV_PREFIXES = ("LC_", "HYDRA_", "MPIR_", "MPICH_", "UCX_", "FI_")
+#: A submission's numerics variables (wse_core.numerics): how many, and how long a value may be.
+MAX_NUMERICS = 64
+MAX_NUMERICS_VALUE = 1024
 
 
 class RequestError(ValueError):
@@ -99,6 +104,33 @@ def _path(value, what):
     if not os.path.isabs(value) or len(value) > MAX_PATH or not value.isprintable():
         raise RequestError(f"{what}: expected an absolute path of printable characters, got {value[:100]!r}")
     return os.path.normpath(value)
+
+
+def check_numerics(variables):
+    """A submission's ``numerics`` field: variables that steer numerics (``wse_core.numerics``) and nothing
+    else of the submitter's environment (LD_PRELOAD, PATH, PYTHONPATH... would reach what the runner
+    loads), with names of identifier characters and printable values of bounded length."""
+    if len(variables) > MAX_NUMERICS:
+        raise RequestError(f"numerics: at most {MAX_NUMERICS} variables, got {len(variables)}")
+    for name, value in variables.items():
+        if not (name.isascii() and name.isidentifier() and is_numerics_variable(name)):
+            kinds = ", ".join([*(f"{p}*" for p in ENV_PREFIXES), *ENV_NAMES])
+            raise RequestError(f"numerics: {_printable(name, 40)!r} is not a numerics variable ({kinds})")
+        if not isinstance(value, str) or len(value) > MAX_NUMERICS_VALUE or not value.isprintable():
+            raise RequestError(f"numerics.{name}: expected printable text of at most {MAX_NUMERICS_VALUE} "
+                               f"characters, got {_printable(repr(value), 40)}")
+    return variables
+
+
+def _check_owned(state_dir, owner):
+    """The state directory and what is in it are the service's user's: state another user could have
+    written (a jobs table naming the uid a job runs as) is never adopted."""
+    for path in [state_dir, *state_dir.iterdir()]:
+        uid = path.lstat().st_uid
+        if uid != owner:
+            raise ApplianceError(f"{path}: owned by {_user(uid)}, not by {_user(owner)}, who starts this "
+                                 "appliance; an appliance adopts only state of its own: chown it, or start with "
+                                 "another --state_dir")
 
 
 def _mapped_bytes():
@@ -167,6 +199,7 @@ class Service:
         self.num_csx, self.cores = num_csx, os.cpu_count() or 1
         self.owner = os.geteuid()
         self.state_dir.mkdir(parents=True, exist_ok=True)
+        _check_owned(self.state_dir, self.owner)
         # Root's: others may reach the socket inside it, and read nothing else.
         os.chmod(self.state_dir, 0o711 if self.owner == 0 else 0o700)
         self._lock_fd = self._lock()
@@ -475,7 +508,7 @@ class Service:
     def op_submit(self, conn, req):
         """Check what can be checked here, then the params in a child as the caller (``_read_check``)."""
         f = self._fields(req, {"params": (dict, _REQUIRED), "cwd": (str, _REQUIRED), "max_restarts": (int, 0),
-                               "priority": (int, 0), "name": (str, "job")})
+                               "priority": (int, 0), "name": (str, "job"), "numerics": (dict, None)})
         if self.stopping:
             raise RequestError("the appliance is stopping; submit again once it has been started")
         if self.owner != 0 and conn.uid != self.owner:
@@ -493,6 +526,8 @@ class Service:
             raise RequestError("priority: above 0 only for root (you may lower a job's priority, not raise it)")
         f["name"] = _printable(f["name"], 64).strip() or "job"
         f["cwd"] = _path(f["cwd"], "cwd")
+        if f["numerics"] is not None:  # None: a client of an earlier version, which sent none
+            check_numerics(f["numerics"])
         self._start_check(conn, f, account)
 
     def _start_check(self, conn, fields, account):
@@ -618,7 +653,7 @@ class Service:
         job_id = self.store.add(uid=account.pw_uid, gid=account.pw_gid, user=account.pw_name, name=f["name"],
                                 params=checked["params"], cwd=f["cwd"], umask=check.umask, model_dir=model_dir,
                                 num_csx=checked["num_csx"], max_steps=checked["max_steps"], priority=f["priority"],
-                                max_restarts=f["max_restarts"])
+                                max_restarts=f["max_restarts"], numerics=f["numerics"])
         self.say(f"job {job_id}: submitted by {account.pw_name}: {checked['num_csx']} CS-2s, {model_dir}")
         self._guarded("scheduling", self.schedule)
         self._reply(conn, {"job": self._public(self.store.get(job_id))})
@@ -759,6 +794,9 @@ class Service:
                            "extra_groups": os.getgrouplist(account.pw_name, job["gid"])}
             else:  # the service's own user: their environment, as they started the service
                 env = {k: v for k, v in os.environ.items() if k != SOCKET_ENV}
+            if job["numerics"] is not None:  # the submitting shell's numerics, not the service's: `wse fit`'s bits
+                env = {k: v for k, v in env.items() if not is_numerics_variable(k)}
+                env.update(job["numerics"])
             orders["progress_fd"] = progress_w
             with open(self.logs_dir / f"job_{job['id']}.log", "ab") as log, tempfile.TemporaryFile() as stdin:
                 log.write(f"== {time.strftime('%Y-%m-%d %H:%M:%S')} job {job['id']} attempt {attempt}: "
@@ -969,6 +1007,10 @@ def _exit_name(code):
     return f"exit code {code}"
 
 
+#: How the service, started in the background, says why it could not start (its last line in service.log).
+_ERROR = "wse appliance: error: "
+
+
 def start_background(state_dir, socket_path, num_csx, timeout=60.0):
     """Start the service as a daemon (its own session, output in STATE_DIR/service.log); return its pid."""
     state_dir = Path(state_dir).absolute()
@@ -992,7 +1034,9 @@ def start_background(state_dir, socket_path, num_csx, timeout=60.0):
         if proc.poll() is None:
             proc.kill()
         lines = (state_dir / "service.log").read_text(errors="replace").strip().splitlines()
-        raise ApplianceError(lines[-1] if lines else f"the appliance did not start (see {state_dir}/service.log)")
+        # The service's own line, without its prefix: the caller puts its own.
+        raise ApplianceError(lines[-1].removeprefix(_ERROR) if lines else
+                             f"the appliance did not start (see {state_dir}/service.log)")
     return proc.pid, socket_path
 
 
@@ -1005,7 +1049,7 @@ def main(argv=None):
     try:
         service = Service(args.state_dir, args.socket, args.num_csx)
     except (ApplianceError, ValueError, OSError) as exc:
-        print(f"wse appliance: error: {exc}", flush=True)
+        print(f"{_ERROR}{exc}", flush=True)
         return 1
     service.serve()
     return 0

@@ -36,8 +36,13 @@ def _run(cmd):
     return out
 
 
-def script(job, *, world_size, max_restarts, name):
-    """The sbatch script of ``job`` (a ``pyapi.Job``): one task per rank, output in model_dir/logs."""
+def script(job, *, world_size, max_restarts, name, numerics=None):
+    """The sbatch script of ``job`` (a ``pyapi.Job``): one task per rank, output in model_dir/logs.
+
+    ``numerics``: the submitter's numerics variables (``wse_core.numerics``), exported by the script.
+    sbatch hands the whole submitting environment on by default, but not where a site sets
+    ``SBATCH_EXPORT=NONE`` (or ``--export``): these decide the job's bits, so they travel in any case.
+    """
     model_dir = job.model_dir.absolute()
     r = job.params.runconfig
     # What `wse jobs --slurm` shows beside Slurm's state (sbatch drops quotes: no JSON here).
@@ -50,6 +55,7 @@ def script(job, *, world_size, max_restarts, name):
         f"#SBATCH --output={model_dir / 'logs' / 'slurm-%j.out'}",
         f"#SBATCH --chdir={Path.cwd()}",
         f"#SBATCH --comment={comment}",
+        *(f"export {k}={shlex.quote(v)}" for k, v in (numerics or {}).items() if k.isidentifier()),
         f"exec {shlex.quote(sys.executable)} -u -m mpi_launch.appliance.slurm "
         f"{shlex.quote(str(model_dir / 'slurm_job.yaml'))} --max_restarts {int(max_restarts)}",
         ""])
@@ -60,6 +66,7 @@ def submit(job, *, max_restarts=0, name=None):
     import yaml
 
     from mpi_launch.plan import plan_for
+    from wse_core.numerics import numerics_variables
 
     if not 0 <= max_restarts <= 100:
         raise ValueError(f"--max_restarts: expected 0..100, got {max_restarts}")
@@ -76,7 +83,8 @@ def submit(job, *, max_restarts=0, name=None):
     d["runconfig"]["model_dir"] = str(model_dir)
     frozen.write_text(yaml.safe_dump(d, sort_keys=False))
     path = model_dir / "slurm_job.sh"
-    path.write_text(script(job, world_size=plan_for(job.params)[0].world_size, max_restarts=max_restarts, name=name))
+    path.write_text(script(job, world_size=plan_for(job.params)[0].world_size, max_restarts=max_restarts, name=name,
+                           numerics=numerics_variables()))
     out = _run(["sbatch", "--parsable", str(path)])
     if out.returncode != 0:
         raise ApplianceError(f"sbatch {path}: {(out.stderr.strip().splitlines() or ['failed'])[-1]}")

@@ -9,6 +9,8 @@ import json
 import sqlite3
 import time
 
+from mpi_launch.appliance.client import ApplianceError
+
 #: A job's life: queued -> running -> done | failed | cancelled (running -> queued when the service stops).
 ACTIVE = ("queued", "running")
 ENDED = ("done", "failed", "cancelled")
@@ -38,35 +40,71 @@ CREATE TABLE IF NOT EXISTS jobs (
     reason        TEXT,                        -- why it failed or was cancelled; the last fault it survived
     step          INTEGER,                     -- where it ended (model_dir's metrics then: a later job may reuse it)
     loss          REAL,
-    sim_seconds   REAL
+    sim_seconds   REAL,
+    numerics      TEXT                         -- the submitter's numerics variables (JSON); NULL: not sent
 )"""
 
 #: Columns added after the table's first version, with what rows of that version get.
-_ADDED = {"umask": "INTEGER NOT NULL DEFAULT 63"}  # 0o077: files for the user alone
+_ADDED = {
+    "umask": "INTEGER NOT NULL DEFAULT 63",  # 0o077: files for the user alone
+    # NULL: the runner gets what the version that queued the job gave it (the service's own).
+    "numerics": "TEXT",
+}
+#: The table's version, in SQLite's user_version: 0 for tables made before it was kept (their
+#: columns are added, as any earlier version's), 2 with the numerics column. A newer table is
+#: refused: its rows may need what this code does not know (a column it would not fill).
+VERSION = 2
 
 _FIELDS = ("id", "uid", "gid", "user", "name", "params", "cwd", "umask", "model_dir", "num_csx", "max_steps",
            "priority", "max_restarts", "state", "restarts", "overtaken", "submitted", "started", "ended", "pid", "reason",
-           "step", "loss", "sim_seconds")
+           "step", "loss", "sim_seconds", "numerics")
 
 
 class Store:
     """The jobs table. Only the service writes it (it holds the state directory's lock)."""
 
     def __init__(self, path):
+        """Open the table at ``path``, adopting one of an earlier version (its columns added), or raise
+        ApplianceError in one line naming the file and what to do (a newer version's, or not ours)."""
         self.db = sqlite3.connect(str(path), isolation_level=None)  # autocommit: each update is durable
         self.db.row_factory = sqlite3.Row
+        try:
+            self._adopt(path)
+        except sqlite3.DatabaseError as exc:  # not SQLite, or damaged
+            self.db.close()
+            raise ApplianceError(f"{path}: not a jobs table this appliance can read ({exc}); move it away "
+                                 "or start with another --state_dir") from None
+        except ApplianceError:
+            self.db.close()
+            raise
+
+    def _adopt(self, path):
+        version = self.db.execute("PRAGMA user_version").fetchone()[0]
+        if version > VERSION:
+            raise ApplianceError(f"{path}: a jobs table of version {version}, written by a newer wse-cluster "
+                                 f"(this one knows up to {VERSION}); start the appliance of that version, or "
+                                 "start this one with another --state_dir")
         self.db.execute("PRAGMA journal_mode=WAL")
         self.db.execute(_SCHEMA)
         columns = {r["name"] for r in self.db.execute("PRAGMA table_info(jobs)")}
         for column, decl in _ADDED.items():  # a table made by an earlier version of this module
             if column not in columns:
                 self.db.execute(f"ALTER TABLE jobs ADD COLUMN {column} {decl}")
+                columns.add(column)
+        odd = sorted(set(_FIELDS) ^ columns)
+        if odd:  # a column no version of ours wrote, or one of ours missing: another program's table
+            raise ApplianceError(f"{path}: its jobs table {'lacks' if odd[0] in _FIELDS else 'has'} column "
+                                 f"{odd[0]!r}, unlike any wse-cluster's; move it away or start with another "
+                                 "--state_dir")
+        self.db.execute(f"PRAGMA user_version = {VERSION}")
 
     def close(self):
         self.db.close()
 
     def add(self, **job):
         job = {**job, "params": json.dumps(job["params"]), "state": "queued", "submitted": time.time()}
+        if job.get("numerics") is not None:
+            job["numerics"] = json.dumps(job["numerics"])
         keys = ", ".join(job)
         marks = ", ".join("?" for _ in job)
         return self.db.execute(f"INSERT INTO jobs ({keys}) VALUES ({marks})", tuple(job.values())).lastrowid
@@ -109,4 +147,6 @@ class Store:
 def _job(row):
     job = dict(row)
     job["params"] = json.loads(job["params"])
+    if job["numerics"] is not None:
+        job["numerics"] = json.loads(job["numerics"])
     return job

@@ -20,6 +20,7 @@ class Coordinator(Role):
         import yaml
 
         from data_tools.checkpoint import CheckpointWriter
+        from wse_core.numerics import environment
         from wse_core.optim import clip_coefficient, make_schedule
         from wse_core.optim.loss_scale import LossScaler
         from wse_core.perf.step import io_seconds, update_seconds
@@ -41,6 +42,7 @@ class Coordinator(Role):
                       "metrics are in metrics.jsonl", flush=True)
         evaluations = Evaluations(self, metrics, board)
         params_yaml = yaml.safe_dump(self.params.to_dict(), sort_keys=False)
+        numerics = environment()  # what the checkpoints' weights were computed in (a resume compares)
         clock, lat = self.clock, self.hw.swarmx_hop_latency_s
         # Parts of a simulated step that do not change from step to step.
         if self.plan.pipeline:  # no weights cross the I/O; every region updates its own at once
@@ -82,11 +84,12 @@ class Coordinator(Role):
             path = writer.commit(tables, params_yaml=params_yaml,
                                  loader_state={"step": save_step, "stream_position": save_step * self.batch_size},
                                  rng_state={"seed": r.seed, "shuffle_seed": self.params.train_input.shuffle_seed},
-                                 loss_scale=scaler.state())
+                                 loss_scale=scaler.state(), numerics=numerics)
             print(f"saved checkpoint {path}", flush=True)
 
         initial = self.start_step == 0 and r.save_initial_checkpoint
         step_to_come = self.start_step
+        overflows = []  # (step, scale before, scale after) of the skipped steps in a row, said in one line
         send_loss_scale()
         control(0.0, 0.0, 0 if initial else None)
         t0, sim_t0 = time.perf_counter(), clock.now
@@ -136,13 +139,22 @@ class Coordinator(Role):
                             "loss_scale"):
                     if key in record:
                         board["train"].add_scalar(key, record[key], step + 1)
-            if (step + 1) % r.log_steps == 0 or last or step == self.start_step:
-                print(f"step {step + 1:>5}/{self.max_steps}  loss {record['loss']:.4f}  "
-                      f"grad_norm {norm:.3f}  lr {lr:.2e}  {record['samples_per_s']:.1f} samples/s "
-                      f"(simulated: {record['sim_samples_per_s']:.1f})", flush=True)
             if skipped:
-                print(f"step {step + 1:>5}: gradients overflowed at loss scale {loss_scale:g}: the update is "
-                      f"skipped, the scale is now {scaler.scale:g}", flush=True)
+                self.log(f"step {step + 1}: gradients overflowed at loss scale {loss_scale:g}: the update is "
+                         f"skipped, the scale is now {scaler.scale:g}")
+                overflows.append((step + 1, loss_scale, scaler.scale))
+            elif overflows:  # said before this step's line: it is about the steps before it
+                _say_overflows(overflows)
+            if (step + 1) % r.log_steps == 0 or last or step == self.start_step:
+                # A skipped step's norm is not finite by definition: say what happened instead of nan.
+                what = (f"skipped (overflow), loss scale "
+                        f"{'halved to' if scaler.scale < loss_scale else 'stays at its minimum,'} {scaler.scale:g}"
+                        if skipped else f"grad_norm {norm:.3f}")
+                print(f"step {step + 1:>5}/{self.max_steps}  loss {record['loss']:.4f}  "
+                      f"{what}  lr {lr:.2e}  {record['samples_per_s']:.1f} samples/s "
+                      f"(simulated: {record['sim_samples_per_s']:.1f})", flush=True)
+            if last and overflows:
+                _say_overflows(overflows)
             step_to_come = step + 1
             send_loss_scale()
             evaluate = bool(r.eval_frequency) and ((step + 1) % r.eval_frequency == 0 or last)
@@ -156,6 +168,18 @@ class Coordinator(Role):
         if board is not None:
             for writer in board.values():
                 writer.close()
+
+
+def _say_overflows(overflows):
+    """One line for a run of steps whose 16-bit gradients overflowed (and empty the list): a float16
+    run starting at Model Zoo's 2^15 skips several steps in a row while the scale comes down, and a
+    line per step buried the steps' own lines. Each step's line is in the coordinator's log."""
+    (first, before, _), (end, _, after) = overflows[0], overflows[-1]
+    n = len(overflows)
+    steps = f"step {first}" if n == 1 else f"steps {first}-{end} ({n} in a row)"
+    print(f"{steps}: gradients overflowed, {'the update was' if n == 1 else 'their updates were'} skipped; "
+          f"loss scale {before:g} -> {after:g}", flush=True)
+    overflows.clear()
 
 
 def _summary_writer():

@@ -5,9 +5,19 @@ x @ W.T, [512, 64] x [64, 192] float32), which would break the promise that the 
 reference step agree bit for bit whatever the threads per rank. So BLAS runs on one thread:
 for good once ``pin_blas()`` was called (``wse_core.configure_process`` does, in the ranks and the
 CLI), else for the duration of each product (threadpoolctl, about 11 us a call measured here,
-restoring the caller's setting after). ``matmul`` parallelises on its own: a 2-D product is split into fixed chunks of ``CHUNK_ROWS`` rows of the left operand, a
-batched product into groups of whole matrices. The chunking depends only on the shapes, so the
-result is the same for any number of workers; the workers are the kernels' OpenMP thread count.
+restoring the caller's setting after). ``matmul`` parallelises on its own: a 2-D product is split
+into fixed chunks of ``CHUNK_ROWS`` rows of the left operand, a batched product into groups of whole
+matrices. The chunking depends only on the shapes, so the result is the same for any number of
+workers; the workers are the kernels' OpenMP thread count.
+
+A BLAS's result for one row may depend on how many rows share the call and on the row's place
+among them: OpenBLAS 0.3.31 gives other bits for a row of a 5-row and of a 15-row product
+(SkylakeX kernel: small-matrix code below some size), and its Haswell kernel other bits for rows
+6-11 than 0-5 of every 12 in a 128-row product (measured here). So a product whose rows are the
+tokens of samples is told the rows per sample (``sample_rows``) and is cut at the samples'
+boundaries too: a sample's rows meet BLAS in the same calls at the same places whatever else is
+in the batch, and its values do not depend on the batch (docs/design.md section 2). When the
+sample length is a multiple of ``CHUNK_ROWS`` the calls are the ones an uncut product makes.
 """
 from concurrent.futures import ThreadPoolExecutor
 
@@ -42,20 +52,33 @@ def _pool():
     return _state["pool"], _state["workers"]
 
 
-def matmul(a, b):
-    """a @ b for 2-D a, or for stacks of matrices (numpy broadcasting rules), thread-count independent."""
+def matmul(a, b, sample_rows=None):
+    """a @ b for 2-D a, or for stacks of matrices (numpy broadcasting rules), thread-count independent.
+
+    ``sample_rows``: a 2-D ``a`` holds samples of that many rows each (tokens); each sample's rows
+    get the same BLAS calls whatever the other samples (see the module's docstring).
+    """
     if _state["pinned"] is None:
         with _controller().limit(limits=1, user_api="blas"):
-            return _matmul(a, b)
-    return _matmul(a, b)
+            return _matmul(a, b, sample_rows)
+    return _matmul(a, b, sample_rows)
 
 
-def _matmul(a, b):
+def _row_chunks(m, sample_rows):
+    """Row ranges of the BLAS calls of a 2-D product: ``CHUNK_ROWS`` at a time, within each sample."""
+    period = m if sample_rows is None else sample_rows
+    if m % period:
+        raise ValueError(f"a: {m} rows are not whole samples of sample_rows={period}")
+    return [(s + lo, s + min(lo + CHUNK_ROWS, period)) for s in range(0, m, period)
+            for lo in range(0, period, CHUNK_ROWS)]
+
+
+def _matmul(a, b, sample_rows):
     pool, workers = _pool()
     if a.ndim == 2:
         m = a.shape[0]
         out = np.empty((m, b.shape[-1]), np.result_type(a, b))
-        bounds = [(lo, min(lo + CHUNK_ROWS, m)) for lo in range(0, m, CHUNK_ROWS)]
+        bounds = _row_chunks(m, sample_rows) if m else []
         if pool is None or len(bounds) < 2:
             for lo, hi in bounds:
                 np.matmul(a[lo:hi], b, out=out[lo:hi])

@@ -97,31 +97,32 @@ def weight_spec(name, out_features, in_features, init, density=1.0, seed=0, lr_g
     return ParamSpec((structure.nnz,), init, structure, lr_group=lr_group)
 
 
-def matmul_wt(x, w, structure=None):
+def matmul_wt(x, w, structure=None, sample_rows=None):
     """x @ w.T for x [N, in] and w [out, in]; for a sparse w (its values and structure) through spmm.
+    ``sample_rows``: x's rows are samples of that many tokens each (``gemm.matmul``).
 
     Sparse: y^T = W x^T with W in CSR, so the transposes of x and y are formed (O(N (in + out)),
     small next to the O(N nnz) product once in and out are a few hundred).
     """
     if structure is None:
-        return matmul(x, w.T)
+        return matmul(x, w.T, sample_rows)
     from wse_core.sparse import spmm
 
     return np.ascontiguousarray(spmm(structure.with_data(w), np.ascontiguousarray(x.T)).T)
 
 
-def linear_forward(x, w, b, structure=None):
+def linear_forward(x, w, b, structure=None, sample_rows=None):
     """y := x @ w.T + b for 2-D x and w [out, in] (dense, or sparse values with their structure)."""
-    y = matmul_wt(x, w, structure)
+    y = matmul_wt(x, w, structure, sample_rows)
     if b is not None:
         y += b
     return y
 
 
-def linear_backward(dy, x, w, ops, structure=None):
+def linear_backward(dy, x, w, ops, structure=None, sample_rows=None):
     """Gradients of y = x @ w.T + b: returns (dx, dw, db); for a sparse w, dw holds only its nonzeros."""
     if structure is None:
-        return matmul(dy, w), matmul(dy.T, x), ops.column_sum(dy)
+        return matmul(dy, w, sample_rows), matmul(dy.T, x), ops.column_sum(dy)
     from wse_core.sparse import sddmm, spmm
 
     a = structure.with_data(w)
@@ -247,14 +248,17 @@ class TransformerBlock(Unit):
 
     scale_qk_dot_by_d = False  # set by the model's builder
 
-    def _lin(self, x, params, key, bias=True):
+    def _lin(self, x, params, key, t, bias=True):
         name = self.p + key + ".weight"
         w, st = params[name], self.structure.get(name)
-        return linear_forward(x, w, params[self.p + key + ".bias"], st) if bias else matmul_wt(x, w, st)
+        if bias:
+            return linear_forward(x, w, params[self.p + key + ".bias"], st, sample_rows=t)
+        return matmul_wt(x, w, st, sample_rows=t)
 
-    def _lin_back(self, dy, x, params, key, g):
+    def _lin_back(self, dy, x, params, key, t, g):
         name = self.p + key + ".weight"
-        dx, g[name], g[self.p + key + ".bias"] = linear_backward(dy, x, params[name], self.ops, self.structure.get(name))
+        dx, g[name], g[self.p + key + ".bias"] = linear_backward(dy, x, params[name], self.ops,
+                                                                 self.structure.get(name), sample_rows=t)
         return dx
 
     def _masks(self, drop, b, t, dtype):
@@ -274,19 +278,19 @@ class TransformerBlock(Unit):
         masks = self._masks(drop, b, t, x.dtype)
         x2 = x.reshape(b * t, c)
         ln1, mu1, rs1 = ops.layernorm_forward(x2, params[p + "ln_1.weight"], params[p + "ln_1.bias"], self.eps)
-        qkv = self._lin(ln1, params, "attn.qkv")
+        qkv = self._lin(ln1, params, "attn.qkv", t)
         qkv = qkv.reshape(b, t, 3, nh, hd).transpose(2, 0, 3, 1, 4)     # [3, b, nh, t, hd]
         q, k, v = (np.ascontiguousarray(qkv[i]) for i in range(3))
         probs = matmul(q, k.transpose(0, 1, 3, 2))                                # [b, nh, t, t]
         ops.causal_softmax_forward(probs.reshape(b * nh, t, t), scale)
         used = probs if masks[0] is None else probs * masks[0]                    # dropout on the attention weights
         att = np.ascontiguousarray(matmul(used, v).transpose(0, 2, 1, 3)).reshape(b * t, c)
-        proj = self._lin(att, params, "attn.proj")
+        proj = self._lin(att, params, "attn.proj", t)
         mid = x2 + (proj if masks[1] is None else proj * masks[1])
         ln2, mu2, rs2 = ops.layernorm_forward(mid, params[p + "ln_2.weight"], params[p + "ln_2.bias"], self.eps)
-        pre = self._lin(ln2, params, "mlp.fc", bias=False)
+        pre = self._lin(ln2, params, "mlp.fc", t, bias=False)
         act = ops.bias_gelu_forward(pre, params[p + "mlp.fc.bias"], self.exact_gelu)
-        proj = self._lin(act, params, "mlp.proj")
+        proj = self._lin(act, params, "mlp.proj", t)
         out = mid + (proj if masks[2] is None else proj * masks[2])
         saved = (x2, ln1, mu1, rs1, q, k, v, probs, att, mid, ln2, mu2, rs2, pre, act, masks)
         return out.reshape(b, t, c), saved
@@ -300,14 +304,14 @@ class TransformerBlock(Unit):
         g = {}
         dout = np.ascontiguousarray(dy).reshape(b * t, c)
         # MLP
-        dact = self._lin_back(dout if masks[2] is None else dout * masks[2], act, params, "mlp.proj", g)
+        dact = self._lin_back(dout if masks[2] is None else dout * masks[2], act, params, "mlp.proj", t, g)
         dpre = ops.gelu_backward(pre, dact, self.exact_gelu)
-        dln2 = self._lin_back(dpre, ln2, params, "mlp.fc", g)
+        dln2 = self._lin_back(dpre, ln2, params, "mlp.fc", t, g)
         dmid, g[p + "ln_2.weight"], g[p + "ln_2.bias"] = ops.layernorm_backward(
             dln2, mid, params[p + "ln_2.weight"], mu2, rs2)
         dmid += dout
         # Attention
-        datt = self._lin_back(dmid if masks[1] is None else dmid * masks[1], att, params, "attn.proj", g)
+        datt = self._lin_back(dmid if masks[1] is None else dmid * masks[1], att, params, "attn.proj", t, g)
         dy_heads = np.ascontiguousarray(datt.reshape(b, t, nh, hd).transpose(0, 2, 1, 3))
         dprobs = matmul(dy_heads, v.transpose(0, 1, 3, 2))
         used = probs if masks[0] is None else probs * masks[0]
@@ -321,7 +325,7 @@ class TransformerBlock(Unit):
         for i, d in enumerate((dq, dk, dv)):
             dqkv[:, :, i] = d.transpose(0, 2, 1, 3)
         dqkv = dqkv.reshape(b * t, 3 * c)
-        dln1 = self._lin_back(dqkv, ln1, params, "attn.qkv", g)
+        dln1 = self._lin_back(dqkv, ln1, params, "attn.qkv", t, g)
         dx, g[p + "ln_1.weight"], g[p + "ln_1.bias"] = ops.layernorm_backward(
             dln1, x2, params[p + "ln_1.weight"], mu1, rs1)
         dx += dmid
@@ -351,7 +355,7 @@ class LMHead(Unit):
         b, t, c = x.shape
         x2 = x.reshape(b * t, c)
         ln, mu, rs = self.ops.layernorm_forward(x2, params["ln_f.weight"], params["ln_f.bias"], self.eps)
-        logits = matmul(ln, params[self.weight].T)
+        logits = matmul(ln, params[self.weight].T, sample_rows=t)
         if self.logits_scale != 1.0:
             logits *= logits.dtype.type(self.logits_scale)
         return logits.reshape(b, t, self.vocab_size), (x2, ln, mu, rs)
@@ -366,7 +370,7 @@ class LMHead(Unit):
         if self.logits_scale != 1.0:
             d2 = d2 * d2.dtype.type(self.logits_scale)
         g = {}
-        dln = matmul(d2, params[self.weight])
+        dln = matmul(d2, params[self.weight], sample_rows=t)
         g[self.weight] = matmul(d2.T, ln)
         dx, g["ln_f.weight"], g["ln_f.bias"] = self.ops.layernorm_backward(
             dln, x2, params["ln_f.weight"], mu, rs)

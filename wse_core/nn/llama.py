@@ -138,21 +138,23 @@ class LlamaBlock(Unit):
         masks = self._masks(drop, b, t, x.dtype)
         x2 = x.reshape(b * t, c)
         n1, r1 = rms_norm(x2, params[p + "norm_1.weight"], self.eps)
-        q = self.rotary.apply(self._heads(matmul(n1, params[p + "attn.q.weight"].T), b, t, nh))
-        k = self.rotary.apply(self._heads(matmul(n1, params[p + "attn.k.weight"].T), b, t, self.kv_heads))
-        v = self._heads(matmul(n1, params[p + "attn.v.weight"].T), b, t, self.kv_heads)
+        q = self.rotary.apply(self._heads(matmul(n1, params[p + "attn.q.weight"].T, sample_rows=t), b, t, nh))
+        k = self.rotary.apply(self._heads(matmul(n1, params[p + "attn.k.weight"].T, sample_rows=t), b, t,
+                                          self.kv_heads))
+        v = self._heads(matmul(n1, params[p + "attn.v.weight"].T, sample_rows=t), b, t, self.kv_heads)
         kf, vf = np.repeat(k, group, axis=1), np.repeat(v, group, axis=1)   # q head h reads kv head h // group
         probs = matmul(q, kf.transpose(0, 1, 3, 2))
         self.ops.causal_softmax_forward(probs.reshape(b * nh, t, t), self.attention_scale)
         used = probs if masks[0] is None else probs * masks[0]
         att = np.ascontiguousarray(matmul(used, vf).transpose(0, 2, 1, 3)).reshape(b * t, c)
-        proj = matmul(att, params[p + "attn.proj.weight"].T)
+        proj = matmul(att, params[p + "attn.proj.weight"].T, sample_rows=t)
         mid = x2 + (proj if masks[1] is None else proj * masks[1])
         n2, r2 = rms_norm(mid, params[p + "norm_2.weight"], self.eps)
-        a, u = matmul(n2, params[p + "mlp.gate.weight"].T), matmul(n2, params[p + "mlp.up.weight"].T)
+        a = matmul(n2, params[p + "mlp.gate.weight"].T, sample_rows=t)
+        u = matmul(n2, params[p + "mlp.up.weight"].T, sample_rows=t)
         s = silu(a)
         m = s * u
-        down = matmul(m, params[p + "mlp.down.weight"].T)
+        down = matmul(m, params[p + "mlp.down.weight"].T, sample_rows=t)
         out = mid + (down if masks[2] is None else down * masks[2])
         return out.reshape(b, t, c), (x2, n1, r1, q, kf, vf, probs, att, mid, n2, r2, a, u, s, m, masks)
 
@@ -166,18 +168,19 @@ class LlamaBlock(Unit):
         # SwiGLU
         ddown = dout if masks[2] is None else dout * masks[2]
         g[p + "mlp.down.weight"] = matmul(ddown.T, m)
-        dm = matmul(ddown, params[p + "mlp.down.weight"])
+        dm = matmul(ddown, params[p + "mlp.down.weight"], sample_rows=t)
         du = dm * s
         sig = 1.0 / (1.0 + np.exp(-a))
         da = dm * u * (sig * (1.0 + a * (1.0 - sig)))
         g[p + "mlp.gate.weight"], g[p + "mlp.up.weight"] = matmul(da.T, n2), matmul(du.T, n2)
-        dn2 = matmul(da, params[p + "mlp.gate.weight"]) + matmul(du, params[p + "mlp.up.weight"])
+        dn2 = (matmul(da, params[p + "mlp.gate.weight"], sample_rows=t)
+               + matmul(du, params[p + "mlp.up.weight"], sample_rows=t))
         dmid, g[p + "norm_2.weight"] = rms_norm_backward(dn2, mid, params[p + "norm_2.weight"], r2)
         dmid += dout
         # Attention
         dproj = dmid if masks[1] is None else dmid * masks[1]
         g[p + "attn.proj.weight"] = matmul(dproj.T, att)
-        datt = self._heads(matmul(dproj, params[p + "attn.proj.weight"]), b, t, nh)
+        datt = self._heads(matmul(dproj, params[p + "attn.proj.weight"], sample_rows=t), b, t, nh)
         dprobs = matmul(datt, vf.transpose(0, 1, 3, 2))
         used = probs if masks[0] is None else probs * masks[0]
         dvf = matmul(used.transpose(0, 1, 3, 2), datt)
@@ -195,7 +198,7 @@ class LlamaBlock(Unit):
         for d, key in zip(flat, ("q", "k", "v")):
             name = p + f"attn.{key}.weight"
             g[name] = matmul(d.T, n1)
-            dn1 = dn1 + matmul(d, params[name])
+            dn1 = dn1 + matmul(d, params[name], sample_rows=t)
         dx, g[p + "norm_1.weight"] = rms_norm_backward(dn1, x2, params[p + "norm_1.weight"], r1)
         dx += dmid
         return dx.reshape(b, t, c), g
@@ -221,7 +224,7 @@ class RMSHead(Unit):
         b, t, c = x.shape
         x2 = x.reshape(b * t, c)
         n, r = rms_norm(x2, params["norm_f.weight"], self.eps)
-        logits = matmul(n, params[self.weight].T)
+        logits = matmul(n, params[self.weight].T, sample_rows=t)
         if self.logits_scale != 1.0:
             logits *= logits.dtype.type(self.logits_scale)
         return logits.reshape(b, t, self.vocab_size), (x2, n, r)
@@ -233,5 +236,6 @@ class RMSHead(Unit):
         if self.logits_scale != 1.0:
             d2 = d2 * d2.dtype.type(self.logits_scale)
         g = {self.weight: matmul(d2.T, n)}
-        dx, g["norm_f.weight"] = rms_norm_backward(matmul(d2, params[self.weight]), x2, params["norm_f.weight"], r)
+        dn = matmul(d2, params[self.weight], sample_rows=t)
+        dx, g["norm_f.weight"] = rms_norm_backward(dn, x2, params["norm_f.weight"], r)
         return dx.reshape(b, t, self.hidden), g

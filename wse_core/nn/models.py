@@ -11,7 +11,7 @@ from collections.abc import Mapping
 
 import numpy as np
 
-from wse_core._checks import show
+from wse_core._checks import did_you_mean, show
 from wse_core.nn import ops as fused_ops
 from wse_core.nn.layers import Dense, Embedding, LMHead, TransformerBlock
 from wse_core.nn.precision import FORMATS, Precision
@@ -441,7 +441,7 @@ def _sparsity(cfg, c):
 def _check_keys(cfg, known):
     for key in cfg:
         if key not in known:
-            raise ValueError(f"model.{key}: unknown key (known: {', '.join(sorted(known))})")
+            raise ValueError(f"model.{key}: unknown key ({did_you_mean(key, sorted(known))})")
 
 
 def build_model(cfg, ops=fused_ops):
@@ -455,7 +455,8 @@ def build_model(cfg, ops=fused_ops):
         return _build_fc_mlp(cfg, ops)
     if name == "llama":
         return _build_llama(cfg, ops)
-    raise ValueError(f"model.name: unknown model {show(name)} (known: gpt2, gpt3, llama, fc_mlp)")
+    known = ("gpt2", "gpt3", "llama", "fc_mlp")
+    raise ValueError(f"model.name: unknown model {show(name)} ({did_you_mean(name, known)})")
 
 
 def _build_gpt2(cfg, ops):
