@@ -39,6 +39,8 @@ _FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1)
 _CONNECT_SECONDS = 30.0
 #: Reports longer than this are cut: a pipe write up to PIPE_BUF (4096) bytes is atomic.
 _MAX_REPORT = 3000
+#: The shared-memory segments MPICH's ranks of one host map (unlinked by MPI_Finalize only).
+_SHM_PREFIX = "/dev/shm/mpich_shm_"
 
 _report_fd = None  # the child's end of the report pipe, once supervised
 
@@ -124,6 +126,7 @@ class Supervisor:
 
     def __init__(self, sock, token, rank, child, reports):
         self.sock, self.rank, self.child, self.reports = sock, rank, child, reports
+        self.shm = set()  # MPICH's shared-memory files the rank mapped (read when it is ready)
         self.sock.settimeout(None)
         self.buffer = b""
         self.wake_r, self.wake_w = os.pipe()
@@ -156,9 +159,12 @@ class Supervisor:
         *lines, self.buffer = self.buffer.split(b"\n")
         for line in lines:
             try:
-                self.send(json.loads(line))
+                message = json.loads(line)
             except ValueError:
-                pass
+                continue
+            if message.get("event") == "ready":  # MPI_Init is behind it: the host's segment is mapped
+                self.shm = _shm_files(self.child)
+            self.send(message)
         return True
 
     def run(self):
@@ -189,6 +195,8 @@ class Supervisor:
         os.set_blocking(self.reports, False)
         while self.forward_reports() and select.select([self.reports], [], [], 0)[0]:
             pass
+        if not (os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0):
+            _unlink(self.shm)
         if os.WIFSIGNALED(status):
             sig = os.WTERMSIG(status)
             self.send({"event": "exit", "signal": sig})
@@ -227,3 +235,24 @@ class Supervisor:
                 os.kill(self.child, signal.SIGCONT)  # a stopped rank would not act on SIGTERM
         except ProcessLookupError:
             pass
+
+
+def _shm_files(pid):
+    """The MPICH shared-memory files process ``pid`` maps (none if it is gone)."""
+    try:
+        with open(f"/proc/{pid}/maps") as f:
+            paths = {line.split(maxsplit=5)[-1].strip() for line in f}
+    except OSError:
+        return set()
+    return {p for p in paths if p.startswith(_SHM_PREFIX) and not p.endswith("(deleted)")}
+
+
+def _unlink(paths):
+    """Remove the shared-memory files of a rank that did not finish: only MPI_Finalize unlinks them,
+    so every killed or failed job left one per host in /dev/shm (7.4 MB each, 25 after one test
+    suite, held in memory until reboot). The host's other ranks keep their mappings."""
+    for path in paths:
+        try:
+            os.unlink(path)
+        except OSError:
+            pass  # another rank's supervisor was first, or the rank finalized after all

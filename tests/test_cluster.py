@@ -536,15 +536,20 @@ def ended(job, timeout=120):
 
 @pytest.mark.parametrize("role", ["coordinator", "memoryx", "swarmx", "csx", "worker"])
 def test_a_killed_rank_is_named_with_its_signal(tmp_path, data, jobs, role):
-    """SIGKILL of any role while training: that rank is named, with the signal, and nothing is left running."""
+    """SIGKILL of any role while training: that rank is named, with the signal, and nothing is left
+    running, nor MPICH's shared-memory file in /dev/shm (which only MPI_Finalize removes)."""
     job, plan, run_dir = start_long_job(jobs, tmp_path, data)
     rank = {"coordinator": plan["coordinator"], "memoryx": plan["memoryx"][0], "swarmx": plan["swarmx"][0],
             "csx": plan["csx"][1], "worker": plan["workers"][0][0]}[role]
+    with open(f"/proc/{pid_of(run_dir, rank)}/maps") as f:
+        shm = {line.split()[-1] for line in f if "/dev/shm/mpich_shm_" in line}
+    assert shm
     os.kill(pid_of(run_dir, rank), signal.SIGKILL)
     code, line = ended(job)
     assert code == 1
     assert line.startswith(f"wse fit: rank {rank} ({role} ") and "killed by signal 9 (SIGKILL)" in line, line
     assert not jobs.leftovers()
+    assert not [path for path in shm if os.path.exists(path)]
 
 
 def wait_for_event(run_dir, rank, event, job, timeout=120):
