@@ -32,7 +32,7 @@ def main(argv=None):
 
     from mpi_launch.plan import plan_for
     from mpi_launch.roles import ROLES
-    from pyapi.params import RunSpec
+    from mpi_launch.spec import RunSpec
 
     comm = MPI.COMM_WORLD
     params = RunSpec.from_dict(run["params"])

@@ -14,12 +14,13 @@ shortened (``show``), so no message is ever larger than a line.
 import copy
 import math
 import warnings
-from dataclasses import dataclass, fields, make_dataclass
+from dataclasses import MISSING, dataclass, fields
 from pathlib import Path
-from types import MappingProxyType
 
 import yaml
 
+from mpi_launch.spec import (SECTIONS, STRATEGIES, EvalInput, OptimizerSpec, RunConfig, RunSpec,  # noqa: F401
+                             TrainInput, default_of, freeze, thaw)
 from pyapi import modelzoo
 from wse_core._checks import did_you_mean, show
 
@@ -51,136 +52,19 @@ class Key:
 
 
 REQUIRED = object()
-STRATEGIES = ("weight_streaming", "pipeline", "auto")
 
-SCHEMA = {
-    "train_input": {
-        "data_dir": Key("paths", None, "directory of HDF5 training shards (or a list of them); or mixture"),
-        "mixture": Key("mixture", None, "datasets mixed in proportion: a list of {data_dir, weight} (Model Zoo's)"),
-        "batch_size": Key("int>0", REQUIRED, "global batch size, split evenly across the CS-2s"),
-        "micro_batch_size": Key("int>0", None, "samples per micro-batch (default: batch_size / num_csx)"),
-        "shuffle": Key("bool", True, "shuffle examples each epoch"),
-        "shuffle_seed": Key("int>=0", 0, "seed of the per-epoch shuffle"),
-    },
-    "eval_input": {
-        "data_dir": Key("paths", REQUIRED, "directory of HDF5 evaluation shards (or a list of them)"),
-        "batch_size": Key("int>0", REQUIRED, "evaluation batch size"),
-        "micro_batch_size": Key("int>0", None, "samples per micro-batch"),
-    },
-    "optimizer": {
-        "optimizer_type": Key("str", "AdamW", "SGD, Adam or AdamW"),
-        "learning_rate": Key("lr", REQUIRED, "a number, or a list of schedulers (Linear, CosineDecay, Constant)"),
-        "weight_decay": Key("float>=0", 0.0, "L2 (SGD, Adam) or decoupled (AdamW) weight decay"),
-        "betas": Key("betas", [0.9, 0.999], "Adam/AdamW moment decay rates"),
-        "eps": Key("float>=0", 1e-8, "Adam/AdamW denominator term"),
-        "momentum": Key("float>=0", 0.0, "SGD momentum"),
-        "nesterov": Key("bool", False, "SGD Nesterov momentum"),
-        "max_gradient_norm": Key("float>0?", None, "clip the global gradient norm to this value"),
-        "loss_scaling_factor": Key("lossscale", 1.0, "scale of the loss for 16-bit gradients: a number, or dynamic"),
-        "initial_loss_scale": Key("float>0?", None, "dynamic loss scaling: the first scale (2^15; 2^31 for cbfloat16)"),
-        "max_loss_scale": Key("float>0?", None, "dynamic loss scaling: the largest scale (2^15; 2^31 for cbfloat16)"),
-        "min_loss_scale": Key("float>0?", None, "dynamic loss scaling: the smallest scale (2^-14)"),
-        "steps_per_increase": Key("int>0?", None, "dynamic loss scaling: finite steps before the scale doubles (2000)"),
-        "adjust_learning_rate": Key("lradjust", None, "learning-rate scale per parameter group (Model Zoo's: "
-                                    "embedding, decoder_kernel, decoder_attention, decoder_input_ffn, decoder_output_ffn)"),
-    },
-    "runconfig": {
-        "max_steps": Key("int>0", REQUIRED, "training steps"),
-        "checkpoint_steps": Key("int>=0", 0, "save a checkpoint every N steps (0: only at the end)"),
-        "save_initial_checkpoint": Key("bool", False, "also save before the first step"),
-        "log_steps": Key("int>0", 1, "log every N steps"),
-        "num_csx": Key("int>0", 1, "CS-2 systems"),
-        "execution_strategy": Key("strategy", "weight_streaming", "weight_streaming, pipeline (one CS-2, every "
-                                  "layer resident on the wafer) or auto (pipelined when the model fits and is faster)"),
-        "num_wgt_servers": Key("int>0", 1, "MemoryX weight servers"),
-        "num_workers_per_csx": Key("int>0", 1, "input workers per CS-2"),
-        "swarmx_fanout": Key("int>1", 2, "children per SwarmX node"),
-        "model_dir": Key("path", "model_dir", "where checkpoints, logs and metrics go"),
-        "seed": Key("int>=0", 0, "seed of the model initialisation and of the dropout masks"),
-        "eval_frequency": Key("int>0?", None, "evaluate on eval_input every N steps and after the last (null: never)"),
-        "eval_steps": Key("int>0?", None, "batches of eval_input an evaluation reads (null: all of it)"),
-        "peer_timeout": Key("int>0", 20, "seconds a silent peer is waited for beyond twice the longest step so far and a checkpoint's write (until a step has set the pace: beyond startup_timeout) before the job ends; also how long a stopped rank is given"),
-        "hardware": Key("hardware", {}, "constants of the emulated hardware to override (wse_core.perf.Hardware: "
-                                        "io_gbps, clock_hz, precision, ...)"),
-        "startup_timeout": Key("int>0", 300, "seconds every rank has to start (imports, connecting, loading its "
-                                            "checkpoint) before the job is ended"),
-        "allow_numerics_change": Key("bool", False, "resume from a checkpoint written under another numerics "
-                                     "environment (BLAS kernel, numpy): the continuation's bits then differ from an "
-                                     "uninterrupted run's; refused unless true"),
-    },
-}
+
+def _keys(cls):
+    out = {}
+    for f in fields(cls):
+        default = default_of(f)
+        out[f.name] = Key(f.metadata["kind"], REQUIRED if default is MISSING else default, f.metadata["help"])
+    return out
+
+
+#: Every section's keys, read off the spec's dataclasses (``mpi_launch.spec``), where they are written.
+SCHEMA = {name: _keys(cls) for name, cls in SECTIONS.items()}
 SECTIONS_REQUIRED = ("train_input", "model", "optimizer", "runconfig")
-
-
-# -- the run spec: what mpi_launch and every rank receive ------------------------------------------
-
-_TYPES = {"strategy": str, "path": str, "paths": str | tuple | None, "mixture": tuple | None, "str": str, "bool": bool, "int>0": int, "int>1": int, "int>=0": int,
-          "float>=0": float, "float>0?": float | None, "int>0?": int | None, "lossscale": float | str,
-          "lradjust": MappingProxyType | None, "betas": tuple, "hardware": MappingProxyType, "lr": object}
-
-
-def freeze(value):
-    """A read-only copy of plain data: mappings become MappingProxyType, lists tuples."""
-    if isinstance(value, (dict, MappingProxyType)):
-        return MappingProxyType({k: freeze(v) for k, v in value.items()})
-    if isinstance(value, (list, tuple)):
-        return tuple(freeze(v) for v in value)
-    return value
-
-
-def thaw(value):
-    """Plain data again (dicts and lists), for JSON and YAML."""
-    if isinstance(value, (dict, MappingProxyType)):
-        return {k: thaw(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [thaw(v) for v in value]
-    return value
-
-
-def _section_class(section, class_name):
-    cls = make_dataclass(class_name, [(k, _TYPES[key.kind]) for k, key in SCHEMA[section].items()],
-                         frozen=True)
-    cls.__module__ = __name__  # make_dataclass names its own module otherwise (pickle needs this one)
-    cls.__doc__ = f"The validated ``{section}`` section (every default filled in; read-only)."
-    return cls
-
-
-TrainInput = _section_class("train_input", "TrainInput")
-EvalInput = _section_class("eval_input", "EvalInput")
-OptimizerSpec = _section_class("optimizer", "OptimizerSpec")
-RunConfig = _section_class("runconfig", "RunConfig")
-_SECTION_CLASSES = {"train_input": TrainInput, "eval_input": EvalInput, "optimizer": OptimizerSpec,
-                    "runconfig": RunConfig}
-
-
-@dataclass(frozen=True)
-class RunSpec:
-    """A validated run: one typed, read-only section per params section; ``model`` is the model's
-    normalised config (``wse_core.nn.build_model(spec.model)`` rebuilds it). ``to_dict`` is the flat
-    params layout, which ``validate`` takes back unchanged (the resolved ``params.yaml`` of a run)."""
-
-    train_input: TrainInput
-    model: MappingProxyType
-    optimizer: OptimizerSpec
-    runconfig: RunConfig
-    eval_input: EvalInput | None = None
-
-    @classmethod
-    def from_dict(cls, d):
-        """From an already validated flat dict (``validate``'s result, or a run's ``run.json``)."""
-        sections = {name: c(**{f.name: freeze(d[name][f.name]) for f in fields(c)})
-                    for name, c in _SECTION_CLASSES.items() if d.get(name) is not None}
-        return cls(model=freeze(d["model"]), **sections)
-
-    def to_dict(self):
-        out = {}
-        for f in fields(self):
-            value = getattr(self, f.name)
-            if value is None:
-                continue
-            out[f.name] = thaw(value) if f.name == "model" else {g.name: thaw(getattr(value, g.name))
-                                                                  for g in fields(value)}
-        return out
 
 
 def _name(key):

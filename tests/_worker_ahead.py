@@ -21,7 +21,7 @@ from mpi_launch.protocol import DATA, tag
 from mpi_launch.roles.base import Role
 from mpi_launch.roles.worker import InputWorker
 from mpi_launch.rundir import RunDir
-from pyapi.params import RunSpec
+from mpi_launch.spec import RunSpec
 
 AWAY_S = 2.0
 
