@@ -1,7 +1,9 @@
 """The `wse` command line: version, help, doctor (a real 2-rank MPI job) and bench."""
 import json
+import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -245,6 +247,19 @@ def readme_tour():
     return commands
 
 
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+
+
+@pytest.mark.parametrize("name", sorted(p.name for p in EXAMPLES.glob("*.yaml")))
+def test_each_shipped_example_compiles_without_a_warning_of_python(name, jobs):
+    """Every params file in examples/ passes the params checks and plans a cluster (`wse compile` needs
+    no data), from the repository's root as the README runs it."""
+    proc = jobs.run("compile", f"examples/{name}", cwd=EXAMPLES.parent)
+    said = proc.stdout + proc.stderr
+    assert proc.returncode == 0 and "Traceback" not in said and "Warning" not in proc.stderr, said
+    assert "simulated step" in proc.stdout, proc.stdout
+
+
 def test_the_readme_tour_runs_as_written_after_the_demo(tmp_path, jobs, monkeypatch):
     """Every command of the README's quick tour, and those the demo suggests, run as written where the demo
     ran (its data and params, a short run in its model_dir): exit 0, no traceback, no Python warning;
@@ -256,8 +271,10 @@ def test_the_readme_tour_runs_as_written_after_the_demo(tmp_path, jobs, monkeypa
     tour = readme_tour()
     assert tour and all(argv[0] == "wse" for argv in tour), tour
     assert ["wse", "validate", "wse_demo/params.yaml"] in tour  # the demo's eval_input makes it work
+    assert ["wse", "validate", "examples/gpt2_small.yaml"] in tour  # an example reads the demo's data
     monkeypatch.chdir(tmp_path)
     demo.prepare()  # the demo's data and params.yaml, as `wse demo` writes them
+    shutil.copytree(EXAMPLES, tmp_path / "examples")  # the tour runs from the repository's root
     env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}  # a user's shell, not the tests'
     assert jobs.run("fit", "wse_demo/params.yaml", "--set", "runconfig.max_steps=2", cwd=tmp_path,
                     env=env).returncode == 0
