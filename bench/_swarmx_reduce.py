@@ -7,7 +7,7 @@ the MemoryX, then the SwarmX nodes (root first), then the CS-2 leaves. Each leaf
 buffer of the given size. ``swarmx``: the leaves send it up the tree (``messaging.reduce`` at
 every node, exactly as training does) to the MemoryX. ``mpi_reduce``: ``MPI_Reduce`` over the
 leaves and the MemoryX (root; it contributes zeros). ``mpi_allreduce``: ``MPI_Allreduce`` over the
-leaves. ``*_nb`` are the non-blocking forms waited with ``messaging.wait_all``, which sleeps where
+leaves. ``*_nb`` are the non-blocking forms waited with ``messaging.Link.wait_all``, which sleeps where
 the blocking calls busy-poll. Times are from the ranks leaving a barrier to the last rank done;
 rank 0 prints one JSON object: median seconds per method and size.
 """
@@ -21,7 +21,7 @@ from mpi4py import MPI
 
 from mpi_launch import messaging as msg
 from mpi_launch.plan import make_plan
-from mpi_launch.protocol import GRADS
+from mpi_launch.protocol import GRADS, Layout
 from wse_core.tree import tree_sum
 
 
@@ -29,6 +29,7 @@ def main(argv):
     num_csx, fanout, repeats = int(argv[0]), int(argv[1]), int(argv[2])
     sizes = [float(x) for x in argv[3:]]
     comm = MPI.COMM_WORLD
+    link = msg.Link(comm, Layout())
     plan = make_plan(num_csx=num_csx, num_wgt_servers=1, num_workers_per_csx=1, swarmx_fanout=fanout,
                      unit_bytes=[1])
     shift = plan.memoryx[0]  # plan rank -> world rank (no coordinator here)
@@ -50,15 +51,15 @@ def main(argv):
 
         def swarmx():
             if is_leaf:
-                msg.wait_all(msg.isend_arrays(comm, [buf], plan.parent[me] - shift, GRADS, 0), "parent")
+                link.wait_all(link.isend_arrays([buf], plan.parent[me] - shift, GRADS, 0), "parent")
             elif is_node:
                 parent = plan.parent[me]
                 dest = (parent if parent is not None else plan.memoryx[0]) - shift
-                _, sends = msg.reduce(comm, layout, [k - shift for k in plan.children[me]], [dest], GRADS, 0,
-                                      "children")
-                msg.wait_all(sends, "parent")
+                _, sends = link.reduce(layout, [k - shift for k in plan.children[me]], [dest], GRADS, 0,
+                                       "children")
+                link.wait_all(sends, "parent")
             else:
-                msg.wait_all(msg.irecv_into(comm, [out], plan.swarmx_root - shift, GRADS, 0), "root")
+                link.wait_all(link.irecv_into([out], plan.swarmx_root - shift, GRADS, 0), "root")
 
         def mpi_reduce(nonblocking):
             def go():
@@ -66,7 +67,7 @@ def main(argv):
                     return
                 root = 0  # the MemoryX is world rank 0, so rank 0 of reduce_comm
                 if nonblocking:
-                    msg.wait_all([reduce_comm.Ireduce(buf, out if is_dest else None, op=MPI.SUM, root=root)], "reduce")
+                    link.wait_all([reduce_comm.Ireduce(buf, out if is_dest else None, op=MPI.SUM, root=root)], "reduce")
                 else:
                     reduce_comm.Reduce(buf, out if is_dest else None, op=MPI.SUM, root=root)
             return go
@@ -76,7 +77,7 @@ def main(argv):
                 if leaf_comm == MPI.COMM_NULL:
                     return
                 if nonblocking:
-                    msg.wait_all([leaf_comm.Iallreduce(buf, out, op=MPI.SUM)], "allreduce")
+                    link.wait_all([leaf_comm.Iallreduce(buf, out, op=MPI.SUM)], "allreduce")
                 else:
                     leaf_comm.Allreduce(buf, out, op=MPI.SUM)
             return go
@@ -86,7 +87,7 @@ def main(argv):
         for name, fn in methods.items():
             samples = []
             for rep in range(repeats + 1):  # the first is a warm-up
-                msg.wait_all([comm.Ibarrier()], "barrier")
+                link.wait_all([comm.Ibarrier()], "barrier")
                 t0 = time.perf_counter()
                 fn()
                 dt = comm.allreduce(time.perf_counter() - t0, op=MPI.MAX)

@@ -26,7 +26,7 @@ import numpy as np
 from bench.harness import machine, table
 
 # One BiCGSTAB iteration per mesh point: two stencils (13 flops each), five dot products (2 each),
-# the p, s, x and r updates (4 + 2 + 4 + 2): see wse_core.fabric.kernels.bicgstab_program.
+# the p, s, x and r updates (4 + 2 + 4 + 2): see wse_core.fabric.programs.bicgstab.bicgstab_program.
 FLOPS_PER_POINT = 2 * 13 + 5 * 2 + 12
 SC20 = {"width": 600, "height": 595, "z": 1536, "pflops": 0.86}
 FIT_MESHES = [(8, 8, 32), (8, 8, 96), (24, 16, 32)]
@@ -56,7 +56,7 @@ def _speed(r, **more):
 
 
 def _stencil(w, h, z):
-    from wse_core.fabric.kernels import stencil7, stencil7_reference
+    from wse_core.fabric.programs.stencil7 import stencil7, stencil7_reference
 
     v, ref, r = stencil7(w, h, z)
     u = np.random.default_rng(0).standard_normal((z, h, w)).astype(np.float32)   # stencil7's input, seed 0
@@ -68,7 +68,7 @@ def _stencil(w, h, z):
 
 
 def _iteration_cycles(w, h, z):
-    from wse_core.fabric.kernels import bicgstab
+    from wse_core.fabric.programs.bicgstab import bicgstab
 
     _, _, r = bicgstab(w, h, z, max_iter=1)
     return r.extra["cycles_per_iteration"]
@@ -89,7 +89,9 @@ def sc20_model():
 
 
 def run(args):
-    from wse_core.fabric.kernels import bicgstab, gemv, spmv
+    from wse_core.fabric.programs.bicgstab import bicgstab
+    from wse_core.fabric.programs.gemv import gemv
+    from wse_core.fabric.programs.spmv import spmv
 
     if args.z < 1 or args.tile < 1:
         raise ValueError(f"--z and --tile must be >= 1, got {args.z} and {args.tile}")

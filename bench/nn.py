@@ -22,7 +22,7 @@ import numpy as np
 from bench.harness import machine, median_seconds, table
 from wse_core.nn import TransformerBlock, build_model, numpy_ops
 from wse_core.nn import ops as fused_ops
-from wse_core.nn.models import Model
+from wse_core.nn.model import Model
 
 BLOCK = {"hidden": 256, "heads": 4, "seq": 256, "batch": 8}
 SMALL_GPT2 = {"name": "gpt2", "vocab_size": 257, "hidden_size": 256, "num_hidden_layers": 4, "num_heads": 4,

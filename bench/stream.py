@@ -18,7 +18,7 @@ coordinator, its control message). Every run's weights are also checked bit-iden
 Beside the wall clock: the simulated step of the emulated hardware, from the ranks' own simulated
 clocks in metrics.jsonl (wse_core.perf; docs/design.md section 8).
 
-Then the SwarmX reduce alone (``messaging.reduce`` at every node of the tree of the largest
+Then the SwarmX reduce alone (``messaging.Link.reduce`` at every node of the tree of the largest
 num_csx) against MPI_Reduce and MPI_Allreduce on the same ranks and buffer sizes, in one mpiexec.
 """
 import json

@@ -1,19 +1,31 @@
-"""The messages of a training step: their kinds, the tag layout, and the simulated time they carry.
+"""The step protocol in one table: every message of a training step, who sends it to whom, under
+which tag, what it holds, and the simulated time it carries; and the tag layout that names them.
+
+``STEP`` is the table (in the order a step sends them). The roles (``mpi_launch.roles``) send and
+receive these messages and cite their rows as ``STEP["name"]``; the analytical walk
+(``wse_core.perf.step``) follows the same clock rules on one path and cites the same rows, without
+importing this module (``wse_core`` sits below ``mpi_launch``, and the walk reads no field of the
+table: it needs its rules, not its tags). ``tests/test_messaging.py`` checks that every citation
+names a row, that every row is cited by a role, and every row that carries time by the walk.
 
 Kinds (the ``phase`` of a tag): weights forward and backward, gradient sums, input data, the
 coordinator's control, reports to the coordinator, and headers. A tag is
 ``(phase * slots + unit) * indices + index``: ``unit`` a streaming unit (or a micro-batch, for
-data), ``index`` an array of it. The layout is sized for the job (``configure``: the model's units
-and micro-batches, its largest unit's arrays) and checked against MPI's ``TAG_UB`` before anything
-is sent; a tag outside it raises ``ProtocolError`` (a fixed layout of 256 units silently mixed
-messages up beyond that).
+data), ``index`` an array of it. The layout is sized for the job (``Layout.for_job``: the model's
+units and micro-batches, its largest unit's arrays) and checked against MPI's ``TAG_UB`` before
+anything is sent; a tag outside it raises ``ProtocolError`` (a fixed layout of 256 units silently
+mixed messages up beyond that). A rank holds its layout in its ``messaging.Link``.
 
 Simulated time (docs/design.md section 8): every tensor of weights or gradients a rank sends is
 preceded by a *header* to the same peer, ``{"first", "last", ...}`` (``wse_core.perf.clock``): the
-receiving end keeps the link's port, carries the tensor across it and forwards the next header.
-Control messages and reports carry their sender's clock as ``"t"``.
+receiving end keeps the link's port, carries the tensor across it (``Port.carry``) and forwards the
+next header. Control messages and reports carry their sender's clock as ``"t"``; input data and
+the reports of checkpoints and evaluations carry none.
+
+This module imports nothing of ``mpi_launch``: ``messaging`` builds on it, never the reverse.
 """
-from mpi4py import MPI
+from dataclasses import dataclass
+from types import MappingProxyType
 
 FWD_WEIGHTS, BWD_WEIGHTS, GRADS, DATA, CONTROL, REPORT, HEADER = range(7)
 NUM_PHASES = 7
@@ -22,42 +34,91 @@ NUM_PHASES = 7
 LOSS, NORMS, SHARD, STEP_TIME, EVAL_WEIGHTS = range(5)
 
 
+@dataclass(frozen=True)
+class Message:
+    """One row of the step protocol: ``tag`` as (phase, unit, index), ``payload`` what travels
+    (buffers are numpy arrays in chunks, dicts are pickled), ``clock`` its simulated-time rule."""
+    name: str
+    sender: str
+    receiver: str
+    tag: str
+    payload: str
+    clock: str
+
+
+#: The messages of one training step, in the order a step sends them (read-only). ``u`` is a
+#: streaming unit, ``i`` an array of it, ``m`` a micro-batch; "header" is ``(HEADER, u, phase)``
+#: before a tensor.
+STEP = MappingProxyType({m.name: m for m in (
+    Message("data", "input worker", "its CS-2 (a pipelined run's too)", "(DATA, m, i)",
+            "micro-batch m's arrays (Issend: a worker is at most two steps ahead)",
+            "none: input is taken as there when a step starts (prefetched, small beside the weights)"),
+    Message("forward weights", "MemoryX owning unit u", "SwarmX root, relayed down the tree to every CS-2",
+            "(FWD_WEIGHTS, u, i), after its header",
+            "unit u's weights on the wire (16-bit patterns in a mixed-precision run), chunked",
+            "header (first, last): MemoryX sends at its clock (its update done); the lower end of each "
+            "link carries the tensor across its port (Port.carry) and sends the next header on; a CS-2 "
+            "accepts unit u from when unit u - 1 starts computing and waits for its last byte"),
+    Message("loss scale", "coordinator", "every CS-2, a pipelined run's too (dynamic loss scaling only)",
+            "(CONTROL, 0, 0)", "{loss_scale}: the scale of the step to come", "none"),
+    Message("loss", "CS-2 (a pipelined run's too)", "coordinator", "(REPORT, 0, LOSS)", "{loss_sum, tokens, t}",
+            "t: the CS-2's clock after its forward pass; the coordinator receives it one hop later"),
+    Message("backward weights", "MemoryX owning unit u", "SwarmX root, relayed down the tree to every CS-2",
+            "(BWD_WEIGHTS, u, i), after its header", "unit u's weights again, units in reverse order",
+            "as forward weights; a CS-2 carries unit u's weights across its port before unit u + 1's "
+            "gradients (program order = port order)"),
+    Message("gradients", "CS-2", "SwarmX parent, summed up the tree in child order; the root to the "
+            "parameter's MemoryX", "(GRADS, u, i), after its header",
+            "unit u's gradient sum over the CS-2's micro-batches (tree_sum), on the wire, chunked",
+            "header (first, last, left): leaves the CS-2 when unit u's backward ends; each node carries "
+            "the sum up its link from the latest of its children's headers; MemoryX's clock receives "
+            "the last; left: when the last gradient left a CS-2"),
+    Message("norms", "MemoryX (a pipelined run's CS-2)", "coordinator", "(REPORT, 0, NORMS)",
+            "{sumsq: [(name, sum of squares)], t, left}",
+            "t: when the last gradient reached MemoryX; the coordinator receives it one hop later; "
+            "t - left is the reduce tail"),
+    Message("step time", "CS-2 (a pipelined run's too)", "coordinator", "(REPORT, 0, STEP_TIME)", "{compute, waited}",
+            "none: the step's simulated compute and the time it waited for weights, for metrics"),
+    Message("control", "coordinator", "every MemoryX (a pipelined run's CS-2)", "(CONTROL, 0, 0)",
+            "{lr, grad_scale, checkpoint, t, skip, eval}",
+            "t: the coordinator's clock, which marks the step; MemoryX receives it one hop later, then "
+            "its update takes update_seconds and the next step's weights leave"),
+    Message("shard", "MemoryX", "coordinator", "(REPORT, 0, SHARD)",
+            "the table of the checkpoint shard it wrote (when control asks)", "none"),
+    Message("eval weights", "MemoryX", "coordinator", "(REPORT, 0, EVAL_WEIGHTS)",
+            "{name: weights} it owns (when control asks for an evaluation)", "none: evaluation is off the clock"),
+)})
+
+
 class ProtocolError(RuntimeError):
     """A message that the tag layout cannot name (a model or batch too large for MPI's tags)."""
 
 
-_layout = {"slots": 256, "indices": 32}
+@dataclass(frozen=True)
+class Layout:
+    """How tags are laid out: ``slots`` units (or micro-batches) per phase, ``indices`` arrays per unit."""
+    slots: int = 256
+    indices: int = 32
 
+    @classmethod
+    def for_job(cls, *, units, micro_batches, arrays_per_unit, tag_ub=None):
+        """The layout sized for a job; raise ProtocolError if MPI's tags cannot hold it."""
+        slots = max(units, micro_batches, 1)
+        indices = max(arrays_per_unit, 4, NUM_PHASES)
+        top = NUM_PHASES * slots * indices - 1
+        if tag_ub is None:
+            from mpi4py import MPI
 
-def configure(*, units, micro_batches, arrays_per_unit, tag_ub=None):
-    """Size the tag layout for a job; raise ProtocolError if MPI's tags cannot hold it."""
-    slots = max(units, micro_batches, 1)
-    indices = max(arrays_per_unit, 4, NUM_PHASES)
-    top = NUM_PHASES * slots * indices - 1
-    tag_ub = MPI.COMM_WORLD.Get_attr(MPI.TAG_UB) if tag_ub is None else tag_ub
-    if top > tag_ub:
-        raise ProtocolError(f"{units} units, {micro_batches} micro-batches and {arrays_per_unit} arrays per "
-                            f"unit need MPI tags up to {top:,}; this MPI allows {tag_ub:,}")
-    _layout.update(slots=slots, indices=indices)
+            tag_ub = MPI.COMM_WORLD.Get_attr(MPI.TAG_UB)
+        if top > tag_ub:
+            raise ProtocolError(f"{units} units, {micro_batches} micro-batches and {arrays_per_unit} arrays per "
+                                f"unit need MPI tags up to {top:,}; this MPI allows {tag_ub:,}")
+        return cls(slots=slots, indices=indices)
 
-
-def tag(phase, unit=0, index=0):
-    """The MPI tag of message ``index`` of ``unit`` in ``phase``."""
-    slots, indices = _layout["slots"], _layout["indices"]
-    if not (0 <= phase < NUM_PHASES and 0 <= unit < slots and 0 <= index < indices):
-        raise ProtocolError(f"message (phase {phase}, unit {unit}, index {index}) is outside the tag layout "
-                            f"({slots} units, {indices} arrays per unit)")
-    return (phase * slots + unit) * indices + index
-
-
-def send_header(comm, dest, phase, unit, header, **extra):
-    """Post the header of a tensor (``(first, last)`` plus any extra times); returns the request."""
-    first, last = header
-    return comm.isend({"first": first, "last": last, **extra}, dest=dest, tag=tag(HEADER, unit, phase))
-
-
-def recv_header(comm, source, phase, unit, what):
-    """The header of a tensor from ``source`` (waits without spinning)."""
-    from mpi_launch.messaging import recv_object
-
-    return recv_object(comm, source, tag(HEADER, unit, phase), f"{what} (its header)")
+    def tag(self, phase, unit=0, index=0):
+        """The MPI tag of message ``index`` of ``unit`` in ``phase``."""
+        slots, indices = self.slots, self.indices
+        if not (0 <= phase < NUM_PHASES and 0 <= unit < slots and 0 <= index < indices):
+            raise ProtocolError(f"message (phase {phase}, unit {unit}, index {index}) is outside the tag layout "
+                                f"({slots} units, {indices} arrays per unit)")
+        return (phase * slots + unit) * indices + index

@@ -316,17 +316,17 @@ def _cmd_fit(args):
 
 
 def _cmd_appliance_start(args):
-    from mpi_launch.appliance.client import default_state_dir
+    from pyapi.appliance.client import default_state_dir
 
     state_dir = args.state_dir or default_state_dir()
     if args.foreground:
-        from mpi_launch.appliance.service import Service
+        from pyapi.appliance.service import Service
 
         service = Service(state_dir, args.socket, args.num_csx)
         print(f"appliance: pid {os.getpid()}, {args.num_csx} CS-2s, socket {service.socket_path}", flush=True)
         service.serve()
         return 0
-    from mpi_launch.appliance.service import start_background
+    from pyapi.appliance.service import start_background
 
     pid, sock = start_background(state_dir, args.socket, args.num_csx)
     print(f"appliance started: pid {pid}, {args.num_csx} CS-2s, socket {sock}, state in {state_dir}")
@@ -338,8 +338,8 @@ def _cmd_appliance_start(args):
 def _cmd_appliance_stop(args):
     import time
 
-    from mpi_launch.appliance.client import ApplianceError, Client
-    from mpi_launch.appliance.service import GRACE_SECONDS
+    from pyapi.appliance.client import ApplianceError, Client
+    from pyapi.appliance.manager import GRACE_SECONDS
 
     client = Client(args.socket)
     reply = client.stop()
@@ -360,7 +360,7 @@ def _cmd_appliance_stop(args):
 
 
 def _cmd_appliance_status(args):
-    from mpi_launch.appliance.client import Client
+    from pyapi.appliance.client import Client
 
     _print_json_or_lines(Client(args.socket).status(), args.json)
     return 0
@@ -371,7 +371,7 @@ def _cmd_submit(args):
 
     job = Job.from_yaml(args.params, model_dir=args.model_dir, overrides=_overrides(args))
     if args.slurm:
-        from mpi_launch.appliance import slurm
+        from pyapi.appliance import slurm
 
         for flag, given in (("--priority", args.priority), ("--follow", args.follow), ("--socket", args.socket)):
             if given:
@@ -412,11 +412,11 @@ def _cmd_jobs(args):
     import json
 
     if args.slurm:
-        from mpi_launch.appliance import slurm
+        from pyapi.appliance import slurm
 
         jobs = slurm.jobs()
     else:
-        from mpi_launch.appliance.client import Client
+        from pyapi.appliance.client import Client
 
         jobs = Client(args.socket).jobs()
     if args.json:
@@ -439,11 +439,11 @@ def _cmd_jobs(args):
 
 def _cmd_logs(args):
     if args.slurm:
-        from mpi_launch.appliance import slurm
+        from pyapi.appliance import slurm
 
         sys.stdout.write(slurm.logs(args.job))
         return 0
-    from mpi_launch.appliance.client import Client
+    from pyapi.appliance.client import Client
 
     client = Client(args.socket)
     if args.follow:
@@ -455,12 +455,12 @@ def _cmd_logs(args):
 
 def _cmd_cancel(args):
     if args.slurm:
-        from mpi_launch.appliance import slurm
+        from pyapi.appliance import slurm
 
         slurm.cancel(args.job)
         print(f"Slurm job {args.job}: cancel sent (scancel)")
         return 0
-    from mpi_launch.appliance.client import Client
+    from pyapi.appliance.client import Client
 
     job = Client(args.socket).cancel(args.job)
     print(f"job {args.job}: " + ("cancelled" if job["state"] == "cancelled" else
@@ -489,21 +489,16 @@ def _cmd_fabric_run(args):
 
     import numpy as np
 
-    from wse_core.fabric.kernels import KERNELS
+    from wse_core.fabric.programs import PROGRAMS
 
-    kw = {"stencil7": {"z": args.z}, "broadcast": {"n": args.n}, "allreduce": {"n": args.n},
-          "gemv": {"rows_per_pe": args.tile, "cols_per_pe": args.tile},
-          "spmv": {"rows_per_pe": args.tile, "cols_per_pe": args.tile, "density": args.density},
-          "stream_gemm": {"tokens_per_pe": args.tile, "k_per_pe": args.tile, "n": args.n},
-          "bicgstab": {"z": args.z, "tol": args.tol, "max_iter": args.max_iter}}[args.kernel]
+    program = PROGRAMS[args.kernel]
+    kw = program.keywords(args)
     t0 = time.perf_counter()
-    got, expected, result = KERNELS[args.kernel](args.width, args.height, seed=args.seed, **kw)
+    got, expected, result = program.run(args.width, args.height, seed=args.seed, **kw)
     wall = time.perf_counter() - t0
     err = float(np.abs(got.astype(np.float64) - expected).max()) if got.size else 0.0
     report = {"kernel": args.kernel, "width": args.width, "height": args.height, **kw,
-              "max_abs_error": err, **result.report(), "wall_seconds": wall}
-    if args.kernel == "stencil7":
-        report["cycles_per_point"] = result.cycles / args.z
+              "max_abs_error": err, **result.report(), "wall_seconds": wall, **program.extra(result, kw)}
     if args.heatmap:
         report["heatmap"] = str(result.heatmap(args.heatmap))
     if args.json:
@@ -708,24 +703,22 @@ def build_parser(argv=()):
                        description="Dataflow PE-mesh simulator: run a reference program, check it against numpy, "
                                    "report cycles and per-PE activity.")
     fab_sub = p.add_subparsers(dest="fabric_command", metavar="ACTION", required=True)
-    fp = fab_sub.add_parser("run", help="run KERNEL (stencil7, broadcast, allreduce, gemv, spmv, stream_gemm, "
-                                        "bicgstab); "
-                                        "report its error and cycles")
-    fp.add_argument("kernel", metavar="KERNEL", choices=["stencil7", "broadcast", "allreduce", "gemv", "spmv", "stream_gemm",
-                                                        "bicgstab"])
-    fp.add_argument("--width", type=int, default=16, help="PEs along x")
-    fp.add_argument("--height", type=int, default=16, help="PEs along y")
-    fp.add_argument("--z", type=int, default=32, help="stencil7, bicgstab: points along z in each PE's memory")
-    fp.add_argument("--n", type=int, default=64, help="broadcast, allreduce: vector length; stream_gemm: output columns")
-    fp.add_argument("--tile", type=int, default=16,
-                    help="gemv, spmv: each PE's tile of A is TILE x TILE; stream_gemm: tokens and weight rows per PE")
-    fp.add_argument("--density", type=float, default=0.1, help="spmv: fraction of A's entries that are nonzero")
-    fp.add_argument("--tol", type=float, default=1e-5, help="bicgstab: stop when |r| <= TOL |b|")
-    fp.add_argument("--max_iter", type=int, default=200, help="bicgstab: iterations at most")
-    fp.add_argument("--seed", type=int, default=0, help="seed of the random input")
-    fp.add_argument("--json", action="store_true", help="print JSON")
-    fp.add_argument("--heatmap", metavar="FILE", help="write a PNG of per-PE activity (needs matplotlib)")
-    fp.set_defaults(func=_cmd_fabric_run)
+    if chosen[:1] == ("fabric",):  # the programs' registry loads numpy: only for the command that uses it
+        # As for a benchmark below, the process is set up before the registry loads numpy.
+        from wse_core import configure_process
+        from wse_core.fabric.programs import PROGRAMS, options
+
+        configure_process()
+        fp = fab_sub.add_parser("run", help=f"run KERNEL ({', '.join(PROGRAMS)}); report its error and cycles")
+        fp.add_argument("kernel", metavar="KERNEL", choices=list(PROGRAMS))
+        fp.add_argument("--width", type=int, default=16, help="PEs along x")
+        fp.add_argument("--height", type=int, default=16, help="PEs along y")
+        for flag, (kind, default, text) in options().items():
+            fp.add_argument(f"--{flag}", type=kind, default=default, help=text)
+        fp.add_argument("--seed", type=int, default=0, help="seed of the random input")
+        fp.add_argument("--json", action="store_true", help="print JSON")
+        fp.add_argument("--heatmap", metavar="FILE", help="write a PNG of per-PE activity (needs matplotlib)")
+        fp.set_defaults(func=_cmd_fabric_run)
 
     p = sub.add_parser("bench", help="run a benchmark against a baseline measured in the same run",
                        description="Run a benchmark; print its table and optionally write JSON.")
@@ -795,7 +788,7 @@ def _main(argv):
             default_show(message, category, *rest, **kwargs)
 
     warnings.showwarning = show
-    from mpi_launch.appliance.client import ApplianceError
+    from pyapi.appliance.client import ApplianceError
     from pyapi.job import JobError
 
     try:

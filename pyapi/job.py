@@ -16,10 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from pyapi import params as params_mod
-
-
-class JobError(RuntimeError):
-    """A training job failed; the message is one line naming the rank, its role and what happened."""
+from pyapi.errors import JobError  # also pyapi.job.JobError, the name users know (see pyapi/errors.py)
 
 
 @dataclass
@@ -151,7 +148,7 @@ class Job:
         ``max_restarts`` times. ``socket``: the appliance's (default: ``$WSE_APPLIANCE_SOCKET``, this
         user's own appliance, then the machine's).
         """
-        from mpi_launch.appliance.client import Client
+        from pyapi.appliance.client import Client
 
         self._check_inputs()
         return Client(socket).submit(self.params, max_restarts=max_restarts, priority=priority, name=name)

@@ -364,7 +364,7 @@ NOT_BUILT = {
                   "steps_per_epoch": "training by epochs"},
     "sparsity": "Model Zoo's sparsity algorithms (wse-cluster has model.sparsity: a fixed random mask)",
 }
-#: Model keys that llama builds (with the values it builds: wse_core.nn.models checks them).
+#: Model keys that llama builds (with the values it builds: wse_core.nn.llama checks them).
 LLAMA_BUILT = {"rotary_dim", "rope_theta", "pos_scaling_factor", "pos_scaling_type", "pos_scaling_extra_args",
                "extra_attention_params", "attention_module", "use_projection_bias_in_attention",
                "use_ffn_bias_in_attention", "use_ffn_bias", "use_bias_in_output", "embedding_layer_norm",

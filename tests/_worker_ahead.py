@@ -17,7 +17,7 @@ from mpi4py import MPI
 
 from data_tools.dataset import GlobalStream
 from mpi_launch.plan import plan_for
-from mpi_launch.protocol import DATA, tag
+from mpi_launch.protocol import DATA
 from mpi_launch.roles.base import Role
 from mpi_launch.roles.worker import InputWorker
 from mpi_launch.rundir import RunDir
@@ -58,7 +58,7 @@ def take(comm, plan, params, run):
         for m in range(me.n_micro):
             got = [np.empty(shape, dtype) for shape, dtype in layout]
             for i, a in enumerate(got):
-                comm.Recv(a, source=worker, tag=tag(DATA, m, i))
+                comm.Recv(a, source=worker, tag=me.link.tag(DATA, m, i))
             assert np.array_equal(got[0], stream.read(step * me.batch_size + m * me.mbs, me.mbs)), (step, m)
 
     receive_step(0)

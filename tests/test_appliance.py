@@ -17,8 +17,8 @@ import yaml
 
 from data_tools.checkpoint import Checkpoint
 from data_tools.preprocess import preprocess_text
-from mpi_launch.appliance.client import ApplianceError, Client
-from mpi_launch.appliance.service import MAX_OVERTAKES, pick
+from pyapi.appliance.client import ApplianceError, Client
+from pyapi.appliance.scheduler import MAX_OVERTAKES, pick
 from mpi_launch.rundir import RunDir
 from mpi_launch.watchdog import job_processes
 from pyapi.job import Job
@@ -131,7 +131,7 @@ def test_pick_first_come_within_priority_and_bounded_overtaking():
 def test_a_submission_carrying_other_variables_or_bad_values_is_refused_in_one_line():
     """Only numerics variables travel with a job (LD_PRELOAD or PYTHONPATH would reach what the runner
     loads), with printable values of bounded length, at most MAX_NUMERICS of them."""
-    from mpi_launch.appliance.service import MAX_NUMERICS, RequestError, check_numerics
+    from pyapi.appliance.requests import MAX_NUMERICS, RequestError, check_numerics
 
     fine = {"OPENBLAS_CORETYPE": "Haswell", "OMP_NUM_THREADS": "1", "GOTO_NUM_THREADS": "1", "NPY_x": ""}
     assert check_numerics(fine) == fine
@@ -154,7 +154,7 @@ def test_a_job_table_of_the_first_version_is_read_and_extended(tmp_path):
     """A state directory written before the umask column: its jobs read back (umask 0o077), new ones add."""
     import sqlite3
 
-    from mpi_launch.appliance.store import Store
+    from pyapi.appliance.store import Store
 
     db = sqlite3.connect(tmp_path / "jobs.sqlite")
     db.execute("CREATE TABLE jobs (id INTEGER PRIMARY KEY AUTOINCREMENT, uid INTEGER NOT NULL, gid INTEGER NOT NULL, "
@@ -180,7 +180,7 @@ def test_a_state_directory_of_a_newer_version_or_of_another_program_is_refused_i
     refused in one line naming the file and what to do; `wse appliance start` says that line."""
     import sqlite3
 
-    from mpi_launch.appliance.store import VERSION, Store
+    from pyapi.appliance.store import VERSION, Store
 
     newer, foreign, garbage = tmp_path / "newer.sqlite", tmp_path / "foreign.sqlite", tmp_path / "garbage.sqlite"
     Store(newer).close()

@@ -152,7 +152,7 @@ def test_unread_wavelets_are_reported():
 
 @pytest.mark.parametrize("w,h,z", [(1, 1, 4), (2, 3, 5), (5, 4, 8), (7, 6, 1), (12, 9, 16)])
 def test_stencil7_matches_numpy(w, h, z):
-    from wse_core.fabric.kernels import stencil7
+    from wse_core.fabric.programs.stencil7 import stencil7
 
     v, ref, r = stencil7(w, h, z, seed=w * h)
     np.testing.assert_allclose(v, ref, rtol=0, atol=1e-5)
@@ -166,7 +166,7 @@ def test_broadcast_kernel_and_cli(tmp_path):
     import subprocess
     import sys
 
-    from wse_core.fabric.kernels import broadcast
+    from wse_core.fabric.programs.broadcast import broadcast
 
     got, expected, r = broadcast(9, 4, 12)
     np.testing.assert_array_equal(got, expected)
@@ -184,7 +184,7 @@ def test_broadcast_kernel_and_cli(tmp_path):
 
 @pytest.mark.parametrize("w,h", [(1, 1), (2, 1), (1, 2), (3, 2), (4, 5), (7, 6)])
 def test_allreduce_gives_every_pe_the_sum(w, h):
-    from wse_core.fabric.kernels import allreduce, allreduce_reference
+    from wse_core.fabric.programs.allreduce import allreduce, allreduce_reference
 
     got, ref, r = allreduce(w, h, 8, seed=1)
     x = np.random.default_rng(1).standard_normal((h, w, 8)).astype(np.float32)
@@ -194,7 +194,7 @@ def test_allreduce_gives_every_pe_the_sum(w, h):
 
 @pytest.mark.parametrize("w,h,b,c", [(1, 1, 4, 3), (2, 1, 4, 3), (3, 2, 5, 4), (8, 6, 16, 8)])
 def test_gemv_on_a_checkerboard_matches_numpy(w, h, b, c):
-    from wse_core.fabric.kernels import gemv
+    from wse_core.fabric.programs.gemv import gemv
 
     got, ref, r = gemv(w, h, b, c, seed=2)
     np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5 * np.sqrt(w * c))
@@ -255,7 +255,7 @@ def test_fdiv_and_scalar_operands():
 
 @pytest.mark.parametrize("w,h,b,c,density", [(1, 1, 4, 3, 0.5), (3, 2, 5, 4, 0.2), (8, 6, 16, 8, 0.1), (4, 4, 6, 6, 0.0)])
 def test_spmv_on_a_checkerboard_matches_numpy(w, h, b, c, density):
-    from wse_core.fabric.kernels import spmv
+    from wse_core.fabric.programs.spmv import spmv
 
     got, ref, r = spmv(w, h, b, c, density, seed=5)
     np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5 * np.sqrt(w * c))
@@ -269,7 +269,8 @@ def test_bicgstab_on_the_mesh_reaches_the_scipy_residual(w, h, z):
     sp = pytest.importorskip("scipy.sparse")
     from scipy.sparse.linalg import bicgstab as scipy_bicgstab
 
-    from wse_core.fabric.kernels import bicgstab, stencil7_reference
+    from wse_core.fabric.programs.bicgstab import bicgstab
+    from wse_core.fabric.programs.stencil7 import stencil7_reference
 
     x, x_np, r = bicgstab(w, h, z, tol=1e-5, seed=6)
 
@@ -341,3 +342,47 @@ def test_a_task_waiting_on_its_input_counts_one_stall_per_cycle():
     np.testing.assert_array_equal(c.memcpy_d2h(b, dst).ravel(), np.arange(n))
     # The first wavelet reaches the receiver's queue at cycle hops + 1 and may be read at hops + 2.
     assert r.cycles == n + hops + 2 and r.stall[0, hops] == hops + 2 and r.stall.sum() == hops + 2
+
+
+@pytest.mark.parametrize("piece", [1, 3, 10**6])
+def test_stepping_the_engine_in_pieces_gives_the_run_of_one_call(piece):
+    """Engine.step(n) piece by piece ends with the cycles, counters and memory of Compiled.run()."""
+    from wse_core.fabric.engine import Outcome
+    from wse_core.fabric.programs.stencil7 import CENTER, NEIGHBOUR, stencil7_program
+
+    def compiled():
+        prog, u, v, k = stencil7_program(5, 4, 6)
+        c, full = prog.compile(), prog.region(0, 0, 5, 4)
+        c.memcpy_h2d(u, full, np.random.default_rng(0).standard_normal((4, 5, 6)))
+        c.memcpy_h2d(k, full, np.array([CENTER, NEIGHBOUR], np.float32))
+        c.launch("start")
+        return c, v, full
+
+    c, v, full = compiled()
+    r = c.run()
+    s, sv, _ = compiled()
+    engine = s.engine()
+    outcomes = [engine.step(piece)]
+    while outcomes[-1] is Outcome.RUNNING:
+        outcomes.append(engine.step(piece))
+    assert outcomes[-1] is Outcome.DONE and engine.step(1) is Outcome.DONE and engine.cycles == r.cycles
+    assert len(outcomes) == r.cycles // piece + 1
+    np.testing.assert_array_equal(engine.busy.reshape(4, 5), r.busy)
+    np.testing.assert_array_equal(engine.stall.reshape(4, 5), r.stall)
+    np.testing.assert_array_equal(engine.link.reshape(4, 5, 5), r.link)
+    np.testing.assert_array_equal(s.memcpy_d2h(sv, full), c.memcpy_d2h(v, full))
+
+
+def test_run_names_its_outcome():
+    """A run that hits max_cycles ends as Outcome.CYCLE_LIMIT and can be stepped on to its end."""
+    from wse_core.fabric.engine import Outcome
+
+    prog = Program(Fabric(1, 1))
+    pe = prog.region(0, 0, 1, 1)
+    a = prog.alloc(pe, "a", 8)
+    prog.task(pe, "t", [ops.FNEG(mem(a), mem(a)), ops.FADD(mem(a, 0, 1), mem(a, 1, 1), mem(a, 2, 1))])
+    c = prog.compile()
+    c.launch("t")
+    engine = c.engine()
+    assert engine.run(max_cycles=1) is Outcome.CYCLE_LIMIT and engine.cycles == 1
+    assert engine.run() is Outcome.DONE and Outcome.DONE.is_terminal() and not Outcome.RUNNING.is_terminal()

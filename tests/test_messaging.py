@@ -9,7 +9,7 @@ from mpi4py import MPI
 
 from mpi_launch import messaging as msg
 from mpi_launch.mpiexec import run_mpi
-from mpi_launch.protocol import GRADS, ProtocolError, configure, tag
+from mpi_launch.protocol import GRADS, STEP, Layout, ProtocolError
 
 
 def test_chunked_tree_reduce_is_the_pairwise_tree_sum():
@@ -34,40 +34,67 @@ def test_chunks_cover_the_array_once():
 
 def test_a_wait_for_a_silent_peer_times_out_naming_it():
     comm = MPI.COMM_SELF
+    link = msg.Link(comm, Layout())
+    tag = link.tag
     buf = np.empty(4, np.float32)
     req = comm.Irecv(buf, source=0, tag=tag(GRADS, 3))
     t0 = time.monotonic()
     with pytest.raises(msg.PeerTimeout, match="no answer within 0.2 s while waiting for SwarmX rank 7"):
-        msg.wait_all([req], "SwarmX rank 7", timeout=0.2)
-    assert 0.2 <= time.monotonic() - t0 < 2
+        link.wait_all([req], "SwarmX rank 7", timeout=0.2)
+    assert 0.2 <= time.monotonic() - t0 < 120  # only a hang breaks it (tests never assert timings)
     req.Cancel()
     req.Wait()  # completes at once, as cancelled
     sent = comm.Isend(np.zeros(4, np.float32), dest=0, tag=tag(GRADS, 4))
     done = comm.Irecv(buf, source=0, tag=tag(GRADS, 4))
-    msg.wait_all([sent, done], "self", timeout=1)
-    msg.wait_all([done], "self again", timeout=1)  # already complete: returns, never waits out the timeout
-    saved = dict(msg._timeout)
-    try:  # the job's timeout (Role.step_done sets it) says why it is that long
-        msg.set_timeout(0.3, "runconfig.peer_timeout 0 s + twice the longest step so far, 0.1 s")
-        req = comm.Irecv(buf, source=0, tag=tag(GRADS, 5))
-        with pytest.raises(msg.PeerTimeout, match=r"^no answer within 0.3 s \(runconfig.peer_timeout 0 s \+ twice the "
-                                                  r"longest step so far, 0.1 s\) while waiting for SwarmX rank 7$"):
-            msg.wait_all([req], "SwarmX rank 7")
-        req.Cancel()
-        req.Wait()
-    finally:
-        msg._timeout.update(saved)
+    link.wait_all([sent, done], "self", timeout=1)
+    link.wait_all([done], "self again", timeout=1)  # already complete: returns, never waits out the timeout
+    # The job's timeout (Role.step_done sets it on the rank's link) says why it is that long.
+    link.set_timeout(0.3, "runconfig.peer_timeout 0 s + twice the longest step so far, 0.1 s")
+    req = comm.Irecv(buf, source=0, tag=tag(GRADS, 5))
+    with pytest.raises(msg.PeerTimeout, match=r"^no answer within 0.3 s \(runconfig.peer_timeout 0 s \+ twice the "
+                                              r"longest step so far, 0.1 s\) while waiting for SwarmX rank 7$"):
+        link.wait_all([req], "SwarmX rank 7")
+    req.Cancel()
+    req.Wait()
 
 
 def test_the_tag_layout_is_sized_for_the_job_and_refuses_what_it_cannot_name():
     """More than 256 units used to wrap into other units' tags; now the layout grows with the job,
     is checked against MPI's TAG_UB, and a tag outside it is an error, never a mix-up."""
-    try:
-        configure(units=300, micro_batches=4, arrays_per_unit=12, tag_ub=2**31 - 1)
-        assert tag(GRADS, 299, 11) != tag(GRADS, 43, 11)   # 299 mod 256 = 43: distinct now
-        with pytest.raises(ProtocolError, match=r"unit 300, index 0\) is outside the tag layout"):
-            tag(GRADS, 300)
-        with pytest.raises(ProtocolError, match="need MPI tags up to .*; this MPI allows 32,767"):
-            configure(units=3000, micro_batches=4, arrays_per_unit=12, tag_ub=32767)
-    finally:
-        configure(units=256, micro_batches=1, arrays_per_unit=32, tag_ub=2**31 - 1)
+    tag = Layout.for_job(units=300, micro_batches=4, arrays_per_unit=12, tag_ub=2**31 - 1).tag
+    assert tag(GRADS, 299, 11) != tag(GRADS, 43, 11)   # 299 mod 256 = 43: distinct now
+    with pytest.raises(ProtocolError, match=r"unit 300, index 0\) is outside the tag layout"):
+        tag(GRADS, 300)
+    with pytest.raises(ProtocolError, match="need MPI tags up to .*; this MPI allows 32,767"):
+        Layout.for_job(units=3000, micro_batches=4, arrays_per_unit=12, tag_ub=32767)
+
+
+def test_the_step_table_is_what_the_roles_and_the_walk_cite():
+    """Every STEP["..."] in the roles and in the analytical walk names a row of protocol.STEP; every
+    row is cited by a role, every row that carries simulated time by the walk too."""
+    import re
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+
+    def cited(paths):
+        return {name for p in paths for name in re.findall(r'STEP\["([^"]+)"\]', p.read_text())}
+
+    by_roles = cited(sorted((root / "mpi_launch" / "roles").glob("*.py")))
+    by_walk = cited([root / "wse_core" / "perf" / "step.py"])
+    assert (by_roles | by_walk) <= set(STEP)
+    assert by_roles == set(STEP)
+    assert {m.name for m in STEP.values() if not m.clock.startswith("none")} <= by_walk
+
+
+def test_the_protocol_table_imports_nothing_of_mpi_launch():
+    """messaging builds on protocol, never the reverse (they imported each other)."""
+    import ast
+    from pathlib import Path
+
+    import mpi_launch.protocol as protocol
+
+    tree = ast.parse(Path(protocol.__file__).read_text())
+    names = [a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names]
+    names += [n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)]
+    assert not [n for n in names if n.split(".")[0] == "mpi_launch"]

@@ -6,7 +6,7 @@ import pytest
 
 from wse_core.nn import Dense, Embedding, LMHead, TransformerBlock, build_model
 from wse_core.nn.layers import ATTENTION_OUT_SITE, ATTENTION_SITE, MLP_OUT_SITE, DropoutKey
-from wse_core.nn.models import Model
+from wse_core.nn.model import Model
 
 H = 1e-5  # central-difference step (float64)
 

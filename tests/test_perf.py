@@ -3,7 +3,7 @@ model on sizes it was not fitted on, the constants, and physical bounds of the c
 import numpy as np
 import pytest
 
-from wse_core.fabric.kernels import stream_gemm
+from wse_core.fabric.programs.stream_gemm import stream_gemm
 from wse_core.perf import Hardware, gemm_seconds, unit_seconds, unit_work
 from wse_core.perf.calibration import ALLREDUCE_COEF, GEMM_COEF, calibrate
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from mpi_launch.appliance import slurm as wse_slurm
+from pyapi.appliance import slurm as wse_slurm
 from mpi_launch.rundir import RunDir
 from test_appliance import _cmdlines, direct_fit, params_file, until, weights
 

@@ -1,25 +1,16 @@
 """The roles of the weight-streaming cluster, one module and one class each, with a ``run()``
 (and the pipelined run's CS-2, ``pipeline``: docs/design.md section 9).
 
-One training step (docs/design.md section 2), for streaming units u = 0..U-1:
+One training step is the table ``mpi_launch.protocol.STEP``: every message, its sender and
+receiver, its tag, what it holds and the simulated time it carries (docs/design.md section 2 tells
+the step as a story). Each role's docstring names the rows it sends and receives.
 
-* input workers send each CS-2 its micro-batches of the global batch (stream positions
-  [t*B, (t+1)*B) of ``GlobalStream``; CS-2 c owns a contiguous run of them);
-* forward: each MemoryX sends the weights it owns of unit u to the SwarmX root, which relays them
-  down the tree; every CS-2 runs unit u on all its micro-batches while unit u+1 is already arriving;
-* loss: each CS-2 reports its loss sum and token count to the coordinator;
-* backward: weights stream down again, in reverse; each CS-2 tree-sums its micro-batch gradients
-  and sends them up; each SwarmX node tree-sums its children's sums in order and passes the result
-  up, the root to the MemoryX that owns the parameter;
-* update: MemoryX ranks send the coordinator each parameter's sum of squares; the coordinator
-  computes the global norm (in parameter order, as the reference does), the clip factor and the
-  learning rate, and tells MemoryX to apply the fused optimizer update.
-
-All sends are non-blocking and all waits go through ``messaging.wait_all`` (sleeps, never spins).
-Every sum follows ``wse_core.tree``, so the weights are bit-identical to the single-process
-reference step for num_csx = 1, 2, 4, ... (power-of-two fan-out). Every rank also keeps the
-emulated hardware's simulated time (``base.Role.clock``; docs/design.md section 8); the messages
-that carry it are described in ``mpi_launch.protocol``.
+Every rank talks through its ``messaging.Link`` (``base.Role.link``): the communicator, the job's
+tag layout and how long it waits for a peer. All sends are non-blocking and all waits go through
+the link (``messaging.poll``: sleeps, never spins). Every sum follows ``wse_core.tree``, so the
+weights are bit-identical to the single-process reference step for num_csx = 1, 2, 4, ...
+(power-of-two fan-out). Every rank also keeps the emulated hardware's simulated time
+(``base.Role.clock``; docs/design.md section 8) by the table's clock rules.
 """
 from mpi_launch.roles.coordinator import Coordinator
 from mpi_launch.roles.csx import CS2

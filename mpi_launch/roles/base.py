@@ -1,11 +1,12 @@
-"""What every role shares: the communicator, the plan, the params, the model, logs, and the
-simulated clock with the ports of the links this rank keeps (docs/design.md section 8)."""
+"""What every role shares: the rank's link (``messaging.Link``: the communicator, the job's tag
+layout, how long it waits for a peer), the plan, the params, the model, logs, and the simulated
+clock with the ports of the links this rank keeps (docs/design.md section 8)."""
 import json
 import time
 
 
 from mpi_launch import messaging as msg
-from mpi_launch import protocol
+from mpi_launch.protocol import Layout
 from mpi_launch.rundir import LineLog, RunDir
 
 
@@ -43,8 +44,8 @@ class Role:
         self.shapes = {n: s.shape for n, s in self.model.param_specs.items()}
         self.log_file = LineLog(self.run_dir.rank_log(self.rank))
         self._timing_file = None
-        protocol.configure(units=len(self.units), micro_batches=self.n_micro,
-                           arrays_per_unit=max(len(p) for p in self.unit_params))
+        layout = Layout.for_job(units=len(self.units), micro_batches=self.n_micro,
+                                arrays_per_unit=max(len(p) for p in self.unit_params))
         # Simulated time: the hardware, this rank's clock, and the bytes each unit streams.
         self.hw = Hardware.from_params(params.runconfig.hardware)
         self.clock = Clock()
@@ -57,9 +58,9 @@ class Role:
         checkpoint_bytes = sum(plan.unit_bytes) * (1 + optimizer_states(params.optimizer))
         self._save_s = checkpoint_bytes / SAVE_BYTES_PER_S
         self._step_began, self._longest_step, self._uncounted = time.monotonic(), 0.0, self.UNCOUNTED_STEPS
-        msg.set_timeout(r.startup_timeout + r.peer_timeout + self._save_s,
-                        f"runconfig.startup_timeout {r.startup_timeout:g} s + peer_timeout {r.peer_timeout:g} s"
-                        f"{self._for_a_checkpoint()}, the first steps' allowance")
+        self.link = msg.Link(comm, layout, r.startup_timeout + r.peer_timeout + self._save_s,
+                             f"runconfig.startup_timeout {r.startup_timeout:g} s + peer_timeout {r.peer_timeout:g} s"
+                             f"{self._for_a_checkpoint()}, the first steps' allowance")
 
     def port(self, gbps):
         """A port of a link this rank keeps (see wse_core.perf.clock)."""
@@ -87,9 +88,9 @@ class Role:
         else:
             self._longest_step = max(self._longest_step, now - self._step_began)
             peer = self.params.runconfig.peer_timeout
-            msg.set_timeout(peer + 2 * self._longest_step + self._save_s,
-                            f"runconfig.peer_timeout {peer:g} s + twice the longest step so far, "
-                            f"{self._longest_step:.1f} s{self._for_a_checkpoint()}")
+            self.link.set_timeout(peer + 2 * self._longest_step + self._save_s,
+                                  f"runconfig.peer_timeout {peer:g} s + twice the longest step so far, "
+                                  f"{self._longest_step:.1f} s{self._for_a_checkpoint()}")
         self._step_began = now
 
     def _for_a_checkpoint(self):

@@ -2,14 +2,16 @@
 
 Simulated time: its clock follows the losses and gradient norms it receives; it sends each step's
 control message at that time, so the gap between two control messages is a step of the emulated
-hardware (``sim_step_s`` in metrics.jsonl, with its parts; docs/design.md section 8)."""
+hardware (``sim_step_s`` in metrics.jsonl, with its parts; docs/design.md section 8).
+
+Its messages (``mpi_launch.protocol``): it sends STEP["control"] and STEP["loss scale"], and
+receives STEP["loss"], STEP["norms"], STEP["step time"], STEP["shard"] and STEP["eval weights"]."""
 import json
 import math
 import statistics
 import time
 
-from mpi_launch import messaging as msg
-from mpi_launch.protocol import CONTROL, EVAL_WEIGHTS, LOSS, NORMS, REPORT, SHARD, STEP_TIME, tag
+from mpi_launch.protocol import CONTROL, EVAL_WEIGHTS, LOSS, NORMS, REPORT, SHARD, STEP_TIME
 from mpi_launch.roles.base import Role
 from mpi_launch.rundir import LineLog
 from wse_core.tree import tree_sum
@@ -43,7 +45,7 @@ class Coordinator(Role):
         evaluations = Evaluations(self, metrics, board)
         params_yaml = yaml.safe_dump(self.params.to_dict(), sort_keys=False)
         numerics = environment()  # what the checkpoints' weights were computed in (a resume compares)
-        clock, lat = self.clock, self.hw.swarmx_hop_latency_s
+        clock, lat, tag = self.clock, self.hw.swarmx_hop_latency_s, self.link.tag
         # Parts of a simulated step that do not change from step to step.
         if self.plan.pipeline:  # no weights cross the I/O; every region updates its own at once
             from mpi_launch.plan import strategy
@@ -78,8 +80,8 @@ class Coordinator(Role):
                 evaluations.start(eval_step)
 
         def checkpoint(writer, save_step):
-            tables = [msg.recv_object(self.comm, rank, tag(REPORT, 0, SHARD),
-                                      f"MemoryX rank {rank} (checkpoint shard of step {save_step})")
+            tables = [self.link.recv_object(rank, tag(REPORT, 0, SHARD),
+                                            f"MemoryX rank {rank} (checkpoint shard of step {save_step})")
                       for rank in self.plan.memoryx]
             path = writer.commit(tables, params_yaml=params_yaml,
                                  loader_state={"step": save_step, "stream_position": save_step * self.batch_size},
@@ -94,7 +96,7 @@ class Coordinator(Role):
         control(0.0, 0.0, 0 if initial else None)
         t0, sim_t0 = time.perf_counter(), clock.now
         for step in range(self.start_step, self.max_steps):
-            reports = [msg.recv_object(self.comm, rank, tag(REPORT, 0, LOSS), f"CS-2 rank {rank} (loss of step {step})")
+            reports = [self.link.recv_object(rank, tag(REPORT, 0, LOSS), f"CS-2 rank {rank} (loss of step {step})")
                        for rank in self.plan.csx]
             for x in reports:
                 clock.receive(x["t"] + lat)
@@ -104,12 +106,12 @@ class Coordinator(Role):
                 raise ValueError(f"step {step}: the loss mask of the global batch selects no token")
             sumsq, at, left = {}, 0.0, 0.0
             for rank in self.plan.memoryx:
-                norms = msg.recv_object(self.comm, rank, tag(REPORT, 0, NORMS),
-                                        f"MemoryX rank {rank} (gradient norms of step {step})")
+                norms = self.link.recv_object(rank, tag(REPORT, 0, NORMS),
+                                              f"MemoryX rank {rank} (gradient norms of step {step})")
                 sumsq.update(norms["sumsq"])
                 clock.receive(norms["t"] + lat)
                 at, left = max(at, norms["t"]), max(left, norms["left"])
-            times = [msg.recv_object(self.comm, rank, tag(REPORT, 0, STEP_TIME), f"CS-2 rank {rank} (step {step})")
+            times = [self.link.recv_object(rank, tag(REPORT, 0, STEP_TIME), f"CS-2 rank {rank} (step {step})")
                      for rank in self.plan.csx]
             total = 0.0
             for n in names:  # parameter order, exactly as global_norm adds them
@@ -218,8 +220,8 @@ class Evaluations:
         role, e = self.role, self.role.params.eval_input
         weights = {}
         for rank in role.plan.memoryx:
-            weights.update(msg.recv_object(role.comm, rank, tag(REPORT, 0, EVAL_WEIGHTS),
-                                           f"MemoryX rank {rank} (weights to evaluate after step {step})"))
+            weights.update(role.link.recv_object(rank, role.link.tag(REPORT, 0, EVAL_WEIGHTS),
+                                                 f"MemoryX rank {rank} (weights to evaluate after step {step})"))
         if self._pool is None:
             self._pool, self._dataset = ThreadPoolExecutor(max_workers=1), Dataset(e.data_dir)
         steps = role.params.runconfig.eval_steps

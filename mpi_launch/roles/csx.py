@@ -6,14 +6,16 @@ starts computing), the clock waits for them, computing a unit advances it by the
 (``wse_core.perf.unit_seconds``), and each unit's gradient sum crosses the port as its backward
 ends, after the next unit's weights (the order the walk in ``wse_core.perf.step`` follows; the
 gradient's header is sent once that next unit's header is in, so no wall time is lost to it).
+
+Its messages (``mpi_launch.protocol``): it receives STEP["data"], STEP["forward weights"],
+STEP["loss scale"] and STEP["backward weights"], and sends STEP["loss"], STEP["gradients"] and
+STEP["step time"].
 """
 import time
 
 import numpy as np
 
-from mpi_launch import messaging as msg
-from mpi_launch.protocol import BWD_WEIGHTS, CONTROL, DATA, FWD_WEIGHTS, GRADS, LOSS, REPORT, STEP_TIME, \
-    recv_header, send_header, tag
+from mpi_launch.protocol import BWD_WEIGHTS, CONTROL, DATA, FWD_WEIGHTS, GRADS, LOSS, REPORT, STEP_TIME
 from mpi_launch.roles.base import Role
 from wse_core.tree import tree_sum
 
@@ -32,6 +34,7 @@ class CS2(Role):
         scaler = LossScaler.from_params(self.params.optimizer, self.model.config.get("fp16_type"))
         dynamic, loss_scale = scaler.dynamic, scaler.scale  # a static scale never changes
         io, clock, nbytes = self.port(self.hw.io_gbps), self.clock, self.unit_stream_bytes
+        link, tag = self.link, self.link.tag
         seq = self.seq_len() if lm else None
         cost = [unit_seconds(unit_work(u, self.mbs, seq), self.hw) for u in self.units]
         sim_fwd = [self.n_micro * c["forward"] for c in cost]
@@ -39,7 +42,7 @@ class CS2(Role):
 
         def weights_arrive(phase, u, accept):
             """Carry unit u's weights across this CS-2's port: when their last byte is in."""
-            h = recv_header(self.comm, parent, phase, u, f"SwarmX rank {parent} (weights of {self.units[u].name})")
+            h = link.recv_header(parent, phase, u, f"SwarmX rank {parent} (weights of {self.units[u].name})")
             return io.carry(nbytes[u], (h["first"], h["last"]), accept)[1]
 
         for step in range(self.start_step, self.max_steps):
@@ -51,9 +54,9 @@ class CS2(Role):
                 a = [np.empty(shape, dtype) for shape, dtype in self.model.example_layout(self.mbs, seq)]
                 raw.append(a)
                 data_reqs += [self.comm.Irecv(x, source=src, tag=tag(DATA, m, i)) for i, x in enumerate(a)]
-            weights, wreqs = msg.irecv_arrays(self.comm, self.unit_layout(0), parent, FWD_WEIGHTS, 0)
+            weights, wreqs = link.irecv_arrays(self.unit_layout(0), parent, FWD_WEIGHTS, 0)
             accept, waited = clock.now, 0.0
-            msg.wait_all(data_reqs, f"input workers {workers} (micro-batches of step {step})")
+            link.wait_all(data_reqs, f"input workers {workers} (micro-batches of step {step})")
             t_data = time.perf_counter() - t0
             batches = [self.model.batch_of(a) for a in raw]
             xs = [self.model.first_input(b, np.float32) for b in batches]
@@ -66,19 +69,19 @@ class CS2(Role):
             for u, unit in enumerate(self.units):
                 arrive = weights_arrive(FWD_WEIGHTS, u, accept)
                 tw = time.perf_counter()
-                msg.wait_all(wreqs, f"SwarmX rank {parent} (forward weights of {unit.name})")
+                link.wait_all(wreqs, f"SwarmX rank {parent} (forward weights of {unit.name})")
                 t_wait += time.perf_counter() - tw
                 waited += max(0.0, arrive - clock.now)
                 accept = clock.receive(arrive)  # the next unit may come in while this one computes
                 params = dict(zip(self.unit_params[u], map(precision.from_wire, weights)))
                 if u + 1 < len(self.units):  # the next unit streams in while this one computes
-                    weights, wreqs = msg.irecv_arrays(self.comm, self.unit_layout(u + 1), parent, FWD_WEIGHTS, u + 1)
+                    weights, wreqs = link.irecv_arrays(self.unit_layout(u + 1), parent, FWD_WEIGHTS, u + 1)
                 for m in range(self.n_micro):
                     xs[m], saved[u][m] = self.model.unit_forward(u, xs[m], params, drops[m])
                 clock.advance(sim_fwd[u])
             if dynamic:  # the coordinator's loss scale for this step (sent when the last step ended)
-                loss_scale = msg.recv_object(self.comm, self.plan.coordinator, tag(CONTROL),
-                                             f"the coordinator (loss scale of step {step})")["loss_scale"]
+                loss_scale = link.recv_object(self.plan.coordinator, tag(CONTROL),
+                                              f"the coordinator (loss scale of step {step})")["loss_scale"]
             losses = [self.model.loss(xs[m], batches[m], loss_scale) for m in range(self.n_micro)]
             loss_sum = tree_sum([x[0] for x in losses])
             n_tokens = sum(x[1] for x in losses)
@@ -86,13 +89,13 @@ class CS2(Role):
                                      dest=self.plan.coordinator, tag=tag(REPORT, 0, LOSS))
             dys = [x[2] for x in losses]
             last = len(self.units) - 1
-            weights, wreqs = msg.irecv_arrays(self.comm, self.unit_layout(last), parent, BWD_WEIGHTS, last)
+            weights, wreqs = link.irecv_arrays(self.unit_layout(last), parent, BWD_WEIGHTS, last)
             accept, grad_reqs, keep, ready = clock.now, [], [], None
 
             def gradients_out(u, at):
                 """Unit u's gradient sum, ready at ``at``, crosses the port: its header goes up."""
                 header, left = io.carry(nbytes[u], (at, None))
-                grad_reqs.append(send_header(self.comm, parent, GRADS, u, header, left=left))
+                grad_reqs.append(link.send_header(parent, GRADS, u, header, left=left))
 
             for u in reversed(range(len(self.units))):
                 unit = self.units[u]
@@ -102,13 +105,13 @@ class CS2(Role):
                 if ready is not None:
                     gradients_out(u + 1, ready)
                 tw = time.perf_counter()
-                msg.wait_all(wreqs, f"SwarmX rank {parent} (backward weights of {unit.name})")
+                link.wait_all(wreqs, f"SwarmX rank {parent} (backward weights of {unit.name})")
                 t_wait += time.perf_counter() - tw
                 waited += max(0.0, arrive - clock.now)
                 accept = clock.receive(arrive)
                 params = dict(zip(self.unit_params[u], map(precision.from_wire, weights)))
                 if u > 0:
-                    weights, wreqs = msg.irecv_arrays(self.comm, self.unit_layout(u - 1), parent, BWD_WEIGHTS, u - 1)
+                    weights, wreqs = link.irecv_arrays(self.unit_layout(u - 1), parent, BWD_WEIGHTS, u - 1)
                 grads = []
                 for m in range(self.n_micro):
                     dys[m], g = self.model.unit_backward(u, dys[m], saved[u][m], params)
@@ -118,11 +121,11 @@ class CS2(Role):
                 total = tree_sum(grads, add=self.model.add_grads)
                 arrays = [precision.to_wire(total[n]) for n in self.unit_params[u]]
                 keep.append(arrays)
-                grad_reqs += msg.isend_arrays(self.comm, arrays, parent, GRADS, u)
+                grad_reqs += link.isend_arrays(arrays, parent, GRADS, u)
             gradients_out(0, ready)
             at_backward_end = time.monotonic()
             tg = time.perf_counter()
-            msg.wait_all(grad_reqs + [report], f"SwarmX rank {parent} (gradients of step {step})")
+            link.wait_all(grad_reqs + [report], f"SwarmX rank {parent} (gradients of step {step})")
             self.comm.send({"compute": sum(sim_fwd) + sum(sim_bwd), "waited": waited}, dest=self.plan.coordinator,
                            tag=tag(REPORT, 0, STEP_TIME))
             t_end = time.perf_counter()

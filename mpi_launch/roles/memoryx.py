@@ -3,14 +3,16 @@
 Simulated time: the weights of a step leave when the previous update is done (the SwarmX root
 keeps the port of the link); the update starts when every gradient sum has arrived and the
 coordinator's control message is in, and takes ``wse_core.perf.step.update_seconds`` (the bytes
-this server owns)."""
+this server owns).
+
+Its messages (``mpi_launch.protocol``): it sends STEP["forward weights"] and
+STEP["backward weights"] to the SwarmX root and receives STEP["gradients"] from it; it sends the
+coordinator STEP["norms"], STEP["shard"] and STEP["eval weights"] and receives STEP["control"]."""
 import time
 
 import numpy as np
 
-from mpi_launch import messaging as msg
-from mpi_launch.protocol import BWD_WEIGHTS, CONTROL, EVAL_WEIGHTS, FWD_WEIGHTS, GRADS, NORMS, REPORT, SHARD, \
-    recv_header, send_header, tag
+from mpi_launch.protocol import BWD_WEIGHTS, CONTROL, EVAL_WEIGHTS, FWD_WEIGHTS, GRADS, NORMS, REPORT, SHARD
 from mpi_launch.roles.base import Role
 
 
@@ -28,6 +30,7 @@ class MemoryX(Role):
         my_units = [u for u, k in enumerate(self.plan.unit_owner) if k == self.index]
         update_s = update_seconds(self.model, self.plan.unit_owner, self.hw)[self.index]
         clock, lat = self.clock, self.hw.swarmx_hop_latency_s
+        link, tag = self.link, self.link.tag
         coordinator = self.plan.coordinator
         precision = self.model.precision
         for step in range(self.start_step - 1, self.max_steps):
@@ -37,17 +40,17 @@ class MemoryX(Role):
                 wire = {n: precision.to_wire(w) for n, w in self.weights.items()}
                 # Forward in unit order, backward in the reverse order the CS-2s use them.
                 for phase, order in ((FWD_WEIGHTS, my_units), (BWD_WEIGHTS, my_units[::-1])):
-                    sends += [send_header(self.comm, root, phase, u, (clock.now, None)) for u in order]
+                    sends += [link.send_header(root, phase, u, (clock.now, None)) for u in order]
                     for u, i, n in (uses if phase == FWD_WEIGHTS else uses[::-1]):
-                        sends += msg.isend_arrays(self.comm, [wire[n]], root, phase, u, index=i)
+                        sends += link.isend_arrays([wire[n]], root, phase, u, index=i)
                 grads, greqs = {}, []
                 for u, i, n in uses:
                     g = np.empty(self.shapes[n], precision.wire_dtype)
-                    greqs += msg.irecv_into(self.comm, [g], root, GRADS, u, index=i)
+                    greqs += link.irecv_into([g], root, GRADS, u, index=i)
                     grads.setdefault(n, []).append(g)
-                heads = [recv_header(self.comm, root, GRADS, u, f"SwarmX root rank {root} (gradients of step {step})")
+                heads = [link.recv_header(root, GRADS, u, f"SwarmX root rank {root} (gradients of step {step})")
                          for u in my_units]
-                msg.wait_all(sends + greqs, f"SwarmX root rank {root} (weights out, gradients in, step {step})")
+                link.wait_all(sends + greqs, f"SwarmX root rank {root} (weights out, gradients in, step {step})")
                 at_grads_in = time.monotonic()
                 clock.receive(max(h["last"] for h in heads))
                 # A tied parameter's uses are added in unit order, as Model.combine_unit_grads does.
@@ -56,7 +59,7 @@ class MemoryX(Role):
                 sumsq = [(n, sum_of_squares(total[n])) for n in owned]
                 self.comm.send({"sumsq": sumsq, "t": clock.now, "left": max(h["left"] for h in heads)},
                                dest=coordinator, tag=tag(REPORT, 0, NORMS))
-            control = msg.recv_object(self.comm, coordinator, tag(CONTROL), f"the coordinator (step {step})")
+            control = link.recv_object(coordinator, tag(CONTROL), f"the coordinator (step {step})")
             clock.receive(control["t"] + lat)
             if step >= self.start_step:
                 t_opt = time.perf_counter()
@@ -113,6 +116,7 @@ class MemoryX(Role):
         if control["checkpoint"] is not None:
             writer = CheckpointWriter(self.model_dir, control["checkpoint"])
             table = writer.write_shard(self.index, self.weights, self.state, sparse=self.sparse)
-            self.comm.send(table, dest=coordinator, tag=tag(REPORT, 0, SHARD))
+            self.comm.send(table, dest=coordinator, tag=self.link.tag(REPORT, 0, SHARD))
         if control.get("eval"):  # the coordinator evaluates the weights of this step on eval_input
-            self.comm.send({n: self.weights[n] for n in self.owned}, dest=coordinator, tag=tag(REPORT, 0, EVAL_WEIGHTS))
+            self.comm.send({n: self.weights[n] for n in self.owned}, dest=coordinator,
+                           tag=self.link.tag(REPORT, 0, EVAL_WEIGHTS))

@@ -9,13 +9,16 @@ So its weights are bit-identical to weight streaming and to the reference, and i
 are a weight-streaming run's with one MemoryX.
 
 Simulated time: the pipelined step of ``wse_core.perf.pipeline`` (fill, slowest stage, drain)
-for the compute, and its on-wafer update."""
+for the compute, and its on-wafer update.
+
+Its messages (``mpi_launch.protocol``): it receives STEP["data"], STEP["loss scale"] and
+STEP["control"], and sends STEP["loss"], STEP["norms"], STEP["step time"], and STEP["shard"] and
+STEP["eval weights"] as a MemoryX does."""
 import time
 
 import numpy as np
 
-from mpi_launch import messaging as msg
-from mpi_launch.protocol import CONTROL, DATA, LOSS, NORMS, REPORT, STEP_TIME, tag
+from mpi_launch.protocol import CONTROL, DATA, LOSS, NORMS, REPORT, STEP_TIME
 from mpi_launch.roles.memoryx import MemoryX
 
 
@@ -35,6 +38,7 @@ class PipelinedCS2(MemoryX):
         seq = self.seq_len() if self.model.is_lm else None
         layout = self.model.example_layout(self.mbs, seq)
         coordinator, clock, lat = self.plan.coordinator, self.clock, self.hw.swarmx_hop_latency_s
+        tag = self.link.tag
         self._controls = []
         for step in range(self.start_step - 1, self.max_steps):
             if step >= self.start_step:
@@ -44,7 +48,7 @@ class PipelinedCS2(MemoryX):
                     a = [np.empty(shape, dtype) for shape, dtype in layout]
                     raw.append(a)
                     reqs += [self.comm.Irecv(x, source=workers[m % w], tag=tag(DATA, m, i)) for i, x in enumerate(a)]
-                msg.wait_all(reqs, f"input workers {workers} (micro-batches of step {step})")
+                self.link.wait_all(reqs, f"input workers {workers} (micro-batches of step {step})")
                 t_data = time.perf_counter() - t0
                 batch = self.model.batch_of([np.concatenate([r[i] for r in raw]) for i in range(len(layout))])
                 if scaler.dynamic:
@@ -76,7 +80,7 @@ class PipelinedCS2(MemoryX):
         """The coordinator's next CONTROL message holding ``key``: this rank gets both the CS-2's
         (the loss scale) and the MemoryX server's (the update), in the order they were sent."""
         while not any(key in c for c in self._controls):
-            self._controls.append(msg.recv_object(self.comm, self.plan.coordinator, tag(CONTROL),
-                                                  f"the coordinator (step {step})"))
+            self._controls.append(self.link.recv_object(self.plan.coordinator, self.link.tag(CONTROL),
+                                                        f"the coordinator (step {step})"))
         i = next(i for i, c in enumerate(self._controls) if key in c)
         return self._controls.pop(i)

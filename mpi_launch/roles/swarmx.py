@@ -2,9 +2,11 @@
 
 Simulated time: a node keeps the port of the link above it (the root: one per MemoryX server),
 which carries weights down and gradient sums up in the order this program handles them; each
-tensor's header goes on to the children (weights) or the parent (gradients) before its data."""
-from mpi_launch import messaging as msg
-from mpi_launch.protocol import BWD_WEIGHTS, FWD_WEIGHTS, GRADS, recv_header, send_header
+tensor's header goes on to the children (weights) or the parent (gradients) before its data.
+
+Its messages (``mpi_launch.protocol``): it relays STEP["forward weights"] and
+STEP["backward weights"] down and sums STEP["gradients"] up."""
+from mpi_launch.protocol import BWD_WEIGHTS, FWD_WEIGHTS, GRADS
 from mpi_launch.roles.base import Role
 
 
@@ -15,9 +17,9 @@ class SwarmX(Role):
         parent = self.plan.parent[me]
         n_units = len(self.units)
         if parent is None:
-            self._links = [self.port(self.hw.memoryx_gbps) for _ in self.plan.memoryx]
+            self._ports = [self.port(self.hw.memoryx_gbps) for _ in self.plan.memoryx]
         else:
-            self._links = [self.port(self.tree_gbps)]
+            self._ports = [self.port(self.tree_gbps)]
         for step in range(self.start_step, self.max_steps):
             self._pending, self._keep = [], []  # requests in flight, and the buffers they use
             for u in range(n_units):
@@ -27,7 +29,7 @@ class SwarmX(Role):
                 if u > 0:  # weights of the next unit go down before this unit's gradients come up
                     self._relay(u - 1, BWD_WEIGHTS, parent, kids, step)
                 self._reduce(u, parent, kids, step)
-            msg.wait_all(self._pending, f"children {kids} and parent of SwarmX rank {me} (step {step})")
+            self.link.wait_all(self._pending, f"children {kids} and parent of SwarmX rank {me} (step {step})")
             self.step_done(step)
 
     def _sources(self, u, parent):
@@ -38,29 +40,29 @@ class SwarmX(Role):
     def _above(self, u, parent):
         """(the rank above for unit u's header, the port of that link)."""
         if parent is not None:
-            return parent, self._links[0]
+            return parent, self._ports[0]
         owner = self.plan.unit_owner[u]
-        return self.plan.memoryx[owner], self._links[owner]
+        return self.plan.memoryx[owner], self._ports[owner]
 
     def _relay(self, u, phase, parent, kids, step):
-        above, link = self._above(u, parent)
-        h = recv_header(self.comm, above, phase, u, f"rank {above} (weights of {self.units[u].name})")
-        header, _ = link.carry(self.unit_stream_bytes[u], (h["first"], h["last"]))
-        self._pending += [send_header(self.comm, k, phase, u, header) for k in kids]
+        above, port = self._above(u, parent)
+        h = self.link.recv_header(above, phase, u, f"rank {above} (weights of {self.units[u].name})")
+        header, _ = port.carry(self.unit_stream_bytes[u], (h["first"], h["last"]))
+        self._pending += [self.link.send_header(k, phase, u, header) for k in kids]
         sources = self._sources(u, parent)
-        arrays, sends = msg.relay(self.comm, self.unit_layout(u), sources, kids, phase, u,
-                                  f"weights of {self.units[u].name} from rank(s) {sorted(set(sources))}")
+        arrays, sends = self.link.relay(self.unit_layout(u), sources, kids, phase, u,
+                                        f"weights of {self.units[u].name} from rank(s) {sorted(set(sources))}")
         self._pending += sends
         self._keep.append(arrays)
 
     def _reduce(self, u, parent, kids, step):
-        above, link = self._above(u, parent)
-        hs = [recv_header(self.comm, k, GRADS, u, f"child {k} (gradients of {self.units[u].name})") for k in kids]
-        header, _ = link.carry(self.unit_stream_bytes[u], (max(h["first"] for h in hs), max(h["last"] for h in hs)))
-        self._pending.append(send_header(self.comm, above, GRADS, u, header, left=max(h["left"] for h in hs)))
+        above, port = self._above(u, parent)
+        hs = [self.link.recv_header(k, GRADS, u, f"child {k} (gradients of {self.units[u].name})") for k in kids]
+        header, _ = port.carry(self.unit_stream_bytes[u], (max(h["first"] for h in hs), max(h["last"] for h in hs)))
+        self._pending.append(self.link.send_header(above, GRADS, u, header, left=max(h["left"] for h in hs)))
         dests = self._sources(u, parent)  # up the tree, or from the root to each parameter's MemoryX
-        sums, sends = msg.reduce(self.comm, self.unit_layout(u), kids, dests, GRADS, u,
-                                 f"gradients of {self.units[u].name} from children {kids}",
-                                 combine=self.model.precision.wire_sum)
+        sums, sends = self.link.reduce(self.unit_layout(u), kids, dests, GRADS, u,
+                                       f"gradients of {self.units[u].name} from children {kids}",
+                                       combine=self.model.precision.wire_sum)
         self._pending += sends
         self._keep.append(sums)

@@ -1,7 +1,8 @@
 """The input worker: reads its CS-2's micro-batches from the global stream and sends them ahead.
 
-Its messages carry no simulated time: input is prefetched and small beside the weights, so the
-model takes it as there when a step starts (docs/design.md section 8).
+It sends STEP["data"] (``mpi_launch.protocol``). Its messages carry no simulated time: input is
+prefetched and small beside the weights, so the model takes it as there when a step starts
+(docs/design.md section 8).
 
 Sends are synchronous (``Issend``): one completes only once the CS-2 has posted the receive of that
 step, so a worker is at most ``AHEAD_STEPS`` steps ahead of the step its CS-2 computes (a slow read,
@@ -14,8 +15,7 @@ import collections
 
 import numpy as np
 
-from mpi_launch import messaging as msg
-from mpi_launch.protocol import DATA, tag
+from mpi_launch.protocol import DATA
 from mpi_launch.roles.base import Role
 
 
@@ -41,7 +41,7 @@ class InputWorker(Role):
         def taken():
             # The CS-2 takes a step's micro-batches when it begins that step.
             step, reqs, _ = sent.popleft()
-            msg.wait_all(reqs, f"CS-2 {csx} to take the micro-batches of step {step}")
+            self.link.wait_all(reqs, f"CS-2 {csx} to take the micro-batches of step {step}")
             self.step_done(step)
 
         try:
@@ -52,7 +52,7 @@ class InputWorker(Role):
                     batch = stream.read(base + m * self.mbs, self.mbs)
                     parts = [batch] if isinstance(batch, np.ndarray) else list(batch)
                     keep.append(parts)
-                    reqs += [self.comm.Issend(a, dest=dest, tag=tag(DATA, m, i)) for i, a in enumerate(parts)]
+                    reqs += [self.comm.Issend(a, dest=dest, tag=self.link.tag(DATA, m, i)) for i, a in enumerate(parts)]
                 sent.append((step, reqs, keep))
                 if len(sent) >= AHEAD_STEPS:
                     taken()

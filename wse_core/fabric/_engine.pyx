@@ -1,8 +1,8 @@
 """The cycle engine of the PE-mesh simulator: routers, queues and cores as flat arrays, no GIL.
 
 Each cycle has two phases, each visiting PEs in index order (the deterministic tie-break); the
-engine runs them in one sweep, each core a row behind the routers (see ``run``), which gives the
-same result and keeps a PE's state in cache between its router and its core:
+engine runs them in one sweep, each core a row behind the routers (see ``Engine.advance``), which
+gives the same result and keeps a PE's state in cache between its router and its core:
 
 * routers: for each PE with wavelets queued and each color (starting from ``cycle % colors`` so no
   color starves), the head wavelet moves when it has arrived (hop latency) and every destination
@@ -20,8 +20,10 @@ same result and keeps a PE's state in cache between its router and its core:
   a head waiting for room until its destination pops. Each gives the same bits, cycles and
   per-PE counts as checking everything every cycle, for less work.
 
-Return codes: 0 done (every core idle, every queue empty), 1 deadlock (nothing moved and nothing
-is in flight), 2 the cycle limit, 3 wavelets left in a core queue that no task will read.
+``Engine`` holds one run's state and advances it cycle by cycle; ``Engine.advance`` returns a
+status: -1 still running, 0 done (every core idle, every queue empty), 1 deadlock (nothing moved
+and nothing is in flight), 2 the cycle limit, 3 wavelets left in a core queue that no task will
+read (named in ``wse_core.fabric.engine.Outcome``, the Python side).
 """
 from libc.stdint cimport int32_t, int64_t, uint8_t, uint32_t
 
@@ -418,95 +420,132 @@ cdef int _core(Eng* g, int64_t p) noexcept nogil:
     return flags
 
 
-def run(int W, int H, int C, int Q, int latency, int64_t max_cycles,
-        const uint8_t[::1] rx, const uint8_t[::1] tx, const int32_t[::1] pe_code, const int64_t[::1] mem_off,
-        float[::1] mem,
-        const int32_t[::1] task_color, const int32_t[::1] task_start, const int32_t[::1] task_len, const int32_t[::1] ntasks,
-        const int32_t[::1] op, const int64_t[::1] length,
-        const int32_t[:, ::1] kind, const int64_t[:, ::1] arg, const int64_t[:, ::1] stride, const float[:, ::1] immv,
-        const int64_t[:, ::1] iarg, const int64_t[:, ::1] ranges, const int32_t[::1] target, const uint8_t[::1] asyn,
-        uint32_t[::1] active, uint32_t[::1] blocked,
-        int64_t[::1] busy, int64_t[::1] stall, int64_t[::1] link):
-    """Run until done, deadlock or ``max_cycles``; returns (status, cycles, state). State arrays are
-    updated in place."""
-    if max_cycles > 2**31 - 2:
-        max_cycles = 2**31 - 2   # arrival cycles are int32
-    cdef int64_t P = <int64_t>W * H, S = W + 1, p, q, qi, cycle = 0
-    cdef int rot, f, k
-    cdef bint progress, future
+cdef int64_t LAST_CYCLE = 2**31 - 2   # arrival cycles are int32: no run goes past this cycle
+
+
+cdef class Engine:
+    """One run of a compiled program: the queues, the cores' progress and the counters, advanced
+    cycle by cycle. ``mem``, ``active`` and ``blocked`` (the program's) and ``busy``, ``stall``,
+    ``link`` (the counters) are updated in place."""
     cdef Eng g
-    import numpy as np
+    cdef int64_t P, S
+    cdef readonly int64_t cycle
+    cdef readonly int status          # -1 while the program runs, else as ``advance`` returns
+    cdef object keep                  # the buffers g points into
+    cdef object rq_arr, cq_arr
+    cdef int32_t[::1] cur_task, pending, mt_busy
 
-    cdef int64_t j, ninstr = op.shape[0]
-    cdef uint8_t[::1] ins_buf = np.zeros(ninstr * sizeof(Ins), np.uint8)   # numpy memory: 16-byte aligned
-    cdef Ins* ins = <Ins*>&ins_buf[0]
-    for j in range(ninstr):
-        ins[j].op, ins[j].asyn, ins[j].target, ins[j].length = op[j], asyn[j], target[j], length[j]
-        ins[j].memonly = op[j] < OP_ACTIVATE and not asyn[j]
-        for k in range(3):
-            ins[j].kind[k], ins[j].arg[k], ins[j].stride[k] = kind[j, k], arg[j, k], stride[j, k]
-            ins[j].iarg[k], ins[j].immv[k] = iarg[j, k], immv[j, k]
-            if kind[j, k] == K_FIN or kind[j, k] == K_FOUT:
-                ins[j].memonly = 0
-        ins[j].rlo, ins[j].rhi, ins[j].wlo, ins[j].whi = ranges[j, 0], ranges[j, 1], ranges[j, 2], ranges[j, 3]
+    def __init__(self, *, int W, int H, int C, int Q, int latency,
+                 const uint8_t[::1] rx, const uint8_t[::1] tx, const int32_t[::1] pe_code, const int64_t[::1] mem_off,
+                 float[::1] mem,
+                 const int32_t[::1] task_color, const int32_t[::1] task_start, const int32_t[::1] task_len,
+                 const int32_t[::1] ntasks,
+                 const int32_t[::1] op, const int64_t[::1] length,
+                 const int32_t[:, ::1] kind, const int64_t[:, ::1] arg, const int64_t[:, ::1] stride,
+                 const float[:, ::1] immv, const int64_t[:, ::1] iarg, const int64_t[:, ::1] ranges,
+                 const int32_t[::1] target, const uint8_t[::1] asyn,
+                 uint32_t[::1] active, uint32_t[::1] blocked,
+                 int64_t[::1] busy, int64_t[::1] stall, int64_t[::1] link):
+        import numpy as np
 
-    cdef int QS = 2 + 2 * Q
-    rq_arr, cq_arr = np.zeros((P * C, QS), np.int32), np.zeros((P * C, QS), np.int32)
-    cdef int32_t[:, ::1] rq = rq_arr, cq = cq_arr
-    cdef uint32_t[::1] rq_mask = np.zeros(P, np.uint32), rq_wait = np.zeros(P, np.uint32)
-    cdef int32_t[::1] ramp_out = np.full(P, -1, np.int32)
-    cdef int32_t[::1] cur_task = np.full(P, -1, np.int32), pending = np.zeros(P, np.int32)
-    cdef int64_t[::1] cur_pc = np.zeros(P, np.int64), cur_e = np.zeros(P, np.int64), wake = np.zeros(P, np.int64)
-    cdef int64_t[::1] sleep = np.full(P, -1, np.int64)
-    cdef int64_t[::1] mt_pc = np.full(P * MT, -1, np.int64), mt_e = np.zeros(P * MT, np.int64)
-    cdef int32_t[::1] mt_busy = np.zeros(P, np.int32)
-    g.W, g.C, g.Q, g.latency, g.ins, g.tx, g.link = W, C, Q, latency, ins, &tx[0], &link[0]
-    g.mem_off, g.mem, g.imem = &mem_off[0], &mem[0], <const int32_t*>&mem[0]
-    g.pe_code, g.task_color, g.task_start = &pe_code[0], &task_color[0], &task_start[0]
-    g.task_len, g.ntasks, g.active, g.blocked = &task_len[0], &ntasks[0], &active[0], &blocked[0]
-    g.busy, g.stall = &busy[0], &stall[0]
-    g.QS, g.rq, g.cq, g.rq_mask, g.rq_wait, g.rx = QS, &rq[0, 0], &cq[0, 0], &rq_mask[0], &rq_wait[0], &rx[0]
-    g.pending, g.ramp_out = &pending[0], &ramp_out[0]
-    g.cur_task, g.cur_pc, g.cur_e, g.wake, g.sleep = &cur_task[0], &cur_pc[0], &cur_e[0], &wake[0], &sleep[0]
-    g.mt_pc, g.mt_e, g.mt_busy = &mt_pc[0], &mt_e[0], &mt_busy[0]
-    cdef int status = 0
-    with nogil:
-        while True:
-            if cycle >= max_cycles:
-                status = 2
-                break
-            progress = False
-            future = False
-            g.cycle = cycle
-            rot = <int>(cycle % C)
-            # One sweep does the routers of every PE and then the cores, skewed by a row and one PE:
-            # the core of q runs after the routers of its neighbours (up to q + W) and before any of
-            # their cores, which is all the two-phase cycle asks, and its state is still in cache.
-            for p in range(P + S):
-                if p < P:
-                    f = _router(&g, p, cycle, rot)
-                    progress |= f & 1
-                    future |= f >> 1
-                q = p - S
-                if q >= 0:
-                    f = _core(&g, q)
-                    progress |= f & 1
-                    future |= f >> 1
-            cycle += 1
-            if not progress and not future:
-                # Nothing moved and nothing is on its way: finished, or stuck.
-                for p in range(P):
-                    if pending[p] or cur_task[p] >= 0 or mt_busy[p] or (pe_code[p] >= 0 and (active[p] & ~blocked[p])):
-                        status = 1
-                        break
-                if status == 0:
-                    for qi in range(P * C):
-                        if cq[qi, 0]:
-                            status = 3
+        cdef int64_t P = <int64_t>W * H, j, ninstr = op.shape[0]
+        cdef int k
+        cdef uint8_t[::1] ins_buf = np.zeros(ninstr * sizeof(Ins), np.uint8)   # numpy memory: 16-byte aligned
+        cdef Ins* ins = <Ins*>&ins_buf[0]
+        for j in range(ninstr):
+            ins[j].op, ins[j].asyn, ins[j].target, ins[j].length = op[j], asyn[j], target[j], length[j]
+            ins[j].memonly = op[j] < OP_ACTIVATE and not asyn[j]
+            for k in range(3):
+                ins[j].kind[k], ins[j].arg[k], ins[j].stride[k] = kind[j, k], arg[j, k], stride[j, k]
+                ins[j].iarg[k], ins[j].immv[k] = iarg[j, k], immv[j, k]
+                if kind[j, k] == K_FIN or kind[j, k] == K_FOUT:
+                    ins[j].memonly = 0
+            ins[j].rlo, ins[j].rhi, ins[j].wlo, ins[j].whi = ranges[j, 0], ranges[j, 1], ranges[j, 2], ranges[j, 3]
+
+        cdef int QS = 2 + 2 * Q
+        self.rq_arr, self.cq_arr = np.zeros((P * C, QS), np.int32), np.zeros((P * C, QS), np.int32)
+        cdef int32_t[:, ::1] rq = self.rq_arr, cq = self.cq_arr
+        cdef uint32_t[::1] rq_mask = np.zeros(P, np.uint32), rq_wait = np.zeros(P, np.uint32)
+        cdef int32_t[::1] ramp_out = np.full(P, -1, np.int32)
+        self.cur_task, self.pending = np.full(P, -1, np.int32), np.zeros(P, np.int32)
+        cdef int64_t[::1] cur_pc = np.zeros(P, np.int64), cur_e = np.zeros(P, np.int64), wake = np.zeros(P, np.int64)
+        cdef int64_t[::1] sleep = np.full(P, -1, np.int64)
+        cdef int64_t[::1] mt_pc = np.full(P * MT, -1, np.int64), mt_e = np.zeros(P * MT, np.int64)
+        self.mt_busy = np.zeros(P, np.int32)
+        self.keep = (rx, tx, pe_code, mem_off, mem, task_color, task_start, task_len, ntasks, active, blocked, busy,
+                     stall, link, ins_buf, rq_mask, rq_wait, ramp_out, cur_pc, cur_e, wake, sleep, mt_pc, mt_e)
+        cdef Eng* g = &self.g
+        g.W, g.C, g.Q, g.latency, g.ins, g.tx, g.link = W, C, Q, latency, ins, &tx[0], &link[0]
+        g.mem_off, g.mem, g.imem = &mem_off[0], &mem[0], <const int32_t*>&mem[0]
+        g.pe_code, g.task_color, g.task_start = &pe_code[0], &task_color[0], &task_start[0]
+        g.task_len, g.ntasks, g.active, g.blocked = &task_len[0], &ntasks[0], &active[0], &blocked[0]
+        g.busy, g.stall = &busy[0], &stall[0]
+        g.QS, g.rq, g.cq, g.rq_mask, g.rq_wait, g.rx = QS, &rq[0, 0], &cq[0, 0], &rq_mask[0], &rq_wait[0], &rx[0]
+        g.pending, g.ramp_out = &self.pending[0], &ramp_out[0]
+        g.cur_task, g.cur_pc, g.cur_e, g.wake, g.sleep = &self.cur_task[0], &cur_pc[0], &cur_e[0], &wake[0], &sleep[0]
+        g.mt_pc, g.mt_e, g.mt_busy = &mt_pc[0], &mt_e[0], &self.mt_busy[0]
+        self.P, self.S = P, W + 1
+        self.cycle, self.status = 0, -1
+
+    def advance(self, int64_t until):
+        """Run until cycle ``until`` (at most ``LAST_CYCLE``) or the end, whichever comes first; returns
+        the status: -1 if the program still runs at ``until``, else how it ended (0-3, module
+        docstring), as every later call does."""
+        if self.status >= 0:
+            return self.status
+        if until > LAST_CYCLE:
+            until = LAST_CYCLE
+        cdef Eng* g = &self.g
+        cdef int64_t P = self.P, S = self.S, p, q, qi, cycle = self.cycle
+        cdef int rot, f, status = -1
+        cdef bint progress, future
+        with nogil:
+            while True:
+                if cycle >= until:
+                    if cycle >= LAST_CYCLE:
+                        status = 2
+                    break
+                progress = False
+                future = False
+                g.cycle = cycle
+                rot = <int>(cycle % g.C)
+                # One sweep does the routers of every PE and then the cores, skewed by a row and one PE:
+                # the core of q runs after the routers of its neighbours (up to q + W) and before any of
+                # their cores, which is all the two-phase cycle asks, and its state is still in cache.
+                for p in range(P + S):
+                    if p < P:
+                        f = _router(g, p, cycle, rot)
+                        progress |= f & 1
+                        future |= f >> 1
+                    q = p - S
+                    if q >= 0:
+                        f = _core(g, q)
+                        progress |= f & 1
+                        future |= f >> 1
+                cycle += 1
+                if not progress and not future:
+                    # Nothing moved and nothing is on its way: finished, or stuck.
+                    status = 0
+                    for p in range(P):
+                        if (g.pending[p] or g.cur_task[p] >= 0 or g.mt_busy[p]
+                                or (g.pe_code[p] >= 0 and (g.active[p] & ~g.blocked[p]))):
+                            status = 1
                             break
-                if status == 0:
-                    cycle -= 1  # the last cycle did nothing
-                break
-    state = {"cur_task": np.asarray(cur_task), "pending": np.asarray(pending), "rq_cnt": rq_arr[:, 0].copy(),
-             "cq_cnt": cq_arr[:, 0].copy(), "mt_busy": np.asarray(mt_busy)}
-    return status, cycle, state
+                    if status == 0:
+                        for qi in range(P * g.C):
+                            if g.cq[qi * g.QS]:
+                                status = 3
+                                break
+                    if status == 0:
+                        cycle -= 1  # the last cycle did nothing
+                    break
+        self.cycle, self.status = cycle, status
+        return status
+
+    def state(self):
+        """What ``run.Compiled`` names in an error: each PE's task, its routed and core-queued wavelets."""
+        import numpy as np
+
+        return {"cur_task": np.array(self.cur_task), "pending": np.array(self.pending),
+                "rq_cnt": self.rq_arr[:, 0].copy(), "cq_cnt": self.cq_arr[:, 0].copy(),
+                "mt_busy": np.array(self.mt_busy)}

@@ -3,8 +3,9 @@ import time
 
 import numpy as np
 
-from wse_core.fabric.program import (K_FIN, K_FOUT, K_IDX, K_IMM, K_MEM, K_NONE, MAX_TASKS, OPCODES, PORTS,
-                                    FabricError, Operand)
+from wse_core.fabric.engine import Engine, Outcome
+from wse_core.fabric.isa import (K_FIN, K_FOUT, K_IDX, K_IMM, K_MEM, K_NONE, MAX_TASKS, OPCODES, PORTS,
+                                 FabricError, Operand)
 
 _DIRS = {0: (0, -1), 1: (1, 0), 2: (0, 1), 3: (-1, 0)}     # N, E, S, W as (dx, dy)
 _OPPOSITE = {0: 2, 1: 3, 2: 0, 3: 1}
@@ -226,25 +227,23 @@ class Compiled:
         if not found:
             raise FabricError(f"launch: no PE has a task {task!r}")
 
+    def engine(self):
+        """An ``Engine`` for a run from here, to step (``step(n)``) or run; ``run()`` uses one."""
+        self._check_indices()
+        return Engine(self)
+
     def run(self, max_cycles=10**9):
         """Run until every core is idle and every queue empty; returns a ``Result``."""
-        from wse_core.fabric import _engine
-
         f = self.fabric
-        P = f.width * f.height
         self._check_indices()
-        busy, stall, link = np.zeros(P, np.int64), np.zeros(P, np.int64), np.zeros(P * 5, np.int64)
         t0 = time.perf_counter()
-        status, cycles, state = _engine.run(
-            f.width, f.height, self.C, f.queue_depth, f.hop_latency, int(max_cycles), self.rx, self.tx,
-            self.pe_code, self.mem_off, self.mem, self.task_color, self.task_start, self.task_len, self.ntasks,
-            self.op, self.length, self.kind, self.arg, self.stride, self.immv, self.iarg, self.ranges, self.target,
-            self.asyn, self.active, self.blocked, busy, stall, link)
+        engine = Engine(self)
+        outcome = engine.run(int(max_cycles))
         seconds = time.perf_counter() - t0
-        if status != 0:
-            raise FabricError(self._explain(status, cycles, state))
-        return Result(cycles, busy.reshape(f.height, f.width), stall.reshape(f.height, f.width),
-                      link.reshape(f.height, f.width, 5), seconds=seconds)
+        if outcome is not Outcome.DONE:
+            raise FabricError(self._explain(outcome, engine.cycles, engine.state()))
+        return Result(engine.cycles, engine.busy.reshape(f.height, f.width), engine.stall.reshape(f.height, f.width),
+                      engine.link.reshape(f.height, f.width, 5), seconds=seconds)
 
     def _check_indices(self):
         """Every index an indexed DSD will read lies inside its data symbol, on every PE (the engine trusts them)."""
@@ -259,11 +258,11 @@ class Compiled:
                 raise FabricError(f"PE ({p % self.fabric.width}, {p // self.fabric.width}): index {int(idx[j, e])} "
                                   f"(element {e}) is outside the {size} words it indexes")
 
-    def _explain(self, status, cycles, state):
+    def _explain(self, outcome, cycles, state):
         W, C = self.fabric.width, self.C
-        if status == 2:
+        if outcome is Outcome.CYCLE_LIMIT:
             return f"no end after {cycles} cycles (max_cycles): a task that never finishes?"
-        if status == 3:
+        if outcome is Outcome.UNREAD_WAVELETS:
             qi = int(np.flatnonzero(state["cq_cnt"])[0])
             p, c = divmod(qi, C)
             return (f"PE ({p % W}, {p // W}): {state['cq_cnt'][qi]} wavelet(s) of color {self.colors[c]} reached the "

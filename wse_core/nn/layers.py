@@ -27,7 +27,7 @@ from wse_core.nn.gemm import matmul
 
 @dataclass(frozen=True)
 class ParamSpec:
-    """Shape and initialisation of one parameter (``init``: see ``wse_core.nn.models.INITIALIZERS``).
+    """Shape and initialisation of one parameter (``init``: see ``wse_core.nn.init.INITIALIZERS``).
 
     A sparse weight has ``structure``: the CSR pattern of its dense ``[out, in]`` matrix; the
     parameter itself is then the 1-D array of its nonzero values (``shape == (nnz,)``).

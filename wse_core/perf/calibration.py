@@ -1,7 +1,7 @@
 """The compute model's constants, fitted to the fabric simulator's cycles and checked on sizes the
 fit did not see (docs/design.md section 8).
 
-GEMM (``wse_core.fabric.kernels.stream_gemm``: X resident, W's rows streaming in from the west
+GEMM (``wse_core.fabric.programs.stream_gemm``: X resident, W's rows streaming in from the west
 edge and multicast along the PE rows, partial sums reduced northward) on a W x H rectangle with
 ``mb`` tokens and ``kb`` weight rows per PE and n output columns:
 
@@ -59,7 +59,8 @@ def _fit_and_check(run, features, fit, check):
 
 def calibrate():
     """Run the fabric programs, fit both formulas, check them on the held-out sizes (a second or two)."""
-    from wse_core.fabric.kernels import allreduce, stream_gemm
+    from wse_core.fabric.programs.allreduce import allreduce
+    from wse_core.fabric.programs.stream_gemm import stream_gemm
 
     def gemm_cycles(*s):
         y, ref, r = stream_gemm(*s)

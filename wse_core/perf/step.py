@@ -1,28 +1,27 @@
 """The analytical walk of one weight-streaming training step: the time the emulated cluster takes,
 for any model, batch and number of CS-2s, without running anything (docs/design.md section 8).
 
-It follows the protocol the ranks run (docs/design.md section 2), on ports that serialise what
-crosses them (each is busy until its last byte has left):
+It walks the step protocol the ranks run: the table ``mpi_launch.protocol.STEP`` (sender, receiver,
+tag, payload and simulated-clock rule of every message), whose rows it cites by name.
+It does not import it: ``wse_core`` sits below ``mpi_launch``, and the walk needs the table's clock
+rules, which it follows through ``perf.clock.Port.carry`` as the ranks do, not its tags or payloads.
+What the walk adds to the table:
 
-* MemoryX server k streams the weights of the units it owns (forward in unit order, then
-  backward in reverse) to the SwarmX root over its own link as soon as its update is done; the
-  tree relays them, chunk by chunk, to every CS-2 (a node sends to all its children at once, one
-  port per child). A CS-2 holds two units of weights: unit u's may cross its port once it starts
-  computing unit u - 1 (the first unit: when the step starts).
+* Ports serialise what crosses them (each is busy until its last byte has left), in the order the
+  ranks' programs send: STEP["forward weights"] of every unit, then per unit backward
+  STEP["backward weights"] of the next unit before STEP["gradients"] of this one. The SwarmX root
+  keeps one port per MemoryX server, every lower link of the tree one (a node sends to all its
+  children at once, one port per child, so one path stands for all), a CS-2 its I/O (one budget of
+  ``Hardware.io_gbps`` for weights in and gradients out: the reading this model takes of the
+  published 1.2 Tb/s). The first unit's weights may cross a CS-2's port when the step starts.
 * A CS-2 computes each unit on its slice of the batch (``model.unit_seconds``), forward in unit
-  order, then backward in reverse with the weights streamed again; it sends each unit's gradient
-  sum as soon as its backward ends, after taking in the next unit's weights. Its I/O port carries
-  weights in and gradients out: one budget of ``Hardware.io_gbps`` (the reading this model takes
-  of the published 1.2 Tb/s).
-* Each SwarmX node sums its children's gradients chunk by chunk and passes the sum up; the root
-  sends each parameter's sum to its MemoryX. Every link of the tree is one port too, shared by the
-  weights going down and the gradients coming up.
-* When every gradient has arrived (the global norm needs all of them), MemoryX applies the update
-  (``memoryx_update_seconds`` of the bytes it owns), and the next step's stream begins.
-
-A tensor crosses each link as ``perf.clock.Port.carry`` says (chunk by chunk, a busy port delaying
-what follows), which is what the ranks' clocks do too. All CS-2s do the same work at the same times
-(data parallel, one tree depth), so the walk follows one path from MemoryX to a CS-2 and back.
+  order, backward in reverse.
+* STEP["loss"] and STEP["norms"] reach the coordinator one hop after they leave; its
+  STEP["control"] marks the step and reaches MemoryX one hop later, whose update
+  (``memoryx_update_seconds`` of the bytes it owns) starts once every gradient is in; then the
+  next step's weights leave. STEP["data"] carries no time (taken as there when a step starts).
+* All CS-2s do the same work at the same times (data parallel, one tree depth), so the walk follows
+  one path from MemoryX to a CS-2 and back.
 """
 import math
 from dataclasses import asdict, dataclass, field
@@ -31,7 +30,8 @@ from wse_core.perf.clock import Port
 from wse_core.perf.hardware import Hardware
 from wse_core.perf.model import memoryx_update_seconds, unit_seconds, unit_work
 
-#: Bytes per message of a tensor through the tree: the ranks' chunk (mpi_launch.messaging).
+#: Bytes per message of a tensor through the tree: the ranks' chunk (mpi_launch.messaging.CHUNK_FLOATS
+#: float32 values).
 CHUNK_BYTES = 1 << 20
 
 
@@ -92,9 +92,7 @@ class StepTime:
 
 def stream_bytes(model, itemsize):
     """Bytes streamed for each unit: every parameter it uses (a tied one with each unit that uses it)."""
-    import numpy as np
-
-    return [sum(int(np.prod(model.param_specs[n].shape)) for n in names) * itemsize for names in model.unit_params]
+    return model.stream_bytes(itemsize)
 
 
 def update_seconds(model, owner, hw):
@@ -136,13 +134,13 @@ def walk_step(model, *, num_csx, samples_per_csx, micro_batch_size, seq_len=None
     tree = [Port(link, **port) for _ in range(depth - 1)]                  # kept by each lower node
     csx = Port(hw.io_gbps, **port)                                         # the CS-2's own I/O
 
-    def weights(u, ready, accept):
+    def weights(u, ready, accept):  # STEP["forward weights"], STEP["backward weights"]
         header = (ready[owner[u]], None)
         for p in (mx[owner[u]], *tree):
             header, _ = p.carry(nbytes[u], header)
         return csx.carry(nbytes[u], header, accept)[1]
 
-    def gradients(u, ready):
+    def gradients(u, ready):  # STEP["gradients"]
         header = (ready, None)
         for p in (csx, *reversed(tree), mx[owner[u]]):
             header, end = p.carry(nbytes[u], header)
@@ -170,7 +168,7 @@ def walk_step(model, *, num_csx, samples_per_csx, micro_batch_size, seq_len=None
             done = gradients(u, t)
             last_out = max(last_out, csx.free)
             at_memoryx[owner[u]] = max(at_memoryx[owner[u]], done)
-        # Gradient norms to the coordinator, its control message back; then each MemoryX updates.
+        # STEP["norms"] to the coordinator, its STEP["control"] back; then each MemoryX updates.
         coordinator = max(loss_at, *at_memoryx) + lat
         control.append(coordinator)
         ready = [max(at_memoryx[k], coordinator + lat) + update[k] for k in range(num_wgt_servers)]

@@ -1,4 +1,4 @@
-"""One attempt of an appliance job: ``python -m mpi_launch.appliance.runner``, started by the service.
+"""One attempt of an appliance job: ``python -m pyapi.appliance.runner``, started by the service.
 
 It runs as the user who submitted the job, in the directory they submitted it from, with the
 numerics variables of their shell (BLAS kernel, thread counts: sent with the job), and trains

@@ -9,11 +9,8 @@ import json
 import sqlite3
 import time
 
-from mpi_launch.appliance.client import ApplianceError
-
-#: A job's life: queued -> running -> done | failed | cancelled (running -> queued when the service stops).
-ACTIVE = ("queued", "running")
-ENDED = ("done", "failed", "cancelled")
+from pyapi.appliance.errors import ApplianceError
+from pyapi.appliance.jobs import JobState
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS jobs (
@@ -102,7 +99,7 @@ class Store:
         self.db.close()
 
     def add(self, **job):
-        job = {**job, "params": json.dumps(job["params"]), "state": "queued", "submitted": time.time()}
+        job = {**job, "params": json.dumps(job["params"]), "state": JobState.QUEUED.value, "submitted": time.time()}
         if job.get("numerics") is not None:
             job["numerics"] = json.dumps(job["numerics"])
         keys = ", ".join(job)
@@ -114,9 +111,12 @@ class Store:
         return None if row is None else _job(row)
 
     def update(self, job_id, **fields):
+        """Set ``fields`` of job ``job_id`` (a state as a ``JobState`` or its value)."""
         unknown = set(fields) - set(_FIELDS)
         if unknown:
             raise KeyError(f"jobs table: no column {sorted(unknown)[0]}")
+        if "state" in fields:
+            fields["state"] = JobState(fields["state"]).value
         sets = ", ".join(f"{k} = ?" for k in fields)
         self.db.execute(f"UPDATE jobs SET {sets} WHERE id = ?", (*fields.values(), job_id))
 
@@ -128,25 +128,27 @@ class Store:
             args.append(uid)
         if states is not None:
             sql += f" AND state IN ({', '.join('?' for _ in states)})"
-            args += list(states)
+            args += [JobState(s).value for s in states]
         return [_job(r) for r in self.db.execute(sql + " ORDER BY id", args)]
 
     def queue(self):
         """Queued jobs in the order they are considered: higher priority first, then first come."""
-        rows = self.db.execute("SELECT * FROM jobs WHERE state = 'queued' ORDER BY priority DESC, id")
+        rows = self.db.execute("SELECT * FROM jobs WHERE state = ? ORDER BY priority DESC, id",
+                               (JobState.QUEUED.value,))
         return [_job(r) for r in rows]
 
     def requeue_running(self, why):
         """Jobs recorded as running belong to a service that is gone: they wait again, ahead of later ones."""
-        ids = [r["id"] for r in self.db.execute("SELECT id FROM jobs WHERE state = 'running'")]
+        ids = [r["id"] for r in self.db.execute("SELECT id FROM jobs WHERE state = ?", (JobState.RUNNING.value,))]
         for job_id in ids:
-            self.update(job_id, state="queued", pid=None, reason=why)
+            self.update(job_id, state=JobState.QUEUED, pid=None, reason=why)
         return ids
 
 
 def _job(row):
     job = dict(row)
     job["params"] = json.loads(job["params"])
+    job["state"] = JobState(job["state"])
     if job["numerics"] is not None:
         job["numerics"] = json.loads(job["numerics"])
     return job

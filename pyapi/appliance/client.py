@@ -11,16 +11,16 @@ import socket
 import time
 from pathlib import Path
 
+from pyapi.appliance.errors import ApplianceError
+from pyapi.appliance.jobs import JobState
+from pyapi.errors import JobError
+
 #: The socket of an appliance started by root, which serves every user of the machine.
 SYSTEM_STATE_DIR = Path("/var/lib/wse-appliance")
 SOCKET_NAME = "appliance.sock"
 SOCKET_ENV = "WSE_APPLIANCE_SOCKET"
 #: A request line longer than this is refused (params files are a few KiB).
 MAX_LINE = 1 << 20
-
-
-class ApplianceError(RuntimeError):
-    """The appliance refused a request or cannot be reached (one line)."""
 
 
 def user_state_dir():
@@ -156,10 +156,8 @@ class SubmittedJob:
 
     def wait(self, timeout=None):
         """Block until the job ends; return its record, or raise JobError if it failed or was cancelled."""
-        from pyapi.job import JobError
-
         job = self.client.wait(self.id, timeout)
-        if job["state"] != "done":
+        if job["state"] != JobState.DONE:
             raise JobError(f"job {self.id} {job['state']}: {job['reason']}")
         return job
 

@@ -9,7 +9,7 @@ and restarts from the latest checkpoint after a fault, up to ``--max_restarts`` 
 accounting); ``wse logs --slurm`` prints the job's output file; ``wse cancel --slurm`` is ``scancel``.
 Which user sees which job is Slurm's business. docs/design.md section 11.
 
-    python -m mpi_launch.appliance.slurm MODEL_DIR/slurm_job.yaml --max_restarts R   (inside sbatch)
+    python -m pyapi.appliance.slurm MODEL_DIR/slurm_job.yaml --max_restarts R   (inside sbatch)
 """
 import argparse
 import os
@@ -19,7 +19,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from mpi_launch.appliance.client import ApplianceError
+from pyapi.appliance.errors import ApplianceError
 
 NAME_PREFIX = "wse-"
 _FIELDS = ("id", "name", "state", "user", "elapsed", "comment")
@@ -56,7 +56,7 @@ def script(job, *, world_size, max_restarts, name, numerics=None):
         f"#SBATCH --chdir={Path.cwd()}",
         f"#SBATCH --comment={comment}",
         *(f"export {k}={shlex.quote(v)}" for k, v in (numerics or {}).items() if k.isidentifier()),
-        f"exec {shlex.quote(sys.executable)} -u -m mpi_launch.appliance.slurm "
+        f"exec {shlex.quote(sys.executable)} -u -m pyapi.appliance.slurm "
         f"{shlex.quote(str(model_dir / 'slurm_job.yaml'))} --max_restarts {int(max_restarts)}",
         ""])
 
@@ -172,11 +172,11 @@ def _hostfile(model_dir):
 
 def main(argv=None):
     """Inside the allocation: train, restarting from the latest checkpoint after a fault."""
-    from mpi_launch.appliance.runner import EXIT_JOB_FAILED, attempt
+    from pyapi.appliance.runner import EXIT_JOB_FAILED, attempt
     from pyapi.params import load
     from wse_core import configure_process
 
-    p = argparse.ArgumentParser(prog="python -m mpi_launch.appliance.slurm")
+    p = argparse.ArgumentParser(prog="python -m pyapi.appliance.slurm")
     p.add_argument("params")
     p.add_argument("--max_restarts", type=int, default=0)
     args = p.parse_args(argv)

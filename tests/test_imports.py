@@ -1,0 +1,94 @@
+"""The layers of the house (docs/design.md section 1): every import points down, and none goes round.
+
+Imports are read from the source with ``ast``, those inside functions included (a lazy import is
+still a dependency). ``from package import name`` depends on the submodule ``package.name`` when
+there is one, else on the package itself; a module's implicit import of its parent packages is not
+counted (Python's own machinery, not a choice of ours).
+"""
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+#: Each layer may import the layers below it, never one above; wse_core and data_tools are the
+#: bottom two (data_tools reads wse_core's checksum kernel and models).
+LAYERS = ("wse_core", "data_tools", "mpi_launch", "pyapi", "bench")
+
+
+def modules():
+    found = {}
+    for layer in LAYERS:
+        for path in sorted((ROOT / layer).rglob("*.py")):
+            parts = path.relative_to(ROOT).with_suffix("").parts
+            found[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+        for path in sorted((ROOT / layer).rglob("*.pyx")):  # compiled modules import nothing of ours
+            found.setdefault(".".join(path.relative_to(ROOT).with_suffix("").parts), None)
+    return found
+
+
+def imports_of(name, path, known):
+    """The project modules ``name`` imports."""
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            targets = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                up = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join(up + ([node.module] if node.module else []))
+            targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in known else base for a in node.names]
+        else:
+            continue
+        for target in targets:
+            while target and target not in known:
+                target = target.rpartition(".")[0]
+            if target and target != name:
+                out.add(target)
+    return out
+
+
+def graph():
+    known = modules()
+    return {name: imports_of(name, path, known) for name, path in known.items() if path is not None}
+
+
+def test_no_module_imports_a_layer_above_its_own():
+    """wse_core < data_tools < mpi_launch < pyapi < bench: the ranks never read the user surface. The
+    one arrow up is `wse bench NAME` (pyapi.cli), which loads the benchmark asked for and nothing else."""
+    rank = {layer: i for i, layer in enumerate(LAYERS)}
+    upward = sorted(f"{a} -> {b}" for a, targets in graph().items() for b in targets
+                    if rank[b.split(".")[0]] > rank[a.split(".")[0]]
+                    and not (a.startswith("pyapi.cli") and b.startswith("bench")))
+    assert not upward, upward
+
+
+def test_no_import_cycles():
+    """No module reaches itself through the modules it imports (Tarjan's strongly connected components)."""
+    edges, index, low, stack, on_stack, cycles = graph(), {}, {}, [], set(), []
+
+    def visit(v):
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(edges.get(v, ())):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                cycles.append(sorted(component))
+
+    for v in sorted(edges):
+        if v not in index:
+            visit(v)
+    assert not cycles, cycles

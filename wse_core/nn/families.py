@@ -1,0 +1,26 @@
+"""The model families by the params' ``model.name``, and ``build_model``, which builds one.
+
+``build_model({"name": "gpt2", "vocab_size": 257, ...})`` returns a ``Model``; unknown keys and
+bad values raise ``ValueError``/``TypeError`` naming the key (``model.num_heads: ...``).
+"""
+from collections.abc import Mapping
+
+from wse_core._checks import did_you_mean, show
+from wse_core.nn import ops as fused_ops
+from wse_core.nn.gpt import build_gpt2
+from wse_core.nn.llama import build_llama
+from wse_core.nn.mlp import build_fc_mlp
+
+#: ``model.name`` -> the builder of its family (Model Zoo's gpt3 is the GPT-2 architecture in
+#: Cerebras-GPT's shapes).
+FAMILIES = {"gpt2": build_gpt2, "gpt3": build_gpt2, "llama": build_llama, "fc_mlp": build_fc_mlp}
+
+
+def build_model(cfg, ops=fused_ops):
+    """Build a ``Model`` from the ``model`` section of the params (a plain dict)."""
+    if not isinstance(cfg, Mapping):
+        raise TypeError(f"model: expected a mapping, got {type(cfg).__name__}")
+    name = cfg.get("name")
+    if isinstance(name, str) and name in FAMILIES:
+        return FAMILIES[name](cfg, ops)
+    raise ValueError(f"model.name: unknown model {show(name)} ({did_you_mean(name, tuple(FAMILIES))})")

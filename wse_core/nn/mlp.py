@@ -1,0 +1,74 @@
+"""fc_mlp (``Classifier``): Dense layers on float features, cross-entropy over classes."""
+import numpy as np
+
+from wse_core._checks import show
+from wse_core.nn.checks import check_int, check_keys, check_precision, check_sparsity
+from wse_core.nn.layers import Dense
+from wse_core.nn.model import Model
+
+ACTIVATIONS = ("relu", "gelu", "gelu_new")  # gelu: exact (erf), as Model Zoo; gelu_new: tanh
+
+
+class Classifier(Model):
+    """fc_mlp: batches of float ``features`` ``[B, input_size]`` and int32 ``labels`` ``[B]`` (every sample counts)."""
+
+    family = "fc_mlp"
+
+    def activation_floats(self, samples, seq_len=None):
+        c = self.config
+        sizes = [c["input_size"], *c["hidden_sizes"], c["num_classes"]]
+        return samples * sum(sizes[i] + sizes[i + 1] for i in range(len(sizes) - 1))
+
+    def example_layout(self, n, seq_len=None):
+        return [((n, self.config["input_size"]), np.float32), ((n,), np.int32)]
+
+    def check_batch(self, batch):
+        cfg = self.config
+        x, y = batch.get("features"), batch.get("labels")
+        if not isinstance(x, np.ndarray) or x.ndim != 2 or x.shape[1] != cfg["input_size"]:
+            raise ValueError(f"batch['features']: expected [batch, {cfg['input_size']}], "
+                             f"got {getattr(x, 'shape', type(x).__name__)}")
+        if not isinstance(y, np.ndarray) or y.dtype != np.int32 or y.shape != (x.shape[0],):
+            raise TypeError(f"batch['labels']: expected int32 [{x.shape[0]}], got "
+                            f"{getattr(y, 'dtype', type(y).__name__)} {getattr(y, 'shape', '')}")
+        return x.shape[0]
+
+    def batch_of(self, arrays):
+        return {"features": arrays[0], "labels": arrays[1]}
+
+    def first_input(self, batch, dtype):
+        return self.precision.round_(np.array(batch["features"], dtype=dtype))
+
+    def correct(self, y, batch):
+        return int(np.count_nonzero(np.argmax(y, axis=-1) == batch["labels"]))
+
+    def _cross_entropy(self, y, batch):
+        loss_sum, dy = self.ops.cross_entropy(y, np.ascontiguousarray(batch["labels"]), np.ones(y.shape[0], np.int32))
+        return loss_sum, y.shape[0], dy
+
+
+_MLP_KEYS = {"name", "input_size", "hidden_sizes", "num_classes", "activation", "sparsity", "sparsity_seed",
+             "mixed_precision", "fp16_type"}
+
+
+def build_fc_mlp(cfg, ops):
+    """fc_mlp: Dense layers of ``hidden_sizes`` with ``activation`` between them, then ``num_classes``."""
+    check_keys(cfg, _MLP_KEYS)
+    c = {"name": "fc_mlp", "input_size": check_int(cfg, "input_size"), "num_classes": check_int(cfg, "num_classes", 2)}
+    hidden = cfg.get("hidden_sizes", [])
+    if not isinstance(hidden, (list, tuple)):
+        raise TypeError(f"model.hidden_sizes: expected a list of integers, got {show(hidden)}")
+    for i, h in enumerate(hidden):
+        if isinstance(h, bool) or not isinstance(h, (int, np.integer)) or h < 1:
+            raise ValueError(f"model.hidden_sizes[{i}]: expected an integer >= 1, got {show(h)}")
+    c["hidden_sizes"] = [int(h) for h in hidden]
+    act = cfg.get("activation", "relu")
+    if act not in ACTIVATIONS:
+        raise ValueError(f"model.activation: unknown activation {show(act)} (known: {', '.join(ACTIVATIONS)})")
+    c["activation"] = act
+    density, seed = check_sparsity(cfg, c)
+    check_precision(cfg, c)
+    sizes = [c["input_size"], *c["hidden_sizes"], c["num_classes"]]
+    units = [Dense(i, sizes[i], sizes[i + 1], act if i < len(sizes) - 2 else None, ops, density, seed)
+             for i in range(len(sizes) - 1)]
+    return Classifier(c, units, ops)
