@@ -30,6 +30,7 @@ def main(argv=None):
     run = run_dir.read_run()
     from mpi4py import MPI
 
+    supervisor.report(supervisor.MPI_UP)
     from mpi_launch.plan import plan_for
     from mpi_launch.roles import ROLES
     from mpi_launch.spec import RunSpec

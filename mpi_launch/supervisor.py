@@ -41,6 +41,9 @@ _CONNECT_SECONDS = 30.0
 _MAX_REPORT = 3000
 #: The shared-memory segments MPICH's ranks of one host map (unlinked by MPI_Finalize only).
 _SHM_PREFIX = "/dev/shm/mpich_shm_"
+#: The rank's report that MPI_Init is done: the supervisor reads the rank's mappings then (a rank
+#: that fails later, even importing its role, has its segment) and sends them to the watchdog.
+MPI_UP = "mpi_up"
 
 _report_fd = None  # the child's end of the report pipe, once supervised
 
@@ -56,7 +59,8 @@ def die_with_parent(sig):
 
 
 def report(event, **fields):
-    """From the rank: tell the launcher ``event`` (``ready``, ``done``, ``error``). A no-op when unsupervised."""
+    """From the rank: tell the launcher ``event`` (``MPI_UP``, ``ready``, ``done``, ``error``). A no-op
+    when unsupervised."""
     if _report_fd is None:
         return
     line = json.dumps({"event": event, "time": time.time(), **fields})
@@ -126,7 +130,7 @@ class Supervisor:
 
     def __init__(self, sock, token, rank, child, reports):
         self.sock, self.rank, self.child, self.reports = sock, rank, child, reports
-        self.shm = set()  # MPICH's shared-memory files the rank mapped (read when it is ready)
+        self.shm = set()  # MPICH's shared-memory files the rank mapped (read once MPI is up)
         self.sock.settimeout(None)
         self.buffer = b""
         self.wake_r, self.wake_w = os.pipe()
@@ -162,8 +166,9 @@ class Supervisor:
                 message = json.loads(line)
             except ValueError:
                 continue
-            if message.get("event") == "ready":  # MPI_Init is behind it: the host's segment is mapped
+            if message.get("event") == MPI_UP:  # the host's segment is mapped: the launcher learns it too
                 self.shm = _shm_files(self.child)
+                message["shm"] = sorted(self.shm)
             self.send(message)
         return True
 

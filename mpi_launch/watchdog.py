@@ -70,6 +70,7 @@ class RankState:
     exited: bool = False
     connected: bool = False
     reported: bool = False        # an incident about this rank's silence is on record
+    shm: tuple = ()               # MPICH's shared-memory files the rank mapped on its host
 
 
 @dataclass(order=True)
@@ -147,6 +148,18 @@ class Watchdog:
     def _cause(self):
         primaries = sorted((i for i in self.incidents if i.primary), key=lambda i: (not i.external, i.time))
         return primaries[0] if primaries else min(self.incidents)
+
+    def remove_shared_memory(self):
+        """The job is over: remove the MPICH shared-memory files its ranks on this host mapped. Only
+        MPI_Finalize removes them, so a job ended by a fault (the ranks and their supervisors killed
+        together) left 7.4 MB of memory per host in /dev/shm until a reboot. Other hosts' supervisors
+        remove theirs when their rank dies before them."""
+        here = socket.gethostname()
+        for path in {p for s in self.ranks.values() if s.host == here for p in s.shm}:
+            try:
+                os.unlink(path)
+            except OSError:
+                pass  # removed by MPI_Finalize or by a supervisor
 
     def stop(self):
         """The job is over: stop the watching thread and release the port."""
@@ -240,6 +253,8 @@ class Watchdog:
             self.log.flush()
         if kind == "hello":
             s.pid, s.host, s.connected = msg.get("pid"), msg.get("host"), True
+        elif kind == "mpi_up":
+            s.shm = tuple(msg.get("shm", ()))
         elif kind == "ready":
             s.ready = True
             if self.on_ready is not None and all(x.ready for x in self.ranks.values()):
@@ -475,6 +490,7 @@ def launch(cmd, plan, run_dir, *, peer_timeout, startup_timeout, hostfile=None, 
                 raise
             finally:
                 watchdog.stop()
+                watchdog.remove_shared_memory()
             err.seek(0)
             stderr = "".join(banner) + err.read()
         run_dir.mpiexec_log.write_text(stderr)

@@ -492,7 +492,8 @@ def test_bad_params_fail_before_mpiexec(tmp_path, data, jobs):
 
 
 def test_an_exception_in_a_role_ends_the_job_with_one_line(tmp_path, data, jobs):
-    """A damaged data file makes an input worker raise: the job ends, naming that rank and role."""
+    """A damaged data file makes an input worker raise: the job ends, naming that rank and role, and
+    leaves no MPICH shared-memory file in /dev/shm (its ranks and their supervisors were killed together)."""
     bad = tmp_path / "bad"
     bad.mkdir()
     for f in sorted(data.glob("*.h5"))[:2]:
@@ -509,6 +510,14 @@ def test_an_exception_in_a_role_ends_the_job_with_one_line(tmp_path, data, jobs)
     assert proc.returncode == 1
     line = one_line(proc)
     assert line.startswith("wse fit: rank ") and "(worker " in line and "data-00002.h5" in line, proc.stderr
+    shm = shared_memory_of(RunDir(tmp_path / "model"))
+    assert shm and not [path for path in shm if os.path.exists(path)]
+
+
+def shared_memory_of(run_dir):
+    """The MPICH shared-memory files a job's ranks mapped, as their supervisors reported them."""
+    events = [json.loads(x) for x in run_dir.watchdog_log.read_text().splitlines()]
+    return {path for e in events if e.get("event") == "mpi_up" for path in e["shm"]}
 
 
 def start_long_job(jobs, tmp_path, data, *extra, steps=100000):
@@ -607,6 +616,7 @@ def test_a_stopped_rank_is_named(tmp_path, data, jobs, role):
     code, line = ended(job)
     assert code == 1 and line.startswith(f"wse fit: rank {rank} ({role} ") and "stopped answering" in line, line
     assert not jobs.leftovers()
+    assert not [path for path in shared_memory_of(run_dir) if os.path.exists(path)]
 
 
 @pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM, signal.SIGINT], ids=["kill", "term", "int"])
