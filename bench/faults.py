@@ -29,6 +29,7 @@ import time
 from pathlib import Path
 
 from bench.harness import machine, table
+from mpi_launch.rundir import RunDir
 from mpi_launch.watchdog import job_processes
 
 ROLES = ("coordinator", "memoryx", "swarmx", "csx", "worker")
@@ -89,7 +90,7 @@ class Campaign:
         return proc, model_dir
 
     def plan(self, model_dir, proc, timeout=120):
-        path = model_dir / "plan.json"
+        path = RunDir(model_dir).plan_json
         deadline = time.monotonic() + timeout
         while not path.exists() and time.monotonic() < deadline and proc.poll() is None:
             time.sleep(0.01)
@@ -151,7 +152,7 @@ class Campaign:
 
     @staticmethod
     def phase(model_dir, rank):
-        log = model_dir / "logs" / "watchdog.log"
+        log = RunDir(model_dir).watchdog_log
         events = []
         if log.exists():
             for line in log.read_text().splitlines():
@@ -174,12 +175,12 @@ class Campaign:
     def stop_trial(self, role):
         proc, model_dir = self.start(100000)
         plan = self.plan(model_dir, proc)
-        metrics = model_dir / "metrics.jsonl"
+        metrics = RunDir(model_dir).metrics
         while proc.poll() is None and not (metrics.exists() and metrics.read_text().strip()):
             time.sleep(0.05)
         time.sleep(self.rng.uniform(0.0, 2.0))
         rank = self.victim(plan, role)
-        os.kill(int((model_dir / "logs" / f"pid_rank_{rank}").read_text()), signal.SIGSTOP)
+        os.kill(int(RunDir(model_dir).pid_file(rank).read_text()), signal.SIGSTOP)
         t_stop = time.monotonic()
         code, line = self.finish(proc)
         seconds = time.monotonic() - t_stop
@@ -190,7 +191,7 @@ class Campaign:
 
     def launcher_trial(self, sig):
         proc, model_dir = self.start(100000)
-        metrics = model_dir / "metrics.jsonl"
+        metrics = RunDir(model_dir).metrics
         while proc.poll() is None and not (metrics.exists() and metrics.read_text().strip()):
             time.sleep(0.05)
         before = len(job_processes(str(model_dir)))

@@ -46,6 +46,39 @@ def shard_name(k):
     return f"memoryx_{k}.h5"
 
 
+# The tensor keys' grammar, spelled only here: ``model/<param>``, ``optimizer/<param>/<state>`` and
+# ``sparse/<param>/<part>`` (part: indptr, indices, shape). A state's or part's name holds no ``/``.
+MODEL, OPTIMIZER, SPARSE = "model", "optimizer", "sparse"
+SPARSE_PARTS = ("indptr", "indices", "shape")
+
+
+def model_key(name):
+    """The key of parameter ``name``'s values."""
+    return f"{MODEL}/{name}"
+
+
+def state_key(name, state):
+    """The key of optimizer state ``state`` (e.g. ``exp_avg``) of parameter ``name``."""
+    return f"{OPTIMIZER}/{name}/{state}"
+
+
+def sparse_key(name, part):
+    """The key of one part (one of SPARSE_PARTS) of sparse weight ``name``'s CSR pattern."""
+    return f"{SPARSE}/{name}/{part}"
+
+
+def parse_key(key):
+    """A tensor key -> (kind, name, part): kind MODEL, OPTIMIZER or SPARSE; part the state or the
+    sparse part (None for MODEL). None for a key of none of these forms."""
+    kind, _, rest = key.partition("/")
+    if kind == MODEL and rest:
+        return kind, rest, None
+    name, _, part = rest.rpartition("/")
+    if kind in (OPTIMIZER, SPARSE) and name and part:
+        return kind, name, part
+    return None
+
+
 def _sha256(a):
     return hashlib.sha256(np.ascontiguousarray(a).view(np.uint8)).hexdigest()
 
@@ -109,11 +142,11 @@ def _fsync_path(path):
 
 def _tensor_keys(params, opt_state, sparse=None):
     for name, value in params.items():
-        yield f"model/{name}", value
+        yield model_key(name), value
         for state, arr in (opt_state or {}).get(name, {}).items():
-            yield f"optimizer/{name}/{state}", arr
+            yield state_key(name, state), arr
         for part, arr in (sparse or {}).get(name, {}).items():
-            yield f"sparse/{name}/{part}", arr
+            yield sparse_key(name, part), arr
 
 
 class CheckpointWriter:
@@ -323,16 +356,21 @@ class Checkpoint:
             self.shard_sha256 = json.loads(a["shard_sha256"])
             if not (isinstance(self.tensors, dict) and isinstance(self.shard_sha256, dict)):
                 raise ValueError("tensors and shard_sha256 must be JSON objects")
+            self._parsed = [k for k in map(parse_key, self.tensors) if k]  # (kind, name, part), in table order
         except (KeyError, ValueError, TypeError) as exc:
             raise CheckpointError(f"{index}: missing or malformed attribute ({exc})") from None
 
     @property
     def param_names(self):
-        return [k[len("model/"):] for k in self.tensors if k.startswith("model/")]
+        return [name for kind, name, _ in self._parsed if kind == MODEL]
+
+    def shape(self, name):
+        """The stored shape of parameter ``name`` (a sparse weight's: its number of nonzeros)."""
+        return self.tensors[model_key(name)]["shape"]
 
     def sparse_names(self):
         """Parameters stored as the nonzero values of a sparse matrix."""
-        return [n for n in self.param_names if f"sparse/{n}/indptr" in self.tensors]
+        return [n for n in self.param_names if sparse_key(n, "indptr") in self.tensors]
 
     def dense(self, params):
         """``params`` with every sparse weight expanded to its dense ``[out, in]`` matrix (zeros elsewhere)."""
@@ -342,7 +380,7 @@ class Checkpoint:
             for n in self.sparse_names():
                 if n not in out:
                     continue
-                indptr, indices, shape = (self._read(f"sparse/{n}/{part}", handles) for part in ("indptr", "indices", "shape"))
+                indptr, indices, shape = (self._read(sparse_key(n, part), handles) for part in SPARSE_PARTS)
                 dense = np.zeros(tuple(int(x) for x in shape), out[n].dtype)
                 dense[np.repeat(np.arange(len(indptr) - 1), np.diff(indptr)), indices] = out[n]
                 out[n] = dense
@@ -352,8 +390,7 @@ class Checkpoint:
         return out
 
     def state_names(self, name):
-        prefix = f"optimizer/{name}/"
-        return [k[len(prefix):] for k in self.tensors if k.startswith(prefix)]
+        return [state for kind, n, state in self._parsed if kind == OPTIMIZER and n == name]
 
     def _read(self, key, handles):
         meta = self.tensors[key]
@@ -397,16 +434,16 @@ class Checkpoint:
         """(params, opt_state) of ``names`` (default: all): each shard they come from is checked
         whole, as ``verify`` does, and each tensor against its own SHA-256."""
         names = self.param_names if names is None else list(names)
-        missing = [n for n in names if f"model/{n}" not in self.tensors]
+        missing = [n for n in names if model_key(n) not in self.tensors]
         if missing:
             raise CheckpointError(f"{self.dir}: no parameter {missing[0]!r} in this checkpoint")
-        keys = [f"model/{n}" for n in names] + [f"optimizer/{n}/{s}" for n in names for s in self.state_names(n)]
+        keys = [model_key(n) for n in names] + [state_key(n, s) for n in names for s in self.state_names(n)]
         for k in sorted({self.tensors[key]["shard"] for key in keys}):
             self._check_shard(k)
         handles = {}
         try:
-            params = {n: self._read(f"model/{n}", handles) for n in names}
-            state = {n: {s: self._read(f"optimizer/{n}/{s}", handles) for s in self.state_names(n)} for n in names}
+            params = {n: self._read(model_key(n), handles) for n in names}
+            state = {n: {s: self._read(state_key(n, s), handles) for s in self.state_names(n)} for n in names}
         finally:
             for f in handles.values():
                 f.close()
@@ -418,6 +455,7 @@ class Checkpoint:
             self._check_shard(k)
 
     def info(self):
+        model_keys = {model_key(n) for n in self.param_names}
         shards = []
         for k in range(self.num_shards):
             path = self.dir / shard_name(k)
@@ -425,7 +463,7 @@ class Checkpoint:
             shards.append({"name": path.name, "bytes": path.stat().st_size if path.exists() else None,
                            "tensors": len(keys),
                            "parameters": int(sum(np.prod(self.tensors[key]["shape"]) for key in keys
-                                                 if key.startswith("model/")))})
+                                                 if key in model_keys))})
         return {"path": str(self.dir), "step": self.step, "format_version": self.format_version,
                 "num_shards": self.num_shards, "shards": shards,
                 "n_params": int(sum(s["parameters"] for s in shards)),

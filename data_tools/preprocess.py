@@ -11,6 +11,8 @@ tokenizing thread (docs/design.md section 10). The stream is cut into examples o
 positions [i*S, i*S + S] so every token is predicted exactly once. The last example is padded
 (pad id = end-of-text, loss mask 0). Output does not depend on the number of processes.
 ``--seed N`` shuffles the examples with a fixed permutation before they are written.
+It is one module because it is one pipeline: the job plan (JOB_BYTES), the workers' tokenizing and
+the packing writer decide together that the output does not depend on the number of processes.
 """
 import collections
 import glob

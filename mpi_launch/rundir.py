@@ -15,6 +15,9 @@ Layout (docs/design.md section 4); no other module spells these names:
       logs/mpiexec.log        hydra's own messages
       logs/watchdog.log       every report of the ranks' supervisors, as the watchdog received it
       logs/hwloc.xml          never written: named to hydra so it leaves no file in /tmp (mpiexec.hydra_env)
+      logs/slurm-<id>.out     a Slurm job's output (pyapi.appliance.slurm)
+      logs/hosts-<id>         hydra's hostfile of a Slurm allocation over several nodes
+      slurm_job.yaml, slurm_job.sh   the params and the sbatch script of `wse submit --slurm`
       checkpoint_<step>/, latest   the checkpoint store (data_tools.checkpoint)
 """
 import fcntl
@@ -101,6 +104,21 @@ class RunDir:
 
     def pid_file(self, rank):
         return self.logs / f"pid_rank_{rank}"
+
+    @property
+    def slurm_job_yaml(self):
+        return self.path / "slurm_job.yaml"
+
+    @property
+    def slurm_job_sh(self):
+        return self.path / "slurm_job.sh"
+
+    def slurm_output(self, job_id="%j"):
+        """A Slurm job's output file (the default: sbatch's pattern for it)."""
+        return self.logs / f"slurm-{job_id}.out"
+
+    def hostfile(self, job_id):
+        return self.logs / f"hosts-{job_id}"
 
     # -- the lock ------------------------------------------------------------------------------
     def lock(self, what="wse fit"):
@@ -226,6 +244,6 @@ def _check_compatible(ckpt, params):
     if missing:
         raise MPILaunchError(f"{ckpt.dir}: does not hold parameter {sorted(missing)[0]!r} of this model")
     for name, spec in model.param_specs.items():  # e.g. a different model.sparsity
-        shape = ckpt.tensors[f"model/{name}"]["shape"]
+        shape = ckpt.shape(name)
         if shape != list(spec.shape):
             raise MPILaunchError(f"{ckpt.dir}: parameter {name!r} has shape {shape}, this model's is {list(spec.shape)}")

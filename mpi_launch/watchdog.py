@@ -21,7 +21,8 @@ on a loaded machine its supervisor may report first, but nothing in the job send
 Errors that only report a lost peer (``PeerLost``/``PeerTimeout``) are echoes.
 Ending the job closes every supervisor's connection (each kills its rank) and kills mpiexec's
 process group; a launcher that dies closes them just the same, so no rank outlives it.
-See docs/design.md section 3.
+See docs/design.md section 3. It is one module because the incident rules and ``launch`` (which
+runs mpiexec under them) are one protocol with mpi_launch.supervisor and change together.
 """
 import json
 import os

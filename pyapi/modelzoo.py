@@ -20,6 +20,9 @@ a fate"):
 - **refused**: a key that would change the numerics and is not built (``adjust_learning_rate``, a
   ``sparsity`` section, muP's ``scale_qk_dot_by_d``), or a key nobody knows (a typo): every such key
   goes into one error, so a file is fixed in one pass.
+
+It is one module because both halves are Model Zoo's one contract: a key Model Zoo adds needs its
+home in the trainer layout and its fate here, in the same change.
 """
 import copy
 import warnings

@@ -19,6 +19,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from mpi_launch.rundir import RunDir
 from pyapi.appliance.errors import ApplianceError
 
 NAME_PREFIX = "wse-"
@@ -44,6 +45,7 @@ def script(job, *, world_size, max_restarts, name, numerics=None):
     ``SBATCH_EXPORT=NONE`` (or ``--export``): these decide the job's bits, so they travel in any case.
     """
     model_dir = job.model_dir.absolute()
+    run_dir = RunDir(model_dir)
     r = job.params.runconfig
     # What `wse jobs --slurm` shows beside Slurm's state (sbatch drops quotes: no JSON here).
     comment = f"num_csx={r.num_csx},max_steps={r.max_steps},model_dir={model_dir}"
@@ -52,12 +54,12 @@ def script(job, *, world_size, max_restarts, name, numerics=None):
         "# A wse-cluster job, written by `wse submit --slurm`: one task per MPI rank of its plan.",
         f"#SBATCH --job-name={NAME_PREFIX}{name}",
         f"#SBATCH --ntasks={world_size}",
-        f"#SBATCH --output={model_dir / 'logs' / 'slurm-%j.out'}",
+        f"#SBATCH --output={run_dir.slurm_output()}",
         f"#SBATCH --chdir={Path.cwd()}",
         f"#SBATCH --comment={comment}",
         *(f"export {k}={shlex.quote(v)}" for k, v in (numerics or {}).items() if k.isidentifier()),
         f"exec {shlex.quote(sys.executable)} -u -m pyapi.appliance.slurm "
-        f"{shlex.quote(str(model_dir / 'slurm_job.yaml'))} --max_restarts {int(max_restarts)}",
+        f"{shlex.quote(str(run_dir.slurm_job_yaml))} --max_restarts {int(max_restarts)}",
         ""])
 
 
@@ -77,12 +79,13 @@ def submit(job, *, max_restarts=0, name=None):
             raise ValueError(f"{what}: {str(path)!r} has spaces or control characters, which #SBATCH lines "
                              "cannot carry; use another")
     name = re.sub(r"[^\w.-]", "_", name or model_dir.name)[:64]
-    (model_dir / "logs").mkdir(parents=True, exist_ok=True)
-    frozen = model_dir / "slurm_job.yaml"
+    run_dir = RunDir(model_dir)
+    run_dir.logs.mkdir(parents=True, exist_ok=True)
+    frozen = run_dir.slurm_job_yaml
     d = job.params.to_dict()
     d["runconfig"]["model_dir"] = str(model_dir)
     frozen.write_text(yaml.safe_dump(d, sort_keys=False))
-    path = model_dir / "slurm_job.sh"
+    path = run_dir.slurm_job_sh
     path.write_text(script(job, world_size=plan_for(job.params)[0].world_size, max_restarts=max_restarts, name=name,
                            numerics=numerics_variables()))
     out = _run(["sbatch", "--parsable", str(path)])
@@ -103,8 +106,6 @@ def _seconds(elapsed):
 
 def _record(fields):
     """A job's record in the shape of the appliance's (``wse jobs``), from Slurm's fields."""
-    from mpi_launch.rundir import RunDir
-
     f = dict(zip(_FIELDS, fields))
     m = _COMMENT.fullmatch(f["comment"])
     num_csx, max_steps, model_dir = (int(m[1]), int(m[2]), m[3]) if m else (None, None, None)
@@ -165,7 +166,7 @@ def _hostfile(model_dir):
     for part in os.environ["SLURM_TASKS_PER_NODE"].split(","):  # e.g. 2(x3),1
         m = re.fullmatch(r"(\d+)(?:\(x(\d+)\))?", part)
         counts += [int(m.group(1))] * int(m.group(2) or 1)
-    path = Path(model_dir) / "logs" / f"hosts-{os.environ['SLURM_JOB_ID']}"
+    path = RunDir(model_dir).hostfile(os.environ["SLURM_JOB_ID"])
     path.write_text("".join(f"{h}:{n}\n" for h, n in zip(hosts, counts)))
     return path
 

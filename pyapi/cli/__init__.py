@@ -1,0 +1,128 @@
+"""The `wse` command line: one subcommand per task, each with its own --help.
+
+Each command group is a module that adds its subparser(s) and holds the functions that run them:
+
+    doctor      doctor, demo
+    train       fit, validate, compile
+    appliance   appliance start|stop|status, submit, jobs, logs, cancel
+    params      params convert|keys
+    data        data preprocess|inspect|verify
+    checkpoint  checkpoint info|verify|convert|from-hf
+    fabric      fabric run
+    bench       bench NAME
+    options     what several of them share (an option under both spellings, a job's arguments)
+
+Here: the top-level parser, and main() with its one-line errors and exit codes. The modules import
+nothing heavy at import time, so `wse --help` stays quick (tests/test_cli.py).
+"""
+import argparse
+import importlib.metadata
+import os
+import sys
+
+from mpi_launch import MPILaunchError
+from pyapi.cli import appliance, bench, checkpoint, data, doctor, fabric, params, train
+
+#: The subcommands in the order `wse --help` lists them.
+_COMMANDS = (doctor.add_doctor, doctor.add_demo, train.add_fit, appliance.add_appliance, appliance.add_submit,
+             appliance.add_jobs, appliance.add_logs, appliance.add_cancel, train.add_validate, params.add_params,
+             train.add_compile, data.add_data, checkpoint.add_checkpoint, fabric.add_fabric, bench.add_bench)
+
+
+def _version():
+    try:
+        return importlib.metadata.version("wse-cluster")
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown (not installed)"
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse's parser, answering a mistyped choice with the closest one (`wse fitt`: did you mean
+    fit?) rather than the list of all. (Python 3.14's ``suggest_on_error`` does this; we support 3.10.)"""
+
+    def _check_value(self, action, value):
+        if action.choices is not None and value not in action.choices:
+            from wse_core._checks import did_you_mean
+
+            raise argparse.ArgumentError(action, f"invalid choice: {value!r} "
+                                                 f"({did_you_mean(value, list(action.choices))})")
+
+
+def build_parser(argv=()):
+    """The argument parser for ``argv``: the modules behind long help texts and benchmark options are
+    imported only for the subcommand ``argv`` names, so ``wse --help`` stays quick."""
+    chosen = tuple(argv[:2])
+    parser = _Parser(
+        prog="wse",
+        description="wse-cluster: an emulated wafer-scale cluster (CS-2 systems, MemoryX, SwarmX) on CPUs and MPI.")
+    parser.add_argument("--version", action="version", version=f"wse-cluster {_version()}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for add in _COMMANDS:
+        add(sub, chosen)
+    return parser
+
+
+def main(argv=None):
+    try:
+        code = _main(argv)
+        sys.stdout.flush()  # here, where a reader that left is caught, rather than at exit
+        return code
+    except BrokenPipeError:
+        if not _stdout_gone():
+            raise
+        # `wse ... | head`: the reader left. End quietly, as other command-line tools do; not by
+        # SIGPIPE's default action, which would also end wse without a word when a pipe to one of
+        # its own processes breaks (a killed preprocessing worker did).
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())  # nothing left to flush at exit
+        os.close(devnull)
+        return 1
+
+
+def _stdout_gone():
+    """Whether standard output's reader has gone: a pipe's reader closed it (POLLERR), a socket's
+    peer shut it (POLLHUP)."""
+    import select
+
+    try:
+        poll = select.poll()
+        poll.register(sys.stdout.fileno(), 0)
+        return any(events & (select.POLLERR | select.POLLHUP) for _, events in poll.poll(0))
+    except (OSError, ValueError, AttributeError):  # no fileno, or no poll on this platform
+        return False
+
+
+def _main(argv):
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args = build_parser(argv).parse_args(argv)
+    import warnings
+
+    from data_tools.errors import DataWarning
+    from pyapi.modelzoo import ParamsWarning
+
+    default_show = warnings.showwarning
+
+    def show(message, category, *rest, **kwargs):  # our warnings are one line, as errors are
+        if issubclass(category, (ParamsWarning, DataWarning)):
+            print(f"wse {args.command}: warning: {message}", file=sys.stderr)
+        else:
+            default_show(message, category, *rest, **kwargs)
+
+    warnings.showwarning = show
+    from pyapi.appliance.client import ApplianceError
+    from pyapi.job import JobError
+
+    try:
+        from wse_core import configure_process
+
+        configure_process()
+        return args.func(args)
+    except (ValueError, TypeError, OSError, MPILaunchError, ApplianceError, JobError) as exc:
+        # User-facing failures are one line; WSE_DEBUG=1 shows the traceback behind it.
+        if os.environ.get("WSE_DEBUG") or (isinstance(exc, BrokenPipeError) and _stdout_gone()):
+            raise  # main() ends quietly when the reader of our output left
+        print(f"wse {args.command}: error: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print(f"wse {args.command}: interrupted", file=sys.stderr)
+        return 130

@@ -1,0 +1,76 @@
+"""`wse checkpoint info|verify|convert|from-hf`: checkpoints, read, checked and written in other formats."""
+from pyapi.cli.options import print_json_or_lines
+
+
+def _cmd_checkpoint_info(args):
+    from data_tools.checkpoint import Checkpoint
+
+    info = Checkpoint(args.path).info()
+    if not args.json:
+        info["shards"] = ", ".join(f"{s['name']} ({s['parameters']:,} params, {s['bytes']:,} B)"
+                                   for s in info["shards"])
+        info["params_yaml"] = f"{len(info['params_yaml'].splitlines())} lines"
+        if info["numerics"]:
+            from wse_core.numerics import describe
+
+            info["numerics"] = describe(info["numerics"])
+    print_json_or_lines(info, args.json)
+    return 0
+
+
+def _cmd_checkpoint_verify(args):
+    from data_tools.checkpoint import Checkpoint
+
+    ckpt = Checkpoint(args.path)
+    ckpt.verify()
+    print(f"{ckpt.dir}: ok (step {ckpt.step}, {ckpt.num_shards} shards, {len(ckpt.tensors)} tensors)")
+    return 0
+
+
+def _cmd_checkpoint_convert(args):
+    from data_tools.checkpoint import Checkpoint
+
+    out = Checkpoint(args.path).convert(args.to, args.output)
+    print(f"wrote {out}")
+    return 0
+
+
+def _cmd_checkpoint_from_hf(args):
+    import yaml
+
+    from data_tools.checkpoint import from_hf
+
+    path, model = from_hf(args.path, args.output)
+    print(f"wrote {path} (step 0, weights only: the optimizer starts fresh)")
+    print("a run starts from it with `wse fit PARAMS --checkpoint_path " f"{path}` and this model section in PARAMS:")
+    print(yaml.safe_dump({"model": model}, sort_keys=False), end="")
+    return 0
+
+
+def add_checkpoint(sub, chosen):
+    p = sub.add_parser("checkpoint", help="inspect, verify and convert checkpoints",
+                       description="Inspect, verify and convert checkpoints (a model_dir, a checkpoint "
+                                   "directory or its index.h5).")
+    ck_sub = p.add_subparsers(dest="checkpoint_command", metavar="ACTION", required=True)
+    cp = ck_sub.add_parser("info", help="step, shards, tensors, loader position")
+    cp.add_argument("path", metavar="PATH")
+    cp.add_argument("--json", action="store_true", help="print JSON")
+    cp.set_defaults(func=_cmd_checkpoint_info)
+    cp = ck_sub.add_parser("verify", help="check SHA-256 of every shard; exit 1 naming the damaged tensor")
+    cp.add_argument("path", metavar="PATH")
+    cp.set_defaults(func=_cmd_checkpoint_verify)
+    cp = ck_sub.add_parser("convert", help="write the weights as npz, h5, a torch state_dict or a Hugging Face "
+                                           "directory")
+    cp.add_argument("path", metavar="PATH")
+    cp.add_argument("--to", required=True, choices=["npz", "h5", "torch", "hf"],
+                    help="hf: a directory with config.json and model.safetensors (GPT2LMHeadModel, LlamaForCausalLM) "
+                         "and the training data's tokenizer (AutoTokenizer)")
+    cp.add_argument("--output", required=True, metavar="FILE")
+    cp.set_defaults(func=_cmd_checkpoint_convert)
+    cp = ck_sub.add_parser("from-hf", help="a checkpoint a run can start from, from a Hugging Face model directory",
+                           description="Read DIR (config.json, *.safetensors of a GPT2LMHeadModel or "
+                                       "LlamaForCausalLM) and write a step-0, weights-only checkpoint into "
+                                       "--output (a model_dir); print the model section a run on it needs.")
+    cp.add_argument("path", metavar="DIR")
+    cp.add_argument("--output", required=True, metavar="MODEL_DIR")
+    cp.set_defaults(func=_cmd_checkpoint_from_hf)

@@ -1,0 +1,77 @@
+"""`wse data preprocess|inspect|verify`: the HDF5 datasets a run reads."""
+import argparse
+import importlib
+
+from data_tools import COMPRESSIONS, DEFAULT_COMPRESSION
+from pyapi.cli.options import opt, print_json_or_lines
+
+
+def _cmd_data_preprocess(args):
+    from data_tools.preprocess import preprocess_arrays, preprocess_text
+
+    if args.format == "arrays":
+        if len(args.input) != 1:
+            raise ValueError("--format arrays: expected one --input FILE.npz")
+        params = preprocess_arrays(args.input[0], args.output_dir, samples_per_file=args.samples_per_file,
+                                   compression=args.compression, overwrite=args.overwrite)
+    else:
+        if args.max_seq_length is None:
+            raise ValueError("--max_seq_length: required for text inputs")
+        params = preprocess_text(args.input, args.output_dir, args.max_seq_length, tokenizer=args.tokenizer,
+                                 samples_per_file=args.samples_per_file, processes=args.processes,
+                                 seed=args.seed, jsonl_key=args.jsonl_key, compression=args.compression,
+                                 overwrite=args.overwrite)
+    summary = f"wrote {params['n_examples']:,} examples in {len(params['files'])} files to {args.output_dir}"
+    if params["format"] == "lm":
+        summary += (f" ({params['n_tokens']:,} tokens, {params['input_bytes'] / 1e6:.1f} MB in "
+                    f"{params['seconds']:.1f} s = {params['input_bytes'] / 1e6 / params['seconds']:.2f} MB/s)")
+    print(summary)
+    return 0
+
+
+def _cmd_data_inspect(args):
+    from data_tools.dataset import inspect_dataset
+
+    print_json_or_lines(inspect_dataset(args.dir), args.json)
+    return 0
+
+
+def _cmd_data_verify(args):
+    from data_tools.lmdata import verify_dataset
+
+    s = verify_dataset(args.dir)
+    print(f"{args.dir}: ok ({s['format']}, {s['files']} files, {s['n_examples']:,} examples)")
+    return 0
+
+
+def add_data(sub, chosen):
+    p = sub.add_parser("data", help="prepare, inspect and verify HDF5 datasets",
+                       description="Prepare, inspect and verify HDF5 datasets (Model Zoo LMData layout).")
+    data_sub = p.add_subparsers(dest="data_command", metavar="ACTION", required=True)
+    dp = data_sub.add_parser("preprocess", help="tokenize text (or arrays) into HDF5 shards",
+                             description=(importlib.import_module("data_tools.preprocess").__doc__
+                                          if chosen == ("data", "preprocess") else None),
+                             formatter_class=argparse.RawDescriptionHelpFormatter)
+    dp.add_argument("--input", nargs="+", required=True, metavar="PATH",
+                    help="files (.txt, .jsonl), directories, globs, or 'stdlib'; with --format arrays one .npz")
+    opt(dp, "--output_dir", required=True, metavar="DIR", help="where the .h5 files and data_params.json go")
+    opt(dp, "--max_seq_length", type=int, metavar="S", help="tokens per example (text inputs)")
+    dp.add_argument("--tokenizer", default="byte", help="'byte' (default) or a Hugging Face tokenizer.json")
+    opt(dp, "--samples_per_file", type=int, metavar="K",
+         help="examples per .h5 file (default: about 64 MiB of examples per file)")
+    dp.add_argument("--processes", type=int, default=1, metavar="P", help="tokenize with P processes")
+    dp.add_argument("--seed", type=int, help="shuffle the examples with this seed (default: keep order)")
+    opt(dp, "--jsonl_key", default="text", help="field of the .jsonl records holding the text")
+    dp.add_argument("--compression", default=DEFAULT_COMPRESSION, choices=list(COMPRESSIONS),
+                    help=f"HDF5 compression of the examples (default {DEFAULT_COMPRESSION}: fastest to write and read, "
+                    "see `wse bench input`)")
+    dp.add_argument("--format", default="text", choices=["text", "arrays"])
+    dp.add_argument("--overwrite", action="store_true", help="replace a dataset already in --output_dir")
+    dp.set_defaults(func=_cmd_data_preprocess)
+    dp = data_sub.add_parser("inspect", help="files, examples, tokens, vocabulary, one decoded example")
+    dp.add_argument("dir", metavar="DIR")
+    dp.add_argument("--json", action="store_true", help="print JSON")
+    dp.set_defaults(func=_cmd_data_inspect)
+    dp = data_sub.add_parser("verify", help="check every file; exit 1 naming the first fault")
+    dp.add_argument("dir", metavar="DIR")
+    dp.set_defaults(func=_cmd_data_verify)

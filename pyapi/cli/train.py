@@ -1,0 +1,148 @@
+"""`wse fit`, `wse validate` and `wse compile`: a training job's params, trained, evaluated or laid out."""
+import sys
+
+from pyapi.cli.options import job_args, opt, overrides
+
+
+def _load_params(args):
+    from pyapi import params
+
+    return params.load(args.params, overrides(args))
+
+
+def _cmd_compile(args):
+    import json
+
+    from mpi_launch.plan import describe
+
+    d = describe(_load_params(args))
+    if args.json:
+        print(json.dumps(d, indent=2))
+        return 0
+    plan, mem = d["plan"], d["memory_bytes"]
+    m = d["model"]
+    print(f"model {m['name']}: {m['parameters']:,} parameters in {len(m['units'])} streaming units")
+    print(f"cluster: {plan['num_csx']} CS-2, {plan['num_wgt_servers']} MemoryX, {len(plan['swarmx'])} SwarmX "
+          f"(fan-out {plan['swarmx_fanout']}), {plan['num_workers_per_csx']} input worker(s) per CS-2: "
+          f"{plan['world_size']} MPI ranks")
+    for rank, role in enumerate(plan["roles"]):
+        detail = ""
+        if role == "memoryx":
+            k = plan["memoryx"].index(rank)
+            units = [m["units"][u] for u, o in enumerate(plan["unit_owner"]) if o == k]
+            detail = f"owns {units[0]}..{units[-1]} ({len(units)} units)"
+        elif role == "swarmx":
+            detail = f"children {plan['children'][str(rank)]}" + (" (root)" if rank == plan["swarmx"][0] else "")
+        elif role == "csx":
+            detail = f"{d['micro_batches_per_csx']} micro-batches per step"
+        print(f"  rank {rank:>3}  {role:<11} {mem[str(rank)] / 2**20:9.1f} MiB  {detail}")
+    sim, wafer = d["simulated"], d["wafer_bytes"]
+    print(f"simulated step, weight streaming (a model of the hardware, wse_core.perf; {sim['detail']['precision']}, "
+          f"{sim['detail']['io_gbps']:g} Gb/s per CS-2): {sim['step_s'] * 1e3:.3f} ms, "
+          f"{sim['samples_per_s']:.1f} samples/s")
+    print(f"  compute {sim['compute_s'] * 1e3:.3f} ms, waiting for weights {sim['exposed_stream_s'] * 1e3:.3f} ms "
+          f"(their bytes alone, and the gradients', take {sim['stream_s'] * 1e3:.3f} ms of the CS-2's I/O), "
+          f"reduce tail {sim['reduce_tail_s'] * 1e3:.3f} ms, MemoryX update {sim['optimizer_s'] * 1e3:.3f} ms")
+    print(f"  wafer memory per CS-2: activations {wafer['activations'] / 2**20:.1f} MiB, weights in flight "
+          f"{wafer['weights_in_flight'] / 2**20:.1f} MiB, of {wafer['capacity'] / 2**30:.1f} GiB of SRAM")
+    exact = "yes" if d["bit_identical_to_reference"] else "no (num_csx and swarmx_fanout must be powers of two)"
+    print(f"bit-identical to the single-process reference: {exact}")
+    pl = d["pipeline"]
+    print(f"pipelined on one CS-2: {pl['why']}")
+    if pl["fits"]:
+        print(f"  step {pl['step_s'] * 1e3:.3f} ms for {pl['micro_batches']} micro-batches of {pl['micro_batch_size']} "
+              f"through {len(pl['regions'])} stages (slowest {pl['slowest_stage_s'] * 1e3:.3f} ms), update "
+              f"{pl['update_s'] * 1e3:.3f} ms")
+        print(f"  {'layer':<12} {'columns':>9} {'PEs':>9} {'parameters':>13} {'need MiB':>10} {'usable MiB':>10} "
+              f"{'stage ms':>9}")
+        for r in pl["regions"]:
+            cols = f"{r['columns'][0]}-{r['columns'][1] - 1}"
+            print(f"  {r['name']:<12} {cols:>9} {r['pes']:>9,} {r['params']:>13,} {r['need_bytes'] / 2**20:>10.1f} "
+                  f"{r['capacity_bytes'] / 2**20:>10.1f} {r['stage_s'] * 1e3:>9.3f}")
+    print(f"execution strategy: {d['why']}")
+    if args.plot:
+        from wse_core.perf.pipeline import plot_placement
+
+        plot_placement(pl, args.plot)
+        print(f"wrote {args.plot}")
+    return 0
+
+
+def _cmd_fit(args):
+    from pathlib import Path
+
+    from mpi_launch.watchdog import JobInterrupted
+    from pyapi.job import Job, JobError
+
+    job = Job.from_yaml(args.params, model_dir=args.model_dir, overrides=overrides(args))
+    if args.dry_run:
+        print(" ".join(job.command(checkpoint_path=args.checkpoint_path, hostfile=args.hostfile)))
+        return 0
+    try:
+        result = job.fit(checkpoint_path=args.checkpoint_path, hostfile=args.hostfile)
+    except JobError as exc:
+        print(f"wse fit: {exc}", file=sys.stderr)
+        return 1
+    except JobInterrupted as exc:
+        from data_tools.checkpoint import LATEST
+
+        latest = job.model_dir / LATEST
+        kept = f"; the latest checkpoint is {latest.read_text().strip()}" if latest.is_file() else ""
+        print(f"wse fit: interrupted by {exc}: the job's ranks were stopped{kept}", file=sys.stderr)
+        return 128 + exc.signal
+    if result.steps_trained:
+        resumed = f" from {Path(result.checkpoint).name}" if result.checkpoint else ""
+        print(f"done: trained steps {result.start_step + 1}..{result.end_step}{resumed} "
+              f"({result.steps_trained} steps); outputs in {result.model_dir} "
+              "(metrics.jsonl, plan.json, logs/, checkpoint_*/)")
+    return 0
+
+
+def _cmd_validate(args):
+    import json
+
+    from pyapi.job import Job
+
+    job = Job.from_yaml(args.params, model_dir=args.model_dir, overrides=args.set)
+    r = job.validate(checkpoint_path=args.checkpoint_path, batches=args.eval_steps)
+    if args.json:
+        print(json.dumps(r, indent=2))
+    else:
+        print(f"eval loss {r['eval_loss']:.4f} (perplexity {r['perplexity']:.2f}, accuracy {r['accuracy']:.4f}) on "
+              f"{r['examples']:,} examples, {r['tokens']:,} tokens; checkpoint of step {r['step']}: {r['checkpoint']}")
+    return 0
+
+
+def add_fit(sub, chosen):
+    p = sub.add_parser("fit", help="train on an emulated cluster, weight streaming or pipelined (starts mpiexec)",
+                       description="Validate PARAMS, lay out the cluster (coordinator, MemoryX, SwarmX, CS-2s, "
+                                   "input workers; or one pipelined CS-2) and train. Resumes from "
+                                   "MODEL_DIR/latest if there is one.")
+    job_args(p)
+    opt(p, "--checkpoint_path", metavar="PATH", help="resume from this checkpoint")
+    p.add_argument("--dry-run", "--dry_run", dest="dry_run", action="store_true", help="print the mpiexec command only")
+    p.add_argument("--hostfile", metavar="FILE", help="hosts for mpiexec (one per line)")
+    p.set_defaults(func=_cmd_fit)
+
+
+def add_validate(sub, chosen):
+    p = sub.add_parser("validate", help="eval loss of a checkpoint on eval_input (no mpiexec)",
+                       description="Load a checkpoint (default: MODEL_DIR/latest) and compute the model's loss "
+                                   "on every example of eval_input.data_dir, in order, in this process.")
+    p.add_argument("params", metavar="PARAMS", help="params YAML file (with an eval_input section)")
+    opt(p, "--model_dir", metavar="DIR", help="override runconfig.model_dir")
+    opt(p, "--checkpoint_path", metavar="PATH", help="checkpoint to evaluate (default: MODEL_DIR/latest)")
+    opt(p, "--eval_steps", type=int, metavar="K", help="evaluate only the first K batches of eval_input")
+    p.add_argument("--set", action="append", metavar="KEY.PATH=VALUE", help="override a params value (repeatable)")
+    p.add_argument("--json", action="store_true", help="print JSON")
+    p.set_defaults(func=_cmd_validate)
+
+
+def add_compile(sub, chosen):
+    p = sub.add_parser("compile", help="print the rank plan and per-rank memory of a params file (no training)",
+                       description="Validate PARAMS and print the rank plan: roles, MemoryX layer ownership, "
+                                   "the SwarmX tree and estimated memory per rank. Nothing is launched.")
+    job_args(p, model_dir=False)
+    p.add_argument("--json", action="store_true", help="print JSON")
+    p.add_argument("--plot", metavar="PNG", help="draw the pipelined placement on the wafer (needs matplotlib)")
+    p.set_defaults(func=_cmd_compile)
