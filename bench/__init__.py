@@ -4,7 +4,14 @@ Every benchmark module has ``add_arguments(parser)`` and ``run(args) -> dict``; 
 prints its table and writes its JSON. The table below is all the command line reads until a
 benchmark is chosen, so ``wse --help`` imports none of them (the first line of each help is the
 module's docstring; a test holds them equal).
+
+``wse bench`` is this package's command: ``add_bench`` plugs it into the command line through the
+entry-point group ``wse.commands`` (pyproject.toml), so the command line, a layer below, names no
+benchmark (tests/test_imports.py).
 """
+import argparse
+import importlib
+
 BENCHMARKS = {
     "optim": ("bench.optim", "Fused AdamW against plain numpy and against memory-copy bandwidth, in the same run."),
     "nn": ("bench.nn", "Forward + backward of one GPT-2 block and of a small GPT-2: fused kernels against "
@@ -24,3 +31,39 @@ BENCHMARKS = {
     "fabric": ("bench.fabric", "The PE-mesh simulator's speed, and BiCGSTAB cycles per iteration next to the "
                                "SC20 figures."),
 }
+
+
+def _cmd_bench(args):
+    from bench.harness import write_json
+
+    module = importlib.import_module(args.bench_module)
+    result = module.run(args)
+    print(module.report(result))
+    if args.json:
+        write_json(result, args.json)
+        if args.json != "-":
+            print(f"wrote {args.json}")
+    return 0
+
+
+def add_bench(sub, chosen):
+    """Add ``wse bench NAME`` to the command line's subparsers; only the chosen benchmark is imported."""
+    p = sub.add_parser("bench", help="run a benchmark against a baseline measured in the same run",
+                       description="Run a benchmark; print its table and optionally write JSON.")
+    bench_sub = p.add_subparsers(dest="bench", metavar="NAME", required=True)
+    for name, (module_name, summary) in BENCHMARKS.items():
+        if chosen != ("bench", name):  # only the chosen benchmark is imported, for its own options
+            bench_sub.add_parser(name, help=summary, description=summary)
+            continue
+        # A benchmark module loads the kernels as it is imported (here, for its options), so the process
+        # is set up first; the command line's own call, which every subcommand gets before it runs, is
+        # then a no-op.
+        from wse_core import configure_process
+
+        configure_process()
+        module = importlib.import_module(module_name)
+        bp = bench_sub.add_parser(name, help=summary, description=module.__doc__,
+                                  formatter_class=argparse.RawDescriptionHelpFormatter)
+        bp.add_argument("--json", metavar="PATH", help="also write the results as JSON to PATH ('-' for stdout)")
+        module.add_arguments(bp)
+        bp.set_defaults(func=_cmd_bench, bench_module=module_name)

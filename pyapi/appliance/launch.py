@@ -24,7 +24,7 @@ from wse_core.numerics import is_numerics_variable
 
 #: Python's -P (3.11+): the runner's import path does not start with a directory anyone chose.
 SAFE_PATH = ("-P",) if sys.version_info >= (3, 11) else ()
-#: Errors of the machine, not of a job: a start that meets one is tried again later (``jobs.Manager``).
+#: Errors of the machine, not of a job: a start that meets one is tried again later (``manager.Manager``).
 TRANSIENT = (errno.EMFILE, errno.ENFILE, errno.EAGAIN, errno.ENOMEM, errno.ENOSPC)
 #: What of the service's environment a job of another user gets: locale, and how MPI is set up on
 #: this machine; never the rest (root's tokens, PATH, TMPDIR). Its numerics variables (BLAS kernel,

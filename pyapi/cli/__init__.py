@@ -9,8 +9,11 @@ Each command group is a module that adds its subparser(s) and holds the function
     data        data preprocess|inspect|verify
     checkpoint  checkpoint info|verify|convert|from-hf
     fabric      fabric run
-    bench       bench NAME
     options     what several of them share (an option under both spellings, a job's arguments)
+
+Commands of the layer above plug in through the entry-point group ``wse.commands`` (a function
+``add(subparsers, chosen)``): ``wse bench NAME`` is the bench package's, so nothing here imports
+a benchmark (tests/test_imports.py).
 
 Here: the top-level parser, and main() with its one-line errors and exit codes. The modules import
 nothing heavy at import time, so `wse --help` stays quick (tests/test_cli.py).
@@ -21,12 +24,14 @@ import os
 import sys
 
 from mpi_launch import MPILaunchError
-from pyapi.cli import appliance, bench, checkpoint, data, doctor, fabric, params, train
+from pyapi.cli import appliance, checkpoint, data, doctor, fabric, params, train
 
 #: The subcommands in the order `wse --help` lists them.
 _COMMANDS = (doctor.add_doctor, doctor.add_demo, train.add_fit, appliance.add_appliance, appliance.add_submit,
              appliance.add_jobs, appliance.add_logs, appliance.add_cancel, train.add_validate, params.add_params,
-             train.add_compile, data.add_data, checkpoint.add_checkpoint, fabric.add_fabric, bench.add_bench)
+             train.add_compile, data.add_data, checkpoint.add_checkpoint, fabric.add_fabric)
+#: Where the commands of the layers above register (pyproject.toml's [project.entry-points]).
+PLUGINS = "wse.commands"
 
 
 def _version():
@@ -57,7 +62,8 @@ def build_parser(argv=()):
         description="wse-cluster: an emulated wafer-scale cluster (CS-2 systems, MemoryX, SwarmX) on CPUs and MPI.")
     parser.add_argument("--version", action="version", version=f"wse-cluster {_version()}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
-    for add in _COMMANDS:
+    plugged = {ep.name: ep for ep in importlib.metadata.entry_points(group=PLUGINS)}  # once each, by name
+    for add in (*_COMMANDS, *(plugged[name].load() for name in sorted(plugged))):
         add(sub, chosen)
     return parser
 

@@ -33,7 +33,7 @@ def add_fabric(sub, chosen):
                                    "report cycles and per-PE activity.")
     fab_sub = p.add_subparsers(dest="fabric_command", metavar="ACTION", required=True)
     if chosen[:1] == ("fabric",):  # the programs' registry loads numpy: only for the command that uses it
-        # As for a benchmark (cli/bench.py), the process is set up before the registry loads numpy.
+        # As for a benchmark (bench.add_bench), the process is set up before the registry loads numpy.
         from wse_core import configure_process
         from wse_core.fabric.programs import PROGRAMS, options
 
