@@ -26,8 +26,13 @@ home in the trainer layout and its fate here, in the same change.
 """
 import copy
 import warnings
+from dataclasses import fields
 
-from wse_core._checks import show
+from mpi_launch.spec import SECTIONS
+from wse_core.checks import show
+
+#: Activations of gated feed-forward layers: llama's (swiglu), not built for gpt2.
+LLAMA_NONLINEARITIES = ("swiglu", "geglu", "reglu", "relu", "silu", "leaky_relu")
 
 
 class ParamsWarning(UserWarning):
@@ -305,82 +310,18 @@ def to_trainer(flat):
 
 # -- the fate of every key ------------------------------------------------------------------------
 
-#: Keys that only tune a real system's hardware, input pipeline or logging: accepted, dropped, warned.
-TUNING = {
-    "train_input": {"data_processor", "num_workers", "prefetch_factor", "persistent_workers", "use_multiple_workers",
-                    "vocab_size", "max_sequence_length", "mixed_precision", "repeat", "use_worker_cache", "drop_last"},
-    "eval_input": {"data_processor", "num_workers", "prefetch_factor", "persistent_workers", "use_multiple_workers",
-                   "vocab_size", "max_sequence_length", "mixed_precision", "repeat", "use_worker_cache", "drop_last",
-                   "shuffle_seed"},
-    "model": {"allow_multireplica", "boundary_casting", "tf_summary", "attention_softmax_fp32", "fold_rope_consts",
-              "precision_opt_level"},
-    "optimizer": {"log_summaries", "ws_summary", "disable_lr_steps_reset", "use_bias_correction"},
-    "runconfig": {"show_debug_metrics", "save_losses", "save_summary_steps", "log_step_count_steps",
-                  "enable_distributed", "use_appliance_data", "use_cs_grad_accum", "compile_crd_memory_gi",
-                  "execute_crd_memory_gi", "wrk_memory_gi", "act_memory_gi", "cmd_memory_gi", "wgt_memory_gi",
-                  "chf_memory_gi", "precision_opt_level", "keep_checkpoint_max", "max_checkpoints",
-                  "disable_strict_checkpoint_loading", "load_checkpoint_states", "transfer_processes", "logging",
-                  "autoload_last_checkpoint", "num_act_servers", "mgmt_address", "mgmt_namespace",
-                  "credentials_path", "mount_dirs", "python_paths", "cbcore_image", "job_labels", "job_priority",
-                  "job_time_sec", "disable_version_check", "compile_dir", "lazy_initialization",
-                  "log_initialization", "retrace_every_iteration", "drop_data", "debug_args", "ini",
-                  "fabric_type_blacklist"},
-}
-#: Keys naming what wse-cluster always does: honoured with this value (or one of these), refused with
-#: any other. {section: {key: (accepted values, what a different value would ask for)}}.
-FIXED = {
-    "eval_input": {"shuffle": ((False,), "a shuffled evaluation set")},
-    "model": {
-        "use_position_embedding": ((True,), "no position embedding"),
-        "attention_type": (("scaled_dot_product",), "unscaled (dot_product) attention"),
-        "attention_module": (("aiayn_attention", "multiheaded_attention"), "multi-query attention"),
-        "use_projection_bias_in_attention": ((True,), "q/k/v projections without biases"),
-        "use_ffn_bias_in_attention": ((True,), "an attention output projection without bias"),
-        "use_ffn_bias": ((True,), "feed-forward layers without biases"),
-        "use_bias_in_output": ((False,), "a bias on the LM head"),
-        "embedding_layer_norm": ((False,), "a layer norm after the embeddings"),
-        "fixed_sparse_attention": ((None,), "fixed sparse attention"),
-    },
-    "optimizer": {
-        "correct_bias": ((True,), "Adam without bias correction"),
-        "grad_accum_steps": ((1, None), "gradient accumulation by steps (use train_input.micro_batch_size)"),
-        "max_gradient_value": ((None,), "clipping gradients by value"),
-    },
-    "runconfig": {
-        "mode": (("train",), "a mode other than train (use wse validate)"),
-        "target_device": (("CSX", "CPU"), "another target device"),
-        "compile_only": ((False,), "compile only (use wse compile)"),
-        "validate_only": ((False,), "validate only (use wse compile)"),
-    },
-}
-#: Keys that change the numerics and are not built: refused whatever their value.
-NOT_BUILT = {
-    "model": {"rotary_dim": "rotary position embeddings (built for llama, not gpt2)",
-              "rope_theta": "rotary position embeddings (built for llama, not gpt2)",
-              "pos_scaling_factor": "position scaling (built for llama, not gpt2)",
-              "pos_scaling_type": "position scaling (built for llama, not gpt2)",
-              "pos_scaling_extra_args": "position scaling (built for llama, not gpt2)",
-              "extra_attention_params": "grouped-query attention (built for llama, not gpt2)",
-              "attention_sliding_window_length": "sliding-window attention",
-              "attention_sink_tokens": "attention sinks"},
-    "runconfig": {"num_steps": "a step count other than max_steps", "num_epochs": "training by epochs",
-                  "steps_per_epoch": "training by epochs"},
-    "sparsity": "Model Zoo's sparsity algorithms (wse-cluster has model.sparsity: a fixed random mask)",
-}
-#: Model keys that llama builds (with the values it builds: wse_core.nn.llama checks them).
-LLAMA_BUILT = {"rotary_dim", "rope_theta", "pos_scaling_factor", "pos_scaling_type", "pos_scaling_extra_args",
-               "extra_attention_params", "attention_module", "use_projection_bias_in_attention",
-               "use_ffn_bias_in_attention", "use_ffn_bias", "use_bias_in_output", "embedding_layer_norm",
-               "attention_type"}
-#: Model Zoo 1.x names of keys wse-cluster reads under their 2.x name: {section: {old: new}}.
-ALIASES = {
-    "optimizer": {"weight_decay_rate": "weight_decay", "epsilon": "eps"},
-}
+#: Sections of Model Zoo's that are not built (refused whole).
+SECTIONS_NOT_BUILT = {"sparsity": "Model Zoo's sparsity algorithms (wse-cluster has model.sparsity: a fixed random "
+                                  "mask) are not built"}
 
 
-def _same(value, accepted):
-    return any(value == a and type(value) is type(a) or (isinstance(a, float) and isinstance(value, int)
-               and not isinstance(value, bool) and value == a) for a in accepted)
+def spec_of(section, values):
+    """The spec class that says what ``section`` takes (a family's config for ``model``), or None."""
+    if section == "model":
+        from wse_core.nn.config import CONFIGS  # here: importing wse_core.nn loads the kernels (configure_process)
+
+        return CONFIGS.get(values.get("name")) if isinstance(values.get("name"), str) else None
+    return SECTIONS.get(section)
 
 
 class KeyReport:
@@ -404,7 +345,6 @@ def sort_keys(flat, report):
     left for the schema (which records its own keys as honoured or unknown)."""
     flat = copy.deepcopy(flat)
     model = flat.get("model")
-    llama = False
     if isinstance(model, dict):
         _infer_family(model, report)
         weight = model.get("loss_weight", 1.0)
@@ -424,22 +364,9 @@ def sort_keys(flat, report):
             use = model.pop("use_rms_norm")
             report.fates["model.use_rms_norm"] = "alias of model.norm_type"
             model.setdefault("norm_type", "rmsnorm" if use is True else "layernorm")
-        llama = model.get("name") == "llama"
-        if not llama:  # the GPT-2 decoder: these keys name what it is, or what it is not
-            if model.get("norm_type") not in (None, "layernorm"):
-                report.fates["model.norm_type"] = "refused: RMSNorm is llama's (model.name: llama), not gpt2's"
-            elif "norm_type" in model:
-                report.fates["model.norm_type"] = "honoured (same value)"
-            model.pop("norm_type", None)
-            pos = model.get("position_embedding_type", "learned")
-            report.fates.setdefault("model.position_embedding_type", "honoured (same value)" if pos == "learned" else
-                                    f"refused: {show(pos)} position embeddings are not built for gpt2 (built: learned; "
-                                    "rotary: model.name: llama)")
-            model.pop("position_embedding_type", None)
-            if model.get("nonlinearity") in ("swiglu", "geglu", "reglu", "relu", "silu", "leaky_relu"):
-                report.fates["model.nonlinearity"] = (f"refused: {model['nonlinearity']} is not built for gpt2 (built: "
-                                                      "gelu, gelu_new; swiglu: model.name: llama)")
-                model.pop("nonlinearity")
+        if model.get("name") in ("gpt2", "gpt3") and model.get("nonlinearity") in LLAMA_NONLINEARITIES:
+            report.fates["model.nonlinearity"] = (f"refused: {model.pop('nonlinearity')} is not built for gpt2 (built: "
+                                                  "gelu, gelu_new; swiglu: model.name: llama)")
     opt = flat.get("optimizer")
     if isinstance(opt, dict):
         if "beta1" in opt or "beta2" in opt:
@@ -450,34 +377,25 @@ def sort_keys(flat, report):
                 opt["betas"] = betas
                 report.fates["optimizer.beta1"] = report.fates["optimizer.beta2"] = "alias of optimizer.betas"
     for section, values in list(flat.items()):
-        if section in NOT_BUILT and isinstance(NOT_BUILT[section], str):
-            report.fates[section] = f"refused: {NOT_BUILT[section]} are not built"
+        if section in SECTIONS_NOT_BUILT:
+            report.fates[section] = f"refused: {SECTIONS_NOT_BUILT[section]}"
             del flat[section]
             continue
-        if not isinstance(values, dict):
+        cls = spec_of(section, values) if isinstance(values, dict) else None
+        if cls is None:
             continue
+        aliases = {old: f.name for f in fields(cls) for old in f.metadata.get("aliases", ())}
         for key in list(values):
             path = f"{section}.{key}"
-            if key in ALIASES.get(section, {}):
-                new = ALIASES[section][key]
+            if key in aliases:
+                new = aliases[key]
                 if new in values:
                     report.fates[path] = f"refused: given beside {section}.{new}; give one"
                 else:
                     values[new] = values.pop(key)
                     report.fates[path] = f"alias of {section}.{new}"
-            elif key in TUNING.get(section, ()):
-                report.fates[path] = "tuning"
-                del values[key]
-            elif section == "model" and llama and key in LLAMA_BUILT:
-                continue  # build_model checks llama's values
-            elif key in FIXED.get(section, {}):
-                accepted, meaning = FIXED[section][key]
-                value = values.pop(key)
-                report.fates[path] = ("honoured (same value)" if _same(value, accepted) else
-                                      f"refused: {show(value)} asks for {meaning}, which is not built")
-            elif key in NOT_BUILT.get(section, {}):
-                del values[key]
-                report.fates[path] = f"refused: {NOT_BUILT[section][key]} is not built"
+            elif key in cls.ZOO:
+                report.fates[path] = cls.ZOO[key].judge(values.pop(key))
     return flat
 
 

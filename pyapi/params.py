@@ -12,17 +12,15 @@ duplicate keys (naming the key path and both lines), a document that expands to 
 shortened (``show``), so no message is ever larger than a line.
 """
 import copy
-import math
 import warnings
-from dataclasses import MISSING, dataclass, fields
+from dataclasses import fields
 from pathlib import Path
 
 import yaml
 
-from mpi_launch.spec import (SECTIONS, STRATEGIES, EvalInput, OptimizerSpec, RunConfig, RunSpec,  # noqa: F401
-                             TrainInput, default_of, freeze, thaw)
+from mpi_launch.spec import SECTIONS, RunSpec
 from pyapi import modelzoo
-from wse_core._checks import did_you_mean, show
+from wse_core.checks import check_fields, did_you_mean, show
 
 #: Values (scalars, lists, mappings; an alias counted each time it is used) a params document may
 #: expand to: a real one has a few hundred; an alias bomb has billions.
@@ -42,108 +40,12 @@ class ParamsError(ValueError):
         self.report = report
 
 
-@dataclass(frozen=True)
-class Key:
-    """One allowed key: its type check, default (``REQUIRED`` if none) and help."""
-
-    kind: str
-    default: object
-    help: str
-
-
-REQUIRED = object()
-
-
-def _keys(cls):
-    out = {}
-    for f in fields(cls):
-        default = default_of(f)
-        out[f.name] = Key(f.metadata["kind"], REQUIRED if default is MISSING else default, f.metadata["help"])
-    return out
-
-
-#: Every section's keys, read off the spec's dataclasses (``mpi_launch.spec``), where they are written.
-SCHEMA = {name: _keys(cls) for name, cls in SECTIONS.items()}
 SECTIONS_REQUIRED = ("train_input", "model", "optimizer", "runconfig")
 
 
 def _name(key):
     """A key for a message: as written, unless it is long or not a string."""
     return key if isinstance(key, str) and len(key) <= 60 else show(key)
-
-
-def _check(path, kind, value):
-    def bad(expected):
-        return ParamsError(f"{path}: expected {expected}, got {show(value)}")
-
-    is_int = isinstance(value, int) and not isinstance(value, bool)
-    is_num = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-    if kind == "path" or kind == "str":
-        if not isinstance(value, str) or not value:
-            raise bad("a non-empty string")
-    elif kind == "paths":
-        if isinstance(value, list) and value and all(isinstance(v, str) and v for v in value):
-            return value
-        if not isinstance(value, str) or not value:
-            raise bad("a directory or a non-empty list of directories")
-    elif kind == "strategy":
-        if value not in STRATEGIES:
-            raise bad(" or ".join(STRATEGIES))
-    elif kind == "mixture":
-        if not (isinstance(value, list) and value and all(
-                isinstance(m, dict) and set(m) >= {"data_dir", "weight"} and set(m) <= {"data_dir", "weight", "data_subset"}
-                and isinstance(m["data_dir"], str) and m["data_dir"] and isinstance(m["weight"], (int, float))
-                and not isinstance(m["weight"], bool) and 0 <= m["weight"] < math.inf for m in value)
-                and any(m["weight"] > 0 for m in value)):
-            raise bad("a list of {data_dir: DIR, weight: number >= 0}, some weight > 0")
-        if any("data_subset" in m for m in value):
-            raise ParamsError(f"{path}: data_subset is not built (use each directory whole)")
-    elif kind == "bool":
-        if not isinstance(value, bool):
-            raise bad("true or false")
-    elif kind.startswith("int>"):
-        low = 1 if kind == "int>0" else (2 if kind == "int>1" else 0)
-        if not is_int or value < low:
-            raise bad(f"an integer >= {low}")
-    elif kind == "float>=0":
-        if not is_num or value < 0:
-            raise bad("a number >= 0")
-    elif kind == "float>0?":
-        if value is not None and (not is_num or value <= 0):
-            raise bad("a number > 0 (or null)")
-    elif kind == "int>0?":
-        if value is not None and (not is_int or value < 1):
-            raise bad("an integer >= 1 (or null)")
-    elif kind == "lradjust":
-        if value is not None and not (isinstance(value, dict) and all(
-                isinstance(v, (int, float)) and not isinstance(v, bool) and 0 < v < math.inf for v in value.values())):
-            raise bad("a mapping of parameter groups to scales > 0")
-    elif kind == "lossscale":
-        if value != "dynamic" and (not is_num or value <= 0):
-            raise bad("a number > 0 or dynamic")
-    elif kind == "betas":
-        if not (isinstance(value, (list, tuple)) and len(value) == 2
-                and all(isinstance(b, (int, float)) and not isinstance(b, bool) and 0 <= b < 1 for b in value)):
-            raise bad("two numbers in [0, 1)")
-    elif kind == "hardware":
-        from wse_core.perf import Hardware
-
-        if not isinstance(value, dict):
-            raise bad("a mapping of hardware constants")
-        try:
-            Hardware.from_params(value)
-        except (TypeError, ValueError) as exc:
-            raise ParamsError(str(exc)) from None
-    elif kind == "lr":
-        from wse_core.optim import make_schedule
-
-        if isinstance(value, str):
-            raise bad("a number or a list of schedulers")
-        try:
-            make_schedule(value, key=path)
-        except (TypeError, ValueError) as exc:
-            raise ParamsError(str(exc)) from None
-    return value
 
 
 def validate(raw):
@@ -197,36 +99,24 @@ def _validate_flat(raw, report, problems):
         if not any(p.startswith(path + ":") for p in problems):
             problems.append(f"{path}: {why}")
     for section in raw:
-        if section not in SCHEMA and section != "model":
+        if section not in SECTIONS and section != "model":
             report.fates[_name(section)] = "refused: unknown section"
-            problems.append(f"{_name(section)}: unknown section ({did_you_mean(section, sorted([*SCHEMA, 'model']))})")
+            problems.append(f"{_name(section)}: unknown section ({did_you_mean(section, sorted([*SECTIONS, 'model']))})")
     for section in SECTIONS_REQUIRED:
         if section not in raw:
             problems.append(f"{section}: missing section")
     out = {}
-    for section, keys in SCHEMA.items():
+    for section, cls in SECTIONS.items():
         if section not in raw:
             continue
         given = raw[section] if raw[section] is not None else {}
         if not isinstance(given, dict):
             problems.append(f"{section}: expected a mapping, got {show(given)}")
             continue
+        known = {f.name for f in fields(cls)}
         for key in given:
-            if key not in keys:
-                report.fates[f"{section}.{_name(key)}"] = "refused: unknown key"
-                problems.append(f"{section}.{_name(key)}: unknown key ({did_you_mean(key, keys)})")
-        out[section] = {}
-        for key, spec in keys.items():
-            try:
-                if key in given and not (given[key] is None and spec.default is None):
-                    out[section][key] = _check(f"{section}.{key}", spec.kind, given[key])
-                    report.fates.setdefault(f"{section}.{key}", "honoured")
-                elif spec.default is REQUIRED:
-                    raise ParamsError(f"{section}.{key}: missing ({spec.help})")
-                else:
-                    out[section][key] = copy.deepcopy(spec.default)
-            except ParamsError as exc:
-                problems.append(str(exc))
+            report.fates.setdefault(f"{section}.{_name(key)}", "honoured" if key in known else "refused: unknown key")
+        out[section] = check_fields(cls, given, section, problems)
     if isinstance(raw.get("model"), dict):
         from wse_core.nn import build_model
 
@@ -249,11 +139,6 @@ def _validate_flat(raw, report, problems):
         raise ParamsError(f"{len(problems)} keys cannot be used as given (all of them are listed; "
                           "fix them and run again):\n  " + "\n  ".join(problems), report)
     return RunSpec.from_dict(out)
-
-
-#: Optimizers a Model Zoo params file may name that are not built here: refused by name, not as unknown.
-MODEL_ZOO_OPTIMIZERS_NOT_BUILT = ("lamb", "adafactor", "lion", "adadelta", "adagrad", "adamax", "asgd", "nadam",
-                                  "radam", "rmsprop", "rprop", "muon")
 
 
 def _check_consistency(p):
@@ -287,12 +172,6 @@ def _check_consistency(p):
     if r["eval_frequency"] is not None and "eval_input" not in p:
         raise ParamsError("runconfig.eval_frequency: evaluating during training needs an eval_input section "
                           "(data_dir, batch_size)")
-    kind = p["optimizer"]["optimizer_type"]
-    if kind.lower() in MODEL_ZOO_OPTIMIZERS_NOT_BUILT:
-        raise ParamsError(f"optimizer.optimizer_type: {kind} is one of Model Zoo's optimizers that wse-cluster "
-                          "does not implement (implemented: SGD, Adam, AdamW)")
-    if kind.lower() not in ("sgd", "adam", "adamw"):
-        raise ParamsError(f"optimizer.optimizer_type: unknown optimizer {show(kind)} (known: SGD, Adam, AdamW)")
 
 
 def apply_overrides(raw, overrides):

@@ -435,7 +435,7 @@ def test_malformed_and_hostile_requests_get_one_line_and_leave_the_service_runni
         json.dumps({"op": "submit", "params": good, "cwd": "relative"}).encode() + b"\n":
             "cwd: expected an absolute path",
         json.dumps({"op": "submit", "params": good, "cwd": str(tmp_path), "max_restarts": -1}).encode() + b"\n":
-            "max_restarts: expected 0..100",
+            "max_restarts: expected an integer in [0, 100]",
         json.dumps({"op": "submit", "params": good, "cwd": str(tmp_path),
                     "numerics": {"LD_PRELOAD": "/tmp/x.so"}}).encode() + b"\n":
             "numerics: 'LD_PRELOAD' is not a numerics variable",

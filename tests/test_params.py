@@ -190,5 +190,20 @@ def test_execution_strategy_in_both_layouts():
                                     "loop": {"max_steps": 5}},
                            "fit": {"train_dataloader": dict(BASE["train_input"])}}}
     assert validate(trainer).runconfig.execution_strategy == "pipeline"
-    with pytest.raises(ParamsError, match="runconfig.execution_strategy: expected weight_streaming or pipeline or auto"):
+    with pytest.raises(ParamsError, match="runconfig.execution_strategy: expected one of weight_streaming, pipeline, auto"):
         validate({**BASE, "runconfig": {"max_steps": 5, "execution_strategy": "layer_pipelined"}})
+
+
+def test_every_spec_field_carries_a_constraint_and_its_help():
+    """The one validator walks every section and family: each field says what it takes and what it is for,
+    and no key is both a field and a Model Zoo fate of the same spec."""
+    from dataclasses import fields as dc_fields
+
+    from mpi_launch.spec import SECTIONS
+    from wse_core.checks import Constraint
+    from wse_core.nn.config import CONFIGS
+
+    for cls in {*SECTIONS.values(), *CONFIGS.values()}:
+        for f in dc_fields(cls):
+            assert isinstance(f.metadata.get("check"), Constraint) and f.metadata.get("help"), (cls.__name__, f.name)
+        assert not {f.name for f in dc_fields(cls)} & set(cls.ZOO), cls.__name__

@@ -47,7 +47,7 @@ def test_single_mapping_and_names():
 
 @pytest.mark.parametrize("spec,match", [
     ("fast", r"learning_rate: expected a number or a mapping"),
-    (-1.0, r"learning_rate: expected >= 0.0, got -1.0"),
+    (-1.0, r"learning_rate: expected a number >= 0, got -1.0"),
     ([], r"learning_rate: expected at least one scheduler"),
     ({"initial_learning_rate": 1.0}, r"learning_rate.scheduler: missing"),
     ({"scheduler": "Frobnicate"}, r"learning_rate.scheduler: unknown scheduler 'Frobnicate'"),

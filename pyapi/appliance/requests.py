@@ -12,6 +12,7 @@ import json
 import os
 
 from pyapi.appliance.errors import RequestError
+from wse_core.checks import Int
 from wse_core.numerics import ENV_NAMES, ENV_PREFIXES, is_numerics_variable
 
 #: Longest path accepted for a job's directory or model_dir.
@@ -100,10 +101,11 @@ class Submit(Request):
     numerics: dict = _field(dict, None)      # None: a client of an earlier version, which sent none
 
     def check(self):
-        if not 0 <= self.max_restarts <= 100:
-            raise RequestError(f"max_restarts: expected 0..100, got {self.max_restarts}")
-        if not -1000 <= self.priority <= 1000:
-            raise RequestError(f"priority: expected -1000..1000, got {self.priority}")
+        try:  # the one validator's ranges (wse_core.checks); the JSON types are checked above
+            Int(0, 100)(self.max_restarts, "max_restarts")
+            Int(-1000, 1000)(self.priority, "priority")
+        except ValueError as exc:
+            raise RequestError(str(exc)) from None
         self.name = printable(self.name, 64).strip() or "job"
         self.cwd = check_path(self.cwd, "cwd")
         if self.numerics is not None:

@@ -47,7 +47,7 @@ class _Parser(argparse.ArgumentParser):
 
     def _check_value(self, action, value):
         if action.choices is not None and value not in action.choices:
-            from wse_core._checks import did_you_mean
+            from wse_core.checks import did_you_mean
 
             raise argparse.ArgumentError(action, f"invalid choice: {value!r} "
                                                  f"({did_you_mean(value, list(action.choices))})")

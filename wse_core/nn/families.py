@@ -5,7 +5,7 @@ bad values raise ``ValueError``/``TypeError`` naming the key (``model.num_heads:
 """
 from collections.abc import Mapping
 
-from wse_core._checks import did_you_mean, show
+from wse_core.checks import did_you_mean, show
 from wse_core.nn import ops as fused_ops
 from wse_core.nn.gpt import build_gpt2
 from wse_core.nn.llama import build_llama

@@ -4,7 +4,7 @@ from collections.abc import Mapping
 
 import numpy as np
 
-from wse_core._checks import show
+from wse_core.checks import show
 
 
 #: Model Zoo's initializers by name, as ``model.initializer`` & co. spell them: their keys and defaults

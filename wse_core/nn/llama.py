@@ -18,15 +18,13 @@ Unit parameters (``[out, in]`` weights)::
 The family (``Llama``) and its build from the params' ``model`` section (``build_llama``) close the file.
 """
 import math
-from collections.abc import Mapping
 
 import numpy as np
 
-from wse_core._checks import show
 from wse_core.nn import ops as fused_ops
-from wse_core.nn.checks import check_int, check_keys, check_loss_scaling, check_number, check_precision, check_rate
+from wse_core.nn.config import LlamaConfig
 from wse_core.nn.gemm import matmul
-from wse_core.nn.gpt import GPT2_KEYS, decoder_initializers, mup_scales
+from wse_core.nn.gpt import decoder_initializers, mup_scales
 from wse_core.nn.layers import (ATTENTION_OUT_SITE, ATTENTION_SITE, MLP_OUT_SITE, Embedding, ParamSpec, Unit,
                                 fixed_spec)
 from wse_core.nn.model import LanguageModel
@@ -258,78 +256,19 @@ class Llama(LanguageModel):
         return 7 * h + 4 * f  # x, norm_1, q, k and v (for every head), attention, mid, norm_2; gate, up, silu, product
 
 
-#: llama's keys beyond the decoder's common ones; each has one value wse-cluster builds (or a range).
-_LLAMA_KEYS = (GPT2_KEYS - {"sparsity", "sparsity_seed"}) | {
-    "position_embedding_type", "rotary_dim", "rope_theta", "pos_scaling_factor", "pos_scaling_type",
-    "pos_scaling_extra_args", "norm_type", "attention_module", "extra_attention_params",
-    "use_projection_bias_in_attention", "use_ffn_bias_in_attention", "use_ffn_bias", "use_bias_in_output",
-    "embedding_layer_norm", "attention_type"}
-_LLAMA_FIXED = {"position_embedding_type": "rotary", "norm_type": "rmsnorm", "nonlinearity": "swiglu",
-                "use_projection_bias_in_attention": False, "use_ffn_bias_in_attention": False, "use_ffn_bias": False,
-                "use_bias_in_output": False, "embedding_layer_norm": False, "attention_type": "scaled_dot_product"}
-
-
 def build_llama(cfg, ops):
     """Model Zoo's llama: RMSNorm, rotary positions on adjacent pairs, SwiGLU, grouped-query attention
     (``attention_module: multiquery_attention`` with ``extra_attention_params.num_kv_groups``), no
     biases; the head tied or not (``share_embedding_weights``)."""
-    check_keys(cfg, _LLAMA_KEYS)
-    c = {"name": "llama"}
-    for key in ("vocab_size", "hidden_size", "num_hidden_layers", "num_heads", "max_position_embeddings",
-                "filter_size"):
-        c[key] = check_int(cfg, key)
-    for key, value in _LLAMA_FIXED.items():
-        given = cfg.get(key, value)
-        if given != value or type(given) is not type(value):
-            raise ValueError(f"model.{key}: llama is built with {show(value)}, got {show(given)}")
-        c[key] = value
-    if c["hidden_size"] % c["num_heads"]:
-        raise ValueError(f"model.num_heads: {c['num_heads']} does not divide model.hidden_size {c['hidden_size']}")
-    head_dim = c["hidden_size"] // c["num_heads"]
-    c["layer_norm_epsilon"] = check_number(cfg, "layer_norm_epsilon", 1e-5)
-    tied = cfg.get("share_embedding_weights", True)
-    if not isinstance(tied, bool):
-        raise TypeError(f"model.share_embedding_weights: expected true or false, got {show(tied)}")
-    c["share_embedding_weights"] = tied
-    module = cfg.get("attention_module", "aiayn_attention")
-    if module not in ("aiayn_attention", "multiquery_attention"):
-        raise ValueError(f"model.attention_module: expected aiayn_attention or multiquery_attention, got {show(module)}")
-    extra = cfg.get("extra_attention_params") or {}
-    if not isinstance(extra, Mapping) or set(extra) - {"num_kv_groups"}:
-        raise ValueError(f"model.extra_attention_params: expected {{num_kv_groups: N}}, got {show(extra)}")
-    kv = check_int(extra, "num_kv_groups") if module == "multiquery_attention" and "num_kv_groups" in extra \
-        else c["num_heads"]
-    c["attention_module"], c["extra_attention_params"] = module, {"num_kv_groups": kv}
-    c["rotary_dim"] = check_int(cfg, "rotary_dim") if "rotary_dim" in cfg else head_dim
-    c["rope_theta"] = check_number(cfg, "rope_theta", 10000.0)
-    c["pos_scaling_factor"] = check_number(cfg, "pos_scaling_factor", 1.0)
-    c["pos_scaling_type"] = cfg.get("pos_scaling_type", "linear")
-    extra_args = dict(cfg.get("pos_scaling_extra_args") or {})
-    c["pos_scaling_extra_args"] = extra_args or None
-    scaling = None
-    if c["pos_scaling_type"] == "llama3":
-        need = ("low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
-        missing = [k for k in need if k not in extra_args]
-        if missing or set(extra_args) - set(need):
-            raise ValueError(f"model.pos_scaling_extra_args: llama3 scaling needs exactly {', '.join(need)}, "
-                             f"got {show(extra_args)}")
-        scaling = {"type": "llama3", "factor": c["pos_scaling_factor"],
-                   **{k: float(extra_args[k]) for k in need}}
-    elif c["pos_scaling_type"] != "linear":
-        raise ValueError(f"model.pos_scaling_type: expected linear or llama3, got {show(c['pos_scaling_type'])}")
-    elif c["pos_scaling_factor"] != 1.0:
-        scaling = {"type": "linear", "factor": c["pos_scaling_factor"]}
-    rotary = Rotary(head_dim, c["rotary_dim"], c["rope_theta"], c["max_position_embeddings"], scaling)
-    check_loss_scaling(cfg, c)
-    check_precision(cfg, c)
-    init = decoder_initializers(cfg, c)
-    c["dropout_rate"] = check_rate(cfg, "dropout_rate", 0.0)
-    c["attention_dropout_rate"] = check_rate(cfg, "attention_dropout_rate", c["dropout_rate"])
-    c["embedding_dropout_rate"] = check_rate(cfg, "embedding_dropout_rate", c["dropout_rate"])
-    eps = c["layer_norm_epsilon"]
-    units = [Embedding(c["vocab_size"], c["max_position_embeddings"], c["hidden_size"], ops, init["embedding"],
-                       c["embedding_dropout_rate"], positions=False)]
-    units += [LlamaBlock(i, c["hidden_size"], c["num_heads"], kv, c["filter_size"], eps, rotary, ops, init,
-                         c["dropout_rate"], c["attention_dropout_rate"]) for i in range(c["num_hidden_layers"])]
-    units.append(RMSHead(c["hidden_size"], c["vocab_size"], eps, tied, init["embedding"] if tied else init["head"], ops))
-    return Llama(c, mup_scales(cfg, c, units), ops)
+    c = LlamaConfig.from_params(cfg)
+    kv, eps = c.extra_attention_params["num_kv_groups"], c.layer_norm_epsilon
+    rotary = Rotary(c.hidden_size // c.num_heads, c.rotary_dim, c.rope_theta, c.max_position_embeddings,
+                    c.position_scaling)
+    init = decoder_initializers(c)
+    units = [Embedding(c.vocab_size, c.max_position_embeddings, c.hidden_size, ops, init["embedding"],
+                       c.embedding_dropout_rate, positions=False)]
+    units += [LlamaBlock(i, c.hidden_size, c.num_heads, kv, c.filter_size, eps, rotary, ops, init,
+                         c.dropout_rate, c.attention_dropout_rate) for i in range(c.num_hidden_layers)]
+    units.append(RMSHead(c.hidden_size, c.vocab_size, eps, c.share_embedding_weights,
+                         init["embedding"] if c.share_embedding_weights else init["head"], ops))
+    return Llama(c.to_dict(), mup_scales(c, units), ops)

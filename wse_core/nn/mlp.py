@@ -1,12 +1,9 @@
 """fc_mlp (``Classifier``): Dense layers on float features, cross-entropy over classes."""
 import numpy as np
 
-from wse_core._checks import show
-from wse_core.nn.checks import check_int, check_keys, check_precision, check_sparsity
+from wse_core.nn.config import MLPConfig
 from wse_core.nn.layers import Dense
 from wse_core.nn.model import Model
-
-ACTIVATIONS = ("relu", "gelu", "gelu_new")  # gelu: exact (erf), as Model Zoo; gelu_new: tanh
 
 
 class Classifier(Model):
@@ -47,28 +44,10 @@ class Classifier(Model):
         return loss_sum, y.shape[0], dy
 
 
-_MLP_KEYS = {"name", "input_size", "hidden_sizes", "num_classes", "activation", "sparsity", "sparsity_seed",
-             "mixed_precision", "fp16_type"}
-
-
 def build_fc_mlp(cfg, ops):
     """fc_mlp: Dense layers of ``hidden_sizes`` with ``activation`` between them, then ``num_classes``."""
-    check_keys(cfg, _MLP_KEYS)
-    c = {"name": "fc_mlp", "input_size": check_int(cfg, "input_size"), "num_classes": check_int(cfg, "num_classes", 2)}
-    hidden = cfg.get("hidden_sizes", [])
-    if not isinstance(hidden, (list, tuple)):
-        raise TypeError(f"model.hidden_sizes: expected a list of integers, got {show(hidden)}")
-    for i, h in enumerate(hidden):
-        if isinstance(h, bool) or not isinstance(h, (int, np.integer)) or h < 1:
-            raise ValueError(f"model.hidden_sizes[{i}]: expected an integer >= 1, got {show(h)}")
-    c["hidden_sizes"] = [int(h) for h in hidden]
-    act = cfg.get("activation", "relu")
-    if act not in ACTIVATIONS:
-        raise ValueError(f"model.activation: unknown activation {show(act)} (known: {', '.join(ACTIVATIONS)})")
-    c["activation"] = act
-    density, seed = check_sparsity(cfg, c)
-    check_precision(cfg, c)
-    sizes = [c["input_size"], *c["hidden_sizes"], c["num_classes"]]
-    units = [Dense(i, sizes[i], sizes[i + 1], act if i < len(sizes) - 2 else None, ops, density, seed)
-             for i in range(len(sizes) - 1)]
-    return Classifier(c, units, ops)
+    c = MLPConfig.from_params(cfg)
+    sizes = [c.input_size, *c.hidden_sizes, c.num_classes]
+    units = [Dense(i, sizes[i], sizes[i + 1], c.activation if i < len(sizes) - 2 else None, ops, 1.0 - c.sparsity,
+                   c.sparsity_seed) for i in range(len(sizes) - 1)]
+    return Classifier(c.to_dict(), units, ops)

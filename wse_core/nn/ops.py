@@ -6,7 +6,7 @@ C-contiguous; ``h`` and ``dy`` arguments documented as "in place" are overwritte
 """
 import numpy as np
 
-from wse_core._checks import FLOAT_DTYPES
+from wse_core.checks import FLOAT_DTYPES
 from wse_core.nn import _kernels
 
 

@@ -8,7 +8,7 @@ second pass over memory, compute ``clip_coefficient(global_norm(grads), max_norm
 import math
 
 from wse_core.optim import _kernels
-from wse_core._checks import check_float_array, check_number
+from wse_core.checks import Number, check_float_array
 
 #: Added to the norm before dividing, as PyTorch does, so a zero gradient gives no division by zero.
 NORM_EPS = 1e-6
@@ -40,7 +40,7 @@ def global_norm(arrays):
 def clip_coefficient(total_norm, max_norm):
     """min(1, max_norm / (total_norm + 1e-6)): the factor that brings the norm down to ``max_norm``."""
     total_norm = float(total_norm)
-    max_norm = check_number("max_norm", max_norm, low=0.0)
+    max_norm = Number(0)(max_norm, "max_norm")
     return min(1.0, max_norm / (total_norm + NORM_EPS))
 
 

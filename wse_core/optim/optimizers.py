@@ -18,7 +18,7 @@ import inspect
 import numpy as np
 
 from wse_core.optim import _kernels
-from wse_core._checks import check_float_array, check_like, check_number, show
+from wse_core.checks import Number, check_float_array, check_like, show
 
 
 class Optimizer:
@@ -28,7 +28,7 @@ class Optimizer:
     state_names = ()
 
     def __init__(self, lr):
-        self.lr = check_number("lr", lr, low=0.0)
+        self.lr = Number(0)(lr, "lr")
 
     def hparams(self):
         """Hyperparameters as a plain dict (the constructor's arguments)."""
@@ -62,8 +62,8 @@ class Optimizer:
                 for k in self.state_names}
         if isinstance(step, bool) or not isinstance(step, (int, np.integer)) or step < 1:
             raise ValueError(f"step: expected an integer >= 1 (1-based update count), got {show(step)}")
-        lr = self.lr if lr is None else check_number("lr", lr, low=0.0)
-        grad_scale = check_number("grad_scale", grad_scale, low=0.0)
+        lr = self.lr if lr is None else Number(0)(lr, "lr")
+        grad_scale = Number(0)(grad_scale, "grad_scale")
         self._apply(p, g, bufs, int(step), lr, grad_scale, self.weight_decay if decay else 0.0)
 
     def _apply(self, p, g, bufs, step, lr, grad_scale, weight_decay):
@@ -80,9 +80,9 @@ class SGD(Optimizer):
 
     def __init__(self, lr=1e-3, momentum=0.0, dampening=0.0, weight_decay=0.0, nesterov=False):
         super().__init__(lr)
-        self.momentum = check_number("momentum", momentum, low=0.0)
-        self.dampening = check_number("dampening", dampening, low=0.0, high=1.0)
-        self.weight_decay = check_number("weight_decay", weight_decay, low=0.0)
+        self.momentum = Number(0)(momentum, "momentum")
+        self.dampening = Number(0, 1)(dampening, "dampening")
+        self.weight_decay = Number(0)(weight_decay, "weight_decay")
         if not isinstance(nesterov, bool):
             raise TypeError(f"nesterov: expected true or false, got {show(nesterov)}")
         if nesterov and (self.momentum == 0.0 or self.dampening != 0.0):
@@ -112,10 +112,10 @@ class Adam(Optimizer):
         super().__init__(lr)
         if not isinstance(betas, (tuple, list)) or len(betas) != 2:
             raise TypeError(f"betas: expected two numbers (beta1, beta2), got {show(betas)}")
-        self.betas = (check_number("betas[0]", betas[0], low=0.0, high=1.0, high_open=True),
-                      check_number("betas[1]", betas[1], low=0.0, high=1.0, high_open=True))
-        self.eps = check_number("eps", eps, low=0.0)
-        self.weight_decay = check_number("weight_decay", weight_decay, low=0.0)
+        self.betas = (Number(0, 1, open="high")(betas[0], "betas[0]"),
+                      Number(0, 1, open="high")(betas[1], "betas[1]"))
+        self.eps = Number(0)(eps, "eps")
+        self.weight_decay = Number(0)(weight_decay, "weight_decay")
 
     def _apply(self, p, g, bufs, step, lr, grad_scale, weight_decay):
         _kernels.adam(p, g, bufs["exp_avg"], bufs["exp_avg_sq"], lr, self.betas[0], self.betas[1],

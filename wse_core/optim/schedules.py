@@ -23,7 +23,7 @@ import math
 from collections.abc import Mapping
 from dataclasses import MISSING, dataclass, fields
 
-from wse_core._checks import check_number, show
+from wse_core.checks import Bool, Int, Number, OneOf, show
 
 
 class Schedule:
@@ -334,10 +334,12 @@ _ALIASES = {"steps": "total_iters", "decay_steps": "total_iters", "values": "lea
             "boundaries": "milestones", "t_max": "T_max", "t_0": "T_0", "t_mult": "T_mult",
             "learning_rate": "initial_learning_rate"}
 _IGNORED = ("alpha",)   # read by TensorFlow's CosineDecay only; Model Zoo's PyTorch schedulers ignore it
-_INTS = {"total_iters", "step_size", "T_max", "T_0", "T_mult", "warmup_steps", "step_size_up", "step_size_down",
-         "total_steps"}
-_CHOICES = {"mode": ("triangular", "triangular2", "exp_range"), "scale_mode": ("cycle", "iterations"),
-            "anneal_strategy": ("cos", "linear")}
+#: Each argument's constraint (wse_core.checks), where it is not a number >= 0.
+_ARGS = {**dict.fromkeys(("total_iters", "step_size", "T_max", "T_0", "T_mult", "warmup_steps", "step_size_up",
+                          "total_steps"), Int(1)),
+         "step_size_down": Int(1, none=True), "final_div_factor": Number(0, open="low"),
+         "mode": OneOf("triangular", "triangular2", "exp_range"), "scale_mode": OneOf("cycle", "iterations"),
+         "anneal_strategy": OneOf("cos", "linear"), **dict.fromkeys(("staircase", "cycle", "three_phase"), Bool())}
 
 
 def _class_of(name, key):
@@ -365,33 +367,12 @@ def _value(cls, name, v, where):
         if not isinstance(v, (list, tuple)) or not v:
             raise ValueError(f"{where}: expected a non-empty list, got {show(v)}")
         if name == "milestones":
-            ms = [_int(x, f"{where}[{i}]") for i, x in enumerate(v)]
+            ms = [Int(1)(x, f"{where}[{i}]") for i, x in enumerate(v)]
             if any(b <= a for a, b in zip(ms, ms[1:])):
                 raise ValueError(f"{where}: expected increasing steps, got {show(v)}")
             return tuple(ms)
-        return tuple(check_number(f"{where}[{i}]", x, low=0.0) for i, x in enumerate(v))
-    if name in _CHOICES:
-        if v not in _CHOICES[name]:
-            raise ValueError(f"{where}: expected one of {', '.join(_CHOICES[name])}, got {show(v)}")
-        return v
-    if name in ("staircase", "cycle", "three_phase"):
-        if not isinstance(v, bool):
-            raise TypeError(f"{where}: expected true or false, got {show(v)}")
-        return v
-    if name in _INTS:
-        if name == "step_size_down" and v is None:
-            return None
-        return _int(v, where)
-    value = check_number(where, v, low=0.0)
-    if name == "final_div_factor" and value == 0:
-        raise ValueError(f"{where}: expected a number > 0, got 0")
-    return value
-
-
-def _int(v, where):
-    if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-        raise ValueError(f"{where}: expected an integer >= 1, got {show(v)}")
-    return v
+        return tuple(Number(0)(x, f"{where}[{i}]") for i, x in enumerate(v))
+    return _ARGS.get(name, Number(0))(v, where)
 
 
 def _one(spec, key, last):
@@ -440,7 +421,7 @@ def make_schedule(spec, key="learning_rate"):
     """Build a schedule from a number, one scheduler mapping, or a list of them (run in sequence, or
     chained when an entry says ``main_scheduler: chained``)."""
     if isinstance(spec, (int, float)) and not isinstance(spec, bool):
-        return Constant(check_number(key, spec, low=0.0))
+        return Constant(Number(0)(spec, key))
     if isinstance(spec, (list, tuple)):
         if not spec:
             raise ValueError(f"{key}: expected at least one scheduler, got an empty list")

@@ -19,7 +19,7 @@ output element is summed in one fixed order, so results are bit-identical for an
 """
 import numpy as np
 
-from wse_core._checks import FLOAT_DTYPES
+from wse_core.checks import FLOAT_DTYPES
 from wse_core.sparse import _kernels
 
 INDEX_DTYPES = (np.dtype(np.int32), np.dtype(np.int64))
