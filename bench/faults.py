@@ -29,8 +29,8 @@ import time
 from pathlib import Path
 
 from bench.harness import machine, table
+from mpi_launch.launcher import job_processes
 from mpi_launch.rundir import RunDir
-from mpi_launch.watchdog import job_processes
 
 ROLES = ("coordinator", "memoryx", "swarmx", "csx", "worker")
 MODEL = {"name": "gpt2", "vocab_size": 257, "hidden_size": 32, "num_hidden_layers": 2, "num_heads": 2,

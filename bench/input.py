@@ -31,8 +31,9 @@ import numpy as np
 from bench.harness import machine, median_seconds, table
 from data_tools import COMPRESSIONS, DEFAULT_COMPRESSION
 from data_tools.dataset import Dataset, GlobalStream
+from data_tools.documents import discover_inputs, stdlib_sources
 from data_tools.lmdata import chunk_rows
-from data_tools.preprocess import _init_worker, _tokenize, discover_inputs, plan_jobs, preprocess_text, stdlib_sources
+from data_tools.preprocess import _init_worker, _tokenize, plan_jobs, preprocess_text
 
 SEQ = 256
 VARIANTS = (lambda t: t, str.swapcase, lambda t: "\n".join(reversed(t.splitlines())),

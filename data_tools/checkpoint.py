@@ -27,14 +27,12 @@ import io
 import json
 import os
 import shutil
-import warnings
 from pathlib import Path
 
 import h5py
 import numpy as np
 
-from data_tools.errors import CheckpointError, DataError, DataWarning
-from data_tools.tokenizers import write_hf_tokenizer
+from data_tools.errors import CheckpointError
 
 #: 2 added ``metadata_sha256``; format 1 checkpoints still load, without that check of the index.
 FORMAT_VERSION = 2
@@ -249,44 +247,6 @@ def save_checkpoint(model_dir, step, shards, *, params_yaml="", loader_state=Non
     return writer.commit(tables, params_yaml=params_yaml, loader_state=loader_state, rng_state=rng_state)
 
 
-def from_hf(hf_dir, model_dir):
-    """A checkpoint (step 0, weights only: the optimizer starts fresh) in ``model_dir`` from a Hugging
-    Face directory (config.json, model.safetensors); returns (its path, the model section of the params
-    a run on it needs)."""
-    import yaml
-    from safetensors.numpy import load_file
-
-    from wse_core.nn import build_model
-    from wse_core.nn.hf import from_hf as convert
-
-    hf_dir = Path(hf_dir)
-    try:
-        config = json.loads((hf_dir / "config.json").read_text())
-    except (OSError, ValueError) as exc:
-        raise CheckpointError(f"{hf_dir / 'config.json'}: cannot read ({exc})") from None
-    files = sorted(hf_dir.glob("*.safetensors"))
-    if not files:
-        raise CheckpointError(f"{hf_dir}: no *.safetensors file (a Hugging Face model directory has model.safetensors)")
-    tensors = {}
-    for f in files:
-        try:
-            tensors.update(load_file(str(f)))
-        except Exception as exc:  # safetensors raises its own error types
-            raise CheckpointError(f"{f}: not a readable safetensors file ({exc})") from None
-    try:
-        model_cfg, weights = convert(config, tensors)
-        model = build_model(model_cfg)
-    except (TypeError, ValueError, KeyError) as exc:
-        raise CheckpointError(f"{hf_dir}: {exc}") from None
-    for name, spec in model.param_specs.items():
-        if weights[name].shape != spec.shape:
-            raise CheckpointError(f"{hf_dir}: tensor for {name} has shape {list(weights[name].shape)}, the config "
-                                  f"says {list(spec.shape)}")
-    path = save_checkpoint(model_dir, 0, [({n: weights[n] for n in model.param_names}, {})],
-                           params_yaml=yaml.safe_dump({"model": model.config}, sort_keys=False))
-    return path, model.config
-
-
 def resolve(path):
     """A model_dir (-> its ``latest``), a checkpoint directory, or an ``index.h5`` -> the checkpoint directory."""
     p = Path(path)
@@ -472,15 +432,11 @@ class Checkpoint:
                 "loader_state": self.loader_state, "numerics": self.numerics, "params_yaml": self.params_yaml}
 
     def convert(self, to, output):
-        """Write the weights (parameter names as keys) as ``npz``, ``h5`` or a torch ``state_dict``, or
-        as a Hugging Face directory (``hf``: config.json and model.safetensors that transformers'
-        GPT2LMHeadModel / LlamaForCausalLM load, and the training data's tokenizer for AutoTokenizer,
-        or a DataWarning saying why there is none).
+        """Write the weights (parameter names as keys) as ``npz``, ``h5`` or a torch ``state_dict``
+        (a Hugging Face directory is ``data_tools.hf.to_hf``'s).
 
         Sparse weights are written dense (``[out, in]``, zeros off the pattern), as PyTorch expects.
         """
-        if to == "hf":
-            return self._to_hf(output)
         if to == "torch":
             try:
                 import torch
@@ -498,39 +454,5 @@ class Checkpoint:
         elif to == "torch":
             torch.save({k: torch.from_numpy(v) for k, v in params.items()}, output)
         else:
-            raise CheckpointError(f"--to: expected npz, h5, torch or hf, got {to!r}")
+            raise CheckpointError(f"--to: expected npz, h5 or torch, got {to!r}")
         return output
-
-    def _to_hf(self, output):
-        import yaml
-        from safetensors.numpy import save_file
-
-        from wse_core.nn import build_model
-
-        try:
-            params = yaml.safe_load(self.params_yaml)
-            model = build_model(params["model"])
-            if not model.is_lm:
-                raise ValueError(f"model.name: {model.config['name']} has no Hugging Face counterpart here "
-                                 "(gpt2, gpt3, llama have)")
-            config, tensors = model.to_hf(self.dense(self.load(model.param_names)[0]))
-        except (TypeError, ValueError, KeyError) as exc:
-            raise CheckpointError(f"{self.dir}: --to hf: {exc}") from None
-        out = Path(output)
-        out.mkdir(parents=True, exist_ok=True)
-        save_file({k: np.ascontiguousarray(v) for k, v in tensors.items()}, str(out / "model.safetensors"),
-                  metadata={"format": "pt"})
-        data = params.get("train_input") or {}
-        dirs = data.get("data_dir") or [m["data_dir"] for m in data.get("mixture") or ()]
-        try:
-            if not dirs:
-                raise DataError("the checkpoint's params name no train_input.data_dir")
-            config.update(write_hf_tokenizer([dirs] if isinstance(dirs, str) else dirs, out,
-                                             vocab_size=model.config["vocab_size"],
-                                             max_length=model.config["max_position_embeddings"]))
-        except DataError as exc:
-            # Unset rather than transformers' defaults (GPT-2's 50256, LLaMA's 1 and 2), ids of other vocabularies.
-            config.update(bos_token_id=None, eos_token_id=None)
-            warnings.warn(f"{out}: no tokenizer written: {exc}", DataWarning, stacklevel=3)
-        (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-        return out

@@ -1,4 +1,4 @@
-"""The launcher side of fault handling: run a job under watch, end it on the first fault, name that fault.
+"""The launcher side of fault handling: watch a job's ranks, end the job on the first fault, name that fault.
 
 Every rank runs under a supervisor (mpi_launch.supervisor) that holds a TCP connection to the
 ``Watchdog`` here and reports, with a timestamp: hello (the rank's pid and host), ready, done, an
@@ -21,8 +21,7 @@ on a loaded machine its supervisor may report first, but nothing in the job send
 Errors that only report a lost peer (``PeerLost``/``PeerTimeout``) are echoes.
 Ending the job closes every supervisor's connection (each kills its rank) and kills mpiexec's
 process group; a launcher that dies closes them just the same, so no rank outlives it.
-See docs/design.md section 3. It is one module because the incident rules and ``launch`` (which
-runs mpiexec under them) are one protocol with mpi_launch.supervisor and change together.
+``launch`` (mpi_launch.launcher) runs mpiexec under a Watchdog. See docs/design.md section 3.
 """
 import json
 import os
@@ -30,15 +29,10 @@ import secrets
 import selectors
 import signal
 import socket
-import subprocess
-import sys
-import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 
-from mpi_launch.mpiexec import hydra_env, mpi_env
 from mpi_launch.supervisor import CONTROL_ENV
 
 #: Seconds to wait after an incident for others from the same moment, so the earliest is named.
@@ -49,11 +43,10 @@ ECHO_SECONDS = 2.0
 #: a peer's death, unlike SIGSEGV, SIGBUS, SIGABRT or SIGPIPE, which a lost connection can cause.
 EXTERNAL_SIGNALS = {signal.SIGKILL, signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT,
                     signal.SIGUSR2, signal.SIGALRM}
-#: Seconds mpiexec gets to exit after the job was ended, before its process group is killed again.
-TEARDOWN_SECONDS = 5.0
 
 
-def _signame(sig):
+def signame(sig):
+    """A signal's name (``SIGKILL``), or ``signal N`` for a number with none."""
     try:
         return signal.Signals(sig).name
     except ValueError:
@@ -284,7 +277,7 @@ class Watchdog:
             if "signal" in msg:
                 sig = msg["signal"]
                 after = " after finishing its work" if s.done else ""
-                self._incident(t, True, rank, f"the process died (killed by signal {sig} ({_signame(sig)})){after}",
+                self._incident(t, True, rank, f"the process died (killed by signal {sig} ({signame(sig)})){after}",
                                external=sig in EXTERNAL_SIGNALS)
             elif msg.get("code") != 0:
                 self._incident(t, True, rank, f"the process exited with code {msg.get('code')}", quiet=True)
@@ -301,7 +294,7 @@ class Watchdog:
 
     @staticmethod
     def _stop_name(s):
-        return _signame(s.stop_signal) if s.stop_signal else "a signal"
+        return signame(s.stop_signal) if s.stop_signal else "a signal"
 
     def _incident(self, t, primary, rank, text, named=False, quiet=False, stamp=None, external=False):
         """Record a fault. ``named``: ``text`` already starts with the rank; ``quiet``: only a cause
@@ -368,31 +361,6 @@ class Watchdog:
             self.end(chosen.line)
 
 
-def job_processes(marker):
-    """Live processes of the jobs whose command lines mention ``marker`` (a model_dir, a test's
-    tmp_path): those processes, their descendants (hydra's proxies start sessions of their own) and
-    everything in their sessions; never the caller or its session. What tests and ``wse bench
-    faults`` count to prove a job left nothing behind."""
-    procs = {}  # pid -> (ppid, session, command line)
-    for d in Path("/proc").iterdir():
-        if not d.name.isdigit() or int(d.name) == os.getpid():
-            continue
-        try:
-            cmd = (d / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-            fields = (d / "stat").read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if fields[0] not in ("Z", "X"):
-            procs[int(d.name)] = (int(fields[1]), int(fields[3]), cmd)
-    found = {pid for pid, (_, _, cmd) in procs.items() if str(marker) in cmd}
-    while True:
-        sessions = {procs[pid][1] for pid in found} - {os.getsid(0)}
-        more = {pid for pid, (ppid, sid, _) in procs.items() if ppid in found or sid in sessions} - found
-        if not more:
-            return sorted(found)
-        found |= more
-
-
 def _reachable_address(hostfile):
     """This machine's address as the hosts of ``hostfile`` see it (WSE_CONTROL_HOST overrides)."""
     if os.environ.get("WSE_CONTROL_HOST"):
@@ -412,95 +380,3 @@ def _reachable_address(hostfile):
         if not address.startswith("127."):
             return address
     return socket.gethostbyname(socket.gethostname())
-
-
-def hydra_reason(stderr):
-    """The informative line of hydra's complaint (mpiexec.log keeps all of it)."""
-    lines = [ln.strip() for ln in stderr.splitlines() if ln.strip() and not ln.startswith("=")]
-    for ln in lines:
-        low = ln.lower()
-        if "error" in low or "unable" in low or "cannot" in low or "failed" in low:
-            return ln
-    return lines[-1] if lines else "mpiexec failed without a message"
-
-
-class JobInterrupted(BaseException):
-    """The launcher was asked to stop (SIGTERM, SIGINT, SIGHUP) and ended the job."""
-
-    def __init__(self, sig):
-        super().__init__(_signame(sig))
-        self.signal = sig
-
-
-def launch(cmd, plan, run_dir, *, peer_timeout, startup_timeout, hostfile=None, stream=sys.stdout, next_up=None):
-    """Run the job under a watchdog, streaming the coordinator's lines; return (exit code, failure line or None).
-
-    Says when every rank is ready, and ``next_up`` (what the ranks do before the first step's line),
-    so a big model's start-up is not a silence.
-
-    SIGTERM, SIGINT and SIGHUP end the job cleanly and raise JobInterrupted (from the main thread;
-    elsewhere only the caller's own KeyboardInterrupt handling applies).
-    """
-    log = open(run_dir.watchdog_log, "w")
-    said = threading.Lock()  # the watchdog's thread and this one write whole lines to the stream
-
-    def say(line):
-        with said:
-            stream.write(line)
-            stream.flush()
-
-    def ready(seconds):  # on the watchdog's thread, which must go on watching whatever becomes of the stream
-        try:
-            say(f"{plan.world_size} ranks ready in {seconds:.1f} s" + (f"; {next_up}" if next_up else "") + "\n")
-        except (OSError, ValueError):
-            pass  # the stream's reader left (or it was closed): this thread's next write meets it and says so
-
-    watchdog = Watchdog(plan, peer_timeout=peer_timeout, startup_timeout=startup_timeout, hostfile=hostfile,
-                        log=log, on_ready=ready)
-    previous = {}
-
-    def interrupted(sig, frame):
-        raise JobInterrupted(sig)
-
-    if threading.current_thread() is threading.main_thread():
-        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
-            previous[sig] = signal.signal(sig, interrupted)
-    try:
-        with tempfile.TemporaryFile("w+") as err:
-            proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, text=True, start_new_session=True,
-                                    env=mpi_env(1, {"OMP_WAIT_POLICY": "PASSIVE", **watchdog.env(),
-                                                   **hydra_env(run_dir.hwloc_xml)}))
-            watchdog.start(proc)
-            banner = []  # hydra's failure banner comes on stdout; it goes to logs/mpiexec.log
-            try:
-                for line in proc.stdout:
-                    if line.startswith(("=", "YOUR APPLICATION TERMINATED")) or banner:
-                        banner.append(line)
-                    elif line.strip():
-                        say(line)
-                deadline = time.monotonic() + TEARDOWN_SECONDS
-                while proc.poll() is None and time.monotonic() < deadline:
-                    time.sleep(0.05)
-                if proc.poll() is None:  # mpiexec outlived its ranks: end it
-                    watchdog.end()
-                code = proc.wait()
-                watchdog.conclude()
-            except BaseException:
-                watchdog.end()
-                proc.wait()
-                raise
-            finally:
-                watchdog.stop()
-                watchdog.remove_shared_memory()
-            err.seek(0)
-            stderr = "".join(banner) + err.read()
-        run_dir.mpiexec_log.write_text(stderr)
-    finally:
-        log.close()
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
-    if watchdog.verdict is not None:
-        return code or 1, watchdog.verdict
-    if code != 0:
-        return code, hydra_reason(stderr)
-    return 0, None

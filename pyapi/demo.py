@@ -38,7 +38,8 @@ def prepare():
     """The demo's data (training and held-out) and its params.yaml, in DEMO_DIR; the data is reused
     when both parts are there."""
     from data_tools.lmdata import DATA_PARAMS
-    from data_tools.preprocess import preprocess_text, stdlib_sources
+    from data_tools.documents import stdlib_sources
+    from data_tools.preprocess import preprocess_text
 
     data, eval_data = DEMO_DIR / "data", DEMO_DIR / "eval_data"
     print(f"wse demo: 1/2 preprocessing the standard library's Python sources into {data}/, every "

@@ -98,10 +98,10 @@ class Job:
 
         Only one job runs in a model_dir at a time (RunDirBusy names the one that does). SIGTERM,
         SIGINT or SIGHUP to this process end the job's ranks and raise
-        ``mpi_launch.watchdog.JobInterrupted`` (when called from the main thread).
+        ``mpi_launch.launcher.JobInterrupted`` (when called from the main thread).
         """
         from mpi_launch.rundir import RunDir
-        from mpi_launch.watchdog import launch
+        from mpi_launch.launcher import launch
         from wse_core.nn import build_model
 
         self._check_inputs()

@@ -2,7 +2,7 @@
 import numpy as np
 import pytest
 
-from mpi_launch.watchdog import job_processes
+from mpi_launch.launcher import job_processes
 from wse_core import configure_process
 
 configure_process()  # the tests run the kernels as the ranks and the CLI do

@@ -594,11 +594,12 @@ def test_jsonl_jobs_cut_at_any_byte_give_the_same_dataset(tmp_path, corpus, monk
     """Jobs take the .jsonl lines that start in their byte range: cutting the inputs into many
     small jobs changes nothing in the output; an error names the line in the whole file."""
     import data_tools.preprocess as pp
+    from data_tools.documents import discover_inputs
 
     inputs, stream = corpus
     whole = preprocess_text(inputs, tmp_path / "whole", 32, progress=False)
     monkeypatch.setattr(pp, "JOB_BYTES", 97)
-    assert len(pp.plan_jobs(pp.discover_inputs(inputs))) > 10
+    assert len(pp.plan_jobs(discover_inputs(inputs))) > 10
     cut = preprocess_text(inputs, tmp_path / "cut", 32, processes=2, progress=False)
     assert cut["n_tokens"] == whole["n_tokens"] == len(stream)
     for shard in whole["files"]:

@@ -9,10 +9,11 @@ import numpy as np
 import pytest
 import yaml
 
-from data_tools.checkpoint import Checkpoint, from_hf, save_checkpoint
+from data_tools.checkpoint import Checkpoint, save_checkpoint
 from data_tools.errors import DataWarning
+from data_tools.hf import from_hf, to_hf
 from wse_core.nn import build_model
-from wse_core.nn.hf import to_hf
+from wse_core.nn import hf as nn_hf
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -49,7 +50,7 @@ def test_forward_equals_transformers_and_the_round_trip_is_exact(tmp_path, varia
     cfg = VARIANTS[variant]
     model, weights, path = checkpoint_of(tmp_path, cfg)
     with pytest.warns(DataWarning, match="no tokenizer written: the checkpoint's params name no train_input"):
-        hf_dir = Checkpoint(path).convert("hf", tmp_path / "hf")
+        hf_dir = to_hf(path, tmp_path / "hf")
     config = json.loads((hf_dir / "config.json").read_text())
     hf = transformers.AutoModelForCausalLM.from_pretrained(str(hf_dir), torch_dtype=torch.float32)
     assert type(hf).__name__ == config["architectures"][0]
@@ -115,7 +116,7 @@ def test_bad_hugging_face_input_is_one_line(tmp_path):
     with pytest.raises(Exception, match="model_type 'bert' is not built"):
         from_hf(tmp_path, tmp_path / "out")
     with pytest.raises(ValueError, match="model.rotary_dim: 4 is not the head size 8"):
-        to_hf(build_model(dict(LLAMA, rotary_dim=4)).config, {})
+        nn_hf.to_hf(build_model(dict(LLAMA, rotary_dim=4)).config, {})
 
 
 # --- the export's tokenizer -----------------------------------------------------------------------
@@ -183,7 +184,7 @@ def test_the_export_loads_with_the_byte_tokenizer_of_its_data_and_generates(tmp_
     preprocess_text([corpus(tmp_path)], tmp_path / "data", 16, progress=False)
     _, _, path = checkpoint_of(tmp_path, SMALL[family], data_dir=tmp_path / "data")
     with no_warnings():
-        hf_dir = Checkpoint(path).convert("hf", tmp_path / "hf")
+        hf_dir = to_hf(path, tmp_path / "hf")
         tok, model = load(hf_dir)
         ids = tok(DOC)["input_ids"]
         assert ids + [256] == stream_of(tmp_path / "data")[:len(ids) + 1]
@@ -216,7 +217,7 @@ def test_the_export_copies_a_tokenizer_json_with_the_datas_special_tokens(tmp_pa
     cfg = dict(SMALL["gpt2"], vocab_size=bpe.get_vocab_size())
     _, _, path = checkpoint_of(tmp_path, cfg, data_dir=tmp_path / "data")
     with no_warnings():
-        tok, model = load(Checkpoint(path).convert("hf", tmp_path / "hf"))
+        tok, model = load(to_hf(path, tmp_path / "hf"))
         ids = tok(DOC)["input_ids"]
         assert ids + [meta["eot_id"]] == stream_of(tmp_path / "data")[:len(ids) + 1]
         assert tok.eos_token == "<|endoftext|>" and tok.eos_token_id == model.config.eos_token_id == meta["eot_id"]
@@ -248,5 +249,5 @@ def test_an_export_without_the_tokenizers_package_says_so(tmp_path, monkeypatch)
     monkeypatch.setitem(sys.modules, "tokenizers", None)  # what a default install without the hf extra has
     with pytest.warns(DataWarning, match=r"no tokenizer written: the optional 'tokenizers' package is not installed "
                                          r"\(pip install 'wse-cluster\[hf\]'\)"):
-        Checkpoint(path).convert("hf", tmp_path / "hf")
+        to_hf(path, tmp_path / "hf")
     assert (tmp_path / "hf" / "model.safetensors").is_file() and not (tmp_path / "hf" / "tokenizer.json").exists()

@@ -92,7 +92,7 @@ def attempt(params, *, cores=None, hostfile=None, progress_fd=None):
     With ``progress_fd``, report progress on it as the job goes (``_Progress``)."""
     from mpi_launch import MPILaunchError
     from mpi_launch.rundir import RunDir
-    from mpi_launch.watchdog import JobInterrupted
+    from mpi_launch.launcher import JobInterrupted
     from pyapi.job import Job, JobError
     from pyapi.params import RunSpec
 

@@ -28,9 +28,14 @@ def _cmd_checkpoint_verify(args):
 
 
 def _cmd_checkpoint_convert(args):
-    from data_tools.checkpoint import Checkpoint
+    if args.to == "hf":
+        from data_tools.hf import to_hf
 
-    out = Checkpoint(args.path).convert(args.to, args.output)
+        out = to_hf(args.path, args.output)
+    else:
+        from data_tools.checkpoint import Checkpoint
+
+        out = Checkpoint(args.path).convert(args.to, args.output)
     print(f"wrote {out}")
     return 0
 
@@ -38,7 +43,7 @@ def _cmd_checkpoint_convert(args):
 def _cmd_checkpoint_from_hf(args):
     import yaml
 
-    from data_tools.checkpoint import from_hf
+    from data_tools.hf import from_hf
 
     path, model = from_hf(args.path, args.output)
     print(f"wrote {path} (step 0, weights only: the optimizer starts fresh)")

@@ -71,7 +71,7 @@ def _cmd_compile(args):
 def _cmd_fit(args):
     from pathlib import Path
 
-    from mpi_launch.watchdog import JobInterrupted
+    from mpi_launch.launcher import JobInterrupted
     from pyapi.job import Job, JobError
 
     job = Job.from_yaml(args.params, model_dir=args.model_dir, overrides=overrides(args))

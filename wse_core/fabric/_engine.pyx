@@ -24,6 +24,13 @@ gives the same result and keeps a PE's state in cache between its router and its
 status: -1 still running, 0 done (every core idle, every queue empty), 1 deadlock (nothing moved
 and nothing is in flight), 2 the cycle limit, 3 wavelets left in a core queue that no task will
 read (named in ``wse_core.fabric.engine.Outcome``, the Python side).
+
+It is one file because it is one hot loop: ``advance`` calls ``_router`` and ``_core`` for every PE
+every cycle in one ``nogil`` sweep, and they call the queue and operand helpers for every wavelet
+and element. Each .pyx is an extension module of its own (setup.py), so here they are static C
+functions of one translation unit, which the compiler inlines and optimizes together; split across
+modules, every call between them would go through a function pointer imported at load time (only
+``cdef inline`` bodies in a .pxd cross modules inlined), and the structs would need a .pxd besides.
 """
 from libc.stdint cimport int32_t, int64_t, uint8_t, uint32_t
 

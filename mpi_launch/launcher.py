@@ -1,0 +1,139 @@
+"""Running a job: ``mpiexec`` under a watchdog (mpi_launch.watchdog), its coordinator's lines streamed,
+its failure named in one line, and nothing of it left running.
+
+``launch`` starts mpiexec in a session of its own, hands it to a ``Watchdog`` that ends the job at
+the first fault, and ends it just the same when the launcher is told to stop (SIGTERM, SIGINT,
+SIGHUP: ``JobInterrupted``). Hydra's messages go to ``logs/mpiexec.log``, the supervisors' reports to
+``logs/watchdog.log``. ``job_processes`` finds what a job left running.
+"""
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+from mpi_launch.mpiexec import hydra_env, mpi_env
+from mpi_launch.watchdog import Watchdog, signame
+
+#: Seconds mpiexec gets to exit after the job was ended, before its process group is killed again.
+TEARDOWN_SECONDS = 5.0
+
+
+def hydra_reason(stderr):
+    """The informative line of hydra's complaint (mpiexec.log keeps all of it)."""
+    lines = [ln.strip() for ln in stderr.splitlines() if ln.strip() and not ln.startswith("=")]
+    for ln in lines:
+        low = ln.lower()
+        if "error" in low or "unable" in low or "cannot" in low or "failed" in low:
+            return ln
+    return lines[-1] if lines else "mpiexec failed without a message"
+
+
+class JobInterrupted(BaseException):
+    """The launcher was asked to stop (SIGTERM, SIGINT, SIGHUP) and ended the job."""
+
+    def __init__(self, sig):
+        super().__init__(signame(sig))
+        self.signal = sig
+
+
+def launch(cmd, plan, run_dir, *, peer_timeout, startup_timeout, hostfile=None, stream=sys.stdout, next_up=None):
+    """Run the job under a watchdog, streaming the coordinator's lines; return (exit code, failure line or None).
+
+    Says when every rank is ready, and ``next_up`` (what the ranks do before the first step's line),
+    so a big model's start-up is not a silence.
+
+    SIGTERM, SIGINT and SIGHUP end the job cleanly and raise JobInterrupted (from the main thread;
+    elsewhere only the caller's own KeyboardInterrupt handling applies).
+    """
+    log = open(run_dir.watchdog_log, "w")
+    said = threading.Lock()  # the watchdog's thread and this one write whole lines to the stream
+
+    def say(line):
+        with said:
+            stream.write(line)
+            stream.flush()
+
+    def ready(seconds):  # on the watchdog's thread, which must go on watching whatever becomes of the stream
+        try:
+            say(f"{plan.world_size} ranks ready in {seconds:.1f} s" + (f"; {next_up}" if next_up else "") + "\n")
+        except (OSError, ValueError):
+            pass  # the stream's reader left (or it was closed): this thread's next write meets it and says so
+
+    watchdog = Watchdog(plan, peer_timeout=peer_timeout, startup_timeout=startup_timeout, hostfile=hostfile,
+                        log=log, on_ready=ready)
+    previous = {}
+
+    def interrupted(sig, frame):
+        raise JobInterrupted(sig)
+
+    if threading.current_thread() is threading.main_thread():
+        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+            previous[sig] = signal.signal(sig, interrupted)
+    try:
+        with tempfile.TemporaryFile("w+") as err:
+            proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, text=True, start_new_session=True,
+                                    env=mpi_env(1, {"OMP_WAIT_POLICY": "PASSIVE", **watchdog.env(),
+                                                   **hydra_env(run_dir.hwloc_xml)}))
+            watchdog.start(proc)
+            banner = []  # hydra's failure banner comes on stdout; it goes to logs/mpiexec.log
+            try:
+                for line in proc.stdout:
+                    if line.startswith(("=", "YOUR APPLICATION TERMINATED")) or banner:
+                        banner.append(line)
+                    elif line.strip():
+                        say(line)
+                deadline = time.monotonic() + TEARDOWN_SECONDS
+                while proc.poll() is None and time.monotonic() < deadline:
+                    time.sleep(0.05)
+                if proc.poll() is None:  # mpiexec outlived its ranks: end it
+                    watchdog.end()
+                code = proc.wait()
+                watchdog.conclude()
+            except BaseException:
+                watchdog.end()
+                proc.wait()
+                raise
+            finally:
+                watchdog.stop()
+                watchdog.remove_shared_memory()
+            err.seek(0)
+            stderr = "".join(banner) + err.read()
+        run_dir.mpiexec_log.write_text(stderr)
+    finally:
+        log.close()
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    if watchdog.verdict is not None:
+        return code or 1, watchdog.verdict
+    if code != 0:
+        return code, hydra_reason(stderr)
+    return 0, None
+
+
+def job_processes(marker):
+    """Live processes of the jobs whose command lines mention ``marker`` (a model_dir, a test's
+    tmp_path): those processes, their descendants (hydra's proxies start sessions of their own) and
+    everything in their sessions; never the caller or its session. What tests and ``wse bench
+    faults`` count to prove a job left nothing behind."""
+    procs = {}  # pid -> (ppid, session, command line)
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit() or int(d.name) == os.getpid():
+            continue
+        try:
+            cmd = (d / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            fields = (d / "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if fields[0] not in ("Z", "X"):
+            procs[int(d.name)] = (int(fields[1]), int(fields[3]), cmd)
+    found = {pid for pid, (_, _, cmd) in procs.items() if str(marker) in cmd}
+    while True:
+        sessions = {procs[pid][1] for pid in found} - {os.getsid(0)}
+        more = {pid for pid, (ppid, sid, _) in procs.items() if ppid in found or sid in sessions} - found
+        if not more:
+            return sorted(found)
+        found |= more
