@@ -6,7 +6,8 @@
 For four GPT shapes at sequence 2048 (GPT-3 XL 1.3B, GPT-J 6B, GPT-3 13B and GPT-NeoX 20B: hidden
 size, layers, heads and vocabulary; this project's GPT-2 blocks stand in for their variants),
 ``wse_core.perf.step.walk_step`` gives the simulated step time on 1, 2, 4, 8, 16, 32, 64 and 192
-CS-2s with the default hardware (fp16, 1.2 Tb/s per CS-2, SwarmX fan-out 4): (a) with the batch per
+CS-2s with the default hardware (1.2 Tb/s per CS-2, SwarmX fan-out 4), each model in mixed precision
+as Cerebras trains them (fp16 on the wafer, from ``model.mixed_precision``): (a) with the batch per
 CS-2 held fixed, as in Cerebras' linear-scaling results, and (b) with the global batch held fixed
 (each CS-2 gets global / N, at least one micro-batch), where the weight stream, which every CS-2
 receives whole whatever its share of the batch, takes over. The baseline of every speed-up is the
@@ -48,7 +49,7 @@ def model_of(shape):
 
     h, layers, heads, vocab = shape
     return build_model({"name": "gpt2", "vocab_size": vocab, "hidden_size": h, "num_hidden_layers": layers,
-                        "num_heads": heads, "max_position_embeddings": SEQ})
+                        "num_heads": heads, "max_position_embeddings": SEQ, "mixed_precision": True})
 
 
 def _walk(model, n, per_csx, micro, seq):
@@ -90,9 +91,10 @@ def run(args):
               "micro_batch": args.micro_batch, "models": {}}
     from wse_core.perf import Hardware
 
-    result["hardware"] = Hardware().to_dict()
-    for name, shape in SHAPES.items():
-        model = model_of(shape)
+    models = {name: model_of(shape) for name, shape in SHAPES.items()}
+    # The walk's hardware: the defaults at the models' precision (all four train in mixed precision).
+    result["hardware"] = Hardware.for_model(models["GPT-3 XL 1.3B"]).to_dict()
+    for name, model in models.items():
         fixed = {str(n): _walk(model, n, args.batch_per_csx, args.micro_batch, SEQ) for n in COUNTS}
         strong = {str(n): _walk(model, n, max(1, args.global_batch // n), args.micro_batch, SEQ) for n in COUNTS}
         result["models"][name] = {"parameters": model.num_params(), "per_csx_fixed": fixed, "global_fixed": strong}

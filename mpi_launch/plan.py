@@ -151,7 +151,7 @@ def strategy(params, model):
     chosen, why, placement, _ = choose(model, batch_size=t.batch_size, micro_batch_size=t.micro_batch_size,
                                        seq_len=params.model.get("max_position_embeddings"),
                                        n_states=optimizer_states(params.optimizer),
-                                       hw=Hardware.from_params(r.hardware))
+                                       hw=Hardware.for_model(model, r.hardware))
     if r.execution_strategy == "pipeline" and not placement.fits:
         raise PlanError(f"runconfig.execution_strategy: pipeline: the model {placement.why}")
     if r.execution_strategy != "auto":
@@ -178,7 +178,7 @@ def describe(params):
     example = sum(int(np.prod(shape)) * np.dtype(dtype).itemsize for shape, dtype in model.example_layout(1, seq))
     memory = rank_memory_bytes(plan, model, n_states=n_states, per_csx=per_csx, seq_len=seq,
                                micro_batch_size=train.micro_batch_size, example_bytes=example)
-    hw = Hardware.from_params(run.hardware)
+    hw = Hardware.for_model(model, run.hardware)
     pow2 = run.num_csx & (run.num_csx - 1) == 0 and run.swarmx_fanout & (run.swarmx_fanout - 1) == 0
     mode, why, placement = strategy(params, model)
     return {

@@ -218,6 +218,8 @@ def test_mixed_precision_with_dynamic_loss_scaling_is_bit_identical_to_the_refer
     results = []
     proc, metrics = fit_matches_reference(jobs, tmp_path, path, p, num_csx, steps, results)
     assert [(m["loss_scale"], m["skipped"]) for m in metrics] == [(r.loss_scale, r.skipped) for r in results]
+    # The clocks time 16-bit values (2 bytes each, in chunks of 16-bit elements) as the walk does.
+    assert assert_clock_agrees_with_the_walk(metrics, p, num_csx)["detail"]["precision"] == "fp16"
     if fp16_type == "float16":  # 2^12 overflows float16 gradients here: skipped, then recovered
         skips = [m["skipped"] for m in metrics]
         assert skips[0] and not all(skips)
@@ -352,12 +354,14 @@ def test_a_pipelined_run_has_the_bits_of_weight_streaming_and_checkpoints_cross(
     metrics = RunDir(tmp_path / "model").read_metrics()
     assert [m["loss"] for m in metrics] == losses
     assert metrics[0]["sim_stream_s"] == 0.0 and metrics[2]["sim_stream_s"] > 0  # pipelined, streamed
-    # The pipelined clock: a step of the pipeline model (plus the two control hops of 2 us).
+    # The pipelined clock: a step of the pipeline model (plus the two control hops of 2 us); the first
+    # step of a run (step 4 resumes) has no update before it: the last run's update was in its own clock.
     from mpi_launch.plan import strategy
     from pyapi.params import validate
 
     placement = strategy(validate(p), build_model(p["model"]))[2]
-    assert metrics[3]["sim_step_s"] == pytest.approx(placement.step_s + 4e-6, rel=1e-3)
+    assert metrics[1]["sim_step_s"] == pytest.approx(placement.step_s + 4e-6, rel=1e-9)
+    assert metrics[3]["sim_step_s"] == pytest.approx(placement.step_s - placement.update_s + 4e-6, rel=1e-9)
 
 
 @pytest.mark.parametrize("sparsity", [None, 0.5])

@@ -163,6 +163,17 @@ def test_hardware_constants_are_params():
         validate(apply_overrides(BASE, ["runconfig.hardware.clock_hz=.inf"]))
 
 
+def test_the_precision_is_the_models_not_a_hardware_constant():
+    """runconfig.hardware.precision would be a second spelling of model.mixed_precision (and could
+    time a float32 run at 2 bytes a value): refused in one line naming the key, alone or beside a
+    constant, whatever its value."""
+    for setting in ("runconfig.hardware={precision: fp32}", "runconfig.hardware={io_gbps: 600, precision: fp16}"):
+        with pytest.raises(ParamsError) as e:
+            validate(apply_overrides(BASE, [setting]))
+        assert str(e.value) == ("runconfig.hardware.precision: the precision is the model's "
+                                "(model.mixed_precision, model.fp16_type); remove this key"), setting
+
+
 def test_a_mixture_instead_of_data_dir():
     """Model Zoo's train_input.mixture: a list of {data_dir, weight}; exactly one of it and data_dir."""
     mix = [{"data_dir": "web", "weight": 0.7}, {"data_dir": "code", "weight": 0.3}]

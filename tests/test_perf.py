@@ -26,7 +26,7 @@ def test_the_compute_model_is_calibrated_on_the_simulator_and_holds_on_held_out_
 
 
 def test_hardware_constants_override_and_refuse_nonsense():
-    hw = Hardware.from_params({"io_gbps": 600, "precision": "fp32"})
+    hw = Hardware.from_params({"io_gbps": 600}, precision="fp32")
     assert hw.io_gbps == 600 and hw.bytes_per_value == 4 and hw.fmac_lanes == 1
     assert Hardware().peak_flops == 2 * 750 * 994 * 4 * 850e6
     with pytest.raises(ValueError, match="runconfig.hardware.io_gpbs: unknown constant"):
@@ -65,11 +65,43 @@ SHAPES = {"GPT-3 XL": (2048, 24, 16, 50257), "GPT-J 6B": (4096, 28, 16, 50400), 
 
 
 def gpt(shape, seq=2048):
+    """A published GPT shape, in mixed precision as Cerebras trains them (the walk times it at fp16)."""
     from wse_core.nn import build_model
 
     h, layers, heads, vocab = shape
     return build_model({"name": "gpt2", "vocab_size": vocab, "hidden_size": h, "num_hidden_layers": layers,
-                        "num_heads": heads, "max_position_embeddings": seq})
+                        "num_heads": heads, "max_position_embeddings": seq, "mixed_precision": True})
+
+
+@pytest.mark.parametrize("fp16_type", ["float16", "bfloat16", "cbfloat16"])
+def test_a_run_is_timed_at_its_models_precision(fp16_type):
+    """The simulated clock's precision is the model's (model.mixed_precision), as `wse compile` and the
+    ranks build their Hardware: the same model in float32 streams 4 bytes a value on the fp32 lanes,
+    in any 16-bit format 2 bytes on the fp16 lanes, and their weight-streaming steps differ."""
+    from mpi_launch.plan import describe
+    from pyapi.params import validate
+    from wse_core.nn import build_model
+
+    def compiled(**precision):
+        model = {"name": "gpt2", "vocab_size": 257, "hidden_size": 64, "num_hidden_layers": 2, "num_heads": 2,
+                 "max_position_embeddings": 64, **precision}
+        optimizer = {"learning_rate": 1e-3, "loss_scaling_factor": "dynamic"}  # cbfloat16 needs it
+        return describe(validate({"train_input": {"data_dir": "d", "batch_size": 16, "micro_batch_size": 2},
+                                  "model": model, "optimizer": optimizer,
+                                  "runconfig": {"max_steps": 1, "num_csx": 2}})), build_model(model)
+
+    (f32, model), (f16, _) = compiled(), compiled(mixed_precision=True, fp16_type=fp16_type)
+    streamed = sum(int(np.prod(model.param_specs[n].shape)) for names in model.unit_params for n in names)
+    w32, w16 = f32["simulated"], f16["simulated"]
+    assert w32["detail"]["precision"] == "fp32" and w32["detail"]["weight_bytes"] == 4 * streamed
+    assert w16["detail"]["precision"] == "fp16" and w16["detail"]["weight_bytes"] == 2 * streamed
+    assert w32["stream_s"] == pytest.approx(2 * w16["stream_s"])
+    assert w32["compute_s"] > w16["compute_s"] and w32["step_s"] > w16["step_s"]
+    assert f32["wafer_bytes"]["weights_in_flight"] == 2 * f16["wafer_bytes"]["weights_in_flight"]
+    # The pipelined model too: AdamW's 32-bit weights, gradients and two states, or 16-bit weights with a
+    # 32-bit master copy.
+    assert (f32["pipeline"]["detail"]["bytes_per_param"], f16["pipeline"]["detail"]["bytes_per_param"]) == (16, 18)
+    assert (f32["pipeline"]["detail"]["precision"], f16["pipeline"]["detail"]["precision"]) == ("fp32", "fp16")
 
 
 @pytest.mark.parametrize("name", SHAPES)

@@ -14,8 +14,9 @@ from wse_core.perf.pipeline import bytes_per_param, choose, place, plot_placemen
 
 
 def gpt(hidden, layers, heads, seq=512):
+    """A GPT-2 shape in mixed precision (the seeds' figures are for 16-bit training)."""
     return build_model({"name": "gpt2", "vocab_size": 50257, "hidden_size": hidden, "num_hidden_layers": layers,
-                        "num_heads": heads, "max_position_embeddings": seq})
+                        "num_heads": heads, "max_position_embeddings": seq, "mixed_precision": True})
 
 
 def test_the_placement_covers_the_wafer_and_every_region_holds_its_layer():
@@ -56,7 +57,7 @@ def test_pipeline_refuses_a_model_that_does_not_fit_in_one_line():
 
     p = validate({"train_input": {"data_dir": "d", "batch_size": 64, "micro_batch_size": 1},
                   "model": {"name": "gpt2", "vocab_size": 50257, "hidden_size": 2560, "num_hidden_layers": 32,
-                            "num_heads": 32, "max_position_embeddings": 512},
+                            "num_heads": 32, "max_position_embeddings": 512, "mixed_precision": True},
                   "optimizer": {"learning_rate": 1e-4},
                   "runconfig": {"max_steps": 1, "execution_strategy": "pipeline"}})
     with pytest.raises(PlanError, match=r"^runconfig.execution_strategy: pipeline: the model does not fit one wafer: "

@@ -46,8 +46,9 @@ class Role:
         self._timing_file = None
         layout = Layout.for_job(units=len(self.units), micro_batches=self.n_micro,
                                 arrays_per_unit=max(len(p) for p in self.unit_params))
-        # Simulated time: the hardware, this rank's clock, and the bytes each unit streams.
-        self.hw = Hardware.from_params(params.runconfig.hardware)
+        # Simulated time: the hardware (at the model's precision), this rank's clock, and the bytes
+        # each unit streams.
+        self.hw = Hardware.for_model(self.model, params.runconfig.hardware)
         self.clock = Clock()
         self.unit_stream_bytes = stream_bytes(self.model, self.hw.bytes_per_value)
         # How long a peer may stay silent (step_done): until a step has set the pace, as long as
@@ -63,10 +64,12 @@ class Role:
                              f"{self._for_a_checkpoint()}, the first steps' allowance")
 
     def port(self, gbps):
-        """A port of a link this rank keeps (see wse_core.perf.clock)."""
+        """A port of a link this rank keeps (see wse_core.perf.clock): its chunk is CHUNK_FLOATS elements
+        of the wire's dtype (16-bit patterns in a mixed-precision run), as wse_core.perf.step walks it."""
         from wse_core.perf.clock import Port
 
-        return Port(gbps, latency_s=self.hw.swarmx_hop_latency_s, chunk_bytes=msg.CHUNK_FLOATS * 4)
+        chunk_bytes = msg.CHUNK_FLOATS * self.model.precision.itemsize
+        return Port(gbps, latency_s=self.hw.swarmx_hop_latency_s, chunk_bytes=chunk_bytes)
 
     @property
     def tree_gbps(self):

@@ -2,9 +2,10 @@
 
 Every constant says where it comes from: a public Cerebras document (the seeds of this project,
 ``../shared/seeds``), the Cerebras SDK's conventions, or **assumption** where nothing public gives
-the figure. Any field can be overridden from the params (``runconfig.hardware: {io_gbps: 600}``)
+the figure. Any constant can be overridden from the params (``runconfig.hardware: {io_gbps: 600}``)
 or in Python (``Hardware(io_gbps=600)``); the model is only as good as these numbers, and says so.
-See docs/design.md section 8.
+The precision is no constant of the hardware but the model's (``model.mixed_precision``): a run's
+``Hardware`` takes it from the model (``Hardware.for_model``). See docs/design.md section 8.
 """
 from dataclasses import asdict, dataclass, fields, replace
 
@@ -35,8 +36,10 @@ class Hardware:
     #: Values per 32-bit fabric wavelet: 2 fp16 or 1 fp32 (wavelets carry 32 bits of data).
     values_per_wavelet_fp16: int = 2
     values_per_wavelet_fp32: int = 1
-    #: Precision of weights and activations on the wafer ("fp16": mixed precision, as Cerebras
-    #: trains; "fp32": as this emulator computes). Sets lanes, wavelet packing and stream bytes.
+    #: Precision of weights and activations on the wafer: "fp16" (any 16-bit format) or "fp32".
+    #: Sets lanes, wavelet packing and stream bytes. The model's, not a constant: ``for_model``
+    #: sets it from model.mixed_precision and the params may not (a second spelling let a float32
+    #: run be timed at 2 bytes a value). The default is mixed precision, as Cerebras trains.
     precision: str = "fp16"
     # -- a CS-2 system ---------------------------------------------------------------------------
     #: I/O bandwidth of one CS-2 into and out of the wafer, Gb/s each way. Source: the CS-2's
@@ -74,18 +77,31 @@ class Hardware:
             v = getattr(self, f.name)
             if f.name == "precision":
                 if v not in ("fp16", "fp32"):
-                    raise ValueError(f"runconfig.hardware.precision: expected fp16 or fp32, got {v!r}")
+                    raise ValueError(f"Hardware.precision: expected fp16 or fp32, got {v!r}")
             elif isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0 or v != v or v == float("inf"):
                 raise ValueError(f"runconfig.hardware.{f.name}: expected a finite number > 0, got {v!r}")
 
     @classmethod
-    def from_params(cls, overrides=None):
-        """The defaults with ``runconfig.hardware`` applied; unknown keys name the key."""
-        known = {f.name for f in fields(cls)}
-        for key in overrides or {}:
+    def from_params(cls, overrides=None, *, precision="fp16"):
+        """The defaults at ``precision`` with ``runconfig.hardware`` applied; a key that is no
+        constant, or ``precision`` (the model's), is refused naming the key."""
+        overrides = overrides or {}
+        if "precision" in overrides:
+            raise ValueError("runconfig.hardware.precision: the precision is the model's "
+                             "(model.mixed_precision, model.fp16_type); remove this key")
+        known = {f.name for f in fields(cls)} - {"precision"}
+        for key in overrides:
             if key not in known:
                 raise ValueError(f"runconfig.hardware.{key}: unknown constant (known: {', '.join(sorted(known))})")
-        return replace(cls(), **(overrides or {}))
+        return replace(cls(precision=precision), **overrides)
+
+    @classmethod
+    def for_model(cls, model, overrides=None):
+        """The hardware a run of ``model`` (a ``wse_core.nn`` Model) is timed on: ``runconfig.hardware``
+        applied, at the model's precision: fp16 when it streams 16-bit values (model.mixed_precision,
+        whatever its fp16_type: float16, bfloat16 and cbfloat16 all take 2 bytes and the 16-bit
+        lanes), fp32 otherwise."""
+        return cls.from_params(overrides, precision="fp16" if model.precision.itemsize == 2 else "fp32")
 
     def to_dict(self):
         return asdict(self)

@@ -27,7 +27,7 @@ def rank_memory_bytes(plan, model, *, n_states, per_csx, seq_len, micro_batch_si
 def wafer_bytes(model, samples, seq_len, hw=None):
     """{"activations", "weights_in_flight", "capacity"}: a CS-2's activations for ``samples`` kept
     from forward to backward, two units of weights streaming through, and the wafer's SRAM."""
-    hw = hw or Hardware()
+    hw = hw or Hardware.for_model(model)
     biggest = max(model.unit_bytes(itemsize=hw.bytes_per_value))
     return {"activations": hw.bytes_per_value * model.activation_floats(samples, seq_len),
             "weights_in_flight": 2 * biggest, "capacity": hw.pes * hw.pe_memory_bytes}

@@ -101,8 +101,9 @@ def _unit_activation_floats(model, unit, samples, seq_len):
 
 def place(model, *, micro_batch_size, micro_batches, seq_len=None, n_states=2, hw=None):
     """The ``Placement`` of ``model`` for steps of ``micro_batches`` micro-batches of
-    ``micro_batch_size`` samples (``seq_len`` tokens each), with ``n_states`` optimizer states."""
-    hw = hw or Hardware()
+    ``micro_batch_size`` samples (``seq_len`` tokens each), with ``n_states`` optimizer states
+    (``hw``: ``Hardware.for_model(model)`` when not given)."""
+    hw = hw or Hardware.for_model(model)
     units = model.units
     S = len(units)
     width, height = hw.program_width, hw.program_height
@@ -187,7 +188,7 @@ def choose(model, *, batch_size, micro_batch_size, seq_len=None, n_states=2, hw=
     model fits the wafer and the model says its step is faster."""
     from wse_core.perf.step import walk_step
 
-    hw = hw or Hardware()
+    hw = hw or Hardware.for_model(model)
     p = place(model, micro_batch_size=micro_batch_size, micro_batches=max(1, batch_size // micro_batch_size),
               seq_len=seq_len, n_states=n_states, hw=hw)
     ws = walk_step(model, num_csx=1, samples_per_csx=batch_size, micro_batch_size=micro_batch_size,

@@ -30,9 +30,9 @@ from wse_core.perf.clock import Port
 from wse_core.perf.hardware import Hardware
 from wse_core.perf.model import memoryx_update_seconds, unit_seconds, unit_work
 
-#: Bytes per message of a tensor through the tree: the ranks' chunk (mpi_launch.messaging.CHUNK_FLOATS
-#: float32 values).
-CHUNK_BYTES = 1 << 20
+#: Values per message of a tensor through the tree: the ranks' chunk (mpi_launch.messaging.CHUNK_FLOATS
+#: elements of the wire's dtype), so a chunk is 512 KiB in a mixed-precision run, 1 MiB in float32.
+CHUNK_VALUES = 1 << 18
 
 
 def tree_depth(num_csx, fanout):
@@ -109,15 +109,16 @@ def io_seconds(model, hw):
 
 
 def walk_step(model, *, num_csx, samples_per_csx, micro_batch_size, seq_len=None, num_wgt_servers=1,
-              swarmx_fanout=None, hw=None, chunk_bytes=CHUNK_BYTES, steps=3):
+              swarmx_fanout=None, hw=None, steps=3):
     """The simulated time of a training step of ``model`` (a ``wse_core.nn`` Model) on ``num_csx``
     CS-2s, each with ``samples_per_csx`` samples in micro-batches of ``micro_batch_size``: the
-    period of the last of ``steps`` steps walked back to back (the first is a start-up).
+    period of the last of ``steps`` steps walked back to back (the first is a start-up). ``hw``:
+    ``Hardware.for_model(model)`` when not given, as a run of the model is timed.
 
     Each port serves what crosses it in the order its rank's program does (mpi_launch.roles):
     the weights of every unit forward, then per unit backward the next unit's weights before this
     unit's gradients; the ranks' clocks keep the same order, so they and the walk agree."""
-    hw = hw or Hardware()
+    hw = hw or Hardware.for_model(model)
     fanout = swarmx_fanout or hw.swarmx_fanout
     depth = tree_depth(num_csx, fanout)
     n_micro = max(1, samples_per_csx // micro_batch_size)
@@ -129,7 +130,7 @@ def walk_step(model, *, num_csx, samples_per_csx, micro_batch_size, seq_len=None
     update = update_seconds(model, owner, hw)
     lat = hw.swarmx_hop_latency_s
     link = min(hw.swarmx_port_gbps * hw.swarmx_ports_per_child, hw.io_gbps)
-    port = dict(latency_s=lat, chunk_bytes=chunk_bytes)
+    port = dict(latency_s=lat, chunk_bytes=CHUNK_VALUES * hw.bytes_per_value)
     mx = [Port(hw.memoryx_gbps, **port) for _ in range(num_wgt_servers)]   # kept by the SwarmX root
     tree = [Port(link, **port) for _ in range(depth - 1)]                  # kept by each lower node
     csx = Port(hw.io_gbps, **port)                                         # the CS-2's own I/O
@@ -185,7 +186,7 @@ def walk_step(model, *, num_csx, samples_per_csx, micro_batch_size, seq_len=None
 def lower_bounds(model, *, samples_per_csx, seq_len=None, hw=None):
     """What no step can beat: its weights twice and its gradients over one CS-2's I/O, and its
     multiply-adds at the wafer's peak."""
-    hw = hw or Hardware()
+    hw = hw or Hardware.for_model(model)
     macs = 0
     for u in model.units:
         w = unit_work(u, samples_per_csx, seq_len)
