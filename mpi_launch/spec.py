@@ -228,7 +228,7 @@ class RunConfig:
                             "a checkpoint's write (until a step has set the pace: beyond startup_timeout) before the "
                             "job ends; also how long a stopped rank is given", 20)
     hardware: MappingProxyType = key(Check(_hardware, "a mapping of hardware constants"), "constants of the emulated hardware to override "
-                                     "(wse_core.perf.Hardware: io_gbps, clock_hz, precision, ...)",
+                                     "(wse_core.perf.Hardware: io_gbps, clock_hz, ...; the precision is the model's)",
                                      factory=lambda: MappingProxyType({}))
     startup_timeout: int = key(Int(1), "seconds every rank has to start (imports, connecting, loading its "
                                "checkpoint) before the job is ended", 300)
