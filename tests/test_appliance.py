@@ -1,4 +1,7 @@
-"""The appliance: a real service on a real unix socket, running real jobs for several users, through faults."""
+"""The appliance: a real service on a real unix socket, running real jobs for several users, through faults.
+
+One file over ~500 lines: the tests share one dataset per module and one way of starting a
+service and acting as its users (the fixtures below), so each test says only what it asks."""
 import json
 import os
 import pwd

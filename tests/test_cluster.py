@@ -1,4 +1,7 @@
-"""The weight-streaming cluster under `wse fit`: exactness against the reference step, resume, failures."""
+"""The weight-streaming cluster under `wse fit`: exactness against the reference step, resume, failures.
+
+One file over ~500 lines: every test here starts real MPI jobs from the same few params and
+fixtures (a dataset, a reference run), so the cluster's promises are read in one place."""
 import json
 import math
 import os

@@ -1,4 +1,7 @@
-"""Dataset preprocessing, verification and the loader, with the errors a user meets."""
+"""Dataset preprocessing, verification and the loader, with the errors a user meets.
+
+One file over ~500 lines: the three share the files they make (shards written by preprocessing are
+what verification and the loader read), so each fixture is built once."""
 import json
 import subprocess
 import sys

@@ -1,7 +1,8 @@
 """Model Zoo params files as they are: both layouts, one RunSpec, and a fate for every key.
 
 The files here are written for these tests with the keys Model Zoo's own GPT-2/GPT-3/LLaMA configs
-use (1.x to 2.2 flat layout; 2.3 on trainer layout) and values of our own.
+use (1.x to 2.2 flat layout; 2.3 on trainer layout) and values of our own. One file over ~500
+lines: these files are the fixtures, written out as YAML, and every test reads several of them.
 """
 import math
 import subprocess

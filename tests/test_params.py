@@ -159,7 +159,7 @@ def test_hardware_constants_are_params():
     assert p.runconfig.hardware == {"io_gbps": 600} and validate(BASE).runconfig.hardware == {}
     with pytest.raises(ParamsError, match="runconfig.hardware.io_gpbs: unknown constant"):
         validate(apply_overrides(BASE, ["runconfig.hardware.io_gpbs=1"]))
-    with pytest.raises(ParamsError, match=r"runconfig.hardware.clock_hz: expected a finite number > 0, got \.inf|inf"):
+    with pytest.raises(ParamsError, match=r"runconfig.hardware.clock_hz: expected a number > 0, got inf"):
         validate(apply_overrides(BASE, ["runconfig.hardware.clock_hz=.inf"]))
 
 

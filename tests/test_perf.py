@@ -31,7 +31,7 @@ def test_hardware_constants_override_and_refuse_nonsense():
     assert Hardware().peak_flops == 2 * 750 * 994 * 4 * 850e6
     with pytest.raises(ValueError, match="runconfig.hardware.io_gpbs: unknown constant"):
         Hardware.from_params({"io_gpbs": 1})
-    with pytest.raises(ValueError, match=r"runconfig.hardware.clock_hz: expected a finite number > 0, got -1"):
+    with pytest.raises(ValueError, match=r"runconfig.hardware.clock_hz: expected a number > 0, got -1"):
         Hardware(clock_hz=-1)
 
 

@@ -9,6 +9,8 @@ The precision is no constant of the hardware but the model's (``model.mixed_prec
 """
 from dataclasses import asdict, dataclass, fields, replace
 
+from wse_core.checks import Number, OneOf
+
 
 @dataclass(frozen=True)
 class Hardware:
@@ -73,13 +75,11 @@ class Hardware:
     memoryx_gbps: float = 1200.0
 
     def __post_init__(self):
-        for f in fields(self):
-            v = getattr(self, f.name)
+        for f in fields(self):  # the one validator (wse_core.checks)
             if f.name == "precision":
-                if v not in ("fp16", "fp32"):
-                    raise ValueError(f"Hardware.precision: expected fp16 or fp32, got {v!r}")
-            elif isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0 or v != v or v == float("inf"):
-                raise ValueError(f"runconfig.hardware.{f.name}: expected a finite number > 0, got {v!r}")
+                OneOf("fp16", "fp32")(self.precision, "Hardware.precision")
+            else:
+                Number(0, open="low")(getattr(self, f.name), f"runconfig.hardware.{f.name}")
 
     @classmethod
     def from_params(cls, overrides=None, *, precision="fp16"):
