@@ -1,0 +1,335 @@
+"""The graph compiler (wse_core.compiler): models a user would bring, captured, cut into streaming
+units and run unit by unit, against eager PyTorch on the same weights."""
+import re
+import subprocess
+import sys
+from functools import cache
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+from torch import nn  # noqa: E402
+from torch.nn import functional as F  # noqa: E402
+from torch.utils.flop_counter import FlopCounterMode  # noqa: E402
+
+from wse_core.compiler import CompileError, accumulate, add, capture, combine, partition, run_step  # noqa: E402
+from wse_core.tree import tree_sum  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+BATCH = 8  # samples in a global batch; micro-batches of 2 make 4 of them
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """torch's results depend on its thread count (LayerNorm's backward): one thread, as the ranks will."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+# ----------------------------------------------------------------------------- models a user would bring
+class Encoder(nn.Module):
+    """Embedding, torch's TransformerEncoderLayers (a padding mask every layer reads), a classifier."""
+
+    def __init__(self, dropout):
+        super().__init__()
+        self.embed = nn.Embedding(40, 32)
+        self.layers = nn.ModuleList(nn.TransformerEncoderLayer(32, 2, dim_feedforward=64, dropout=dropout,
+                                                               batch_first=True) for _ in range(2))
+        self.head = nn.Linear(32, 4)
+
+    def forward(self, ids, pad):
+        h = self.embed(ids)
+        for layer in self.layers:
+            h = layer(h, src_key_padding_mask=pad)
+        return self.head(h.mean(1))
+
+
+def lm_loss(logits, targets):
+    """Next-token cross-entropy of [B, T, V] logits, as a user's script writes it."""
+    return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+
+@cache
+def case(name, dropout=0.0):
+    """(model, global batch, loss_fn) of a named model, seeded; one object per (name, dropout)."""
+    torch.manual_seed(0)
+    if name == "mlp":
+        model = nn.Sequential(nn.Linear(12, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 5))
+        return model, (torch.randn(BATCH, 12), torch.randint(0, 5, (BATCH,))), nn.CrossEntropyLoss()
+    if name == "cnn":
+        model = nn.Sequential(nn.Conv2d(1, 4, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
+                              nn.Conv2d(4, 8, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
+                              nn.Flatten(), nn.Linear(8 * 2 * 2, 10))
+        return model, (torch.randn(BATCH, 1, 8, 8), torch.randint(0, 10, (BATCH,))), nn.CrossEntropyLoss()
+    if name == "encoder":
+        ids = torch.randint(0, 40, (BATCH, 8))
+        pad = torch.zeros(BATCH, 8, dtype=torch.bool)
+        pad[1, 6:] = pad[5, 3:] = True
+        return Encoder(dropout), (ids, pad, torch.randint(0, 4, (BATCH,))), nn.CrossEntropyLoss()
+    ids = torch.randint(0, 64, (BATCH, 16))
+    if name == "gpt2":
+        config = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=64, n_positions=16,
+                                         resid_pdrop=dropout, embd_pdrop=dropout, attn_pdrop=dropout,
+                                         use_cache=False, bos_token_id=0, eos_token_id=0)
+        model = transformers.GPT2LMHeadModel(config)  # lm_head.weight is transformer.wte.weight
+    else:
+        config = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                          num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=16,
+                                          use_cache=False, bos_token_id=0, eos_token_id=0, pad_token_id=0)
+        model = transformers.LlamaForCausalLM(config)
+    return model, (ids, torch.roll(ids, -1, 1)), lm_loss
+
+
+@cache
+def compiled(name, dropout=0.0):
+    model, batch, loss_fn = case(name, dropout)
+    return partition(capture(model, batch, loss_fn, micro_batch=2))
+
+
+def eager(name, batch=None):
+    """Loss and gradients of eager forward + loss.backward() on the whole batch."""
+    model, default, loss_fn = case(name)
+    batch = default if batch is None else batch
+    model.zero_grad(set_to_none=True)
+    loss = loss_fn(_logits(model(*batch[:-1])), batch[-1])
+    loss.backward()
+    return loss.detach(), {k: p.grad for k, p in model.named_parameters()}
+
+
+def _logits(out):
+    return out if isinstance(out, torch.Tensor) else out.logits
+
+
+def params_of(name, dropout=0.0):
+    return dict(case(name, dropout)[0].named_parameters())
+
+
+MODELS = ["mlp", "cnn", "encoder", "gpt2", "llama"]
+
+
+# ----------------------------------------------------------------------------- against eager
+@pytest.mark.parametrize("name", MODELS)
+def test_one_micro_batch_gives_eager_bits(name):
+    """With one micro-batch the runner's loss and every gradient are eager loss.backward()'s, bit for bit."""
+    loss, grads = run_step(compiled(name), params_of(name), case(name)[1], BATCH, step=1, seed=0)
+    want_loss, want = eager(name)
+    assert torch.equal(loss, want_loss)
+    assert list(grads) == list(want)
+    assert [k for k in want if not torch.equal(grads[k], want[k])] == []
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_four_micro_batches_agree_with_eager_on_the_global_batch(name):
+    """Four micro-batches weighted into the global batch's mean: eager's loss and gradients to float32 rounding."""
+    loss, grads = run_step(compiled(name), params_of(name), case(name)[1], 2, step=1, seed=0)
+    want_loss, want = eager(name)
+    torch.testing.assert_close(loss, want_loss, rtol=1e-5, atol=0)
+    for k in want:  # atol: entries that cancel to ~0 have no relative precision
+        torch.testing.assert_close(grads[k], want[k], rtol=1e-5, atol=1e-6 * want[k].abs().max().item(), msg=k)
+
+
+def test_ignored_targets_are_counted_over_the_global_batch():
+    """A mean cross-entropy with ignored targets (one micro-batch all ignored) is the global batch's token mean."""
+    ids, targets = case("gpt2")[1]
+    targets = targets.clone()
+    targets[0, :5] = targets[3, 9:] = -100
+    targets[4:6] = -100  # the third micro-batch of 2: weighs 0
+    loss, grads = run_step(compiled("gpt2"), params_of("gpt2"), (ids, targets), 2, step=1, seed=0)
+    want_loss, want = eager("gpt2", (ids, targets))
+    torch.testing.assert_close(loss, want_loss, rtol=1e-5, atol=0)
+    for k in want:
+        torch.testing.assert_close(grads[k], want[k], rtol=1e-5, atol=1e-6 * want[k].abs().max().item(), msg=k)
+    with pytest.raises(ValueError, match="every target is the loss's ignore_index"):
+        run_step(compiled("gpt2"), params_of("gpt2"), (ids, torch.full_like(targets, -100)), 2, step=1, seed=0)
+
+
+# ----------------------------------------------------------------------------- determinism
+@pytest.mark.parametrize("name", ["encoder", "gpt2"])
+def test_same_bits_twice_and_for_any_grouping_of_micro_batches(name):
+    """With dropout 0.1: the same bits run twice, and whether micro-batches are taken as [4], [2, 2] or
+    [1, 1, 1, 1] groups reduced by the tree (num_csx 1, 2, 4); the caller's generator is left as it was."""
+    units, params, batch = compiled(name, 0.1), params_of(name, 0.1), case(name, 0.1)[1]
+    rng = torch.get_rng_state()
+    loss, grads = run_step(units, params, batch, 2, step=3, seed=7)
+    assert torch.equal(torch.get_rng_state(), rng)
+    again = run_step(units, params, batch, 2, step=3, seed=7)
+    for group in (2, 1):
+        parts = [accumulate(units, params, batch, 2, step=3, seed=7, lo=lo, hi=lo + group) for lo in range(0, 4, group)]
+        total_loss, unit_grads = tree_sum(parts, add)
+        assert torch.equal(total_loss, loss)
+        grouped = combine(unit_grads, params)
+        assert all(torch.equal(grouped[k], grads[k]) for k in grads)
+    assert torch.equal(again[0], loss) and all(torch.equal(again[1][k], grads[k]) for k in grads)
+    other_step = run_step(units, params, batch, 2, step=4, seed=7)[0]
+    assert not torch.equal(other_step, loss)  # the masks are keyed by the step: dropout is on
+
+
+# ----------------------------------------------------------------------------- partition
+def test_gpt2_is_a_head_two_blocks_and_a_tail_whose_flops_add_up_to_the_model():
+    """GPT-2's units: the head (embeddings, mask), its two blocks, the tail (ln_f, the tied lm_head, the
+    loss); their FLOPs add up to eager's whole count on the example micro-batch."""
+    units = compiled("gpt2")
+    assert [u.name for u in units] == ["head", "model.transformer.h.0", "model.transformer.h.1", "tail"]
+    assert "transformer.wte.weight" in units[0].params and "transformer.wte.weight" in units[-1].params
+    assert units[1].flops_forward > 0 and units[1].flops_backward == 2 * units[1].flops_forward
+    assert units[1].boundary_bytes == 2 * 16 * 32 * 4  # the residual stream of the example micro-batch of 2
+    model, (ids, targets), _ = case("gpt2")
+    with FlopCounterMode(display=False) as counter:
+        lm_loss(model(ids[:2]).logits, targets[:2]).backward()
+    assert sum(u.flops_forward + u.flops_backward for u in units) == counter.get_total_flops()
+    total = sum(p.numel() * 4 for p in model.parameters())
+    assert sum(u.param_bytes for u in units) == total + model.lm_head.weight.numel() * 4  # streamed twice
+
+
+def test_units_can_be_named_by_class():
+    """units=[GPT2Block] cuts at each instance: the same units as the default cut."""
+    model, batch, loss_fn = case("gpt2")
+    units = partition(capture(model, batch, loss_fn, micro_batch=2),
+                      units=[transformers.models.gpt2.modeling_gpt2.GPT2Block])
+    assert [u.name for u in units] == [u.name for u in compiled("gpt2")]
+
+
+def test_elements_without_parameters_join_the_unit_before_them():
+    """A Sequential's ReLU and pooling stream nothing: they run in the unit of the layer before them."""
+    assert [u.name for u in compiled("mlp")] == ["model.0", "model.2", "model.4", "tail"]
+    assert [u.name for u in compiled("cnn")] == ["model.0", "model.3", "model.7", "tail"]
+    assert [u.name for u in compiled("encoder")] == ["head", "model.layers.0", "model.layers.1", "tail"]
+
+
+def test_a_block_whose_ops_run_around_another_is_refused():
+    """Units stream in running order: a block called again after a later one cannot be one unit."""
+    class Twice(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.blocks = nn.ModuleList(nn.Linear(6, 6) for _ in range(2))
+
+        def forward(self, x):
+            return self.blocks[0](self.blocks[1](self.blocks[0](x)))
+
+    graph = capture(Twice(), (torch.randn(4, 6), torch.randint(0, 6, (4,))), nn.CrossEntropyLoss())
+    with pytest.raises(CompileError, match=r"^model\.blocks\.0: linear_2 \(aten\.linear in model\.blocks\.0\) runs "
+                                           r"after ops of a later unit \(model\.blocks\.1\)"):
+        partition(graph)
+
+
+# ----------------------------------------------------------------------------- refusals, one line each
+class Gate(nn.Module):
+    def __init__(self, how):
+        super().__init__()
+        self.fc, self.how = nn.Linear(6, 6), how
+
+    def forward(self, x):
+        y = self.fc(x)
+        if self.how == "branch":
+            if y.sum() > 0:
+                return y * 2
+            return y
+        if self.how == "item":
+            return y / y.abs().max().item()
+        return y + y.flatten()[torch.nonzero(y.flatten() > 0)[:, 0]].sum()  # "nonzero"
+
+
+class Block(nn.Module):
+    def __init__(self, how):
+        super().__init__()
+        self.gate = Gate(how)
+
+    def forward(self, x):
+        return x + self.gate(x)
+
+
+class Net(nn.Module):
+    def __init__(self, how):
+        super().__init__()
+        self.blocks = nn.ModuleList(Block(how) for _ in range(2))
+        self.out = nn.Linear(6, 3)
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return self.out(x)
+
+
+def _refusal(model, batch):
+    with pytest.raises(CompileError) as raised:
+        capture(model, batch, nn.CrossEntropyLoss())
+    message = str(raised.value)
+    assert "\n" not in message
+    return message
+
+
+@pytest.mark.parametrize("how, says", [
+    ("branch", r"^model\.blocks\.0\.gate: data-dependent control flow \(aten\.item: .*test_compiler\.py:\d+ "
+               r"`if y\.sum\(\) > 0:`"),
+    ("item", r"^model\.blocks\.0\.gate: \.item\(\) in forward \(aten\.item at test_compiler\.py:\d+ "
+             r"`return y / y\.abs\(\)\.max\(\)\.item\(\)`\)"),
+    ("nonzero", r"^model\.blocks\.0\.gate: data-dependent shape \(aten\.nonzero at test_compiler\.py:\d+"),
+])
+def test_data_dependent_python_is_refused_in_one_line(how, says):
+    """A Python branch on a tensor, .item() and a data-dependent shape: one line naming the module and the op."""
+    torch.manual_seed(0)
+    message = _refusal(Net(how), (torch.randn(4, 6), torch.randint(0, 3, (4,))))
+    assert re.match(says, message), message
+
+
+class BatchNormNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv1, self.bn1, self.fc = nn.Conv2d(1, 4, 3), nn.BatchNorm2d(4), nn.Linear(4 * 6 * 6, 3)
+
+    def forward(self, x):
+        return self.fc(F.relu(self.bn1(self.conv1(x))).flatten(1))
+
+
+def test_batch_norm_in_training_is_refused_and_runs_in_eval_mode():
+    """BatchNorm updating its running statistics is refused in one line; in eval mode it is a constant
+    of its unit and the runner gives eager's bits."""
+    torch.manual_seed(0)
+    model, batch = BatchNormNet(), (torch.randn(4, 1, 8, 8), torch.randint(0, 3, (4,)))
+    assert _refusal(model, batch) == ("model.bn1: BatchNorm2d updates its running statistics in forward (training); "
+                                      "not supported: use eval mode or LayerNorm/GroupNorm")
+    model.bn1.eval()
+    loss, grads = run_step(partition(capture(model, batch, nn.CrossEntropyLoss())), dict(model.named_parameters()),
+                           batch, 4, step=1, seed=0)
+    want = nn.CrossEntropyLoss()(model(batch[0]), batch[1])
+    want.backward()
+    assert torch.equal(loss, want.detach())
+    assert all(torch.equal(grads[k], p.grad) for k, p in model.named_parameters())
+
+
+def test_a_model_that_fixes_the_batch_size_is_refused():
+    """A view that spells the batch size out would run only micro-batches of that size: refused."""
+    class Fixed(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(6, 3)
+
+        def forward(self, x):
+            return self.fc(x).view(4, 3)
+
+    message = _refusal(Fixed(), (torch.randn(4, 6), torch.randint(0, 3, (4,))))
+    assert message.startswith("model: the model's code fixes the batch size to 4")
+
+
+def test_a_loss_without_a_batch_reduction_is_refused():
+    """A loss the runner cannot weigh by micro-batch (here a max) is refused before any step runs."""
+    model, batch, _ = case("mlp")
+    with pytest.raises(CompileError, match=r"^step: the loss \(aten\.amax\) does not end in a mean or sum"):
+        partition(capture(model, batch, lambda out, y: (out - 0 * y[:, None]).amax()))
+
+
+# ----------------------------------------------------------------------------- the optional dependency
+def test_importing_wse_core_does_not_import_torch():
+    """torch is optional: wse_core alone never loads it, and wse_core.compiler without it says what to install."""
+    check = "import sys, wse_core; assert 'torch' not in sys.modules, 'torch imported'"
+    subprocess.run([sys.executable, "-c", check], cwd=ROOT, check=True)
+    missing = "import sys; sys.modules['torch'] = None; import wse_core.compiler"
+    run = subprocess.run([sys.executable, "-c", missing], cwd=ROOT, capture_output=True, text=True)
+    assert run.returncode != 0
+    assert run.stderr.strip().splitlines()[-1] == \
+        "ImportError: wse_core.compiler needs PyTorch: pip install -e '.[torch]'"
