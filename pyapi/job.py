@@ -207,17 +207,8 @@ class Job:
             fmt, shape, n, vocab = ds.format, ds.example_shape, ds.n_examples, ds.params.get("vocab_size")
         if n == 0:
             raise params_mod.ParamsError(f"{where} holds no examples")
-        m = self.params.model
-        if build_model(m).is_lm:
-            if fmt != "lm":
-                raise params_mod.ParamsError(f"{where} is an array dataset; {m['name']} needs LM data")
-            seq = shape[-1]
-            if seq > m["max_position_embeddings"]:
-                raise params_mod.ParamsError(f"model.max_position_embeddings: {m['max_position_embeddings']} is shorter "
-                                             f"than the max_seq_length {seq} of {where}")
-            if vocab is not None and vocab > m["vocab_size"]:
-                raise params_mod.ParamsError(f"model.vocab_size: {m['vocab_size']} is smaller than the vocabulary "
-                                             f"{vocab} of {where} (its data_params.json)")
-        elif fmt != "arrays":
-            raise params_mod.ParamsError(f"{where} is LM data; fc_mlp needs an array dataset")
+        try:
+            build_model(self.params.model).check_dataset(fmt, shape, vocab, where)
+        except ValueError as exc:
+            raise params_mod.ParamsError(str(exc)) from None
         return ds

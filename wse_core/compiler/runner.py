@@ -86,43 +86,60 @@ def forward_backward(units, params, inputs, weight, seeds, meter=None):
     forward. ``meter`` (partition's) is given each phase and the values each unit hands on."""
     values, ran = {}, []
     for u, unit in enumerate(units):
-        leaves = {p: params[p].detach().requires_grad_() for p in unit.params}
-        taken, args = {}, []  # taken: value name -> the leaf it enters this unit as
-        for kind, key in unit.inputs:
-            if kind == "param":
-                args.append(leaves[key])
-            elif kind == "input":
-                args.append(inputs[key])
-            elif isinstance(values[key], torch.Tensor) and values[key].requires_grad:
-                args.append(taken.setdefault(key, values[key].detach().requires_grad_()))
-            else:  # masks, positions, sizes: no gradient flows back
-                args.append(values[key])
-        with torch.random.fork_rng(devices=()), _phase(meter, u, "forward"):
-            torch.manual_seed(seeds[u])
-            outputs = unit.module(*args)
+        with _phase(meter, u, "forward"):
+            outputs, saved = unit_forward(unit, params, values, inputs, seeds[u])
         values.update(zip(unit.outputs, outputs))
         if meter is not None:
             meter.hand_on(u, outputs)
-        ran.append((leaves, taken, outputs))
+        ran.append(saved)
     loss = values[units[-1].outputs[0]]
     seed_grad = torch.full_like(loss, weight)
     waiting = {units[-1].outputs[0]: seed_grad}
     unit_grads = [None] * len(units)
     for u in reversed(range(len(units))):
-        leaves, taken, outputs = ran[u]
+        with _phase(meter, u, "backward"):
+            unit_grads[u] = unit_backward(units[u], ran[u], waiting)
         ran[u] = None  # this unit's activations are done with
-        pairs = [(o, waiting.pop(n)) for n, o in zip(units[u].outputs, outputs) if n in waiting]
-        wrt = [*leaves.values(), *taken.values()]
-        if pairs and wrt:
-            with _phase(meter, u, "backward"):
-                grads = torch.autograd.grad([o for o, _ in pairs], wrt, [g for _, g in pairs], allow_unused=True,
-                                            materialize_grads=True)
-        else:  # nothing later depends on this unit differentiably
-            grads = [torch.zeros_like(t) for t in wrt]
-        unit_grads[u] = dict(zip(leaves, grads))
-        for name, g in zip(taken, grads[len(leaves):]):
-            waiting[name] = g if name not in waiting else waiting[name] + g
     return loss.detach() * seed_grad, unit_grads
+
+
+def unit_forward(unit, params, values, inputs, seed):
+    """(outputs, saved) of ``unit`` on the values earlier units handed on and the batch's ``inputs``;
+    its weights (``params``, by owner name) enter as leaves, and so does each value with a gradient.
+    ``seed`` (None: none drawn) seeds torch's generator, inside ``fork_rng``."""
+    leaves = {p: params[p].detach().requires_grad_() for p in unit.params}
+    taken, args = {}, []  # taken: value name -> the leaf it enters this unit as
+    for kind, key in unit.inputs:
+        if kind == "param":
+            args.append(leaves[key])
+        elif kind == "input":
+            args.append(inputs[key])
+        elif isinstance(values[key], torch.Tensor) and values[key].requires_grad:
+            args.append(taken.setdefault(key, values[key].detach().requires_grad_()))
+        else:  # masks, positions, sizes: no gradient flows back
+            args.append(values[key])
+    with torch.random.fork_rng(devices=()):
+        if seed is not None:
+            torch.manual_seed(seed)
+        outputs = unit.module(*args)
+    return outputs, (leaves, taken, outputs)
+
+
+def unit_backward(unit, saved, waiting):
+    """``unit``'s parameter gradients ({owner: tensor}) from the gradients ``waiting`` for its outputs
+    (by value name; taken from it); the gradients of the values it read are added to ``waiting``
+    for the units that made them."""
+    leaves, taken, outputs = saved
+    pairs = [(o, waiting.pop(n)) for n, o in zip(unit.outputs, outputs) if n in waiting]
+    wrt = [*leaves.values(), *taken.values()]
+    if pairs and wrt:
+        grads = torch.autograd.grad([o for o, _ in pairs], wrt, [g for _, g in pairs], allow_unused=True,
+                                    materialize_grads=True)
+    else:  # nothing later depends on this unit differentiably
+        grads = [torch.zeros_like(t) for t in wrt]
+    for name, g in zip(taken, grads[len(leaves):]):
+        waiting[name] = g if name not in waiting else waiting[name] + g
+    return dict(zip(leaves, grads))
 
 
 def _phase(meter, unit, name):

@@ -1,4 +1,5 @@
-"""The model families' configs: ``GPT2Config`` (gpt2, gpt3), ``LlamaConfig`` and ``MLPConfig``, the
+"""The model families' configs: ``GPT2Config`` (gpt2, gpt3), ``LlamaConfig``, ``MLPConfig`` and
+``TorchConfig`` (a compiled PyTorch model), the
 ``model`` section of the params, written out as frozen dataclasses.
 
 Each field carries its constraint and help (``wse_core.checks.key``); its Model Zoo fate is
@@ -12,7 +13,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import ClassVar
 
-from wse_core.checks import (Bool, Check, Fixed, Int, ListOf, Number, OneOf, Zoo, check_fields, key, show)
+from wse_core.checks import (Bool, Check, Fixed, Int, ListOf, Number, OneOf, Text, Zoo, check_fields, key,
+                             show)
 from wse_core.nn.init import resolve_initializer
 from wse_core.nn.precision import FORMATS
 
@@ -246,5 +248,22 @@ class MLPConfig(ModelConfig):
     sparsity_seed: int = key(Int(0), "seed of the sparsity masks", 0)
 
 
+@dataclass(frozen=True, kw_only=True)
+class TorchConfig(ModelConfig):
+    """torch: a user's own PyTorch model, compiled (``wse_core.compiler``): its streaming units, their
+    weights and the loss are in the program file ``save_program`` wrote."""
+
+    ZOO: ClassVar[dict] = {}
+
+    name: str = key(OneOf("torch"), "torch")
+    program: str = key(Text(), "the compiled program (wse_core.compiler.save_program): units, loss, weights")
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.mixed_precision:
+            raise ValueError("model.mixed_precision: not built yet for a compiled PyTorch model (it trains in "
+                             "float32)")
+
+
 #: ``model.name`` -> its config class.
-CONFIGS = {"gpt2": GPT2Config, "gpt3": GPT2Config, "llama": LlamaConfig, "fc_mlp": MLPConfig}
+CONFIGS = {"gpt2": GPT2Config, "gpt3": GPT2Config, "llama": LlamaConfig, "fc_mlp": MLPConfig, "torch": TorchConfig}

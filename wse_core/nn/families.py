@@ -11,9 +11,21 @@ from wse_core.nn.gpt import build_gpt2
 from wse_core.nn.llama import build_llama
 from wse_core.nn.mlp import build_fc_mlp
 
+
+def build_torch(cfg, ops=None):
+    """A compiled PyTorch model (``wse_core.compiler``; PyTorch is imported only for this family, whose
+    units run torch's own kernels, not ``ops``)."""
+    from wse_core.compiler.model import TorchModel, load_program
+    from wse_core.nn.config import TorchConfig
+
+    c = TorchConfig.from_params(cfg)
+    return TorchModel(c.to_dict(), load_program(c.program))
+
+
 #: ``model.name`` -> the builder of its family (Model Zoo's gpt3 is the GPT-2 architecture in
 #: Cerebras-GPT's shapes).
-FAMILIES = {"gpt2": build_gpt2, "gpt3": build_gpt2, "llama": build_llama, "fc_mlp": build_fc_mlp}
+FAMILIES = {"gpt2": build_gpt2, "gpt3": build_gpt2, "llama": build_llama, "fc_mlp": build_fc_mlp,
+            "torch": build_torch}
 
 
 def build_model(cfg, ops=fused_ops):

@@ -128,6 +128,12 @@ class Model:
         """Raise a ValueError/TypeError naming the key if ``batch`` does not fit this model; return its size."""
         raise NotImplementedError
 
+    def check_dataset(self, fmt, example_shape, vocab_size, where):
+        """Raise a ValueError (one line, naming ``where``) if a dataset of format ``fmt`` ("lm" or
+        "arrays"), examples of ``example_shape`` and ``vocab_size`` (or None) cannot feed this model."""
+        if fmt != "arrays":
+            raise ValueError(f"{where} is LM data; {self.config['name']} needs an array dataset")
+
     def batch_of(self, arrays):
         """The batch dict of examples as ``example_layout`` lays them out."""
         raise NotImplementedError
@@ -247,6 +253,17 @@ class LanguageModel(Model):
             raise ValueError(f"batch['input_ids']: ids must be in [0, {cfg['vocab_size']}), "
                              f"got {ids.min()}..{ids.max()}")
         return ids.shape[0]
+
+    def check_dataset(self, fmt, example_shape, vocab_size, where):
+        c = self.config
+        if fmt != "lm":
+            raise ValueError(f"{where} is an array dataset; {c['name']} needs LM data")
+        if example_shape[-1] > c["max_position_embeddings"]:
+            raise ValueError(f"model.max_position_embeddings: {c['max_position_embeddings']} is shorter than the "
+                             f"max_seq_length {example_shape[-1]} of {where}")
+        if vocab_size is not None and vocab_size > c["vocab_size"]:
+            raise ValueError(f"model.vocab_size: {c['vocab_size']} is smaller than the vocabulary {vocab_size} of "
+                             f"{where} (its data_params.json)")
 
     def batch_of(self, arrays):
         a = arrays[0] if isinstance(arrays, (list, tuple)) else arrays

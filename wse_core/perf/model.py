@@ -63,7 +63,10 @@ class UnitWork:
 
 
 def unit_work(unit, samples, seq_len=None):
-    """The work of one of ``wse_core.nn``'s units for ``samples`` samples of ``seq_len`` tokens."""
+    """The work of one of ``wse_core.nn``'s units for ``samples`` samples of ``seq_len`` tokens; a unit
+    that knows its own work (a compiled PyTorch unit: ``wse_core.compiler.model``) says it."""
+    if hasattr(unit, "work"):
+        return unit.work(samples, seq_len)
     from wse_core.nn.layers import Dense, Embedding, LMHead, TransformerBlock
     from wse_core.nn.llama import LlamaBlock, RMSHead
 

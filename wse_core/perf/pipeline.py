@@ -83,7 +83,10 @@ class Placement:
 
 
 def _unit_activation_floats(model, unit, samples, seq_len):
-    """Floats a unit keeps for its backward per ``samples`` (attention probabilities recomputed)."""
+    """Floats a unit keeps for its backward per ``samples`` (attention probabilities recomputed); a
+    unit that knows its own (a compiled PyTorch unit) says it."""
+    if hasattr(unit, "activation_floats"):
+        return unit.activation_floats(samples, seq_len)
     from wse_core.nn.layers import Dense, Embedding, LMHead, TransformerBlock
     from wse_core.nn.llama import LlamaBlock, RMSHead
 

@@ -1,0 +1,271 @@
+"""A compiled PyTorch model as a model family (``model.name: torch``): the streaming units the compiler
+made, run by the cluster like any family's (docs/design.md section 2, "The graph compiler").
+
+``save_program(graph, units, path)`` writes what the ranks need in one file: the units' fx modules
+(with the buffers and constants they hold), what each reads and hands on, the loss's reduction, the
+inputs' dtypes and shapes, and the initial weights. ``TorchModel`` reads it back and gives the
+cluster the ``wse_core.nn.Model`` interface, so MemoryX, SwarmX, the CS-2s, the coordinator, the
+reference step, checkpoints and the simulated clock run it unchanged:
+
+- a micro-batch's state is a dict: the batch's tensors (``"input"``) and the values units hand on;
+  ``unit_forward`` runs one unit with the streamed weights as leaves (``torch.from_numpy``: no copy),
+  ``unit_backward`` one ``torch.autograd.grad`` per unit, as ``runner.forward_backward`` does;
+- ``loss`` turns the micro-batch's loss (a mean over its n_j terms, or a sum) into what every family
+  reports: the loss *sum* and n_j, with the backward seeded by n_j (times the loss scale); the
+  coordinator divides by N = sum n_j of the global batch (``loss_divisor``), as for the built-in
+  families, so the step's loss and gradients are the mean over the global batch;
+- dropout: torch's generator is seeded before each unit's forward from (seed, step, the
+  micro-batch's first sample, unit) (``runner.dropout_seed``), inside ``fork_rng``.
+
+Batches come from the project's datasets, in one of their two layouts: ``arrays`` (``features``
+``[n, ...]``, ``labels`` int32 ``[n]``) for a model of one input and a class target, ``lm``
+(int32 ``[n, 3, T]``: ids, loss mask, labels) for a model of token ids and per-token targets,
+masked-out labels becoming the loss's ``ignore_index``. The file is a pickle (``torch.save``):
+load only programs you made.
+"""
+import math
+
+import numpy as np
+import torch
+
+from wse_core.compiler.loss import Loss
+from wse_core.compiler import runner
+from wse_core.compiler.runner import dropout_seed
+from wse_core.nn.layers import ParamSpec
+from wse_core.nn.model import Model
+from wse_core.perf.model import UnitWork
+
+#: The program file's format: a file of another format is refused by name, not misread.
+FORMAT = 1
+#: The targets of masked-out tokens of an ``lm`` dataset (torch's losses ignore -100 by default).
+IGNORE_INDEX = -100
+
+
+def save_program(graph, units, path):
+    """Write ``units`` (``partition(graph)``) and ``graph``'s inputs and initial weights to ``path``."""
+    layout = _layout(graph.inputs)
+    # Shapes and work are read off the graphs' metadata now: an fx module's pickle drops it.
+    shapes = {p: tuple(t.shape) for p, t in graph.params.items()}
+    costs = [{"shapes": {p: shapes[p] for p in u.params}, "handed_bytes": u.boundary_bytes, **_work(u, shapes)}
+             for u in units]
+    torch.save({"format": FORMAT, "layout": layout, "inputs": graph.inputs, "units": units, "costs": costs,
+                "example_samples": len(graph.example[0]),
+                "weights": {name: p.detach().clone() for name, p in graph.params.items()}}, path)
+
+
+def load_program(path):
+    """The program at ``path`` as ``save_program`` wrote it; ValueError naming the file otherwise."""
+    try:
+        program = torch.load(path, weights_only=False)
+    except FileNotFoundError:
+        raise ValueError(f"model.program: {path}: no such file") from None
+    except Exception as exc:  # a pickle of anything: name the file, not the unpickler's frame
+        raise ValueError(f"model.program: {path}: not a compiled program ({type(exc).__name__}: "
+                         f"{str(exc).splitlines()[0] if str(exc) else ''})") from None
+    if not isinstance(program, dict) or program.get("format") != FORMAT:
+        raise ValueError(f"model.program: {path}: not a program of format {FORMAT} (wse_core.compiler.save_program)")
+    return program
+
+
+def _layout(inputs):
+    """The dataset layout a step of these inputs reads: ``arrays`` or ``lm``; CompileError otherwise."""
+    from wse_core.compiler.errors import CompileError
+
+    if len(inputs) == 2:
+        (x_dtype, x_shape), (y_dtype, y_shape) = inputs
+        if not y_dtype.is_floating_point and y_shape == ():
+            return "arrays"
+        if not x_dtype.is_floating_point and not y_dtype.is_floating_point and len(x_shape) == 1 \
+                and y_shape == x_shape:
+            return "lm"
+    shown = ", ".join(f"{str(d).replace('torch.', '')} {list(s)}" for d, s in inputs)
+    raise CompileError(f"step inputs ({shown} per sample): the cluster reads (inputs, class targets) or (token ids "
+                       "[T], token targets [T]); give the step those two")
+
+
+class TorchModel(Model):
+    """A compiled PyTorch model (``model.name: torch``): see the module's docstring."""
+
+    family = "torch"
+
+    def __init__(self, config, program, ops=None):
+        self.program = program
+        self.torch_units = program["units"]
+        self.layout = program["layout"]
+        self.is_lm = self.layout == "lm"
+        self.loss_spec: Loss = self.torch_units[-1].loss
+        weights = program["weights"]
+        super().__init__(config, [_Streamed(u.name, cost, program["example_samples"])
+                                  for u, cost in zip(self.torch_units, program["costs"])])
+        self.initial = {n: w.numpy() for n, w in weights.items()}
+
+    # -- parameters ---------------------------------------------------------------------------
+
+    def init_params(self, seed, dtype=np.float32, names=None):
+        """The module's own initial weights (the program holds them: ``seed`` does not draw them)."""
+        return {n: np.array(self.initial[n], dtype=dtype) for n in (self.param_names if names is None else names)}
+
+    # -- batches ------------------------------------------------------------------------------
+
+    def example_layout(self, n, seq_len=None):
+        (_, x_shape), _ = self.program["inputs"]
+        if self.is_lm:
+            return [((n, 3, seq_len or x_shape[0]), np.int32)]
+        return [((n, *x_shape), np.float32), ((n,), np.int32)]
+
+    def batch_of(self, arrays):
+        if self.is_lm:
+            a = arrays[0] if isinstance(arrays, (list, tuple)) else arrays
+            return {"ids": np.ascontiguousarray(a[:, 0]), "mask": np.ascontiguousarray(a[:, 1]),
+                    "labels": np.ascontiguousarray(a[:, 2])}
+        return {"features": arrays[0], "labels": arrays[1]}
+
+    def check_batch(self, batch):
+        layout = self.example_layout(1)
+        keys = ("ids", "mask", "labels") if self.is_lm else ("features", "labels")
+        for key in keys:
+            if not isinstance(batch.get(key), np.ndarray):
+                raise TypeError(f"batch[{key!r}]: expected an array, got {type(batch.get(key)).__name__}")
+        if not self.is_lm and batch["features"].shape[1:] != layout[0][0][1:]:
+            raise ValueError(f"batch['features']: expected [batch, {', '.join(map(str, layout[0][0][1:]))}], "
+                             f"got {list(batch['features'].shape)}")
+        return len(batch[keys[0]])
+
+    def check_dataset(self, fmt, example_shape, vocab_size, where):
+        """The dataset's layout is the program's, its examples the shape the graph was captured on
+        (its shapes are fixed but for the batch)."""
+        if fmt != self.layout:
+            raise ValueError(f"{where} is {'LM' if fmt == 'lm' else 'array'} data; this compiled model reads "
+                             f"{'LM' if self.is_lm else 'array'} data (its step takes {self._inputs_text()})")
+        want = self.example_layout(1)[0][0][1:]
+        if tuple(example_shape) != tuple(want):
+            raise ValueError(f"{where}: examples of shape {list(example_shape)}; this compiled model was captured "
+                             f"on {list(want)} (capture it on the data's shape)")
+
+    def _inputs_text(self):
+        return ", ".join(f"{str(d).replace('torch.', '')} {list(s)}" for d, s in self.program["inputs"])
+
+    def tensors(self, batch):
+        """The step's inputs as the captured graph takes them (dtypes of its example)."""
+        (x_dtype, _), (y_dtype, _) = self.program["inputs"]
+        if self.is_lm:
+            labels = np.where(batch["mask"] != 0, batch["labels"], IGNORE_INDEX)
+            return torch.from_numpy(batch["ids"]).to(x_dtype), torch.from_numpy(labels).to(y_dtype)
+        return torch.from_numpy(np.asarray(batch["features"])).to(x_dtype), \
+            torch.from_numpy(np.asarray(batch["labels"])).to(y_dtype)
+
+    def first_input(self, batch, dtype):
+        return {"input": self.tensors(batch)}
+
+    # -- passes -------------------------------------------------------------------------------
+
+    def forward(self, params, batch, drop=None):
+        if drop is None:
+            raise NotImplementedError("evaluating a compiled PyTorch model is not built yet (its graph is the "
+                                      "training step's)")
+        return super().forward(params, batch, drop)
+
+    def unit_forward(self, u, x, params, drop=None):
+        unit = self.torch_units[u]
+        weights = {p: torch.from_numpy(params[p]) for p in unit.params}  # no copy
+        seed = None if drop is None else dropout_seed(drop.seed, drop.step, drop.first_sample, u)
+        outputs, saved = runner.unit_forward(unit, weights, x, x["input"], seed)
+        return {**x, **dict(zip(unit.outputs, outputs))}, saved
+
+    def loss(self, y, batch, loss_scale=1.0):
+        """(loss_sum, n, dy): the micro-batch's loss times its n terms (a mean's) and n; dy seeds the
+        tail's backward with n times the loss scale (the gradient of the sum, scaled)."""
+        value = y[self.torch_units[-1].outputs[0]]
+        if self.loss_spec.reduction == "sum":
+            n, factor = self.check_batch(batch), 1.0
+        else:
+            n = self._count(batch)
+            factor = float(n)
+        if n == 0:  # every target ignored: the mean is 0/0; the micro-batch adds nothing
+            return 0.0, 0, {"seed": torch.zeros_like(value)}
+        return float(value.detach()) * factor, n, {"seed": torch.full_like(value, factor * loss_scale)}
+
+    def loss_divisor(self, n_tokens, batch_size):
+        return 1.0 if self.loss_spec.reduction == "sum" else n_tokens
+
+    def _count(self, batch):
+        if self.loss_spec.counter is None:
+            return self.check_batch(batch)
+        return int(self.loss_spec.counter(*self.tensors(batch)))
+
+    def unit_backward(self, u, dy, saved, params):
+        unit, waiting = self.torch_units[u], dict(dy)
+        if "seed" in waiting:  # the loss's: the tail's output
+            waiting[unit.outputs[0]] = waiting.pop("seed")
+        grads = runner.unit_backward(unit, saved, waiting)
+        return waiting, {p: g.numpy() for p, g in grads.items()}
+
+    # -- estimates ------------------------------------------------------------------------------
+
+    def activation_floats(self, samples, seq_len=None):
+        return sum(u.activation_floats(samples, seq_len) for u in self.units)
+
+    def correct(self, y, batch):
+        raise NotImplementedError("accuracy of a compiled PyTorch model is not built yet")
+
+
+class _Streamed:
+    """One compiled unit as the cluster sees it: its name, parameter specs and the work it does."""
+
+    def __init__(self, name, cost, example_samples):
+        self.name, self.cost, self.example_samples = name, cost, example_samples
+
+    def param_specs(self):
+        """Each parameter's shape (the initial weights come from the program; every parameter takes
+        weight decay, as torch.optim's do)."""
+        return {p: ParamSpec(shape, ("program",)) for p, shape in self.cost["shapes"].items()}
+
+    def activation_floats(self, samples, seq_len=None):
+        """Floats kept for the backward: the values the unit hands on, scaled from the example (an
+        **assumption**: autograd keeps more inside a unit; nothing measures it yet)."""
+        return math.ceil(samples * self.cost["handed_bytes"] / 4 / self.example_samples)
+
+    def work(self, samples, seq_len=None):
+        """``wse_core.perf``'s UnitWork for ``samples`` samples: the graph's weight GEMMs and convolutions
+        (M scaled from the example), its other products of activations as multiply-adds, its other
+        floating-point ops' outputs as element operations (an assumption, as for the built-in families)."""
+        s, c = samples / self.example_samples, self.cost
+        return UnitWork([(max(1, round(m * s)), k, n) for m, k, n in c["gemms"]], other_macs=round(c["other_macs"] * s),
+                        elementwise=round(c["elementwise"] * s))
+
+
+_LINEAR = {torch.ops.aten.linear.default, torch.ops.aten.mm.default, torch.ops.aten.addmm.default}
+_CONV = {torch.ops.aten.conv1d.default, torch.ops.aten.conv2d.default, torch.ops.aten.conv3d.default,
+         torch.ops.aten.convolution.default}
+
+
+def _work(unit, shapes):
+    """{gemms: weight GEMMs [(M, K, N)], other_macs, elementwise} of ``unit`` on the example micro-batch
+    (``shapes``: each parameter's)."""
+    weights = {node: shapes[key] for (kind, key), node in zip(unit.inputs, unit.module.graph.nodes)
+               if kind == "param" and len(shapes[key]) >= 2}
+    gemms, macs, elementwise = [], 0, 0
+    for node in unit.module.graph.nodes:
+        if node.op != "call_function":
+            continue
+        out = node.meta.get("val")
+        w = next((weights[a] for a in node.all_input_nodes if a in weights), None)
+        if node.target in _LINEAR and w is not None:
+            k, n = (w[1], w[0]) if node.target is torch.ops.aten.linear.default else (w[0], w[1])
+            gemms.append((int(out.numel() // n), int(k), int(n)))
+        elif node.target in _CONV and w is not None:  # [out channels, in channels / groups, *kernel]
+            gemms.append((int(out.numel() // w[0]), math.prod(w[1:]), int(w[0])))
+        elif node.target in (torch.ops.aten.bmm.default, torch.ops.aten.matmul.default,
+                             torch.ops.aten.scaled_dot_product_attention.default):
+            macs += int(_activation_macs(node))  # int(): the example's value of a symbolic size
+        elif isinstance(out, torch.Tensor) and out.is_floating_point():
+            elementwise += int(out.numel())
+    return {"gemms": gemms, "other_macs": macs, "elementwise": elementwise}
+
+
+def _activation_macs(node):
+    """Multiply-adds of a product of two activations (attention's)."""
+    a, b = (x.meta["val"] for x in node.all_input_nodes[:2])
+    if node.target is torch.ops.aten.scaled_dot_product_attention.default:  # q [.., T, d], k [.., S, d]
+        return 2 * a.numel() * b.shape[-2]
+    return a.numel() * b.shape[-1]
