@@ -181,8 +181,20 @@ class OptimizerSpec:
     steps_per_increase: int | None = key(Int(1), "dynamic loss scaling: finite steps before the scale doubles "
                                          "(2000)", None)
     adjust_learning_rate: MappingProxyType | None = key(
-        Check(_lr_adjust, "a mapping of parameter groups to scales > 0"), "learning-rate scale per parameter group (Model Zoo's: embedding, decoder_kernel, "
-        "decoder_attention, decoder_input_ffn, decoder_output_ffn)", None)
+        Check(_lr_adjust, "a mapping of parameter groups to scales > 0"), "learning-rate scale per parameter "
+        "group (Model Zoo's: embedding, decoder_kernel, decoder_attention, decoder_input_ffn, decoder_output_ffn)",
+        None)
+
+    def optimizer(self):
+        """The ``wse_core.optim`` optimizer these settings make (at lr 0: the schedule gives each step's)."""
+        from wse_core.optim import make_optimizer
+
+        kwargs = {"lr": 0.0, "weight_decay": self.weight_decay}
+        if self.optimizer_type.lower() == "sgd":
+            kwargs.update(momentum=self.momentum, nesterov=self.nesterov)
+        else:
+            kwargs.update(betas=tuple(self.betas), eps=self.eps)
+        return make_optimizer(self.optimizer_type, **kwargs)
 
 
 @dataclass(frozen=True, kw_only=True)

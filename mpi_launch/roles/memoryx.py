@@ -74,15 +74,8 @@ class MemoryX(Role):
     def setup(self, owned):
         """The weights and optimizer state of the parameters ``owned``: from the run's checkpoint, or new."""
         from data_tools.checkpoint import Checkpoint
-        from wse_core.optim import make_optimizer
-
         o = self.params.optimizer
-        kwargs = {"lr": 0.0, "weight_decay": o.weight_decay}
-        if o.optimizer_type.lower() == "sgd":
-            kwargs.update(momentum=o.momentum, nesterov=o.nesterov)
-        else:
-            kwargs.update(betas=tuple(o.betas), eps=o.eps)
-        self.optimizer = make_optimizer(o.optimizer_type, **kwargs)
+        self.optimizer = o.optimizer()
         self.lr_factors = self.model.lr_factors(o.adjust_learning_rate)
         if self.run_info["checkpoint"]:
             self.weights, self.state = Checkpoint(self.run_info["checkpoint"]).load(owned)

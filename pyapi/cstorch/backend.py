@@ -1,0 +1,108 @@
+"""``cstorch.backend`` and ``cstorch.compile``: where the steps run, and the model they train."""
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from pyapi.cstorch.errors import not_built
+
+_current = None
+
+
+@dataclass
+class ClusterConfig:
+    """Cerebras' cluster settings (``cstorch.distributed.ClusterConfig``), those this emulator has."""
+
+    num_csx: int = 1
+    max_wgt_servers: int = 1
+    num_workers_per_csx: int = 1
+
+
+class Backend:
+    """Where the steps run: ``CSX`` (the emulated cluster: MPI ranks for the CS-2s, MemoryX and SwarmX)
+    or ``CPU`` (the same steps, the reference's, in this process: the bits of the cluster's)."""
+
+    def __init__(self, backend_type, artifact_dir, cluster_config, runconfig, micro_batch_size):
+        self.backend_type = backend_type
+        self.artifact_dir = Path(artifact_dir).absolute()
+        self.cluster_config = cluster_config
+        self.runconfig = runconfig  # this project's other cluster keys (runconfig.*), checked with the params
+        self.micro_batch_size = micro_batch_size
+        self.models = []
+
+    @property
+    def is_csx(self):
+        return self.backend_type == "CSX"
+
+    def run_config(self):
+        """The ``runconfig`` keys this backend sets."""
+        c = self.cluster_config
+        return {**self.runconfig, "num_csx": c.num_csx, "num_wgt_servers": c.max_wgt_servers,
+                "num_workers_per_csx": c.num_workers_per_csx}
+
+    def __repr__(self):
+        return f"cstorch.backend({self.backend_type!r}, cluster_config={asdict(self.cluster_config)})"
+
+
+def backend(backend_type=None, *, artifact_dir=None, cluster_config=None, num_csx=None, micro_batch_size=None,
+            compile_dir=None, compile_only=False, validate_only=False, **runconfig):
+    """The backend the steps run on: ``"CSX"`` or ``"CPU"``. ``cluster_config`` (a ClusterConfig) or
+    ``num_csx`` size the cluster; ``micro_batch_size`` splits each CS-2's share of the batch (default:
+    all of it); ``artifact_dir`` (default ./cerebras_logs) holds the program, the data and the run;
+    other keywords are this project's ``runconfig`` keys (``swarmx_fanout``, ``execution_strategy``, ...).
+    Without arguments: the current backend."""
+    global _current
+    if backend_type is None:
+        if _current is None:
+            raise RuntimeError("cstorch.backend(): no backend yet; create one: cstorch.backend(\"CSX\")")
+        return _current
+    kind = str(backend_type).upper()
+    if kind not in ("CSX", "CPU"):
+        raise not_built(f"cstorch.backend({backend_type!r})", "backends CSX and CPU")
+    if compile_only or validate_only:
+        raise not_built("compile_only/validate_only", "use `wse compile` on the run's params.yaml")
+    if cluster_config is None:
+        cluster_config = ClusterConfig(num_csx=num_csx or 1)
+    elif num_csx is not None and num_csx != cluster_config.num_csx:
+        raise ValueError(f"cstorch.backend: num_csx {num_csx} beside cluster_config.num_csx "
+                         f"{cluster_config.num_csx}; give one")
+    if kind == "CPU" and cluster_config.num_csx != 1:
+        raise ValueError("cstorch.backend(\"CPU\"): one process, no CS-2s; give num_csx to \"CSX\"")
+    _current = Backend(kind, artifact_dir or "cerebras_logs", cluster_config, runconfig, micro_batch_size)
+    return _current
+
+
+def current_backend():
+    return backend()
+
+
+def use_cs():
+    """True when the current backend is the (emulated) cluster."""
+    return _current is not None and _current.is_csx
+
+
+class CompiledModel:
+    """What ``compile`` returns: calls go to the model (``compiled(x)``), and its methods too."""
+
+    def __init__(self, module, backend):
+        self.module, self.backend = module, backend
+
+    def __call__(self, *args, **kwargs):
+        return self.module(*args, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self.module, name)
+
+
+def compile(model, backend=None):
+    """Prepare ``model`` (a torch.nn.Module) for ``backend`` (default: the current one). As on a real
+    system nothing is compiled yet: the graph is captured on the traced step's first call."""
+    import torch
+
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"cstorch.compile: expected a torch.nn.Module, got {type(model).__name__}")
+    if isinstance(backend, str):
+        backend = globals()["backend"](backend)
+    backend = backend or globals()["backend"]()
+    if backend.models and backend.models[0] is not model:
+        raise not_built("a second compiled model", "one model per backend")
+    backend.models = [model]
+    return CompiledModel(model, backend)

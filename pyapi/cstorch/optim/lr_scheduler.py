@@ -1,0 +1,76 @@
+"""``cstorch.optim.lr_scheduler``: Cerebras' schedulers, as the run's ``optimizer.learning_rate``
+(``wse_core.optim.schedules``: the same closed forms, computed for every step by the coordinator).
+A scheduler attaches itself to its optimizer; ``step()`` in the traced step does nothing more."""
+from pyapi.cstorch.errors import not_built
+
+
+class LRScheduler:
+    name = None
+
+    def __init__(self, optimizer, **args):
+        self.optimizer = optimizer
+        self.args = {k: v for k, v in args.items() if v is not None}
+        optimizer.scheduler = self.spec()
+
+    def spec(self):
+        return {"scheduler": self.name, **self.args}
+
+    def step(self, *args):
+        """Inside the traced step: the coordinator sets each step's rate."""
+
+
+class ConstantLR(LRScheduler):
+    name = "Constant"
+
+    def __init__(self, optimizer, learning_rate, total_iters=None):
+        super().__init__(optimizer, learning_rate=learning_rate, total_iters=total_iters)
+
+
+class LinearLR(LRScheduler):
+    name = "Linear"
+
+    def __init__(self, optimizer, initial_learning_rate, end_learning_rate, total_iters, cycle=False):
+        super().__init__(optimizer, initial_learning_rate=initial_learning_rate, end_learning_rate=end_learning_rate,
+                         total_iters=total_iters, cycle=cycle or None)
+
+
+class PolynomialLR(LRScheduler):
+    name = "Polynomial"
+
+    def __init__(self, optimizer, initial_learning_rate, end_learning_rate, total_iters, power=1.0, cycle=False):
+        super().__init__(optimizer, initial_learning_rate=initial_learning_rate, end_learning_rate=end_learning_rate,
+                         total_iters=total_iters, power=power, cycle=cycle or None)
+
+
+class CosineDecayLR(LRScheduler):
+    name = "CosineDecay"
+
+    def __init__(self, optimizer, initial_learning_rate, end_learning_rate, total_iters):
+        super().__init__(optimizer, initial_learning_rate=initial_learning_rate, end_learning_rate=end_learning_rate,
+                         total_iters=total_iters)
+
+
+class ExponentialLR(LRScheduler):
+    name = "Exponential"
+
+    def __init__(self, optimizer, initial_learning_rate, total_iters, decay_rate, staircase=False):
+        super().__init__(optimizer, initial_learning_rate=initial_learning_rate, total_iters=total_iters,
+                         decay_rate=decay_rate, staircase=staircase)
+
+
+class SequentialLR(LRScheduler):
+    """``schedulers`` one after the other, switching at ``milestones``; the optimizer takes the sequence."""
+
+    name = "Sequential"
+
+    def __init__(self, optimizer, schedulers, milestones, last_epoch=-1):
+        if last_epoch != -1:
+            raise not_built("SequentialLR(last_epoch=...)", "a schedule starts at step 0")
+        super().__init__(optimizer, schedulers=[s.spec() for s in schedulers], milestones=list(milestones))
+
+
+def __getattr__(name):
+    if name.endswith("LR"):
+        raise not_built(f"cstorch.optim.lr_scheduler.{name}", "built: ConstantLR, LinearLR, PolynomialLR, "
+                        "CosineDecayLR, ExponentialLR, SequentialLR")
+    raise AttributeError(name)

@@ -1,0 +1,251 @@
+"""One DataExecutor's run: the traced step captured, its batches as a dataset, the job that trains.
+
+On the traced step's first call the run captures it (``wse_core.compiler``: the model and the loss
+as one graph, cut into streaming units) and writes, under ``artifact_dir/run_<n>/``:
+``program.pt2`` (the units and the model's initial weights), ``data/`` (the executor's batches, in
+order, as a dataset of the project's ``arrays`` or ``lm`` layout), ``params.yaml`` (the model
+family ``torch``, the optimizer's and scheduler's settings, the backend's cluster) and ``model/``
+(the run's model_dir: metrics, checkpoints, logs). A CSX backend then runs the job
+(``pyapi.Job.fit``, MPI ranks) in a thread of this process, whose output goes to ``run.log``; a CPU
+backend runs the reference's steps (``wse_core.nn.reference``) in this process, one per call: the
+bits the cluster gives. Each call returns its step's loss once the step is done; the model gets
+the trained weights at checkpoints and at the end.
+"""
+import json
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import yaml
+
+from pyapi.cstorch.errors import not_built
+from pyapi.cstorch.step import record
+
+#: Seconds between looks at the job's metrics while a step is awaited (a sleep, not a spin: the
+#: ranks need the cores).
+POLL_S = 0.05
+
+
+def _traced_module(fn, model):
+    """The module whose forward is the user's traced step (its class made here: torch is imported late)."""
+    import torch
+
+    class TracedStep(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.model = model  # its parameters become the graph's ("model.<name>")
+
+        def forward(self, *batch):
+            return fn(*batch)
+
+    return TracedStep()
+
+
+class Run:
+    def __init__(self, backend, executor, batches):
+        self.backend, self.executor, self.batches = backend, executor, batches
+        root = backend.artifact_dir
+        root.mkdir(parents=True, exist_ok=True)
+        n = 0
+        while (root / f"run_{n}").exists():
+            n += 1
+        self.dir = root / f"run_{n}"
+        self.dir.mkdir()
+        self.started, self.thread, self.failure, self.cpu = False, None, None, None
+        self.model_dir = self.dir / "model"
+        self.losses = {}
+
+    # -- the first call: capture, data, params, start ---------------------------------------------
+
+    def step(self, fn, args, step):
+        if not self.started:
+            self._start(fn, args)
+        return self._loss(step)
+
+    def _start(self, fn, args):
+        import torch
+
+        from wse_core.compiler import CompileError, capture, partition
+        from wse_core.compiler.model import save_program
+
+        if not self.backend.models:
+            raise RuntimeError("cstorch.compile(model, backend) first: the traced step trains the compiled model")
+        model = self.backend.models[0]
+        batch = tuple(args)
+        if len(batch) != 2 or not all(isinstance(t, torch.Tensor) for t in batch):
+            raise not_built(f"a traced step of {len(batch)} arguments", "a traced step of (inputs, targets) tensors")
+        with record() as rec:
+            try:
+                graph = capture(_traced_module(fn, model), batch)
+            except CompileError as exc:  # its module paths start at the traced step: "model.model.net.1"
+                raise CompileError(str(exc).replace("model.model.", "model.").replace("model.model:", "model:")) \
+                    from None
+        if len(rec.optimizers) != 1:
+            raise ValueError(f"the traced step called optimizer.step() on {len(rec.optimizers)} optimizers; "
+                             "it trains with one")
+        program = self.dir / "program.pt2"
+        save_program(graph, partition(graph), program)
+        self.params = self._params(str(program), rec)
+        (self.dir / "params.yaml").write_text(yaml.safe_dump(self.params, sort_keys=False))
+        self.user_model = model
+        self.started = True
+        if self.backend.is_csx:
+            self._start_job()
+        else:
+            self.cpu = _InProcess(self.params)
+
+    def _params(self, program, rec):
+        from wse_core.compiler.model import load_program
+
+        layout = load_program(program)["layout"]
+        data = self.dir / "data"
+        data.mkdir()
+        _write_dataset(data / "data-00000.h5", self.batches, layout)
+        b = len(self.batches[0][0])
+        mbs = self.executor.micro_batch_size or self.backend.micro_batch_size
+        optimizer = rec.optimizers[0].spec()
+        optimizer.update(rec.settings)
+        runconfig = {"max_steps": self.executor.num_steps, "model_dir": str(self.model_dir),
+                     "checkpoint_steps": self.executor.checkpoint_steps or 0, **self.backend.run_config()}
+        train = {"data_dir": str(data), "batch_size": b, "shuffle": False}
+        if mbs is not None:
+            train["micro_batch_size"] = mbs
+        return {"train_input": train, "model": {"name": "torch", "program": program}, "optimizer": optimizer,
+                "runconfig": runconfig}
+
+    def _start_job(self):
+        from pyapi.job import Job
+        from pyapi.params import validate
+
+        job = Job(validate(self.params))
+
+        def run():
+            with open(self.dir / "run.log", "w") as log:
+                try:
+                    job.fit(stream=log)
+                except Exception as exc:  # the job's one line, said to the user's loop
+                    self.failure = str(exc)
+
+        self.thread = threading.Thread(target=run, name="wse-cstorch-job", daemon=True)
+        self.thread.start()
+
+    # -- each step ------------------------------------------------------------------------------
+
+    def _loss(self, step):
+        import torch
+
+        if self.cpu is not None:
+            while self.cpu.step < step:
+                loss = self.cpu.advance()
+                self.losses[self.cpu.step] = loss
+        else:
+            self._await(lambda: step in self._read_losses(), f"step {step}")
+        return torch.tensor(self.losses[step], dtype=torch.float32)
+
+    def _read_losses(self):
+        path = self.model_dir / "metrics.jsonl"
+        if path.exists():
+            for line in path.read_text().splitlines():
+                r = json.loads(line)
+                if "loss" in r:
+                    self.losses[r["step"]] = r["loss"]
+        return self.losses
+
+    def _await(self, ready, what):
+        while not ready():
+            if self.failure is not None:
+                raise RuntimeError(f"the cluster's job failed: {self.failure} (log: {self.dir / 'run.log'})")
+            if not self.thread.is_alive() and not ready():
+                raise RuntimeError(f"the cluster's job ended before {what} (log: {self.dir / 'run.log'})")
+            time.sleep(POLL_S)
+
+    def sync_weights(self, step):
+        """The user's model holds the weights of ``step`` (a checkpoint step, or the last)."""
+        if self.cpu is not None:
+            weights = self.cpu.params
+        else:
+            from data_tools.checkpoint import Checkpoint
+
+            path = self.model_dir / f"checkpoint_{step}"
+            self._await(lambda: (path / "index.h5").exists(), f"the checkpoint of step {step}")
+            weights = Checkpoint(path).load()[0]
+        _load_into(self.user_model, weights)
+
+    def summarize(self, name, value, step):
+        with open(self.dir / "summaries.jsonl", "a") as f:
+            f.write(json.dumps({"step": step, "name": name, "value": value}) + "\n")
+
+    def finish(self):
+        if not self.started:
+            return
+        if self.thread is not None:
+            self.thread.join()
+            if self.failure is not None:
+                raise RuntimeError(f"the cluster's job failed: {self.failure} (log: {self.dir / 'run.log'})")
+        self.sync_weights(self.executor.num_steps)
+
+    def close(self):
+        """After the loop, however it ended: a job still running (the loop left early) is waited for,
+        so no rank outlives this process."""
+        if self.thread is not None:
+            self.thread.join()
+
+
+def _load_into(model, weights):
+    """Copy the run's weights (named "model.<name>", by owner) into the user's module."""
+    import torch
+
+    own = dict(model.named_parameters())
+    with torch.no_grad():
+        for name, w in weights.items():
+            own[name[len("model."):]].copy_(torch.from_numpy(np.asarray(w)))
+
+
+def _write_dataset(path, batches, layout):
+    """The executor's batches, in order, as one file of the project's ``arrays`` or ``lm`` layout."""
+    from data_tools.lmdata import write_array_file, write_lm_file
+
+    xs = np.concatenate([b[0].detach().cpu().numpy() for b in batches])
+    ys = np.concatenate([b[1].detach().cpu().numpy() for b in batches])
+    if layout == "arrays":
+        write_array_file(path, xs.astype(np.float32), ys.astype(np.int32))
+    else:  # token ids and targets [n, T]; a target of -100 (ignore_index) is masked out
+        mask = ys != -100
+        write_lm_file(path, np.stack([xs, mask, np.where(mask, ys, 0)], axis=1).astype(np.int32))
+
+
+class _InProcess:
+    """The CPU backend: the reference's steps (``wse_core.nn.reference``) on the run's dataset, as the
+    cluster's ranks compute them: the same bits."""
+
+    def __init__(self, params):
+        from data_tools.dataset import GlobalStream
+        from pyapi.params import validate
+        from wse_core.nn import build_model
+        from wse_core.optim import make_schedule
+        from wse_core.optim.loss_scale import LossScaler
+
+        self.spec = validate(params)
+        self.model = build_model(self.spec.model)
+        o, t = self.spec.optimizer, self.spec.train_input
+        self.seed = self.spec.runconfig.seed
+        self.params = self.model.init_params(self.seed)
+        self.optimizer = o.optimizer()
+        self.state = {n: self.optimizer.init_state(w) for n, w in self.params.items()}
+        self.schedule = make_schedule(o.learning_rate, key="optimizer.learning_rate")
+        self.scaler = LossScaler.from_params(o, None)
+        self.stream = GlobalStream(t.data_dir)
+        self.step = 0
+
+    def advance(self):
+        from wse_core.nn.reference import reference_step
+
+        t, o = self.spec.train_input, self.spec.optimizer
+        batch = self.model.batch_of(self.stream.read(self.step * t.batch_size, t.batch_size))
+        r = reference_step(self.model, self.params, self.state, self.optimizer, batch,
+                           micro_batch_size=t.micro_batch_size, step=self.step + 1, lr=self.schedule(self.step),
+                           max_gradient_norm=o.max_gradient_norm, seed=self.seed, scaler=self.scaler,
+                           lr_factors=self.model.lr_factors(o.adjust_learning_rate))
+        self.step += 1
+        return r.loss

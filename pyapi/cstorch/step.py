@@ -1,0 +1,112 @@
+"""``cstorch.trace`` and the step closures.
+
+A traced step runs its Python once, on its first call inside a DataExecutor: there it is captured
+(``Run.capture``) with ``loss.backward()``, ``optimizer.step()``, ``zero_grad()``, a scheduler's
+``step()``, a grad scaler's calls and ``torch.nn.utils.clip_grad_norm_`` recorded, not run, and
+``tensor.item()`` refused (a value exists only once the cluster has run the step). Every
+call returns that step's loss as the cluster finished it. Step closures run at once, on values that
+are already the step's (the traced step waited for them); a checkpoint closure runs on checkpoint
+steps only, with the model holding that step's weights.
+"""
+import contextlib
+import functools
+
+from pyapi.cstorch.errors import not_built
+
+
+class Recording:
+    """What the traced step's first run said beside its graph."""
+
+    def __init__(self):
+        self.optimizers, self.settings = [], {}
+
+
+_recording = None
+_executor = None  # the DataExecutor being iterated (utils.data sets it)
+
+
+def recording():
+    if _recording is None:
+        raise RuntimeError("this call belongs inside a function decorated with @cstorch.trace")
+    return _recording
+
+
+@contextlib.contextmanager
+def record():
+    """Run the traced step's Python for capture: gradients and updates are the cluster's to make."""
+    import torch
+
+    global _recording
+    rec = Recording()
+    saved = torch.Tensor.backward, torch.nn.utils.clip_grad_norm_, torch.Tensor.item
+
+    def backward(tensor, *args, **kwargs):
+        pass  # the captured graph is differentiated unit by unit on the CS-2s
+
+    def clip_grad_norm_(parameters, max_norm, norm_type=2.0, *args, **kwargs):
+        if norm_type != 2.0:
+            raise not_built(f"clip_grad_norm_(norm_type={norm_type})", "the global L2 norm")
+        rec.settings["max_gradient_norm"] = float(max_norm)
+        return torch.zeros(())
+
+    def item(tensor):
+        raise not_built("tensor.item() inside the traced step", "its value exists once the cluster has run the "
+                        "step: return the tensor and read it in a @cstorch.step_closure")
+
+    torch.Tensor.backward, torch.nn.utils.clip_grad_norm_, torch.Tensor.item = backward, clip_grad_norm_, item
+    _recording = rec
+    try:
+        yield rec
+    finally:
+        torch.Tensor.backward, torch.nn.utils.clip_grad_norm_, torch.Tensor.item = saved
+        _recording = None
+
+
+def trace(fn):
+    """The training step: captured on its first call, the cluster's on every call."""
+
+    @functools.wraps(fn)
+    def traced(*args):
+        if _executor is None:
+            raise RuntimeError(f"{fn.__name__}: a traced step runs inside a DataExecutor loop "
+                               "(for batch in cstorch.utils.data.DataExecutor(...))")
+        return _executor.run.step(fn, args, _executor.step)
+
+    return traced
+
+
+def step_closure(fn):
+    """Run ``fn`` on the step's values (they are this process's tensors once the step has ended)."""
+
+    @functools.wraps(fn)
+    def closure(*args, **kwargs):
+        if _recording is not None:
+            raise not_built(f"{fn.__name__}: a step closure inside the traced step",
+                            "call it on the traced step's return values")
+        return fn(*args, **kwargs)
+
+    return closure
+
+
+def checkpoint_closure(fn):
+    """A step closure that runs on checkpoint steps only (``DataExecutor(checkpoint_steps=k)``: k, 2k,
+    ... and the last), with the model holding that step's weights."""
+
+    @functools.wraps(fn)
+    def closure(*args, **kwargs):
+        if _executor is None:
+            raise RuntimeError(f"{fn.__name__}: cannot fetch a checkpoint outside of an execution context")
+        if _executor.on_checkpoint_step:
+            _executor.run.sync_weights(_executor.step)
+            return fn(*args, **kwargs)
+        return None
+
+    return closure
+
+
+def summarize_scalar(name, value):
+    """The value in the run's ``summaries.jsonl`` (artifact_dir), with its step."""
+    if _executor is None or _recording is not None:
+        raise not_built("summarize_scalar inside the traced step or outside a DataExecutor",
+                        "call it on the traced step's return values, in the loop")
+    _executor.run.summarize(name, float(value), _executor.step)
