@@ -28,6 +28,8 @@ BENCHMARKS = {
                                  "speed-up for 1 to 192 CS-2s."),
     "appliance": ("bench.appliance", "The appliance against `wse fit`: the same jobs queued on a CS-2 pool, and run "
                                      "one after another directly."),
+    "cstorch": ("bench.cstorch", "A user's PyTorch model through the Cerebras-API front-end: step time on 1 CS-2 "
+                                 "against eager PyTorch."),
     "fabric": ("bench.fabric", "The PE-mesh simulator's speed, and BiCGSTAB cycles per iteration next to the "
                                "SC20 figures."),
 }

@@ -8,14 +8,16 @@ what would change the bits between a recorded environment and another.
 """
 import os
 import platform
+import sys
 
 import numpy as np
 
 #: Environment variables that steer BLAS, OpenMP or numpy's own kernels: they travel with an
 #: appliance submission (and nothing else of the user's environment) and are recorded with every
 #: run. OPENBLAS_CORETYPE picks OpenBLAS's kernel (other bits), NPY_DISABLE_CPU_FEATURES numpy's
-#: SIMD paths; the thread counts change no bits but decide how fast a job runs.
-ENV_PREFIXES = ("OPENBLAS_", "GOTO", "OMP_", "GOMP_", "KMP_", "MKL_", "BLIS_", "NPY_")
+#: SIMD paths, ATEN_CPU_CAPABILITY torch's; the thread counts change no bits but decide how fast a
+#: job runs.
+ENV_PREFIXES = ("OPENBLAS_", "GOTO", "OMP_", "GOMP_", "KMP_", "MKL_", "BLIS_", "NPY_", "ATEN_")
 ENV_NAMES = ("VECLIB_MAXIMUM_THREADS", "NUMEXPR_NUM_THREADS")
 
 #: The entries of ``environment()`` that decide bits, with the words a mismatch is said in.
@@ -26,6 +28,7 @@ BITS_KEYS = {
     "blas_version": "BLAS version",
     "blas_kernel": "BLAS kernel",
     "numpy_simd": "numpy's SIMD paths",
+    "torch": "PyTorch",
 }
 
 
@@ -57,6 +60,10 @@ def environment():
         "numpy_simd": _numpy_simd(),
         "cpu_flags": _cpu_flags(),
         "variables": numerics_variables(),
+        # A compiled PyTorch model's units compute with torch (wse_core.compiler): its version decides
+        # their bits. Recorded where torch is loaded (the launcher and ranks of such a run), so a
+        # run of the built-in families records and compares nothing of it.
+        **({"torch": sys.modules["torch"].__version__} if "torch" in sys.modules else {}),
     }
 
 

@@ -76,8 +76,8 @@ class CS2(Role):
                 params = dict(zip(self.unit_params[u], map(precision.from_wire, weights)))
                 if u + 1 < len(self.units):  # the next unit streams in while this one computes
                     weights, wreqs = link.irecv_arrays(self.unit_layout(u + 1), parent, FWD_WEIGHTS, u + 1)
-                for m in range(self.n_micro):
-                    xs[m], saved[u][m] = self.model.unit_forward(u, xs[m], params, drops[m])
+                for m, (x, kept) in enumerate(self.model.units_forward(u, xs, params, drops)):
+                    xs[m], saved[u][m] = x, kept
                 clock.advance(sim_fwd[u])
             if dynamic:  # the coordinator's loss scale for this step (sent when the last step ended)
                 loss_scale = link.recv_object(self.plan.coordinator, tag(CONTROL),
@@ -113,9 +113,8 @@ class CS2(Role):
                 if u > 0:
                     weights, wreqs = link.irecv_arrays(self.unit_layout(u - 1), parent, BWD_WEIGHTS, u - 1)
                 grads = []
-                for m in range(self.n_micro):
-                    dys[m], g = self.model.unit_backward(u, dys[m], saved[u][m], params)
-                    saved[u][m] = None
+                for m, (dy, g) in enumerate(self.model.units_backward(u, dys, saved[u], params)):
+                    dys[m], saved[u][m] = dy, None
                     grads.append(g)
                 ready = clock.advance(sim_bwd[u])
                 total = tree_sum(grads, add=self.model.add_grads)

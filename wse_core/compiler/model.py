@@ -15,7 +15,13 @@ reference step, checkpoints and the simulated clock run it unchanged:
   coordinator divides by N = sum n_j of the global batch (``loss_divisor``), as for the built-in
   families, so the step's loss and gradients are the mean over the global batch;
 - dropout: torch's generator is seeded before each unit's forward from (seed, step, the
-  micro-batch's first sample, unit) (``runner.dropout_seed``), inside ``fork_rng``.
+  micro-batch's first sample, unit) (``runner.dropout_seed``), inside ``fork_rng``;
+- torch computes on one thread (``one_thread``): its reductions (a bias's gradient, LayerNorm's)
+  give other bits on other thread counts, and a rank, the CPU backend's process and a test must
+  agree whatever their own settings (docs/design.md section 2, property (b)). A CS-2's cores are
+  used by running its micro-batches side by side instead (``units_forward``/``units_backward``:
+  each on one thread, so the same bits), when the units draw no random numbers (torch's generator
+  is one per process: dropout masks would depend on which thread drew first).
 
 Batches come from the project's datasets, in one of their two layouts: ``arrays`` (``features``
 ``[n, ...]``, ``labels`` int32 ``[n]``) for a model of one input and a class target, ``lm``
@@ -23,7 +29,10 @@ Batches come from the project's datasets, in one of their two layouts: ``arrays`
 masked-out labels becoming the loss's ``ignore_index``. The file is a pickle (``torch.save``):
 load only programs you made.
 """
+import contextlib
 import math
+import os
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import torch
@@ -46,9 +55,11 @@ def save_program(graph, units, path):
     layout = _layout(graph.inputs)
     # Shapes and work are read off the graphs' metadata now: an fx module's pickle drops it.
     shapes = {p: tuple(t.shape) for p, t in graph.params.items()}
+    random = any(_draws(node) for u in units for node in u.module.graph.nodes)
     costs = [{"shapes": {p: shapes[p] for p in u.params}, "handed_bytes": u.boundary_bytes, **_work(u, shapes)}
              for u in units]
     torch.save({"format": FORMAT, "layout": layout, "inputs": graph.inputs, "units": units, "costs": costs,
+                "random": random,
                 "example_samples": len(graph.example[0]),
                 "weights": {name: p.detach().clone() for name, p in graph.params.items()}}, path)
 
@@ -81,6 +92,19 @@ def _layout(inputs):
     shown = ", ".join(f"{str(d).replace('torch.', '')} {list(s)}" for d, s in inputs)
     raise CompileError(f"step inputs ({shown} per sample): the cluster reads (inputs, class targets) or (token ids "
                        "[T], token targets [T]); give the step those two")
+
+
+@contextlib.contextmanager
+def one_thread():
+    """torch on one thread for the block (its own setting given back after)."""
+    n = torch.get_num_threads()
+    if n != 1:
+        torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        if n != 1:
+            torch.set_num_threads(n)
 
 
 class TorchModel(Model):
@@ -169,7 +193,8 @@ class TorchModel(Model):
         unit = self.torch_units[u]
         weights = {p: torch.from_numpy(params[p]) for p in unit.params}  # no copy
         seed = None if drop is None else dropout_seed(drop.seed, drop.step, drop.first_sample, u)
-        outputs, saved = runner.unit_forward(unit, weights, x, x["input"], seed)
+        with one_thread():
+            outputs, saved = runner.unit_forward(unit, weights, x, x["input"], seed)
         return {**x, **dict(zip(unit.outputs, outputs))}, saved
 
     def loss(self, y, batch, loss_scale=1.0):
@@ -197,8 +222,24 @@ class TorchModel(Model):
         unit, waiting = self.torch_units[u], dict(dy)
         if "seed" in waiting:  # the loss's: the tail's output
             waiting[unit.outputs[0]] = waiting.pop("seed")
-        grads = runner.unit_backward(unit, saved, waiting)
+        with one_thread():
+            grads = runner.unit_backward(unit, saved, waiting)
         return waiting, {p: g.numpy() for p, g in grads.items()}
+
+    def units_forward(self, u, xs, params, drops):
+        return self._side_by_side(lambda x, d: self.unit_forward(u, x, params, d), xs, drops)
+
+    def units_backward(self, u, dys, saved, params):
+        return self._side_by_side(lambda dy, s: self.unit_backward(u, dy, s, params), dys, saved)
+
+    def _side_by_side(self, fn, *lists):
+        """``fn`` on each micro-batch: side by side on this process's cores when the units draw no
+        random numbers, each on one torch thread (the bits of one after the other)."""
+        workers = min(len(lists[0]), _cores())
+        if workers < 2 or self.program["random"]:
+            return [fn(*args) for args in zip(*lists)]
+        with one_thread(), ThreadPoolExecutor(workers) as pool:
+            return list(pool.map(fn, *lists))
 
     # -- estimates ------------------------------------------------------------------------------
 
@@ -232,6 +273,32 @@ class _Streamed:
         s, c = samples / self.example_samples, self.cost
         return UnitWork([(max(1, round(m * s)), k, n) for m, k, n in c["gemms"]], other_macs=round(c["other_macs"] * s),
                         elementwise=round(c["elementwise"] * s))
+
+
+def _cores():
+    """The cores this process may use: the launcher's thread count for the rank (OMP_NUM_THREADS), or
+    the machine's."""
+    given = os.environ.get("OMP_NUM_THREADS", "")
+    return int(given) if given.isdigit() and int(given) > 0 else len(os.sched_getaffinity(0))
+
+
+#: Ops that draw from torch's generator (dropout only with a rate above 0).
+_RANDOM = {torch.ops.aten.bernoulli.default, torch.ops.aten.bernoulli.p, torch.ops.aten.rand.default,
+           torch.ops.aten.randn.default, torch.ops.aten.rand_like.default, torch.ops.aten.randn_like.default,
+           torch.ops.aten.randint.default, torch.ops.aten.randint.low, torch.ops.aten.randint_like.default,
+           torch.ops.aten.normal.Tensor_Tensor, torch.ops.aten.randperm.default, torch.ops.aten.multinomial.default}
+_DROPOUT = {torch.ops.aten.dropout.default, torch.ops.aten.native_dropout.default,
+            torch.ops.aten.feature_dropout.default, torch.ops.aten.alpha_dropout.default}
+
+
+def _draws(node):
+    """Whether ``node`` draws random numbers when it runs."""
+    if node.op != "call_function":
+        return False
+    if node.target in _DROPOUT:
+        rate = node.args[1] if len(node.args) > 1 else node.kwargs.get("p", 0.5)
+        return not (isinstance(rate, (int, float)) and rate == 0)
+    return node.target in _RANDOM or "rand" in str(getattr(node.target, "__name__", ""))
 
 
 _LINEAR = {torch.ops.aten.linear.default, torch.ops.aten.mm.default, torch.ops.aten.addmm.default}
