@@ -6,7 +6,7 @@
 4 heads, sequence 128, byte vocabulary; no dropout) trains on the standard-library corpus, global
 batch 16, through ``pyapi.cstorch`` on one emulated CS-2 (micro-batch 4): the wall time between
 the traced step's returns, the first steps skipped, median of the rest. The baseline, in this
-process on the same 2 cores: the same module, batches and ``torch.optim.AdamW`` trained eagerly
+process on the same cores: the same module, batches and ``torch.optim.AdamW`` trained eagerly
 (forward, backward, step on the whole batch), timed before and after the front-end's run. Beside
 them: the cluster's own step time (metrics.jsonl) and the simulated step of the emulated hardware
 that the compiled units' costs give (wse_core.perf).

@@ -96,3 +96,21 @@ def small_disk(tmp_path):
     yield disk
     if disk.mounted:
         subprocess.run(["umount", "-l", str(where)], check=False)
+
+
+def read_events(directory):
+    """{tag: [(step, value)]} of the scalars in the TensorBoard event files of ``directory``."""
+    import struct
+
+    from tensorboardX.proto import event_pb2
+
+    out = {}
+    for f in sorted(directory.glob("events.out.tfevents.*")):
+        data, pos = f.read_bytes(), 0
+        while pos < len(data):  # TFRecord framing: u64 length, u32 crc, payload, u32 crc
+            (n,) = struct.unpack_from("<Q", data, pos)
+            event = event_pb2.Event.FromString(data[pos + 12:pos + 12 + n])
+            pos += 16 + n
+            for v in event.summary.value:
+                out.setdefault(v.tag, []).append((event.step, v.simple_value))
+    return out

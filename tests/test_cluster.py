@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 import yaml
 
+from conftest import read_events
 from data_tools.checkpoint import Checkpoint
 from data_tools.dataset import GlobalStream
 from data_tools.preprocess import preprocess_text
@@ -251,24 +252,6 @@ def test_llama_with_gqa_bfloat16_and_dropout_is_bit_identical_to_the_reference(t
                   "dropout_rate": 0.1, "mixed_precision": True, "fp16_type": "bfloat16"}
     path.write_text(yaml.safe_dump(p))
     fit_matches_reference(jobs, tmp_path, path, p, 2)
-
-
-def read_events(directory):
-    """{tag: [(step, value)]} of the scalars in the TensorBoard event files of ``directory``."""
-    import struct
-
-    from tensorboardX.proto import event_pb2
-
-    out = {}
-    for f in sorted(directory.glob("events.out.tfevents.*")):
-        data, pos = f.read_bytes(), 0
-        while pos < len(data):  # TFRecord framing: u64 length, u32 crc, payload, u32 crc
-            (n,) = struct.unpack_from("<Q", data, pos)
-            event = event_pb2.Event.FromString(data[pos + 12:pos + 12 + n])
-            pos += 16 + n
-            for v in event.summary.value:
-                out.setdefault(v.tag, []).append((event.step, v.simple_value))
-    return out
 
 
 def test_evaluation_during_training_goes_to_metrics_and_tensorboard(tmp_path, data, jobs):

@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from conftest import read_events
+
 torch = pytest.importorskip("torch")
 
 EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "cstorch_fc.py"
@@ -253,3 +255,95 @@ def test_models_a_user_brings_train_on_two_cs2s_with_the_bits_of_one_and_eager_p
         loss.backward()
         optimizer.step()
         assert losses[step] == pytest.approx(loss.item(), rel=1e-5), step
+
+
+def test_a_script_can_target_a_running_appliance(tmp_path, jobs):
+    """backend("CSX", appliance=SOCKET): the job is queued on the appliance, which runs it as its user;
+    the loop gets its losses and weights as from a job of its own, with the CPU backend's bits."""
+    socket, state = tmp_path / "appliance.sock", tmp_path / "state"
+    try:
+        started = jobs.run("appliance", "start", "--num_csx", 2, "--state_dir", state, "--socket", socket)
+        assert started.returncode == 0, started.stderr
+        text = EXAMPLE.read_text().replace("micro_batch_size=16)", f"micro_batch_size=16, appliance={str(socket)!r})")
+        out = tmp_path / "queued"
+        out.mkdir()
+        proc = run_script(out, text, "CSX", 2, 4, 4)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        queued = [float(line.split()[-1]) for line in proc.stdout.splitlines() if line.startswith("step ")]
+        log = next(out.glob("cerebras_logs/run_*/run.log")).read_text()
+        assert log.startswith("queued on the appliance as job "), log
+    finally:
+        jobs.run("appliance", "stop", "--socket", socket)  # whatever it says; the jobs fixture kills the rest
+    _, direct, weights = train(tmp_path, "CPU", 1, steps=4, checkpoint_steps=4)
+    import pyapi.cstorch as cstorch
+
+    assert queued == direct
+    saved = cstorch.load(out / "checkpoint_4.h5")["model"]
+    assert all(torch.equal(saved[k], weights[k]) for k in weights)
+
+
+def test_summarize_scalar_writes_tensorboard_beside_the_runs_own_scalars(tmp_path):
+    pytest.importorskip("tensorboardX")
+
+    text = EXAMPLE.read_text().replace("        print_loss(loss, step)\n",
+                                       "        print_loss(loss, step)\n        cstorch.summarize_scalar('my/loss', loss)\n")
+    out = tmp_path / "out"
+    out.mkdir()
+    proc = run_script(out, text, "CPU", 1, 3, 3)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    losses = [float(line.split()[-1]) for line in proc.stdout.splitlines() if line.startswith("step ")]
+    events = read_events(next(out.glob("cerebras_logs/run_*/model/train")))
+    assert events["my/loss"] == [(s, pytest.approx(v)) for s, v in enumerate(losses, 1)]
+
+
+
+def in_process_loop(tmp_path, *, frozen=False, second_step=False, steps=2):
+    """A small loop on the CPU backend in this process (what a notebook does)."""
+    import pyapi.cstorch as cstorch
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+    if frozen:
+        model[0].bias.requires_grad_(False)
+    compiled = cstorch.compile(model, cstorch.backend("CPU", artifact_dir=tmp_path))
+    optimizer = cstorch.optim.SGD(model.parameters(), lr=0.1)
+
+    @cstorch.trace
+    def train_step(x, y):
+        loss = torch.nn.functional.cross_entropy(compiled(x), y)
+        loss.backward()
+        optimizer.step()
+        return loss
+
+    @cstorch.trace
+    def other_step(x, y):
+        return torch.nn.functional.cross_entropy(compiled(x), y)
+
+    data = [(torch.rand(4, 4), torch.tensor([0, 1, 0, 1]))] * steps  # one batch again: its loss falls
+    losses = []
+    for step, (x, y) in enumerate(cstorch.utils.data.DataExecutor(cstorch.utils.data.DataLoader(lambda: data)), 1):
+        losses.append(float((other_step if second_step and step == 2 else train_step)(x, y)))
+    return model, losses
+
+
+def test_what_a_loop_cannot_do_is_one_line(tmp_path):
+    from pyapi.cstorch.errors import NotBuilt
+
+    with pytest.raises(NotBuilt, match=r"^model.0.bias: a frozen parameter \(requires_grad=False\): not built"):
+        in_process_loop(tmp_path / "a", frozen=True)
+    with pytest.raises(NotBuilt, match=r"^other_step: a second traced function in one DataExecutor loop"):
+        in_process_loop(tmp_path / "b", second_step=True)
+    model, losses = in_process_loop(tmp_path / "c")  # and the backend's process is usable after both
+    assert len(losses) == 2 and losses[1] < losses[0]
+
+
+def test_save_and_load_round_trip_a_state_with_scalars_and_nesting(tmp_path):
+    import pyapi.cstorch as cstorch
+
+    state = {"model": torch.nn.BatchNorm1d(3).state_dict(), "step": 7, "nested": {"a.b": torch.ones(2, 2)},
+             "loss": torch.tensor(0.5)}
+    cstorch.save(state, tmp_path / "s.h5")
+    back = cstorch.load(tmp_path / "s.h5")
+    assert back["step"] == 7 and torch.equal(back["nested"]["a.b"], torch.ones(2, 2))
+    assert torch.equal(back["loss"], torch.tensor(0.5))
+    assert all(torch.equal(back["model"][k], v) for k, v in state["model"].items())

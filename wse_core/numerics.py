@@ -63,7 +63,9 @@ def environment():
         # A compiled PyTorch model's units compute with torch (wse_core.compiler): its version decides
         # their bits. Recorded where torch is loaded (the launcher and ranks of such a run), so a
         # run of the built-in families records and compares nothing of it.
-        **({"torch": sys.modules["torch"].__version__} if "torch" in sys.modules else {}),
+        # (sys.modules["torch"] is None while tensorboardX is imported without it: see the coordinator)
+        **({"torch": sys.modules["torch"].__version__} if getattr(sys.modules.get("torch"), "__version__", None)
+           else {}),
     }
 
 

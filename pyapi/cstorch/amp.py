@@ -1,5 +1,6 @@
 """``cstorch.amp``: the gradient scaler. Mixed precision for a compiled PyTorch model is not built
-yet (it trains in float32), so a scaler's settings become the run's loss scaling and nothing else."""
+yet (it trains in float32), so a scaler's settings become the run's loss scaling (and, with
+``max_gradient_norm``, its clipping), applied as for a float32 run of any family."""
 from pyapi.cstorch.errors import not_built
 from pyapi.cstorch.step import recording
 

@@ -20,8 +20,9 @@ class Backend:
     """Where the steps run: ``CSX`` (the emulated cluster: MPI ranks for the CS-2s, MemoryX and SwarmX)
     or ``CPU`` (the same steps, the reference's, in this process: the bits of the cluster's)."""
 
-    def __init__(self, backend_type, artifact_dir, cluster_config, runconfig, micro_batch_size):
+    def __init__(self, backend_type, artifact_dir, cluster_config, runconfig, micro_batch_size, appliance=None):
         self.backend_type = backend_type
+        self.appliance = appliance  # a running appliance's socket (True: the default one), or None
         self.artifact_dir = Path(artifact_dir).absolute()
         self.cluster_config = cluster_config
         self.runconfig = runconfig  # this project's other cluster keys (runconfig.*), checked with the params
@@ -43,10 +44,12 @@ class Backend:
 
 
 def backend(backend_type=None, *, artifact_dir=None, cluster_config=None, num_csx=None, micro_batch_size=None,
-            compile_dir=None, compile_only=False, validate_only=False, **runconfig):
+            appliance=None, compile_dir=None, compile_only=False, validate_only=False, **runconfig):
     """The backend the steps run on: ``"CSX"`` or ``"CPU"``. ``cluster_config`` (a ClusterConfig) or
     ``num_csx`` size the cluster; ``micro_batch_size`` splits each CS-2's share of the batch (default:
     all of it); ``artifact_dir`` (default ./cerebras_logs) holds the program, the data and the run;
+    ``appliance`` queues the job on a running appliance (its socket, or True for the default one:
+    ``$WSE_APPLIANCE_SOCKET``, this user's, the machine's) instead of starting the ranks here;
     other keywords are this project's ``runconfig`` keys (``swarmx_fanout``, ``execution_strategy``, ...).
     Without arguments: the current backend."""
     global _current
@@ -60,14 +63,17 @@ def backend(backend_type=None, *, artifact_dir=None, cluster_config=None, num_cs
     if compile_only or validate_only:
         raise not_built("compile_only/validate_only", "use `wse compile` on the run's params.yaml")
     if cluster_config is None:
-        cluster_config = ClusterConfig(num_csx=num_csx or 1)
+        cluster_config = ClusterConfig(num_csx=1 if num_csx is None else num_csx)  # the params check the value
     elif num_csx is not None and num_csx != cluster_config.num_csx:
         raise ValueError(f"cstorch.backend: num_csx {num_csx} beside cluster_config.num_csx "
                          f"{cluster_config.num_csx}; give one")
-    if kind == "CPU" and cluster_config.num_csx != 1:
-        raise ValueError("cstorch.backend(\"CPU\"): one process, no CS-2s; give num_csx to \"CSX\"")
-    _current = Backend(kind, artifact_dir or "cerebras_logs", cluster_config, runconfig, micro_batch_size)
+    if kind == "CPU" and (cluster_config.num_csx != 1 or appliance):
+        raise ValueError("cstorch.backend(\"CPU\"): one process, no CS-2s; give num_csx and appliance to \"CSX\"")
+    _current = Backend(kind, artifact_dir or "cerebras_logs", cluster_config, runconfig, micro_batch_size, appliance)
     return _current
+
+
+_backend = backend  # compile's own parameter is called backend, as Cerebras' is
 
 
 def current_backend():
@@ -100,8 +106,8 @@ def compile(model, backend=None):
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"cstorch.compile: expected a torch.nn.Module, got {type(model).__name__}")
     if isinstance(backend, str):
-        backend = globals()["backend"](backend)
-    backend = backend or globals()["backend"]()
+        backend = _backend(backend)
+    backend = backend or _backend()
     if backend.models and backend.models[0] is not model:
         raise not_built("a second compiled model", "one model per backend")
     backend.models = [model]

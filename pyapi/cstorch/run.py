@@ -6,14 +6,15 @@ as one graph, cut into streaming units) and writes, under ``artifact_dir/run_<n>
 order, as a dataset of the project's ``arrays`` or ``lm`` layout), ``params.yaml`` (the model
 family ``torch``, the optimizer's and scheduler's settings, the backend's cluster) and ``model/``
 (the run's model_dir: metrics, checkpoints, logs). A CSX backend then runs the job
-(``pyapi.Job.fit``, MPI ranks) in a thread of this process, whose output goes to ``run.log``; a CPU
+(``pyapi.Job.fit``, MPI ranks) in a thread of this process, whose output goes to ``run.log``, or
+queues it on a running appliance (``backend(..., appliance=SOCKET)``: ``Job.submit``) and waits
+for it in that thread; a CPU
 backend runs the reference's steps (``wse_core.nn.reference``) in this process, one per call: the
 bits the cluster gives. Each call returns its step's loss once the step is done; the model gets
 the trained weights at checkpoints and at the end.
 """
 import json
 import threading
-import time
 from pathlib import Path
 
 import numpy as np
@@ -48,19 +49,27 @@ class Run:
         root = backend.artifact_dir
         root.mkdir(parents=True, exist_ok=True)
         n = 0
-        while (root / f"run_{n}").exists():
-            n += 1
+        while True:  # the first free run_<n>; mkdir decides, so two scripts never share one
+            try:
+                (root / f"run_{n}").mkdir()
+                break
+            except FileExistsError:
+                n += 1
         self.dir = root / f"run_{n}"
-        self.dir.mkdir()
-        self.started, self.thread, self.failure, self.cpu = False, None, None, None
+        self.started, self.thread, self.failure, self.cpu, self.handle, self.fn = False, None, None, None, None, None
         self.model_dir = self.dir / "model"
         self.losses = {}
+        self.board = None  # summarize_scalar's TensorBoard writer, made when first needed
 
     # -- the first call: capture, data, params, start ---------------------------------------------
 
     def step(self, fn, args, step):
         if not self.started:
             self._start(fn, args)
+            self.fn = fn
+        elif fn is not self.fn:
+            raise not_built(f"{fn.__name__}: a second traced function in one DataExecutor loop",
+                            f"one traced step, {self.fn.__name__}")
         return self._loss(step)
 
     def _start(self, fn, args):
@@ -75,7 +84,7 @@ class Run:
         batch = tuple(args)
         if len(batch) != 2 or not all(isinstance(t, torch.Tensor) for t in batch):
             raise not_built(f"a traced step of {len(batch)} arguments", "a traced step of (inputs, targets) tensors")
-        with record() as rec:
+        with record(fn) as rec:
             try:
                 graph = capture(_traced_module(fn, model), batch)
             except CompileError as exc:  # its module paths start at the traced step: "model.model.net.1"
@@ -84,9 +93,10 @@ class Run:
         if len(rec.optimizers) != 1:
             raise ValueError(f"the traced step called optimizer.step() on {len(rec.optimizers)} optimizers; "
                              "it trains with one")
+        _check_trained(model, rec.optimizers[0])
         program = self.dir / "program.pt2"
-        save_program(graph, partition(graph), program)
-        self.params = self._params(str(program), rec)
+        layout = save_program(graph, partition(graph), program)
+        self.params = self._params(str(program), layout, rec)
         (self.dir / "params.yaml").write_text(yaml.safe_dump(self.params, sort_keys=False))
         self.user_model = model
         self.started = True
@@ -95,10 +105,7 @@ class Run:
         else:
             self.cpu = _InProcess(self.params)
 
-    def _params(self, program, rec):
-        from wse_core.compiler.model import load_program
-
-        layout = load_program(program)["layout"]
+    def _params(self, program, layout, rec):
         data = self.dir / "data"
         data.mkdir()
         _write_dataset(data / "data-00000.h5", self.batches, layout)
@@ -119,11 +126,22 @@ class Run:
         from pyapi.params import validate
 
         job = Job(validate(self.params))
+        target = self.backend.appliance
+        # Queued on the appliance here, in this thread: a refusal (no appliance, a bad request) is the
+        # loop's error at once; the thread then waits for the job's end, as it waits for a job of its own.
+        handle = self.handle = job.submit(socket=None if target is True else target, name="cstorch") if target else None
 
         def run():
             with open(self.dir / "run.log", "w") as log:
                 try:
-                    job.fit(stream=log)
+                    if handle is None:
+                        job.fit(stream=log)
+                    else:
+                        log.write(f"queued on the appliance as job {handle.id}\n")
+                        try:
+                            handle.wait()
+                        finally:  # a failed job's log says why
+                            log.write(handle.logs())
                 except Exception as exc:  # the job's one line, said to the user's loop
                     self.failure = str(exc)
 
@@ -136,33 +154,39 @@ class Run:
         import torch
 
         if self.cpu is not None:
-            while self.cpu.step < step:
-                loss = self.cpu.advance()
-                self.losses[self.cpu.step] = loss
+            self._advance_cpu(step)
         else:
             self._await(lambda: step in self._read_losses(), f"step {step}")
         return torch.tensor(self.losses[step], dtype=torch.float32)
 
     def _read_losses(self):
-        path = self.model_dir / "metrics.jsonl"
-        if path.exists():
-            for line in path.read_text().splitlines():
-                r = json.loads(line)
-                if "loss" in r:
-                    self.losses[r["step"]] = r["loss"]
+        from mpi_launch.rundir import RunDir
+
+        for r in RunDir(self.model_dir).read_metrics():  # a line being written is skipped, read next time
+            if "loss" in r:
+                self.losses[r["step"]] = r["loss"]
         return self.losses
 
     def _await(self, ready, what):
+        """Until ``ready()``: waiting on the job's thread (it returns at once when the job ends), never spinning."""
         while not ready():
-            if self.failure is not None:
-                raise RuntimeError(f"the cluster's job failed: {self.failure} (log: {self.dir / 'run.log'})")
+            self.thread.join(POLL_S)
             if not self.thread.is_alive() and not ready():
+                if self.failure is not None:
+                    raise RuntimeError(f"the cluster's job failed: {self.failure} (log: {self.dir / 'run.log'})")
                 raise RuntimeError(f"the cluster's job ended before {what} (log: {self.dir / 'run.log'})")
-            time.sleep(POLL_S)
+
+    def _advance_cpu(self, step):
+        while self.cpu.step < step:
+            loss = self.cpu.advance()
+            self.losses[self.cpu.step] = loss
 
     def sync_weights(self, step):
         """The user's model holds the weights of ``step`` (a checkpoint step, or the last)."""
+        if not self.started:
+            raise RuntimeError(f"step {step}: no weights yet; call the traced step before the checkpoint closure")
         if self.cpu is not None:
+            self._advance_cpu(step)
             weights = self.cpu.params
         else:
             from data_tools.checkpoint import Checkpoint
@@ -173,8 +197,20 @@ class Run:
         _load_into(self.user_model, weights)
 
     def summarize(self, name, value, step):
+        """A scalar in TensorBoard, beside the run's own (model_dir/train), when tensorboardX is installed;
+        always in ``summaries.jsonl``."""
         with open(self.dir / "summaries.jsonl", "a") as f:
             f.write(json.dumps({"step": step, "name": name, "value": value}) + "\n")
+        if self.board is None:
+            try:
+                from tensorboardX import SummaryWriter
+            except ImportError:
+                self.board = False
+            else:
+                self.board = SummaryWriter(str(self.model_dir / "train"), filename_suffix=".cstorch")
+        if self.board:
+            self.board.add_scalar(name, value, step)
+            self.board.flush()
 
     def finish(self):
         if not self.started:
@@ -186,10 +222,28 @@ class Run:
         self.sync_weights(self.executor.num_steps)
 
     def close(self):
-        """After the loop, however it ended: a job still running (the loop left early) is waited for,
-        so no rank outlives this process."""
+        """After the loop, however it ended. A job queued on the appliance and not done is cancelled;
+        a job of this process's own runs to its end first (its ranks are this process's children:
+        leaving them would leave them to the launcher's thread, which would be ended with us)."""
+        if self.handle is not None and self.thread.is_alive():
+            self.handle.cancel()
         if self.thread is not None:
             self.thread.join()
+        if self.cpu is not None:
+            self.cpu.stream.close()
+        if self.board:
+            self.board.close()
+
+
+def _check_trained(model, optimizer):
+    """The optimizer trains the model's parameters, all of them: MemoryX updates every one it holds."""
+    held = {id(p) for g in optimizer.param_groups for p in g["params"]}
+    for name, p in model.named_parameters():
+        if not p.requires_grad:
+            raise not_built(f"model.{name}: a frozen parameter (requires_grad=False)", "every parameter trains")
+        if id(p) not in held:
+            raise not_built(f"model.{name}: a parameter the optimizer does not hold",
+                            "the optimizer takes model.parameters()")
 
 
 def _load_into(model, weights):
@@ -209,6 +263,9 @@ def _write_dataset(path, batches, layout):
     xs = np.concatenate([b[0].detach().cpu().numpy() for b in batches])
     ys = np.concatenate([b[1].detach().cpu().numpy() for b in batches])
     if layout == "arrays":
+        if xs.dtype.kind in "iu" and xs.size and np.abs(xs).max() >= 2 ** 24:
+            raise ValueError(f"DataLoader: integer inputs up to {np.abs(xs).max()} do not survive the array "
+                             "dataset's float32 features (exact below 2^24)")
         write_array_file(path, xs.astype(np.float32), ys.astype(np.int32))
     else:  # token ids and targets [n, T]; a target of -100 (ignore_index) is masked out
         mask = ys != -100

@@ -32,13 +32,17 @@ def recording():
 
 
 @contextlib.contextmanager
-def record():
-    """Run the traced step's Python for capture: gradients and updates are the cluster's to make."""
+def record(fn):
+    """Run the traced step ``fn``'s Python for capture: gradients and updates are the cluster's to make."""
     import torch
+    import torch.nn.utils.clip_grad as clip_grad
 
     global _recording
     rec = Recording()
     saved = torch.Tensor.backward, torch.nn.utils.clip_grad_norm_, torch.Tensor.item
+    original = saved[1]
+    # the step's own names for it too (``from torch.nn.utils import clip_grad_norm_``)
+    aliases = [name for name, value in getattr(fn, "__globals__", {}).items() if value is original]
 
     def backward(tensor, *args, **kwargs):
         pass  # the captured graph is differentiated unit by unit on the CS-2s
@@ -53,12 +57,24 @@ def record():
         raise not_built("tensor.item() inside the traced step", "its value exists once the cluster has run the "
                         "step: return the tensor and read it in a @cstorch.step_closure")
 
+    def clip_grad_value_(*args, **kwargs):
+        raise not_built("clip_grad_value_", "clip_grad_norm_: the global L2 norm")
+
+    saved_value = torch.nn.utils.clip_grad_value_
     torch.Tensor.backward, torch.nn.utils.clip_grad_norm_, torch.Tensor.item = backward, clip_grad_norm_, item
+    torch.nn.utils.clip_grad_value_ = clip_grad.clip_grad_value_ = clip_grad_value_
+    clip_grad.clip_grad_norm_ = clip_grad_norm_
+    for name in aliases:
+        fn.__globals__[name] = clip_grad_norm_
     _recording = rec
     try:
         yield rec
     finally:
         torch.Tensor.backward, torch.nn.utils.clip_grad_norm_, torch.Tensor.item = saved
+        torch.nn.utils.clip_grad_value_ = clip_grad.clip_grad_value_ = saved_value
+        clip_grad.clip_grad_norm_ = original
+        for name in aliases:
+            fn.__globals__[name] = original
         _recording = None
 
 
@@ -105,7 +121,8 @@ def checkpoint_closure(fn):
 
 
 def summarize_scalar(name, value):
-    """The value in the run's ``summaries.jsonl`` (artifact_dir), with its step."""
+    """The value, with its step, in TensorBoard (the run's model_dir/train, beside the cluster's own
+    scalars) and in the run's ``summaries.jsonl``."""
     if _executor is None or _recording is not None:
         raise not_built("summarize_scalar inside the traced step or outside a DataExecutor",
                         "call it on the traced step's return values, in the loop")

@@ -63,7 +63,7 @@ def load(path, map_location=None, **kwargs):
         if f.attrs.get("format") != FORMAT:
             raise ValueError(f"cstorch.load: {p}: not a state cstorch.save wrote")
         leaves = []
-        f.visititems(lambda name, obj: leaves.append((name.split("/"), torch.from_numpy(obj[()])))
+        f.visititems(lambda name, obj: leaves.append((name.split("/"), torch.from_numpy(np.asarray(obj[()]))))
                      if isinstance(obj, h5py.Dataset) else None)
         leaves += json.loads(f.attrs["values"])
     out = {}

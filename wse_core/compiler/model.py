@@ -51,7 +51,8 @@ IGNORE_INDEX = -100
 
 
 def save_program(graph, units, path):
-    """Write ``units`` (``partition(graph)``) and ``graph``'s inputs and initial weights to ``path``."""
+    """Write ``units`` (``partition(graph)``) and ``graph``'s inputs and initial weights to ``path``;
+    return the dataset layout the program reads ("arrays" or "lm")."""
     layout = _layout(graph.inputs)
     # Shapes and work are read off the graphs' metadata now: an fx module's pickle drops it.
     shapes = {p: tuple(t.shape) for p, t in graph.params.items()}
@@ -62,6 +63,7 @@ def save_program(graph, units, path):
                 "random": random,
                 "example_samples": len(graph.example[0]),
                 "weights": {name: p.detach().clone() for name, p in graph.params.items()}}, path)
+    return layout
 
 
 def load_program(path):
@@ -112,7 +114,7 @@ class TorchModel(Model):
 
     family = "torch"
 
-    def __init__(self, config, program, ops=None):
+    def __init__(self, config, program):
         self.program = program
         self.torch_units = program["units"]
         self.layout = program["layout"]
@@ -192,7 +194,9 @@ class TorchModel(Model):
     def unit_forward(self, u, x, params, drop=None):
         unit = self.torch_units[u]
         weights = {p: torch.from_numpy(params[p]) for p in unit.params}  # no copy
-        seed = None if drop is None else dropout_seed(drop.seed, drop.step, drop.first_sample, u)
+        # Seeded only where the units draw: side by side, micro-batches must not touch the one generator.
+        seed = None if drop is None or not self.program["random"] else dropout_seed(drop.seed, drop.step,
+                                                                                   drop.first_sample, u)
         with one_thread():
             outputs, saved = runner.unit_forward(unit, weights, x, x["input"], seed)
         return {**x, **dict(zip(unit.outputs, outputs))}, saved
@@ -282,23 +286,28 @@ def _cores():
     return int(given) if given.isdigit() and int(given) > 0 else len(os.sched_getaffinity(0))
 
 
-#: Ops that draw from torch's generator (dropout only with a rate above 0).
-_RANDOM = {torch.ops.aten.bernoulli.default, torch.ops.aten.bernoulli.p, torch.ops.aten.rand.default,
-           torch.ops.aten.randn.default, torch.ops.aten.rand_like.default, torch.ops.aten.randn_like.default,
-           torch.ops.aten.randint.default, torch.ops.aten.randint.low, torch.ops.aten.randint_like.default,
-           torch.ops.aten.normal.Tensor_Tensor, torch.ops.aten.randperm.default, torch.ops.aten.multinomial.default}
+#: aten ops that draw from the default generator without naming one in their schema.
+_RANDOM = {"rand", "randn", "randint", "rand_like", "randn_like", "randint_like", "randperm", "bernoulli",
+           "multinomial", "normal", "uniform", "exponential", "poisson", "rrelu", "rrelu_with_noise",
+           "cauchy", "geometric", "log_normal", "random"}
 _DROPOUT = {torch.ops.aten.dropout.default, torch.ops.aten.native_dropout.default,
             torch.ops.aten.feature_dropout.default, torch.ops.aten.alpha_dropout.default}
 
 
 def _draws(node):
-    """Whether ``node`` draws random numbers when it runs."""
+    """Whether ``node`` draws from torch's generator when it runs: an op whose schema takes one
+    (rand, bernoulli, normal_, uniform_, rrelu with training, ...), or dropout at a rate above 0
+    (its schema names none; it draws from the default one)."""
     if node.op != "call_function":
         return False
     if node.target in _DROPOUT:
         rate = node.args[1] if len(node.args) > 1 else node.kwargs.get("p", 0.5)
         return not (isinstance(rate, (int, float)) and rate == 0)
-    return node.target in _RANDOM or "rand" in str(getattr(node.target, "__name__", ""))
+    schema = getattr(node.target, "_schema", None)
+    if schema is None:
+        return False
+    return schema.name.split("::")[-1].rstrip("_") in _RANDOM or any("Generator" in str(a.type)
+                                                                   for a in schema.arguments)
 
 
 _LINEAR = {torch.ops.aten.linear.default, torch.ops.aten.mm.default, torch.ops.aten.addmm.default}

@@ -23,6 +23,9 @@ class Optimizer:
         groups = params if params and isinstance(params[0], dict) else [{"params": params}]
         self.defaults = defaults
         self.param_groups = [{**defaults, **g, "params": list(g["params"])} for g in groups]
+        for g in self.param_groups:
+            if "betas" in g:
+                g["betas"] = tuple(g["betas"])  # a list and a tuple of the same rates are the same setting
         for g in self.param_groups[1:]:
             differ = [k for k in defaults if g[k] != self.param_groups[0][k]]
             if differ:
@@ -48,9 +51,9 @@ class Optimizer:
         """The run's ``optimizer`` section."""
         h = dict(self.param_groups[0])
         h.pop("params")
-        out = {"optimizer_type": self.optimizer_type, "learning_rate": self.scheduler or h.pop("lr"),
+        lr = h.pop("lr")
+        out = {"optimizer_type": self.optimizer_type, "learning_rate": self.scheduler or lr,
                "weight_decay": h.pop("weight_decay")}
-        h.pop("lr", None)
         if "betas" in h:
             out["betas"] = list(h.pop("betas"))
         out.update(h)

@@ -48,6 +48,8 @@ class DataExecutor:
             raise TypeError("DataExecutor: expected a cstorch.utils.data.DataLoader")
         self.dataloader = dataloader
         self.num_steps = num_steps if num_steps is not None else len(dataloader)
+        if isinstance(self.num_steps, bool) or not isinstance(self.num_steps, int) or self.num_steps < 1:
+            raise ValueError(f"DataExecutor: num_steps: expected an integer >= 1, got {self.num_steps!r}")
         self.checkpoint_steps = checkpoint_steps
         self.micro_batch_size = micro_batch_size
         self.step, self.run = 0, None
@@ -67,7 +69,14 @@ class DataExecutor:
 
         if step_mod._executor is not None:
             raise RuntimeError("DataExecutor: another executor is being iterated")
+        import torch
+
         batches = self.dataloader.batches(self.num_steps)
+        for i, batch in enumerate(batches, 1):
+            if not (isinstance(batch, (tuple, list)) and len(batch) == 2
+                    and all(isinstance(t, torch.Tensor) and t.dim() >= 1 for t in batch)):
+                raise not_built(f"DataLoader: batch {i} is {type(batch).__name__}", "batches of (inputs, targets) "
+                                "tensors")
         first = len(batches[0][0])
         for i, batch in enumerate(batches, 1):
             if len(batch[0]) != first:  # a graph captured once runs one batch size
