@@ -15,7 +15,6 @@ the trained weights at checkpoints and at the end.
 """
 import json
 import threading
-from pathlib import Path
 
 import numpy as np
 import yaml
