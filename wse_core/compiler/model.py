@@ -30,6 +30,7 @@ masked-out labels becoming the loss's ``ignore_index``. The file is a pickle (``
 load only programs you made.
 """
 import contextlib
+import functools
 import math
 import os
 from concurrent.futures import ThreadPoolExecutor
@@ -67,11 +68,20 @@ def save_program(graph, units, path):
 
 
 def load_program(path):
-    """The program at ``path`` as ``save_program`` wrote it; ValueError naming the file otherwise."""
+    """The program at ``path`` as ``save_program`` wrote it; ValueError naming the file otherwise.
+    Read once per version of the file: a launcher builds the model several times (checks, plan,
+    memory), and a program holds the model's weights."""
     try:
-        program = torch.load(path, weights_only=False)
+        st = os.stat(path)
     except FileNotFoundError:
         raise ValueError(f"model.program: {path}: no such file") from None
+    return _load_program(os.path.abspath(path), st.st_mtime_ns, st.st_size)
+
+
+@functools.lru_cache(maxsize=4)
+def _load_program(path, mtime_ns, size):
+    try:
+        program = torch.load(path, weights_only=False)
     except Exception as exc:  # a pickle of anything: name the file, not the unpickler's frame
         raise ValueError(f"model.program: {path}: not a compiled program ({type(exc).__name__}: "
                          f"{str(exc).splitlines()[0] if str(exc) else ''})") from None
