@@ -50,7 +50,7 @@ class ModelConfig:
 
     ZOO: ClassVar[dict] = TUNING
 
-    name: str = key(Check(lambda v, p: v, "the family"), "the model family")
+    name: str = key(Text(), "the model family")  # each family narrows it to its own names
     mixed_precision: bool = key(Bool(), "compute in a 16-bit format (weights and activations; float32 master "
                                 "weights and sums)", False)
     fp16_type: str | None = key(OneOf(*FORMATS), "the 16-bit format when mixed_precision (float16 when not given)",
