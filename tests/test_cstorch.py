@@ -4,6 +4,7 @@ bits on the CPU backend and on 1, 2 and 4 CS-2s, eager PyTorch's losses, one lin
 The script is ``examples/cstorch_fc.py`` (the shape of Cerebras' custom-training-loop tutorial), run
 as a user runs it."""
 import importlib.util
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -125,8 +126,14 @@ def test_optimizers_and_schedulers_become_the_runs_optimizer_section():
     sgd = cstorch.optim.SGD(params, lr=0.5, momentum=0.9, nesterov=True)
     assert sgd.spec() == {"optimizer_type": "SGD", "learning_rate": 0.5, "weight_decay": 0.0, "momentum": 0.9,
                           "nesterov": True}
-    with pytest.raises(NotBuilt, match="parameter groups with their own lr"):
-        cstorch.optim.SGD([{"params": params}, {"params": [torch.nn.Parameter(torch.zeros(1))], "lr": 1.0}], lr=0.5)
+    other = [torch.nn.Parameter(torch.zeros(1))]
+    with pytest.raises(NotBuilt, match="parameter groups with their own momentum"):
+        cstorch.optim.SGD([{"params": params}, {"params": other, "momentum": 0.5}], lr=0.5, momentum=0.9)
+    with pytest.raises(NotBuilt, match=r"parameter groups with weight decays \[0.1, 0.2\]"):
+        cstorch.optim.SGD([{"params": params, "weight_decay": 0.1}, {"params": other, "weight_decay": 0.2}], lr=0.5)
+    grouped = cstorch.optim.SGD([{"params": params}, {"params": other, "lr": 0.25, "weight_decay": 0.1}], lr=0.5)
+    assert grouped.spec()["weight_decay"] == 0.1
+    assert grouped.groups() == {id(params[0]): (1.0, False), id(other[0]): (0.5, True)}
     with pytest.raises(NotBuilt, match=r"cstorch.optim.lr_scheduler.OneCycleLR: not built"):
         cstorch.optim.lr_scheduler.OneCycleLR
 
@@ -255,6 +262,98 @@ def test_models_a_user_brings_train_on_two_cs2s_with_the_bits_of_one_and_eager_p
         loss.backward()
         optimizer.step()
         assert losses[step] == pytest.approx(loss.item(), rel=1e-5), step
+
+
+GROUPS_SCRIPT = MODEL_SCRIPT.replace(
+    "optimizer = cstorch.optim.AdamW(model.parameters(), lr=1e-2)",
+    "optimizer = cstorch.optim.AdamW(groups(model), lr=1e-2, weight_decay=0.1)")
+
+
+def groups(model):
+    """The common split: weight decay for matrices only, and the head at half the learning rate."""
+    named = list(model.named_parameters())
+    return [{"params": [p for n, p in named if p.dim() > 1 and not n.startswith("7.")]},
+            {"params": [p for n, p in named if p.dim() == 1], "weight_decay": 0.0},
+            {"params": [p for n, p in named if p.dim() > 1 and n.startswith("7.")], "lr": 5e-3}]
+
+
+def test_parameter_groups_with_their_own_lr_and_weight_decay_train_as_eager_pytorchs(tmp_path):
+    import pyapi.cstorch as cstorch
+
+    code, call = MODELS["cnn"]
+    text = GROUPS_SCRIPT.format(model=code, call=call).replace("import pyapi.cstorch as cstorch",
+                                                                "import pyapi.cstorch as cstorch\nfrom test_cstorch import groups")
+    runs = []
+    for kind, n in (("CPU", 1), ("CSX", 2)):
+        out = tmp_path / f"{kind}{n}"
+        out.mkdir()
+        proc = subprocess.run([sys.executable, "-c", text, kind, str(n), str(out)], capture_output=True, text=True,
+                              timeout=300, cwd=out, env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        runs.append(([float(line.split()[-1]) for line in proc.stdout.splitlines() if line.startswith("step ")],
+                     cstorch.load(out / "final.h5")["model"]))
+    (losses, weights), (losses2, weights2) = runs
+    assert losses == losses2 and len(losses) == 4
+    assert all(torch.equal(weights[k], weights2[k]) for k in weights)
+    user = {"torch": torch}
+    torch.manual_seed(0)
+    exec("g = torch.Generator().manual_seed(1)\n" + code, user)
+    model = user["model"]
+    initial = {k: v.clone() for k, v in model.state_dict().items()}
+    optimizer = torch.optim.AdamW(groups(model), lr=1e-2, eps=1e-6, weight_decay=0.1)
+    for step in range(4):
+        inputs, targets = user["x"][16 * step:16 * step + 16], user["y"][16 * step:16 * step + 16]
+        loss = user["loss_fn"](model(inputs), targets)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        assert losses[step] == pytest.approx(loss.item(), rel=1e-5), step
+    for k, w in model.state_dict().items():
+        assert torch.allclose(weights[k], w, rtol=1e-4, atol=1e-6), k
+        assert not torch.equal(weights[k], initial[k]), k
+
+
+RESUME_SCRIPT = EXAMPLE.read_text().replace(
+    "    loss_fn = torch.nn.CrossEntropyLoss()\n",
+    """    loss_fn = torch.nn.CrossEntropyLoss()
+    scheduler = cstorch.optim.lr_scheduler.LinearLR(optimizer, initial_learning_rate=1e-3, end_learning_rate=1e-4,
+                                                    total_iters=6)
+    if len(sys.argv) > 5:  # resume: Cerebras' way, the states loaded into the model, optimizer and scheduler
+        state = cstorch.load(sys.argv[5])
+        model.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+        scheduler.load_state_dict(state["scheduler"])
+""").replace(
+    '{"model": model.state_dict(), "optimizer": optimizer.state_dict()}',
+    '{"model": model.state_dict(), "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict()}').replace(
+    'f"checkpoint_{step}.h5"', 'f"checkpoint_{scheduler.last_epoch}.h5"').replace(
+    "DataLoader(input_fn, 64)", "DataLoader(lambda: list(input_fn(64))[scheduler.last_epoch:])").replace(
+    "main(*sys.argv[1:2], *map(int, sys.argv[2:5]))", "main(sys.argv[1], *map(int, sys.argv[2:5]))")
+
+
+def test_a_run_resumed_from_a_scripts_checkpoint_has_the_bits_of_one_that_never_stopped(tmp_path):
+    """A script saves model, optimizer and scheduler at step 3; the same script loads them and trains
+    3 more steps, on 2 CS-2s: its weights, optimizer state and losses are those of 6 uninterrupted
+    steps on the CPU backend."""
+    import pyapi.cstorch as cstorch
+
+    whole, resumed = tmp_path / "whole", tmp_path / "resumed"
+    whole.mkdir(), resumed.mkdir()
+    proc = run_script(whole, RESUME_SCRIPT, "CPU", 1, 6, 3)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    proc2 = run_script(resumed, RESUME_SCRIPT, "CSX", 2, 3, 3, whole / "checkpoint_3.h5")
+    assert proc2.returncode == 0, proc2.stderr[-3000:]
+    losses = [line.split()[-1] for line in proc.stdout.splitlines() if line.startswith("step ")]
+    assert [line.split()[-1] for line in proc2.stdout.splitlines() if line.startswith("step ")] == losses[3:]
+    a, b = cstorch.load(whole / "checkpoint_6.h5"), cstorch.load(resumed / "checkpoint_6.h5")
+    assert all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"])
+    assert set(a["optimizer"]["state"]) == set(b["optimizer"]["state"]) == {str(i) for i in range(6)}
+    for i, st in a["optimizer"]["state"].items():
+        assert float(st["step"]) == 6 and set(st) == {"step", "exp_avg", "exp_avg_sq"}
+        assert all(torch.equal(v, b["optimizer"]["state"][i][k]) for k, v in st.items())
+    assert b["scheduler"] == {"last_epoch": 6}
+    # the cluster resumed from a checkpoint of step 3 made from the loaded states
+    assert (next(resumed.glob("cerebras_logs/run_*/model")) / "checkpoint_3" / "index.h5").is_file()
 
 
 def test_a_script_can_target_a_running_appliance(tmp_path, jobs):

@@ -11,7 +11,15 @@ queues it on a running appliance (``backend(..., appliance=SOCKET)``: ``Job.subm
 for it in that thread; a CPU
 backend runs the reference's steps (``wse_core.nn.reference``) in this process, one per call: the
 bits the cluster gives. Each call returns its step's loss once the step is done; the model gets
-the trained weights at checkpoints and at the end.
+the trained weights, and the optimizer the cluster's state, at checkpoints and at the end.
+
+Resuming: an optimizer given a saved state (``load_state_dict``) whose ``step`` is k starts the
+run at step k + 1 (the model holds the saved weights, the program takes them): the run's
+``model/`` gets a checkpoint of step k made from them, which the job resumes from as from any
+checkpoint, and the dataset is written rotated by k batches (the cluster reads step k + i's batch
+at position (k + i) x batch size): the executor's i-th batch is still step k + i's. Schedules and
+dropout follow the global step, so a run stopped at a checkpoint and resumed gives the bits of one
+that never stopped.
 """
 import json
 import threading
@@ -56,6 +64,7 @@ class Run:
                 n += 1
         self.dir = root / f"run_{n}"
         self.started, self.thread, self.failure, self.cpu, self.handle, self.fn = False, None, None, None, None, None
+        self.start = 0  # the step the run resumes from (the optimizer's loaded state's)
         self.model_dir = self.dir / "model"
         self.losses = {}
         self.board = None  # summarize_scalar's TensorBoard writer, made when first needed
@@ -69,7 +78,7 @@ class Run:
         elif fn is not self.fn:
             raise not_built(f"{fn.__name__}: a second traced function in one DataExecutor loop",
                             f"one traced step, {self.fn.__name__}")
-        return self._loss(step)
+        return self._loss(self.start + step)
 
     def _start(self, fn, args):
         import torch
@@ -92,27 +101,36 @@ class Run:
         if len(rec.optimizers) != 1:
             raise ValueError(f"the traced step called optimizer.step() on {len(rec.optimizers)} optimizers; "
                              "it trains with one")
-        _check_trained(model, rec.optimizers[0])
+        optimizer = rec.optimizers[0]
+        _check_trained(model, optimizer)
         program = self.dir / "program.pt2"
-        layout = save_program(graph, partition(graph), program)
+        by_tensor = optimizer.groups()
+        layout = save_program(graph, partition(graph), program,
+                              groups={name: by_tensor[id(p)] for name, p in graph.params.items()})
+        self.optimizer, self.param_of = optimizer, dict(graph.params)
+        self.start = _resumed_step(optimizer, self.executor.checkpoint_steps)
         self.params = self._params(str(program), layout, rec)
         (self.dir / "params.yaml").write_text(yaml.safe_dump(self.params, sort_keys=False))
         self.user_model = model
         self.started = True
+        resumed = self._resumed_state() if self.start else None
         if self.backend.is_csx:
+            if resumed is not None:
+                _write_checkpoint(self.model_dir, self.start, *resumed)
             self._start_job()
         else:
-            self.cpu = _InProcess(self.params)
+            self.cpu = _InProcess(self.params, self.start, resumed)
 
     def _params(self, program, layout, rec):
         data = self.dir / "data"
         data.mkdir()
-        _write_dataset(data / "data-00000.h5", self.batches, layout)
+        k = self.start % len(self.batches)  # rotated: position (start + i) x batch holds the i-th batch
+        _write_dataset(data / "data-00000.h5", self.batches[-k:] + self.batches[:-k] if k else self.batches, layout)
         b = len(self.batches[0][0])
         mbs = self.executor.micro_batch_size or self.backend.micro_batch_size
         optimizer = rec.optimizers[0].spec()
         optimizer.update(rec.settings)
-        runconfig = {"max_steps": self.executor.num_steps, "model_dir": str(self.model_dir),
+        runconfig = {"max_steps": self.start + self.executor.num_steps, "model_dir": str(self.model_dir),
                      "checkpoint_steps": self.executor.checkpoint_steps or 0, **self.backend.run_config()}
         train = {"data_dir": str(data), "batch_size": b, "shuffle": False}
         if mbs is not None:
@@ -181,19 +199,46 @@ class Run:
             self.losses[self.cpu.step] = loss
 
     def sync_weights(self, step):
-        """The user's model holds the weights of ``step`` (a checkpoint step, or the last)."""
+        """The user's model holds the weights of the executor's ``step`` (a checkpoint step, or the
+        last), and its optimizer the cluster's state."""
         if not self.started:
             raise RuntimeError(f"step {step}: no weights yet; call the traced step before the checkpoint closure")
+        step += self.start
         if self.cpu is not None:
             self._advance_cpu(step)
-            weights = self.cpu.params
+            weights, state = self.cpu.params, self.cpu.state
         else:
             from data_tools.checkpoint import Checkpoint
 
             path = self.model_dir / f"checkpoint_{step}"
             self._await(lambda: (path / "index.h5").exists(), f"the checkpoint of step {step}")
-            weights = Checkpoint(path).load()[0]
+            weights, state = Checkpoint(path).load()
         _load_into(self.user_model, weights)
+        import torch
+
+        self.optimizer.state = {self.param_of[n]: {"step": torch.tensor(float(step)),
+                                                   **{k: torch.from_numpy(np.array(v)) for k, v in st.items()}}
+                                for n, st in state.items()}
+        if self.optimizer.lr_scheduler is not None:
+            self.optimizer.lr_scheduler.last_epoch = step
+
+    def _resumed_state(self):
+        """(weights, optimizer state) by name of the step the run resumes from: the model's and the
+        optimizer's loaded ones."""
+        from pyapi.params import validate
+        from wse_core.compiler.model import load_program
+
+        names = validate(self.params).optimizer.optimizer().state_names
+        weights = {n: w.numpy() for n, w in load_program(self.params["model"]["program"])["weights"].items()}
+        state = {}
+        for n, p in self.param_of.items():
+            st = self.optimizer.state.get(p, {})
+            missing = [k for k in names if k not in st]
+            if missing:
+                raise ValueError(f"optimizer.load_state_dict: the state of model.{n.removeprefix('model.')} has no "
+                                 f"{missing[0]!r} (a {self.params['optimizer']['optimizer_type']} resumes from one)")
+            state[n] = {k: np.ascontiguousarray(st[k].detach().cpu().numpy(), dtype=np.float32) for k in names}
+        return weights, state
 
     def summarize(self, name, value, step):
         """A scalar in TensorBoard, beside the run's own (model_dir/train), when tensorboardX is installed;
@@ -232,6 +277,35 @@ class Run:
             self.cpu.stream.close()
         if self.board:
             self.board.close()
+
+
+def _resumed_step(optimizer, checkpoint_steps):
+    """The step a run starts from: the optimizer's loaded state's (0 for a fresh one); its scheduler's
+    ``last_epoch``, when loaded, must agree."""
+    steps = {int(st["step"]) for st in optimizer.state.values() if "step" in st}
+    if len(steps) > 1:
+        raise ValueError(f"optimizer.load_state_dict: the parameters' states are of steps {sorted(steps)}; a run "
+                         "resumes from one step")
+    start = steps.pop() if steps else 0
+    sched = optimizer.lr_scheduler
+    if sched is not None and sched.last_epoch not in (0, start):
+        raise ValueError(f"lr_scheduler.load_state_dict: last_epoch {sched.last_epoch}, the optimizer's state is of "
+                         f"step {start}: load both from one checkpoint")
+    if start and checkpoint_steps and start % checkpoint_steps:
+        raise not_built(f"DataExecutor(checkpoint_steps={checkpoint_steps}) resuming from step {start}",
+                        "checkpoint_steps that divide the step resumed from (the cluster checkpoints at its "
+                        "multiples)")
+    return start
+
+
+def _write_checkpoint(model_dir, step, weights, state):
+    """The run's first checkpoint, of the step it resumes from: the job resumes from ``latest``."""
+    from data_tools.checkpoint import CheckpointWriter
+    from wse_core.numerics import environment
+
+    model_dir.mkdir(parents=True, exist_ok=True)
+    writer = CheckpointWriter(model_dir, step).prepare()
+    writer.commit([writer.write_shard(0, weights, state)], numerics=environment())
 
 
 def _check_trained(model, optimizer):
@@ -275,7 +349,7 @@ class _InProcess:
     """The CPU backend: the reference's steps (``wse_core.nn.reference``) on the run's dataset, as the
     cluster's ranks compute them: the same bits."""
 
-    def __init__(self, params):
+    def __init__(self, params, start=0, resumed=None):
         from data_tools.dataset import GlobalStream
         from pyapi.params import validate
         from wse_core.nn import build_model
@@ -286,13 +360,16 @@ class _InProcess:
         self.model = build_model(self.spec.model)
         o, t = self.spec.optimizer, self.spec.train_input
         self.seed = self.spec.runconfig.seed
-        self.params = self.model.init_params(self.seed)
         self.optimizer = o.optimizer()
-        self.state = {n: self.optimizer.init_state(w) for n, w in self.params.items()}
+        if resumed is None:
+            self.params = self.model.init_params(self.seed)
+            self.state = {n: self.optimizer.init_state(w) for n, w in self.params.items()}
+        else:
+            self.params, self.state = resumed
         self.schedule = make_schedule(o.learning_rate, key="optimizer.learning_rate")
         self.scaler = LossScaler.from_params(o, None)
         self.stream = GlobalStream(t.data_dir)
-        self.step = 0
+        self.step = start
 
     def advance(self):
         from wse_core.nn.reference import reference_step

@@ -51,9 +51,10 @@ FORMAT = 1
 IGNORE_INDEX = -100
 
 
-def save_program(graph, units, path):
+def save_program(graph, units, path, groups=None):
     """Write ``units`` (``partition(graph)``) and ``graph``'s inputs and initial weights to ``path``;
-    return the dataset layout the program reads ("arrays" or "lm")."""
+    return the dataset layout the program reads ("arrays" or "lm"). ``groups``: {parameter name:
+    (lr factor, takes weight decay)} of the optimizer's parameter groups (default: 1 and yes for all)."""
     layout = _layout(graph.inputs)
     # Shapes and work are read off the graphs' metadata now: an fx module's pickle drops it.
     shapes = {p: tuple(t.shape) for p, t in graph.params.items()}
@@ -62,6 +63,7 @@ def save_program(graph, units, path):
              for u in units]
     torch.save({"format": FORMAT, "layout": layout, "inputs": graph.inputs, "units": units, "costs": costs,
                 "random": random,
+                "groups": {n: (float(f), bool(d)) for n, (f, d) in (groups or {}).items()},
                 "example_samples": len(graph.example[0]),
                 "weights": {name: p.detach().clone() for name, p in graph.params.items()}}, path)
     return layout
@@ -131,7 +133,8 @@ class TorchModel(Model):
         self.is_lm = self.layout == "lm"
         self.loss_spec: Loss = self.torch_units[-1].loss
         weights = program["weights"]
-        super().__init__(config, [_Streamed(u.name, cost, program["example_samples"])
+        self.groups = program.get("groups", {})
+        super().__init__(config, [_Streamed(u.name, cost, program["example_samples"], self.groups)
                                   for u, cost in zip(self.torch_units, program["costs"])])
         self.initial = {n: w.numpy() for n, w in weights.items()}
 
@@ -140,6 +143,13 @@ class TorchModel(Model):
     def init_params(self, seed, dtype=np.float32, names=None):
         """The module's own initial weights (the program holds them: ``seed`` does not draw them)."""
         return {n: np.array(self.initial[n], dtype=dtype) for n in (self.param_names if names is None else names)}
+
+    def lr_factors(self, adjust=None):
+        """Each parameter's learning-rate factor: its optimizer group's (``save_program``'s groups)."""
+        if adjust:
+            raise ValueError("optimizer.adjust_learning_rate: a compiled PyTorch model takes its optimizer's "
+                             "parameter groups instead")
+        return {n: self.groups.get(n, (1.0, True))[0] for n in self.param_names}
 
     # -- batches ------------------------------------------------------------------------------
 
@@ -267,13 +277,14 @@ class TorchModel(Model):
 class _Streamed:
     """One compiled unit as the cluster sees it: its name, parameter specs and the work it does."""
 
-    def __init__(self, name, cost, example_samples):
-        self.name, self.cost, self.example_samples = name, cost, example_samples
+    def __init__(self, name, cost, example_samples, groups):
+        self.name, self.cost, self.example_samples, self.groups = name, cost, example_samples, groups
 
     def param_specs(self):
-        """Each parameter's shape (the initial weights come from the program; every parameter takes
-        weight decay, as torch.optim's do)."""
-        return {p: ParamSpec(shape, ("program",)) for p, shape in self.cost["shapes"].items()}
+        """Each parameter's shape and whether it takes weight decay (its optimizer group's; the initial
+        weights come from the program)."""
+        return {p: ParamSpec(shape, ("program",), decay=self.groups.get(p, (1.0, True))[1])
+                for p, shape in self.cost["shapes"].items()}
 
     def activation_floats(self, samples, seq_len=None):
         """Floats kept for the backward: the values the unit hands on, scaled from the example (an

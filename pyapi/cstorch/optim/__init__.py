@@ -4,7 +4,18 @@ An optimizer here records its hyper-parameters for the run's ``optimizer`` secti
 ``zero_grad()`` inside the traced step mark where the update goes, and do nothing themselves (the
 update is MemoryX's, on every step). The numerics are torch.optim's formulas (Adam's eps added
 after the bias correction, as torch's; Cerebras' own AdamW adds it before: a difference in the last
-bits). Parameter groups must share their hyper-parameters: per-group values are not built.
+bits).
+
+Parameter groups may set their own ``lr`` and ``weight_decay`` (``groups()``: what MemoryX applies
+to each parameter): a group's learning rate is the schedule's times ``lr / the first group's lr``
+(a scheduler scales every group alike, as torch's multiplicative schedulers do), and its weight
+decay is 0 or the one nonzero value the groups share (the common split: no decay for biases and
+norms). Other per-group values are refused by name.
+
+``state_dict()`` is torch.optim's: ``{"state": {index: {"step", "exp_avg", ...}}, "param_groups":
+[...]}``, the state being the cluster's at the last step the model was given (a checkpoint closure's
+or the loop's end). ``load_state_dict`` of one makes the next run resume from it: the state's
+``step`` is where it starts (``pyapi.cstorch.run``); the hyper-parameters stay the constructor's.
 """
 from pyapi.cstorch import step as step_mod
 from pyapi.cstorch.errors import not_built
@@ -27,11 +38,21 @@ class Optimizer:
             if "betas" in g:
                 g["betas"] = tuple(g["betas"])  # a list and a tuple of the same rates are the same setting
         for g in self.param_groups[1:]:
-            differ = [k for k in defaults if g[k] != self.param_groups[0][k]]
+            differ = [k for k in defaults if k not in ("lr", "weight_decay") and g[k] != self.param_groups[0][k]]
             if differ:
                 raise not_built(f"{type(self).__name__}: parameter groups with their own {differ[0]}",
-                                "every group takes the optimizer's hyper-parameters")
-        self.scheduler = None  # set by an lr_scheduler on it
+                                "groups with their own lr and weight_decay")
+        decays = {g["weight_decay"] for g in self.param_groups} - {0, 0.0}
+        if len(decays) > 1:
+            raise not_built(f"{type(self).__name__}: parameter groups with weight decays {sorted(decays)}",
+                            "one weight decay, and groups without it")
+        if self.param_groups[0]["lr"] == 0 and any(g["lr"] for g in self.param_groups[1:]):
+            raise not_built(f"{type(self).__name__}: a first parameter group of lr 0 beside others",
+                            "every group's lr a multiple of the first's")
+        self.weight_decay = decays.pop() if decays else 0.0
+        self.scheduler = None  # the spec of an lr_scheduler on it, and the scheduler itself
+        self.lr_scheduler = None
+        self.state = {}  # parameter -> {"step": tensor, state name: tensor}: the cluster's, or loaded
 
     def step(self, closure=None):
         """Inside the traced step: where the update goes (MemoryX applies it on every step)."""
@@ -52,16 +73,54 @@ class Optimizer:
         h = dict(self.param_groups[0])
         h.pop("params")
         lr = h.pop("lr")
+        h.pop("weight_decay")
         out = {"optimizer_type": self.optimizer_type, "learning_rate": self.scheduler or lr,
-               "weight_decay": h.pop("weight_decay")}
+               "weight_decay": self.weight_decay}
         if "betas" in h:
             out["betas"] = list(h.pop("betas"))
         out.update(h)
         return out
 
+    def groups(self):
+        """{id(parameter): (lr factor, takes weight decay)}: what MemoryX applies to each parameter."""
+        first = self.param_groups[0]["lr"]
+        return {id(p): (g["lr"] / first if first else 1.0, g["weight_decay"] != 0)
+                for g in self.param_groups for p in g["params"]}
+
+    def _indices(self):
+        """Each parameter's index in the state dict: its position over the groups, as torch.optim's."""
+        return {id(p): i for i, p in enumerate(p for g in self.param_groups for p in g["params"])}
+
     def state_dict(self):
-        return {"optimizer_type": self.optimizer_type, "param_groups": [
-            {k: v for k, v in g.items() if k != "params"} for g in self.param_groups]}
+        index = self._indices()
+        return {"state": {index[id(p)]: dict(st) for p, st in self.state.items()},
+                "param_groups": [{**{k: v for k, v in g.items() if k != "params"},
+                                  "params": [index[id(p)] for p in g["params"]]} for g in self.param_groups]}
+
+    def load_state_dict(self, state_dict):
+        """The state of ``state_dict`` (``state_dict()``'s, saved and loaded) for this optimizer's parameters."""
+        groups = state_dict.get("param_groups") if isinstance(state_dict, dict) else None
+        if not isinstance(groups, list) or not isinstance(state_dict.get("state"), dict):
+            raise ValueError(f"{type(self).__name__}.load_state_dict: expected an optimizer's state_dict() "
+                             "({'state': ..., 'param_groups': ...})")
+        sizes = [len(g["params"]) for g in self.param_groups]
+        if [len(g.get("params", ())) for g in groups] != sizes:
+            raise ValueError(f"{type(self).__name__}.load_state_dict: the state has groups of "
+                             f"{[len(g.get('params', ())) for g in groups]} parameters, this optimizer {sizes}")
+        by_index = [p for g in self.param_groups for p in g["params"]]
+        state = {}
+        for i, st in state_dict["state"].items():
+            i = int(i)  # a state saved by cstorch.save comes back with its indices as text
+            if not 0 <= i < len(by_index) or not isinstance(st, dict):
+                raise ValueError(f"{type(self).__name__}.load_state_dict: state {i}: not one of this optimizer's "
+                                 f"{len(by_index)} parameters")
+            p = by_index[i]
+            for name, value in st.items():
+                if name != "step" and tuple(value.shape) != tuple(p.shape):
+                    raise ValueError(f"{type(self).__name__}.load_state_dict: state {i} {name}: shape "
+                                     f"{list(value.shape)}, the parameter's {list(p.shape)}")
+            state[p] = dict(st)
+        self.state = state
 
 
 class SGD(Optimizer):

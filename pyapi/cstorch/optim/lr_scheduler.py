@@ -1,6 +1,8 @@
 """``cstorch.optim.lr_scheduler``: Cerebras' schedulers, as the run's ``optimizer.learning_rate``
 (``wse_core.optim.schedules``: the same closed forms, computed for every step by the coordinator).
-A scheduler attaches itself to its optimizer; ``step()`` in the traced step does nothing more."""
+A scheduler attaches itself to its optimizer; ``step()`` in the traced step does nothing more.
+Its ``state_dict()`` holds ``last_epoch``, the steps the model has been trained (the schedule is a
+function of the step, so a resumed run needs nothing else of it)."""
 from pyapi.cstorch.errors import not_built
 
 
@@ -11,6 +13,16 @@ class LRScheduler:
         self.optimizer = optimizer
         self.args = {k: v for k, v in args.items() if v is not None}
         optimizer.scheduler = self.spec()
+        optimizer.lr_scheduler = self
+        self.last_epoch = 0
+
+    def state_dict(self):
+        return {"last_epoch": self.last_epoch}
+
+    def load_state_dict(self, state_dict):
+        if not isinstance(state_dict, dict) or not isinstance(state_dict.get("last_epoch"), int):
+            raise ValueError(f"{type(self).__name__}.load_state_dict: expected {{'last_epoch': steps trained}}")
+        self.last_epoch = state_dict["last_epoch"]
 
     def spec(self):
         return {"scheduler": self.name, **self.args}
