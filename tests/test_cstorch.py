@@ -436,6 +436,51 @@ def test_what_a_loop_cannot_do_is_one_line(tmp_path):
     assert len(losses) == 2 and losses[1] < losses[0]
 
 
+def test_an_evaluation_loop_gives_eager_pytorchs_eval_losses_of_the_trained_model(tmp_path):
+    """A second executor whose traced step calls no backward nor optimizer evaluates the model as it
+    is after training (its mode: eval, so no dropout): each step's loss is eager PyTorch's."""
+    import json
+
+    import pyapi.cstorch as cstorch
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 16), torch.nn.ReLU(), torch.nn.Dropout(0.5), torch.nn.Linear(16, 2))
+    initial = [p.detach().clone() for p in model.parameters()]
+    compiled = cstorch.compile(model, cstorch.backend("CPU", artifact_dir=tmp_path, micro_batch_size=4))
+    optimizer = cstorch.optim.SGD(model.parameters(), lr=0.5)
+
+    @cstorch.trace
+    def train_step(x, y):
+        loss = torch.nn.functional.cross_entropy(compiled(x), y)
+        loss.backward()
+        optimizer.step()
+        return loss
+
+    @cstorch.trace
+    def eval_step(x, y):
+        return torch.nn.functional.cross_entropy(compiled(x), y)
+
+    g = torch.Generator().manual_seed(0)
+    data = [(torch.rand(8, 4, generator=g), torch.randint(0, 2, (8,), generator=g)) for _ in range(3)]
+    loader = cstorch.utils.data.DataLoader(lambda: data)
+    for x, y in cstorch.utils.data.DataExecutor(loader):
+        train_step(x, y)
+    trained = [p.detach().clone() for p in model.parameters()]
+    assert not torch.equal(initial[0], trained[0])  # the model holds the trained weights
+    with pytest.raises(ValueError, match=r"^evaluating a compiled model whose graph draws random numbers \(dropout in "
+                                         r"training mode\): call model.eval\(\) before the evaluation loop$"):
+        for x, y in cstorch.utils.data.DataExecutor(loader):
+            eval_step(x, y)
+    compiled.eval()
+    losses = [float(eval_step(x, y)) for x, y in cstorch.utils.data.DataExecutor(loader)]
+    with torch.no_grad():
+        assert losses == [pytest.approx(float(torch.nn.functional.cross_entropy(model(x), y)), rel=1e-6)
+                          for x, y in data]
+    assert all(torch.equal(a, b) for a, b in zip(trained, model.parameters()))  # an evaluation changes none
+    metrics = next(p for p in sorted(tmp_path.glob("run_*/model/metrics.jsonl")))
+    assert [json.loads(line)["eval_loss"] for line in metrics.read_text().splitlines()] == losses
+
+
 def test_save_and_load_round_trip_a_state_with_scalars_and_nesting(tmp_path):
     import pyapi.cstorch as cstorch
 

@@ -30,7 +30,15 @@ except ImportError:
 from pyapi.cstorch import amp, optim, utils  # noqa: E402
 from pyapi.cstorch.backend import Backend, ClusterConfig, backend, compile, current_backend, use_cs  # noqa: E402
 from pyapi.cstorch.step import checkpoint_closure, step_closure, summarize_scalar, trace  # noqa: E402
+from pyapi.cstorch.errors import not_built  # noqa: E402
 from pyapi.cstorch.storage import load, save  # noqa: E402
 
 __all__ = ["Backend", "ClusterConfig", "amp", "backend", "checkpoint_closure", "compile", "current_backend", "load",
            "optim", "save", "step_closure", "summarize_scalar", "trace", "use_cs", "utils"]
+
+
+def __getattr__(name):
+    """Cerebras' other modules and functions (metrics, sparse, distributed, ...): one line naming them."""
+    if name.startswith("_"):
+        raise AttributeError(name)
+    raise not_built(f"cstorch.{name}", "built: " + ", ".join(__all__))

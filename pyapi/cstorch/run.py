@@ -68,6 +68,7 @@ class Run:
         self.model_dir = self.dir / "model"
         self.losses = {}
         self.board = None  # summarize_scalar's TensorBoard writer, made when first needed
+        self.evaluator = None  # the compiled model an evaluation loop runs (``_start_eval``)
 
     # -- the first call: capture, data, params, start ---------------------------------------------
 
@@ -98,6 +99,10 @@ class Run:
             except CompileError as exc:  # its module paths start at the traced step: "model.model.net.1"
                 raise CompileError(str(exc).replace("model.model.", "model.").replace("model.model:", "model:")) \
                     from None
+        self.user_model = model
+        if not rec.optimizers and not rec.backward:
+            self._start_eval(graph)
+            return
         if len(rec.optimizers) != 1:
             raise ValueError(f"the traced step called optimizer.step() on {len(rec.optimizers)} optimizers; "
                              "it trains with one")
@@ -111,7 +116,6 @@ class Run:
         self.start = _resumed_step(optimizer, self.executor.checkpoint_steps)
         self.params = self._params(str(program), layout, rec)
         (self.dir / "params.yaml").write_text(yaml.safe_dump(self.params, sort_keys=False))
-        self.user_model = model
         self.started = True
         resumed = self._resumed_state() if self.start else None
         if self.backend.is_csx:
@@ -165,16 +169,45 @@ class Run:
         self.thread = threading.Thread(target=run, name="wse-cstorch-job", daemon=True)
         self.thread.start()
 
+    def _start_eval(self, graph):
+        """An evaluation loop: the program of the model as it is now (its weights, its mode: call
+        ``eval()`` first, as for eager PyTorch), each step's loss its forward pass over the step's
+        batch in this process, as the cluster's own evaluations run on the host (``Job.validate``,
+        the coordinator's ``Evaluations``): the same units, the same numerics."""
+        from wse_core.compiler import partition
+        from wse_core.compiler.model import save_program
+        from wse_core.nn import build_model
+
+        program = self.dir / "program.pt2"
+        save_program(graph, partition(graph), program)
+        self.evaluator = build_model({"name": "torch", "program": str(program)})
+        self.evaluator.check_evaluable()
+        self.model_dir.mkdir(parents=True)
+        self.started = True
+
     # -- each step ------------------------------------------------------------------------------
 
     def _loss(self, step):
         import torch
 
-        if self.cpu is not None:
+        if self.evaluator is not None:
+            self._evaluate(step)
+        elif self.cpu is not None:
             self._advance_cpu(step)
         else:
             self._await(lambda: step in self._read_losses(), f"step {step}")
         return torch.tensor(self.losses[step], dtype=torch.float32)
+
+    def _evaluate(self, step):
+        """Step ``step``'s evaluation loss: the forward pass over its whole batch (one micro-batch, as
+        eager PyTorch's), written to the run's ``metrics.jsonl`` as ``eval_loss``."""
+        if step not in self.losses:
+            m = self.evaluator
+            batch = m.batch_of([t.detach().cpu().numpy() for t in self.batches[step - 1]]) if not m.is_lm else \
+                m.batch_of(_lm_examples(*self.batches[step - 1]))
+            self.losses[step] = m.evaluation_loss(m.initial, batch)
+            with open(self.model_dir / "metrics.jsonl", "a") as f:
+                f.write(json.dumps({"step": step, "eval_loss": self.losses[step]}) + "\n")
 
     def _read_losses(self):
         from mpi_launch.rundir import RunDir
@@ -257,7 +290,7 @@ class Run:
             self.board.flush()
 
     def finish(self):
-        if not self.started:
+        if not self.started or self.evaluator is not None:  # an evaluation changes no weight
             return
         if self.thread is not None:
             self.thread.join()
@@ -340,9 +373,16 @@ def _write_dataset(path, batches, layout):
             raise ValueError(f"DataLoader: integer inputs up to {np.abs(xs).max()} do not survive the array "
                              "dataset's float32 features (exact below 2^24)")
         write_array_file(path, xs.astype(np.float32), ys.astype(np.int32))
-    else:  # token ids and targets [n, T]; a target of -100 (ignore_index) is masked out
-        mask = ys != -100
-        write_lm_file(path, np.stack([xs, mask, np.where(mask, ys, 0)], axis=1).astype(np.int32))
+    else:
+        write_lm_file(path, _lm_examples(xs, ys))
+
+
+def _lm_examples(xs, ys):
+    """Token ids and targets [n, T] as the ``lm`` layout's [n, 3, T] (ids, loss mask, labels): a target
+    of -100 (ignore_index) is masked out."""
+    xs, ys = (np.asarray(t.detach().cpu().numpy() if hasattr(t, "detach") else t) for t in (xs, ys))
+    mask = ys != -100
+    return np.stack([xs, mask, np.where(mask, ys, 0)], axis=1).astype(np.int32)
 
 
 class _InProcess:

@@ -1,6 +1,7 @@
 """``cstorch.trace`` and the step closures.
 
-A traced step runs its Python once, on its first call inside a DataExecutor: there it is captured
+A traced step (a training step, or an evaluation step: one that calls neither ``backward`` nor an
+optimizer) runs its Python once, on its first call inside a DataExecutor: there it is captured
 (``Run.capture``) with ``loss.backward()``, ``optimizer.step()``, ``zero_grad()``, a scheduler's
 ``step()``, a grad scaler's calls and ``torch.nn.utils.clip_grad_norm_`` recorded, not run, and
 ``tensor.item()`` refused (a value exists only once the cluster has run the step). Every
@@ -19,6 +20,7 @@ class Recording:
 
     def __init__(self):
         self.optimizers, self.settings = [], {}
+        self.backward = False  # loss.backward() was called: a training step (an evaluation step calls none)
 
 
 _recording = None
@@ -45,7 +47,7 @@ def record(fn):
     aliases = [name for name, value in getattr(fn, "__globals__", {}).items() if value is original]
 
     def backward(tensor, *args, **kwargs):
-        pass  # the captured graph is differentiated unit by unit on the CS-2s
+        rec.backward = True  # the captured graph is differentiated unit by unit on the CS-2s
 
     def clip_grad_norm_(parameters, max_norm, norm_type=2.0, *args, **kwargs):
         if norm_type != 2.0:

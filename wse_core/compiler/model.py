@@ -205,11 +205,23 @@ class TorchModel(Model):
 
     # -- passes -------------------------------------------------------------------------------
 
+    def check_evaluable(self):
+        """An evaluation (a forward pass without dropout keys) runs a graph that draws no random numbers:
+        one captured in eval mode, or without dropout. ValueError otherwise."""
+        if self.program["random"]:
+            raise ValueError("evaluating a compiled model whose graph draws random numbers (dropout in training "
+                             "mode): call model.eval() before the evaluation loop")
+
     def forward(self, params, batch, drop=None):
         if drop is None:
-            raise NotImplementedError("evaluating a compiled PyTorch model is not built yet (its graph is the "
-                                      "training step's)")
+            self.check_evaluable()
         return super().forward(params, batch, drop)
+
+    def evaluation_loss(self, params, batch):
+        """The loss of ``batch`` in one forward pass: the captured step's own value (a mean, or a sum)."""
+        with torch.no_grad():
+            y, _ = self.forward(params, batch)
+        return float(y[self.torch_units[-1].outputs[0]])
 
     def unit_forward(self, u, x, params, drop=None):
         unit = self.torch_units[u]
@@ -318,12 +330,13 @@ _DROPOUT = {torch.ops.aten.dropout.default, torch.ops.aten.native_dropout.defaul
 def _draws(node):
     """Whether ``node`` draws from torch's generator when it runs: an op whose schema takes one
     (rand, bernoulli, normal_, uniform_, rrelu with training, ...), or dropout at a rate above 0
-    (its schema names none; it draws from the default one)."""
+    (its schema names none; it draws from the default one) in training (eval mode's is the identity)."""
     if node.op != "call_function":
         return False
     if node.target in _DROPOUT:
         rate = node.args[1] if len(node.args) > 1 else node.kwargs.get("p", 0.5)
-        return not (isinstance(rate, (int, float)) and rate == 0)
+        train = node.args[2] if len(node.args) > 2 else node.kwargs.get("train", True)
+        return train is not False and not (isinstance(rate, (int, float)) and rate == 0)
     schema = getattr(node.target, "_schema", None)
     if schema is None:
         return False
