@@ -81,6 +81,10 @@ def test_the_tutorials_script_has_eager_pytorchs_losses_over_20_steps(tmp_path):
      "tensor.item() inside the traced step: not built in wse-cluster"),
     ([("drop_last=True", "drop_last=False"), ("DataLoader(input_fn, 64)", "DataLoader(input_fn, 100)")],
      "DataLoader: batch 41 has 96 samples, batch 1 has 100: the captured step takes one batch size (drop_last=True)"),
+    ([("    return torch.utils.data.DataLoader(", "    return [(x[..., :27] if i == 2 else x, y) for i, (x, y) in enumerate("
+       "torch.utils.data.DataLoader("), ("drop_last=True, generator=g)\n", "drop_last=True, generator=g))]\n")],
+     "DataLoader: batch 3's inputs are float32 [64, 1, 28, 27], batch 1's float32 [64, 1, 28, 28]: the captured "
+     "step takes one shape and dtype (pad to one length)"),
     ([("cstorch.optim.AdamW(model.parameters(), lr=1e-3)", "cstorch.optim.Lamb(model.parameters(), lr=1e-3)")],
      "cstorch.optim.Lamb: not built in wse-cluster (built: SGD, Adam, AdamW)"),
 ])
@@ -396,7 +400,7 @@ def test_summarize_scalar_writes_tensorboard_beside_the_runs_own_scalars(tmp_pat
 
 
 
-def in_process_loop(tmp_path, *, frozen=False, second_step=False, steps=2):
+def in_process_loop(tmp_path, *, frozen=False, second_step=False, changing=False, steps=2):
     """A small loop on the CPU backend in this process (what a notebook does)."""
     import pyapi.cstorch as cstorch
 
@@ -407,8 +411,12 @@ def in_process_loop(tmp_path, *, frozen=False, second_step=False, steps=2):
     compiled = cstorch.compile(model, cstorch.backend("CPU", artifact_dir=tmp_path))
     optimizer = cstorch.optim.SGD(model.parameters(), lr=0.1)
 
+    seen = {"step": 0}
+
     @cstorch.trace
     def train_step(x, y):
+        if changing and seen["step"] >= 3:  # a Python decision the captured graph cannot make
+            x = x * 2
         loss = torch.nn.functional.cross_entropy(compiled(x), y)
         loss.backward()
         optimizer.step()
@@ -421,6 +429,7 @@ def in_process_loop(tmp_path, *, frozen=False, second_step=False, steps=2):
     data = [(torch.rand(4, 4), torch.tensor([0, 1, 0, 1]))] * steps  # one batch again: its loss falls
     losses = []
     for step, (x, y) in enumerate(cstorch.utils.data.DataExecutor(cstorch.utils.data.DataLoader(lambda: data)), 1):
+        seen["step"] = step
         losses.append(float((other_step if second_step and step == 2 else train_step)(x, y)))
     return model, losses
 
@@ -432,7 +441,10 @@ def test_what_a_loop_cannot_do_is_one_line(tmp_path):
         in_process_loop(tmp_path / "a", frozen=True)
     with pytest.raises(NotBuilt, match=r"^other_step: a second traced function in one DataExecutor loop"):
         in_process_loop(tmp_path / "b", second_step=True)
-    model, losses = in_process_loop(tmp_path / "c")  # and the backend's process is usable after both
+    with pytest.raises(NotBuilt, match=r"^train_step: the step's graph changed at step 3 \(its op 1 is aten.mul.Tensor "
+                                       r"\[4, 4\]; captured: aten.t.default \[4, 8\]\): not built"):
+        in_process_loop(tmp_path / "d", changing=True, steps=4)
+    model, losses = in_process_loop(tmp_path / "c")  # and the backend's process is usable after all three
     assert len(losses) == 2 and losses[1] < losses[0]
 
 

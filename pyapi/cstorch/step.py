@@ -80,6 +80,28 @@ def record(fn):
         _recording = None
 
 
+def ops_of(fn, args):
+    """The aten ops (name and output shape, in order) the traced step ``fn`` runs on ``args``, on fake
+    tensors (no arithmetic, torch's generator untouched): what a graph captured from it holds."""
+    import torch
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.seen = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            self.seen.append((str(func), tuple(out.shape) if isinstance(out, torch.Tensor) else ()))
+            return out
+
+    with record(fn), torch.random.fork_rng(devices=()), FakeTensorMode(allow_non_fake_inputs=True), Ops() as ops:
+        fn(*args)
+    return ops.seen
+
+
 def trace(fn):
     """The training step: captured on its first call, the cluster's on every call."""
 

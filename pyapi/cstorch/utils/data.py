@@ -78,10 +78,16 @@ class DataExecutor:
                 raise not_built(f"DataLoader: batch {i} is {type(batch).__name__}", "batches of (inputs, targets) "
                                 "tensors")
         first = len(batches[0][0])
+        kinds = [(t.dtype, tuple(t.shape[1:])) for t in batches[0]]
         for i, batch in enumerate(batches, 1):
             if len(batch[0]) != first:  # a graph captured once runs one batch size
                 raise ValueError(f"DataLoader: batch {i} has {len(batch[0])} samples, batch 1 has {first}: the "
                                  "captured step takes one batch size (drop_last=True)")
+            for j, (t, (dtype, shape)) in enumerate(zip(batch, kinds)):
+                if (t.dtype, tuple(t.shape[1:])) != (dtype, shape):  # ... and one shape: its graph's
+                    raise ValueError(f"DataLoader: batch {i}'s {('inputs', 'targets')[j]} are {_kind(t)}, batch 1's "
+                                     f"{_kind(batches[0][j])}: the captured step takes one shape and dtype (pad "
+                                     "to one length)")
         self.run = Run(backend(), self, batches)
         step_mod._executor = self
         try:
@@ -93,3 +99,7 @@ class DataExecutor:
         finally:
             step_mod._executor = None
             self.run.close()
+
+
+def _kind(t):
+    return f"{str(t.dtype).replace('torch.', '')} {list(t.shape)}"
