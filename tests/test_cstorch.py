@@ -493,6 +493,49 @@ def test_an_evaluation_loop_gives_eager_pytorchs_eval_losses_of_the_trained_mode
     assert [json.loads(line)["eval_loss"] for line in metrics.read_text().splitlines()] == losses
 
 
+def test_step_closures_called_inside_the_traced_step_run_on_each_steps_values(tmp_path):
+    """As Cerebras' scripts and schedulers do: a closure called in the step runs once the step is done,
+    on its returned loss and on that step's Python values; summarize_scalar too. A closure given
+    another of the step's tensors is one line."""
+    import json
+
+    import pyapi.cstorch as cstorch
+    from pyapi.cstorch.errors import NotBuilt
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+    compiled = cstorch.compile(model, cstorch.backend("CPU", artifact_dir=tmp_path))
+    optimizer = cstorch.optim.SGD(model.parameters(), lr=0.1)
+    logged, where = [], {"step": 0, "other": False}
+
+    @cstorch.step_closure
+    def log(loss, step, tag="train"):
+        logged.append((step, tag, float(loss)))
+
+    @cstorch.trace
+    def train_step(x, y):
+        logits = compiled(x)
+        loss = torch.nn.functional.cross_entropy(logits, y)
+        loss.backward()
+        optimizer.step()
+        log(logits if where["other"] else loss, where["step"], tag="inside")
+        cstorch.summarize_scalar("inside/loss", loss)
+        return loss
+
+    data = [(torch.rand(4, 4), torch.tensor([0, 1, 0, 1]))] * 4
+    returned = []
+    for step, (x, y) in enumerate(cstorch.utils.data.DataExecutor(cstorch.utils.data.DataLoader(lambda: data)), 1):
+        where["step"] = step
+        returned.append(float(train_step(x, y)))
+    assert logged == [(s, "inside", v) for s, v in enumerate(returned, 1)] and returned[-1] < returned[0]
+    summaries = [json.loads(line) for line in next(tmp_path.glob("run_*/summaries.jsonl")).read_text().splitlines()]
+    assert summaries == [{"step": s, "name": "inside/loss", "value": v} for s, v in enumerate(returned, 1)]
+    where["other"] = True
+    with pytest.raises(NotBuilt, match=r"^log: a step closure given a tensor other than the traced step's return value"):
+        for x, y in cstorch.utils.data.DataExecutor(cstorch.utils.data.DataLoader(lambda: data)):
+            train_step(x, y)
+
+
 def test_save_and_load_round_trip_a_state_with_scalars_and_nesting(tmp_path):
     import pyapi.cstorch as cstorch
 

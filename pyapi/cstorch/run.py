@@ -28,7 +28,7 @@ import numpy as np
 import yaml
 
 from pyapi.cstorch.errors import not_built
-from pyapi.cstorch.step import ops_of, record
+from pyapi.cstorch.step import ops_of, record, run_closures
 
 #: Seconds between looks at the job's metrics while a step is awaited (a sleep, not a spin: the
 #: ranks need the cores).
@@ -76,26 +76,33 @@ class Run:
         if not self.started:
             self._start(fn, args)
             self.fn = fn
-            self.ops = ops_of(fn, args)
+            self.ops, calls, returned = ops_of(fn, args)
+            self.every_step = bool(calls)  # its closures take each step's Python values
         elif fn is not self.fn:
             raise not_built(f"{fn.__name__}: a second traced function in one DataExecutor loop",
                             f"one traced step, {self.fn.__name__}")
-        elif (step - 1) & (step - 2) == 0 or step == self.executor.num_steps:  # steps 2, 3, 5, 9, 17, ... and the last
-            self._check_same_graph(fn, args, step)
-        return self._loss(self.start + step)
+        elif self.every_step or (step - 1) & (step - 2) == 0 or step == self.executor.num_steps:
+            # steps 2, 3, 5, 9, 17, ... and the last; every step when the step calls closures
+            calls, returned = self._check_same_graph(fn, args, step)
+        else:
+            calls, returned = [], None
+        loss = self._loss(self.start + step)
+        run_closures(calls, returned, loss)
+        return loss
 
     def _check_same_graph(self, fn, args, step):
         """The step's Python runs the ops it ran when captured (its graph is the cluster's on every
         step): a step that takes another path (a Python decision on the step count, a flag) is one
         line. Checked on fake tensors, at steps 2, 3, 5, 9, ... (2^k + 1) and the last: a check costs
-        about a tenth of an eager forward pass."""
-        ops = ops_of(fn, args)
+        about a tenth of an eager forward pass. Returns the step closures it called and its return value."""
+        ops, calls, returned = ops_of(fn, args)
         if ops != self.ops:
             i = next((i for i, (a, b) in enumerate(zip(ops, self.ops)) if a != b), min(len(ops), len(self.ops)))
             now = f"{ops[i][0]} {list(ops[i][1])}" if i < len(ops) else "the end"
             was = f"{self.ops[i][0]} {list(self.ops[i][1])}" if i < len(self.ops) else "the end"
             raise not_built(f"{fn.__name__}: the step's graph changed at step {step} (its op {i + 1} is {now}; "
                             f"captured: {was})", "a step that runs the same ops on every step")
+        return calls, returned
 
     def _start(self, fn, args):
         import torch

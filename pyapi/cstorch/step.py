@@ -5,9 +5,13 @@ optimizer) runs its Python once, on its first call inside a DataExecutor: there 
 (``Run.capture``) with ``loss.backward()``, ``optimizer.step()``, ``zero_grad()``, a scheduler's
 ``step()``, a grad scaler's calls and ``torch.nn.utils.clip_grad_norm_`` recorded, not run, and
 ``tensor.item()`` refused (a value exists only once the cluster has run the step). Every
-call returns that step's loss as the cluster finished it. Step closures run at once, on values that
-are already the step's (the traced step waited for them); a checkpoint closure runs on checkpoint
-steps only, with the model holding that step's weights.
+call returns that step's loss as the cluster finished it. Step closures called in the loop run at
+once, on values that are already the step's (the traced step waited for them); step closures and
+``summarize_scalar`` called inside the traced step run when the step is done, in the order called,
+the step's returned tensor being its loss (the step's Python then runs on every step, on fake
+tensors: ``ops_of``, about a tenth of an eager forward pass, so Python values such as a step
+count are each step's own). A checkpoint closure runs on checkpoint steps only, with the model
+holding that step's weights.
 """
 import contextlib
 import functools
@@ -21,6 +25,7 @@ class Recording:
     def __init__(self):
         self.optimizers, self.settings = [], {}
         self.backward = False  # loss.backward() was called: a training step (an evaluation step calls none)
+        self.closures = []  # (closure, args, kwargs) the step called: run once the step is done
 
 
 _recording = None
@@ -81,8 +86,9 @@ def record(fn):
 
 
 def ops_of(fn, args):
-    """The aten ops (name and output shape, in order) the traced step ``fn`` runs on ``args``, on fake
-    tensors (no arithmetic, torch's generator untouched): what a graph captured from it holds."""
+    """Run the traced step ``fn``'s Python on ``args`` as fake tensors (no arithmetic, torch's generator
+    untouched): (the aten ops it runs, name and output shape in order: what a graph captured from it
+    holds; the step closures it called, with their arguments; what it returned)."""
     import torch
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.utils._python_dispatch import TorchDispatchMode
@@ -97,9 +103,27 @@ def ops_of(fn, args):
             self.seen.append((str(func), tuple(out.shape) if isinstance(out, torch.Tensor) else ()))
             return out
 
-    with record(fn), torch.random.fork_rng(devices=()), FakeTensorMode(allow_non_fake_inputs=True), Ops() as ops:
-        fn(*args)
-    return ops.seen
+    with record(fn) as rec, torch.random.fork_rng(devices=()), FakeTensorMode(allow_non_fake_inputs=True), \
+            Ops() as ops:
+        out = fn(*args)
+    return ops.seen, rec.closures, out
+
+
+def run_closures(calls, returned, value):
+    """The step closures a step called, in order, on its values: the tensor the step returned is
+    ``value`` (the step's loss from the cluster); a closure given another of its tensors is one line."""
+    import torch
+
+    def real(x, closure):
+        if x is returned:
+            return value
+        if isinstance(x, torch.Tensor):
+            raise not_built(f"{closure.__name__}: a step closure given a tensor other than the traced step's "
+                            "return value", "closures on the returned loss and on Python values")
+        return x
+
+    for closure, args, kwargs in calls:
+        closure(*(real(a, closure) for a in args), **{k: real(v, closure) for k, v in kwargs.items()})
 
 
 def trace(fn):
@@ -120,9 +144,9 @@ def step_closure(fn):
 
     @functools.wraps(fn)
     def closure(*args, **kwargs):
-        if _recording is not None:
-            raise not_built(f"{fn.__name__}: a step closure inside the traced step",
-                            "call it on the traced step's return values")
+        if _recording is not None:  # inside the traced step: run once the step is done
+            _recording.closures.append((closure, args, kwargs))
+            return None
         return fn(*args, **kwargs)
 
     return closure
@@ -134,6 +158,9 @@ def checkpoint_closure(fn):
 
     @functools.wraps(fn)
     def closure(*args, **kwargs):
+        if _recording is not None:  # inside the traced step: run once the step is done
+            _recording.closures.append((closure, args, kwargs))
+            return None
         if _executor is None:
             raise RuntimeError(f"{fn.__name__}: cannot fetch a checkpoint outside of an execution context")
         if _executor.on_checkpoint_step:
@@ -147,7 +174,9 @@ def checkpoint_closure(fn):
 def summarize_scalar(name, value):
     """The value, with its step, in TensorBoard (the run's model_dir/train, beside the cluster's own
     scalars) and in the run's ``summaries.jsonl``."""
-    if _executor is None or _recording is not None:
-        raise not_built("summarize_scalar inside the traced step or outside a DataExecutor",
-                        "call it on the traced step's return values, in the loop")
+    if _recording is not None:  # inside the traced step: once the step is done, on its value
+        _recording.closures.append((summarize_scalar, (name, value), {}))
+        return
+    if _executor is None:
+        raise RuntimeError("summarize_scalar: outside a DataExecutor loop (it writes the value with its step)")
     _executor.run.summarize(name, float(value), _executor.step)
