@@ -40,11 +40,13 @@ class JobInterrupted(BaseException):
         self.signal = sig
 
 
-def launch(cmd, plan, run_dir, *, peer_timeout, startup_timeout, hostfile=None, stream=sys.stdout, next_up=None):
+def launch(cmd, plan, run_dir, *, peer_timeout, startup_timeout, hostfile=None, stream=sys.stdout, next_up=None,
+           stop=None):
     """Run the job under a watchdog, streaming the coordinator's lines; return (exit code, failure line or None).
 
     Says when every rank is ready, and ``next_up`` (what the ranks do before the first step's line),
-    so a big model's start-up is not a silence.
+    so a big model's start-up is not a silence. ``stop`` (a threading.Event), once set, ends the job
+    as a fault would (a caller in another thread: a cstorch loop left early).
 
     SIGTERM, SIGINT and SIGHUP end the job cleanly and raise JobInterrupted (from the main thread;
     elsewhere only the caller's own KeyboardInterrupt handling applies).
@@ -79,6 +81,14 @@ def launch(cmd, plan, run_dir, *, peer_timeout, startup_timeout, hostfile=None, 
                                     env=mpi_env(1, {"OMP_WAIT_POLICY": "PASSIVE", **watchdog.env(),
                                                    **hydra_env(run_dir.hwloc_xml)}))
             watchdog.start(proc)
+            if stop is not None:
+                def stopper():
+                    while proc.poll() is None:
+                        if stop.wait(0.2):  # a sleep between looks at the job, not a spin
+                            watchdog.end("the job was stopped before its last step (its caller asked)")
+                            return
+
+                threading.Thread(target=stopper, name="wse-launch-stop", daemon=True).start()
             banner = []  # hydra's failure banner comes on stdout; it goes to logs/mpiexec.log
             try:
                 for line in proc.stdout:

@@ -90,11 +90,12 @@ class Job:
         check_capacity(plan, hostfile=hostfile, cores=cores)
         return cmd, plan
 
-    def fit(self, *, checkpoint_path=None, hostfile=None, cores=None, stream=sys.stdout):
+    def fit(self, *, checkpoint_path=None, hostfile=None, cores=None, stream=sys.stdout, stop=None):
         """Train; raise JobError with one line if any rank fails.
 
         ``cores``: how many of this machine's cores the job's CS-2 ranks share (default: all; the
-        appliance gives each job its share of the pool).
+        appliance gives each job its share of the pool). ``stop``: a threading.Event that ends the
+        job when set (from another thread; the checkpoints written so far stay).
 
         Only one job runs in a model_dir at a time (RunDirBusy names the one that does). SIGTERM,
         SIGINT or SIGHUP to this process end the job's ranks and raise
@@ -134,7 +135,8 @@ class Job:
                            f"initialising {build_model(self.params.model).num_params():,} weights")
                 code, failure = launch(cmd, plan, run_dir, peer_timeout=r.peer_timeout,
                                        startup_timeout=r.startup_timeout, hostfile=hostfile,
-                                       stream=stream, next_up=f"{weights}, then step {result.start_step + 1}")
+                                       stream=stream, next_up=f"{weights}, then step {result.start_step + 1}",
+                                       stop=stop)
                 if code != 0:
                     raise JobError(failure)
             result.metrics = run_dir.read_metrics()

@@ -360,6 +360,23 @@ def test_a_run_resumed_from_a_scripts_checkpoint_has_the_bits_of_one_that_never_
     assert (next(resumed.glob("cerebras_logs/run_*/model")) / "checkpoint_3" / "index.h5").is_file()
 
 
+def test_a_loop_left_early_ends_its_job_and_leaves_no_process(tmp_path):
+    """A loop that breaks at step 2 of 2,000 ends the cluster's job there (not after its last step),
+    and leaves no rank behind."""
+    from mpi_launch.launcher import job_processes
+    from mpi_launch.rundir import RunDir
+
+    text = EXAMPLE.read_text().replace("        save_checkpoint(step)\n", "        save_checkpoint(step)\n"
+                                       "        if step == 2:\n            break\n")
+    proc = run_script(tmp_path, text, "CSX", 2, 2000, 0)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert [line.split()[1] for line in proc.stdout.splitlines() if line.startswith("step ")] == ["1:", "2:"]
+    run = next(tmp_path.glob("cerebras_logs/run_*"))
+    assert "the job was stopped before its last step" in (run / "run.log").read_text()
+    assert max(r["step"] for r in RunDir(run / "model").read_metrics()) < 2000
+    assert not job_processes(tmp_path)
+
+
 def test_a_script_can_target_a_running_appliance(tmp_path, jobs):
     """backend("CSX", appliance=SOCKET): the job is queued on the appliance, which runs it as its user;
     the loop gets its losses and weights as from a job of its own, with the CPU backend's bits."""

@@ -69,6 +69,7 @@ class Run:
         self.losses = {}
         self.board = None  # summarize_scalar's TensorBoard writer, made when first needed
         self.evaluator = None  # the compiled model an evaluation loop runs (``_start_eval``)
+        self.stop = threading.Event()  # set when the loop is left early: the job of this process ends
 
     # -- the first call: capture, data, params, start ---------------------------------------------
 
@@ -179,15 +180,16 @@ class Run:
             with open(self.dir / "run.log", "w") as log:
                 try:
                     if handle is None:
-                        job.fit(stream=log)
+                        job.fit(stream=log, stop=self.stop)
                     else:
                         log.write(f"queued on the appliance as job {handle.id}\n")
                         try:
                             handle.wait()
                         finally:  # a failed job's log says why
                             log.write(handle.logs())
-                except Exception as exc:  # the job's one line, said to the user's loop
+                except Exception as exc:  # the job's one line, said to the user's loop and in the log
                     self.failure = str(exc)
+                    log.write(f"{exc}\n")
 
         self.thread = threading.Thread(target=run, name="wse-cstorch-job", daemon=True)
         self.thread.start()
@@ -322,11 +324,14 @@ class Run:
         self.sync_weights(self.executor.num_steps)
 
     def close(self):
-        """After the loop, however it ended. A job queued on the appliance and not done is cancelled;
-        a job of this process's own runs to its end first (its ranks are this process's children:
-        leaving them would leave them to the launcher's thread, which would be ended with us)."""
-        if self.handle is not None and self.thread.is_alive():
-            self.handle.cancel()
+        """After the loop, however it ended. A job not done is ended: cancelled on the appliance, or
+        stopped (its ranks ended by the launcher, as for a fault) when it is this process's own; the
+        checkpoints it wrote stay."""
+        if self.thread is not None and self.thread.is_alive():
+            if self.handle is not None:
+                self.handle.cancel()
+            else:
+                self.stop.set()
         if self.thread is not None:
             self.thread.join()
         if self.cpu is not None:
