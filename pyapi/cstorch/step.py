@@ -3,7 +3,8 @@
 A traced step runs its Python once, on its first call inside a DataExecutor: there it is captured
 (``Run.capture``) with ``loss.backward()``, ``optimizer.step()``, ``zero_grad()``, a scheduler's
 ``step()``, a grad scaler's calls and ``torch.nn.utils.clip_grad_norm_`` recorded, not run, and
-``tensor.item()`` refused (a value exists only once the cluster has run the step). Every
+``tensor.item()`` refused (a value exists only once the cluster has run the step); the run's
+precision (``cstorch.amp``: the half dtype set, or ``autocast()`` in the step) is recorded too. Every
 call returns that step's loss as the cluster finished it. Step closures run at once, on values that
 are already the step's (the traced step waited for them); a checkpoint closure runs on checkpoint
 steps only, with the model holding that step's weights.
@@ -15,10 +16,11 @@ from pyapi.cstorch.errors import not_built
 
 
 class Recording:
-    """What the traced step's first run said beside its graph."""
+    """What the traced step's first run said beside its graph: its optimizers, their settings, and
+    ``fp16_type``, the 16-bit format it trains in (``cstorch.amp``), or None: float32."""
 
-    def __init__(self):
-        self.optimizers, self.settings = [], {}
+    def __init__(self, fp16_type=None):
+        self.optimizers, self.settings, self.fp16_type = [], {}, fp16_type
 
 
 _recording = None
@@ -37,8 +39,10 @@ def record(fn):
     import torch
     import torch.nn.utils.clip_grad as clip_grad
 
+    from pyapi.cstorch import amp
+
     global _recording
-    rec = Recording()
+    rec = Recording(amp._half_dtype)  # set_half_dtype before the capture; autocast() in the step may set it too
     saved = torch.Tensor.backward, torch.nn.utils.clip_grad_norm_, torch.Tensor.item
     original = saved[1]
     # the step's own names for it too (``from torch.nn.utils import clip_grad_norm_``)
