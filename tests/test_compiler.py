@@ -6,6 +6,7 @@ import sys
 from functools import cache
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -86,9 +87,14 @@ def case(name, dropout=0.0):
 
 
 @cache
-def compiled(name, dropout=0.0):
+def captured(name, dropout=0.0):
     model, batch, loss_fn = case(name, dropout)
-    return partition(capture(model, batch, loss_fn, micro_batch=2))
+    return capture(model, batch, loss_fn, micro_batch=2)
+
+
+@cache
+def compiled(name, dropout=0.0):
+    return partition(captured(name, dropout))
 
 
 def eager(name, batch=None):
@@ -321,6 +327,63 @@ def test_a_loss_without_a_batch_reduction_is_refused():
     model, batch, _ = case("mlp")
     with pytest.raises(CompileError, match=r"^step: the loss \(aten\.amax\) does not end in a mean or sum"):
         partition(capture(model, batch, lambda out, y: (out - 0 * y[:, None]).amax()))
+
+
+# ----------------------------------------------------------------------------- mixed precision
+@pytest.fixture(scope="module")
+def gpt2_program(tmp_path_factory):
+    """GPT-2's program file (wse_core.compiler.model.save_program)."""
+    from wse_core.compiler.model import save_program
+
+    path = tmp_path_factory.mktemp("program") / "gpt2.pt2"
+    save_program(captured("gpt2"), compiled("gpt2"), path)
+    return str(path)
+
+
+@pytest.mark.parametrize("fp16_type", ["float16", "bfloat16", "cbfloat16"])
+def test_a_compiled_model_in_mixed_precision_streams_and_hands_on_16_bit_values(gpt2_program, fp16_type):
+    """model.mixed_precision (the family torch, as the CS-2s run it: micro-batches side by side): every
+    weight a unit reads, every value it hands on or gets back as a gradient, every weight gradient is a
+    number of the format; the loss is not rounded; the bits are those of the micro-batches one after the
+    other (Model.forward_backward, the reference's); the loss is near float32's, not equal to it."""
+    from wse_core.compiler.model import TorchModel, load_program
+    from wse_core.nn.layers import DropoutKey
+    from wse_core.nn.precision import FORMATS
+
+    ids, targets = case("gpt2")[1]
+    program, fmt = load_program(gpt2_program), FORMATS[fp16_type]
+    batches = [{"ids": ids[i:i + 2].numpy().astype(np.int32), "mask": np.ones((2, 16), np.int32),
+                "labels": targets[i:i + 2].numpy().astype(np.int32)} for i in range(0, BATCH, 2)]
+    drops = [DropoutKey(0, 1, i) for i in range(0, BATCH, 2)]
+
+    def built(**precision):
+        m = TorchModel({"name": "torch", "program": gpt2_program, **precision}, program)
+        return m, m.compute_weights(m.init_params(0))
+
+    m, weights = built(mixed_precision=True, fp16_type=fp16_type)
+    xs, saved, seen = [m.first_input(b, np.float32) for b in batches], [], list(weights.values())
+    tail = m.torch_units[-1].outputs[0]
+    for u in range(len(m.units)):  # a CS-2's passes: each unit on every micro-batch, side by side
+        xs, kept = zip(*m.units_forward(u, xs, {p: weights[p] for p in m.unit_params[u]}, drops))
+        saved.append(kept)
+        seen += [v.detach().numpy() for x in xs for k, v in x.items()
+                 if k not in ("input", tail) and isinstance(v, torch.Tensor) and v.is_floating_point()]
+    assert all(fmt.round(x[tail].detach().numpy()) != x[tail].detach().numpy() for x in xs)  # float32, not rounded
+    losses = [m.loss(x, b, 1024.0) for x, b in zip(xs, batches)]
+    dys, grads = [dy for _, _, dy in losses], []
+    for u in reversed(range(len(m.units))):
+        dys, g = zip(*m.units_backward(u, dys, saved[u], {p: weights[p] for p in m.unit_params[u]}))
+        grads.append(g)
+        seen += [v.numpy() for dy in dys for v in dy.values()] + [a for gs in g for a in gs.values()]
+    assert len(seen) > 100 and all(np.array_equal(fmt.round(a), a) for a in seen)
+    for j, (b, d) in enumerate(zip(batches, drops)):  # one micro-batch after the other: the same bits
+        loss_sum, n, unit_grads = m.forward_backward(weights, b, d, 1024.0)
+        assert (loss_sum, n) == losses[j][:2]
+        assert all(np.array_equal(unit_grads[u][p], grads[-1 - u][j][p]) for u in range(len(m.units))
+                   for p in unit_grads[u])
+    f32, w32 = built()
+    loss32 = f32.forward_backward(w32, batches[0], drops[0])[0]
+    assert losses[0][0] != loss32 and losses[0][0] == pytest.approx(loss32, rel=1e-2)
 
 
 # ----------------------------------------------------------------------------- the optional dependency

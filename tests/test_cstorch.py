@@ -4,12 +4,14 @@ bits on the CPU backend and on 1, 2 and 4 CS-2s, eager PyTorch's losses, one lin
 The script is ``examples/cstorch_fc.py`` (the shape of Cerebras' custom-training-loop tutorial), run
 as a user runs it."""
 import importlib.util
+import json
 import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import yaml
 
 from conftest import read_events
 
@@ -375,6 +377,113 @@ def test_a_loop_left_early_ends_its_job_and_leaves_no_process(tmp_path):
     assert "the job was stopped before its last step" in (run / "run.log").read_text()
     assert max(r["step"] for r in RunDir(run / "model").read_metrics()) < 2000
     assert not job_processes(tmp_path)
+#: One script, a loop per precision given (each from the same initial weights): float32; float16 by
+#: autocast() in the step, with a dynamic GradScaler whose first scale overflows float16 gradients;
+#: bfloat16 by set_half_dtype, without a scaler (bfloat16 needs none).
+MIXED_SCRIPT = '''
+import contextlib
+import sys
+import torch
+import pyapi.cstorch as cstorch
+
+kind, num_csx, out = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+g = torch.Generator().manual_seed(1)
+x = torch.randn(64, 16, generator=g)
+y = x[:, :4].argmax(dim=1)
+for half in sys.argv[4:]:
+    if half == "bfloat16":
+        cstorch.amp.set_half_dtype(torch.bfloat16)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 32), torch.nn.ReLU(),
+                                torch.nn.Linear(32, 4))
+    compiled = cstorch.compile(model, cstorch.backend(kind, num_csx=num_csx, micro_batch_size=4))
+    optimizer = cstorch.optim.AdamW(model.parameters(), lr=1e-2)
+    scaler = cstorch.amp.GradScaler(loss_scale="dynamic", init_scale=2.0 ** 15, steps_per_increase=2)
+
+    @cstorch.trace
+    def training_step(inputs, targets):
+        with cstorch.amp.autocast() if half == "float16" else contextlib.nullcontext():
+            loss = torch.nn.functional.cross_entropy(compiled(inputs), targets)
+        if half == "float16":
+            scaler.scale(loss).backward()
+            scaler.step(optimizer)
+            scaler.update()
+        else:
+            loss.backward()
+            optimizer.step()
+        optimizer.zero_grad()
+        return loss
+
+    loader = cstorch.utils.data.DataLoader(lambda: torch.utils.data.DataLoader(
+        torch.utils.data.TensorDataset(x, y), batch_size=16))
+    for step, (inputs, targets) in enumerate(cstorch.utils.data.DataExecutor(loader, num_steps=4), 1):
+        print(f"{half} step {step} loss {training_step(inputs, targets).item()!r}")
+    cstorch.save({"model": model.state_dict()}, f"{out}/{half}.h5")
+'''
+
+
+def test_mixed_precision_gives_the_same_bits_on_cpu_and_on_two_cs2s(tmp_path):
+    """set_half_dtype, or autocast() in the traced step, trains the run in 16 bits (model.mixed_precision
+    in its params): the CPU backend and 2 CS-2s give the same bits, a float16 step whose gradients
+    overflow the scaled loss is skipped, and the losses are near the float32 run's, not equal to them."""
+    import pyapi.cstorch as cstorch
+
+    runs = {}
+    for kind, n, halves in (("CPU", 1, ("float32", "float16", "bfloat16")), ("CSX", 2, ("float16", "bfloat16"))):
+        out = tmp_path / kind
+        out.mkdir()
+        proc = run_script(out, MIXED_SCRIPT, kind, n, out, *halves)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        for i, half in enumerate(halves):
+            run = out / "cerebras_logs" / f"run_{i}"
+            runs[kind, half] = ([float(line.split()[-1]) for line in proc.stdout.splitlines()
+                                 if line.startswith(f"{half} step ")],
+                                cstorch.load(out / f"{half}.h5")["model"],
+                                yaml.safe_load((run / "params.yaml").read_text())["model"], run)
+    losses32, weights32, model32, _ = runs["CPU", "float32"]
+    assert "mixed_precision" not in model32 and len(losses32) == 4
+    for half in ("float16", "bfloat16"):
+        (losses, weights, model, _), (on_csx, weights_csx, model_csx, _) = runs["CPU", half], runs["CSX", half]
+        for m in (model, model_csx):
+            assert m["mixed_precision"] and m["fp16_type"] == half, m
+        assert on_csx == losses, half
+        assert all(torch.equal(weights_csx[k], weights[k]) for k in weights), half
+        assert losses[0] != losses32[0] and losses[0] == pytest.approx(losses32[0], rel=1e-3), half
+        assert not all(torch.equal(weights[k], weights32[k]) for k in weights)
+    skipped = [m["skipped"] for m in map(json.loads, (runs["CSX", "float16"][3] / "model" / "metrics.jsonl")
+                                         .read_text().splitlines()) if "loss" in m]
+    assert skipped[0] and not all(skipped), skipped
+    assert runs["CPU", "bfloat16"][0] == pytest.approx(losses32, rel=1e-2)
+
+
+def test_set_half_dtype_takes_cerebras_dtypes_and_says_what_it_refuses_in_one_line(tmp_path):
+    import pyapi.cstorch as cstorch
+
+    try:
+        assert cstorch.amp.set_half_dtype("cbfloat16") is torch.float16  # Cerebras' proxy dtype
+        assert cstorch.amp.set_half_dtype("float16") is torch.float16
+        assert cstorch.amp.set_half_dtype(torch.bfloat16) is torch.bfloat16
+        for bad in ("float8", torch.float32, None):
+            with pytest.raises(ValueError) as refused:
+                cstorch.amp.set_half_dtype(bad)
+            assert str(refused.value).startswith(f"cstorch.amp.set_half_dtype: {bad!r} is not a half dtype")
+            assert "\n" not in str(refused.value)
+        assert cstorch.amp.get_half_dtype() is torch.bfloat16  # a refusal leaves the setting as it was
+        cstorch.amp.use_bfloat16(False)
+        assert cstorch.amp.get_half_dtype() is torch.float16
+        cstorch.amp.use_bfloat16(True)
+        model, losses = in_process_loop(tmp_path / "a")  # the CPU backend, in this process, in bfloat16
+        assert losses[1] < losses[0]
+        params = yaml.safe_load(next((tmp_path / "a").glob("run_*/params.yaml")).read_text())
+        assert params["model"]["fp16_type"] == "bfloat16" and params["model"]["mixed_precision"]
+        cstorch.amp.set_half_dtype("cbfloat16")
+        with pytest.raises(ValueError, match=r"^cstorch.amp: the half dtype cbfloat16 needs dynamic loss scaling"):
+            in_process_loop(tmp_path / "b")
+    finally:
+        assert not cstorch.amp.enable_mixed_precision(False)  # the other tests of this process train in float32
+    in_process_loop(tmp_path / "c")
+    params = yaml.safe_load(next((tmp_path / "c").glob("run_*/params.yaml")).read_text())
+    assert "mixed_precision" not in params["model"]
 
 
 def test_a_script_can_target_a_running_appliance(tmp_path, jobs):

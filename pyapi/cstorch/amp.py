@@ -1,12 +1,34 @@
-"""``cstorch.amp``: the gradient scaler. Mixed precision for a compiled PyTorch model is not built
-yet (it trains in float32), so a scaler's settings become the run's loss scaling (and, with
-``max_gradient_norm``, its clipping), applied as for a float32 run of any family."""
+"""``cstorch.amp``: mixed precision and the gradient scaler.
+
+A run trains in mixed precision when the script called ``set_half_dtype`` (or ``use_bfloat16``)
+before the traced step was captured, or the traced step ran its forward inside ``autocast()``: the
+run's params get ``model.mixed_precision: true`` and ``fp16_type``, and the cluster computes as
+for its built-in families (docs/design.md section 5: weights streamed in the 16-bit format, the
+values units hand on and their gradients rounded to it, float32 master weights and loss). As on a
+real CSX, ``autocast()`` casts nothing itself; the CPU backend gives the cluster's bits (the same
+emulated rounding, not ``torch.autocast``). Otherwise the run trains in float32.
+
+A ``GradScaler``'s settings become the run's loss scaling (and, with ``max_gradient_norm``, its
+clipping), in any precision: a step whose scaled gradients overflow is skipped and a dynamic scale
+halves. cbfloat16 needs dynamic scaling, as in Model Zoo; float16 usually wants it; bfloat16 needs
+none.
+"""
+import contextlib
+
+from pyapi.cstorch import step as step_mod
 from pyapi.cstorch.errors import not_built
 from pyapi.cstorch.step import recording
 
+#: The 16-bit format ``set_half_dtype`` set ("float16", "bfloat16", "cbfloat16"), or None (float32).
+#: Read when a traced step is captured; ``enable_mixed_precision(False)`` sets it back to None.
+_half_dtype = None
+
 
 class GradScaler:
-    """Cerebras' ``GradScaler``: ``loss_scale`` "dynamic" or a number, and the dynamic scaler's bounds."""
+    """Cerebras' ``GradScaler``: ``loss_scale`` "dynamic" or a number, and the dynamic scaler's bounds;
+    recorded as the run's ``optimizer.loss_scaling_factor``, ... when the traced step calls
+    ``step(optimizer)``. ``scale`` and ``unscale_`` change nothing: the CS-2s scale the loss's
+    gradient, MemoryX divides it out."""
 
     def __init__(self, loss_scale=None, init_scale=None, steps_per_increase=None, min_loss_scale=None,
                  max_loss_scale=None, overflow_tolerance=0.0, max_gradient_norm=None):
@@ -32,8 +54,56 @@ class GradScaler:
             raise not_built("GradScaler.update(new_scale)", "the scale follows the dynamic rule")
 
 
+def _format(dtype, who="cstorch.amp.set_half_dtype"):
+    """The format name of a half dtype: "float16", "bfloat16", "cbfloat16" or torch.float16 / torch.bfloat16."""
+    import torch
+
+    if isinstance(dtype, str) and dtype in ("float16", "bfloat16", "cbfloat16"):
+        return dtype
+    if isinstance(dtype, torch.dtype) and dtype in (torch.float16, torch.bfloat16):
+        return str(dtype).replace("torch.", "")
+    raise ValueError(f"{who}: {dtype!r} is not a half dtype (give \"float16\", \"bfloat16\", "
+                     "\"cbfloat16\", torch.float16 or torch.bfloat16)")
+
+
+def _torch_dtype(fmt):
+    import torch
+
+    return torch.bfloat16 if fmt == "bfloat16" else torch.float16  # cbfloat16's proxy is float16, as Cerebras'
+
+
 def set_half_dtype(dtype):
-    raise not_built("cstorch.amp.set_half_dtype", "a compiled PyTorch model trains in float32")
+    """Train the traced steps captured from now on in ``dtype``'s 16-bit format; return the torch
+    dtype that stands for it (torch.float16 for cbfloat16, as Cerebras' proxy dtype)."""
+    global _half_dtype
+    _half_dtype = _format(dtype)
+    return _torch_dtype(_half_dtype)
 
 
-use_bfloat16 = set_half_dtype
+def use_bfloat16(use):
+    """Cerebras' older spelling: ``set_half_dtype`` of bfloat16 if ``use``, else of float16."""
+    return set_half_dtype("bfloat16" if use else "float16")
+
+
+def enable_mixed_precision(enable=True):
+    """Cerebras' switch: False trains the steps captured from now on in float32 (the half dtype set is
+    forgotten); True in the half dtype set, else float16. Returns whether mixed precision is on."""
+    global _half_dtype
+    _half_dtype = (_half_dtype or "float16") if enable else None
+    return _half_dtype is not None
+
+
+def get_half_dtype():
+    """The torch dtype of the half dtype set (torch.float16 when none is)."""
+    return _torch_dtype(_half_dtype)
+
+
+@contextlib.contextmanager
+def autocast(dtype=None):
+    """In a traced step, its forward runs in mixed precision: the run trains in the half dtype set,
+    else in ``dtype``, else in float16. Nothing is cast here: the cluster rounds, as a CSX does."""
+    fmt = None if dtype is None else _format(dtype, "cstorch.amp.autocast")
+    rec = step_mod._recording
+    if rec is not None:
+        rec.fp16_type = rec.fp16_type or fmt or "float16"
+    yield None

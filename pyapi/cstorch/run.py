@@ -4,9 +4,9 @@ On the traced step's first call the run captures it (``wse_core.compiler``: the 
 as one graph, cut into streaming units) and writes, under ``artifact_dir/run_<n>/``:
 ``program.pt2`` (the units and the model's initial weights), ``data/`` (the executor's batches, in
 order, as a dataset of the project's ``arrays`` or ``lm`` layout), ``params.yaml`` (the model
-family ``torch``, the optimizer's and scheduler's settings, the backend's cluster) and ``model/``
-(the run's model_dir: metrics, checkpoints, logs). A CSX backend then runs the job
-(``pyapi.Job.fit``, MPI ranks) in a thread of this process, whose output goes to ``run.log``, or
+family ``torch`` and its precision, the optimizer's and scheduler's settings, the backend's
+cluster) and ``model/`` (the run's model_dir: metrics, checkpoints, logs). A CSX backend then runs
+the job (``pyapi.Job.fit``, MPI ranks) in a thread of this process, whose output goes to ``run.log``, or
 queues it on a running appliance (``backend(..., appliance=SOCKET)``: ``Job.submit``) and waits
 for it in that thread; a CPU
 backend runs the reference's steps (``wse_core.nn.reference``) in this process, one per call: the
@@ -150,21 +150,26 @@ class Run:
             self.cpu = _InProcess(self.params, self.start, resumed)
 
     def _params(self, program, layout, rec):
+        optimizer = rec.optimizers[0].spec()
+        optimizer.update(rec.settings)
+        model = {"name": "torch", "program": program}
+        if rec.fp16_type is not None:  # cstorch.amp: a half dtype set, or autocast() in the step
+            if rec.fp16_type == "cbfloat16" and optimizer.get("loss_scaling_factor") != "dynamic":
+                raise ValueError("cstorch.amp: the half dtype cbfloat16 needs dynamic loss scaling (as in Model Zoo): "
+                                 "step with cstorch.amp.GradScaler(loss_scale='dynamic')")
+            model.update(mixed_precision=True, fp16_type=rec.fp16_type)
         data = self.dir / "data"
         data.mkdir()
         k = self.start % len(self.batches)  # rotated: position (start + i) x batch holds the i-th batch
         _write_dataset(data / "data-00000.h5", self.batches[-k:] + self.batches[:-k] if k else self.batches, layout)
         b = len(self.batches[0][0])
         mbs = self.executor.micro_batch_size or self.backend.micro_batch_size
-        optimizer = rec.optimizers[0].spec()
-        optimizer.update(rec.settings)
         runconfig = {"max_steps": self.start + self.executor.num_steps, "model_dir": str(self.model_dir),
                      "checkpoint_steps": self.executor.checkpoint_steps or 0, **self.backend.run_config()}
         train = {"data_dir": str(data), "batch_size": b, "shuffle": False}
         if mbs is not None:
             train["micro_batch_size"] = mbs
-        return {"train_input": train, "model": {"name": "torch", "program": program}, "optimizer": optimizer,
-                "runconfig": runconfig}
+        return {"train_input": train, "model": model, "optimizer": optimizer, "runconfig": runconfig}
 
     def _start_job(self):
         from pyapi.job import Job
@@ -435,7 +440,7 @@ class _InProcess:
         else:
             self.params, self.state = resumed
         self.schedule = make_schedule(o.learning_rate, key="optimizer.learning_rate")
-        self.scaler = LossScaler.from_params(o, None)
+        self.scaler = LossScaler.from_params(o, self.model.config.get("fp16_type"))
         self.stream = GlobalStream(t.data_dir)
         self.step = start
 

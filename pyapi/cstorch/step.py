@@ -4,7 +4,8 @@ A traced step (a training step, or an evaluation step: one that calls neither ``
 optimizer) runs its Python once, on its first call inside a DataExecutor: there it is captured
 (``Run.capture``) with ``loss.backward()``, ``optimizer.step()``, ``zero_grad()``, a scheduler's
 ``step()``, a grad scaler's calls and ``torch.nn.utils.clip_grad_norm_`` recorded, not run, and
-``tensor.item()`` refused (a value exists only once the cluster has run the step). Every
+``tensor.item()`` refused (a value exists only once the cluster has run the step); the run's
+precision (``cstorch.amp``: the half dtype set, or ``autocast()`` in the step) is recorded too. Every
 call returns that step's loss as the cluster finished it. Step closures called in the loop run at
 once, on values that are already the step's (the traced step waited for them); step closures and
 ``summarize_scalar`` called inside the traced step run when the step is done, in the order called,
@@ -20,10 +21,11 @@ from pyapi.cstorch.errors import not_built
 
 
 class Recording:
-    """What the traced step's first run said beside its graph."""
+    """What the traced step's first run said beside its graph: its optimizers, their settings, and
+    ``fp16_type``, the 16-bit format it trains in (``cstorch.amp``), or None: float32."""
 
-    def __init__(self):
-        self.optimizers, self.settings = [], {}
+    def __init__(self, fp16_type=None):
+        self.optimizers, self.settings, self.fp16_type = [], {}, fp16_type
         self.backward = False  # loss.backward() was called: a training step (an evaluation step calls none)
         self.closures = []  # (closure, args, kwargs) the step called: run once the step is done
 
@@ -44,8 +46,10 @@ def record(fn):
     import torch
     import torch.nn.utils.clip_grad as clip_grad
 
+    from pyapi.cstorch import amp
+
     global _recording
-    rec = Recording()
+    rec = Recording(amp._half_dtype)  # set_half_dtype before the capture; autocast() in the step may set it too
     saved = torch.Tensor.backward, torch.nn.utils.clip_grad_norm_, torch.Tensor.item
     original = saved[1]
     # the step's own names for it too (``from torch.nn.utils import clip_grad_norm_``)

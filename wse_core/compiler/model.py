@@ -14,6 +14,11 @@ reference step, checkpoints and the simulated clock run it unchanged:
   reports: the loss *sum* and n_j, with the backward seeded by n_j (times the loss scale); the
   coordinator divides by N = sum n_j of the global batch (``loss_divisor``), as for the built-in
   families, so the step's loss and gradients are the mean over the global batch;
+- mixed precision (``model.mixed_precision``), by the built-in families' rules: the unit computes in
+  float32 on the streamed 16-bit weights (``compute_weights``; rounded float32 values); the
+  floating-point values it hands on (not the loss) and the batch's floating-point inputs are
+  rounded to the format (copies: autograd keeps the unit's own outputs), and so are its input and
+  weight gradients (each sum of them too); the loss's seed carries the loss scale in float32;
 - dropout: torch's generator is seeded before each unit's forward from (seed, step, the
   micro-batch's first sample, unit) (``runner.dropout_seed``), inside ``fork_rng``;
 - torch computes on one thread (``one_thread``): its reductions (a bias's gradient, LayerNorm's)
@@ -201,7 +206,8 @@ class TorchModel(Model):
             torch.from_numpy(np.asarray(batch["labels"])).to(y_dtype)
 
     def first_input(self, batch, dtype):
-        return {"input": self.tensors(batch)}
+        """The batch's tensors; floating-point inputs in the run's precision, as the built-in families'."""
+        return {"input": tuple(self._rounded(t) for t in self.tensors(batch))}
 
     # -- passes -------------------------------------------------------------------------------
 
@@ -231,7 +237,29 @@ class TorchModel(Model):
                                                                                    drop.first_sample, u)
         with one_thread():
             outputs, saved = runner.unit_forward(unit, weights, x, x["input"], seed)
-        return {**x, **dict(zip(unit.outputs, outputs))}, saved
+        handed = dict(zip(unit.outputs, outputs))
+        loss = self.torch_units[-1].outputs[0] if u == len(self.torch_units) - 1 else None
+        # What later units read leaves in the run's precision (rounded copies: autograd keeps the
+        # unit's own outputs in ``saved``); the loss is not handed on: it stays float32.
+        return {**x, **{n: v if n == loss else self._rounded(v) for n, v in handed.items()}}, saved
+
+    def _rounded(self, value):
+        """A floating-point tensor in the run's precision: a rounded copy, needing a gradient as the
+        value does (the next unit takes it as a leaf); anything else, and every value in float32, as is."""
+        if self.precision.format is None or not isinstance(value, torch.Tensor) or not value.is_floating_point():
+            return value
+        rounded = self.precision.format.round(value.detach().to(torch.float32).numpy())
+        return torch.from_numpy(rounded).to(value.dtype).requires_grad_(value.requires_grad)
+
+    def _round_grad(self, g):
+        """A gradient in the run's precision, rounded in place (as float32, contiguous: a broadcast
+        gradient is copied first, so its memory is its own)."""
+        if self.precision.format is None:
+            return g
+        if g.dtype != torch.float32 or not g.is_contiguous():
+            g = g.to(torch.float32).contiguous()
+        self.precision.round_(g.numpy())
+        return g
 
     def loss(self, y, batch, loss_scale=1.0):
         """(loss_sum, n, dy): the micro-batch's loss times its n terms (a mean's) and n; dy seeds the
@@ -255,12 +283,19 @@ class TorchModel(Model):
         return int(self.loss_spec.counter(*self.tensors(batch)))
 
     def unit_backward(self, u, dy, saved, params):
+        """Unit u's backward: the gradients waiting for earlier units' values, and its weight gradients,
+        in the run's precision. A value several units read gets its gradients added in float32 and
+        rounded, each sum, as every gradient sum is (``Model.add_grads``)."""
         unit, waiting = self.torch_units[u], dict(dy)
-        if "seed" in waiting:  # the loss's: the tail's output
+        if "seed" in waiting:  # the loss's (float32, times the loss scale): the tail's output
             waiting[unit.outputs[0]] = waiting.pop("seed")
+        mine = {n: waiting.pop(n) for n in unit.outputs if n in waiting}
         with one_thread():
-            grads = runner.unit_backward(unit, saved, waiting)
-        return waiting, {p: g.numpy() for p, g in grads.items()}
+            grads = runner.unit_backward(unit, saved, mine)  # mine: now the gradients of what it read
+            for name, g in mine.items():
+                g = self._round_grad(g)
+                waiting[name] = g if name not in waiting else self._round_grad(waiting[name] + g)
+        return waiting, {p: self._round_grad(g).numpy() for p, g in grads.items()}
 
     def units_forward(self, u, xs, params, drops):
         return self._side_by_side(lambda x, d: self.unit_forward(u, x, params, d), xs, drops)

@@ -251,18 +251,13 @@ class MLPConfig(ModelConfig):
 @dataclass(frozen=True, kw_only=True)
 class TorchConfig(ModelConfig):
     """torch: a user's own PyTorch model, compiled (``wse_core.compiler``): its streaming units, their
-    weights and the loss are in the program file ``save_program`` wrote."""
+    weights and the loss are in the program file ``save_program`` wrote; ``mixed_precision`` and
+    ``fp16_type`` as for every family."""
 
     ZOO: ClassVar[dict] = {}
 
     name: str = key(OneOf("torch"), "torch")
     program: str = key(Text(), "the compiled program (wse_core.compiler.save_program): units, loss, weights")
-
-    def __post_init__(self):
-        super().__post_init__()
-        if self.mixed_precision:
-            raise ValueError("model.mixed_precision: not built yet for a compiled PyTorch model (it trains in "
-                             "float32)")
 
 
 #: ``model.name`` -> its config class.
