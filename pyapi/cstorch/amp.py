@@ -19,9 +19,9 @@ from pyapi.cstorch import step as step_mod
 from pyapi.cstorch.errors import not_built
 from pyapi.cstorch.step import recording
 
-#: The 16-bit format ``set_half_dtype`` set ("float16", "bfloat16", "cbfloat16"), or None (float32).
+#: The 16-bit format ``set_half_dtype`` set ("float16", "bfloat16", "cbfloat16"), or None (float32);
+#: it lives in ``step`` (``step_mod.half_dtype``), which reads it when a step is captured.
 #: Read when a traced step is captured; ``enable_mixed_precision(False)`` sets it back to None.
-_half_dtype = None
 
 
 class GradScaler:
@@ -75,9 +75,8 @@ def _torch_dtype(fmt):
 def set_half_dtype(dtype):
     """Train the traced steps captured from now on in ``dtype``'s 16-bit format; return the torch
     dtype that stands for it (torch.float16 for cbfloat16, as Cerebras' proxy dtype)."""
-    global _half_dtype
-    _half_dtype = _format(dtype)
-    return _torch_dtype(_half_dtype)
+    step_mod.half_dtype = _format(dtype)
+    return _torch_dtype(step_mod.half_dtype)
 
 
 def use_bfloat16(use):
@@ -88,14 +87,13 @@ def use_bfloat16(use):
 def enable_mixed_precision(enable=True):
     """Cerebras' switch: False trains the steps captured from now on in float32 (the half dtype set is
     forgotten); True in the half dtype set, else float16. Returns whether mixed precision is on."""
-    global _half_dtype
-    _half_dtype = (_half_dtype or "float16") if enable else None
-    return _half_dtype is not None
+    step_mod.half_dtype = (step_mod.half_dtype or "float16") if enable else None
+    return step_mod.half_dtype is not None
 
 
 def get_half_dtype():
     """The torch dtype of the half dtype set (torch.float16 when none is)."""
-    return _torch_dtype(_half_dtype)
+    return _torch_dtype(step_mod.half_dtype)
 
 
 @contextlib.contextmanager

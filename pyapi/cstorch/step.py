@@ -31,6 +31,7 @@ class Recording:
 
 
 _recording = None
+half_dtype = None  # the 16-bit format cstorch.amp.set_half_dtype set, or None (float32)
 _executor = None  # the DataExecutor being iterated (utils.data sets it)
 
 
@@ -46,10 +47,8 @@ def record(fn):
     import torch
     import torch.nn.utils.clip_grad as clip_grad
 
-    from pyapi.cstorch import amp
-
     global _recording
-    rec = Recording(amp._half_dtype)  # set_half_dtype before the capture; autocast() in the step may set it too
+    rec = Recording(half_dtype)  # set_half_dtype before the capture; autocast() in the step may set it too
     saved = torch.Tensor.backward, torch.nn.utils.clip_grad_norm_, torch.Tensor.item
     original = saved[1]
     # the step's own names for it too (``from torch.nn.utils import clip_grad_norm_``)
