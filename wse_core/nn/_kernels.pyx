@@ -200,27 +200,29 @@ def relu_backward(const floating[:, ::1] pre, floating[:, ::1] dy):
 
 
 def causal_softmax_forward(floating[:, :, ::1] s, double scale):
-    """s[b, i, :] := softmax(scale * s[b, i, :i+1]) followed by zeros, in place (a causal mask)."""
-    cdef Py_ssize_t nb = s.shape[0], t = s.shape[1], row, b, i, j
+    """s[b, i, :] := softmax(scale * s[b, i, :o+i+1]) followed by zeros, in place (a causal mask), where
+    o = L - t for blocks [t, L]: the last t of L positions attending to themselves and every earlier one
+    (o = 0 in training's square blocks; a KV cache's decode step is one row, t = 1, seeing all L)."""
+    cdef Py_ssize_t nb = s.shape[0], t = s.shape[1], o = s.shape[2] - s.shape[1], row, b, i, j
     cdef floating m, e, sc = <floating>scale
     cdef double total
-    cdef int nt = wse_threads_for(nb * t * t, WSE_GRAIN)
+    cdef int nt = wse_threads_for(nb * t * (t + o), WSE_GRAIN)
     with nogil:
         for row in prange(nb * t, schedule="static", num_threads=nt):
             b = row // t
             i = row % t
             m = s[b, i, 0] * sc
-            for j in range(1, i + 1):
+            for j in range(1, o + i + 1):
                 if s[b, i, j] * sc > m:
                     m = s[b, i, j] * sc
             total = 0.0
-            for j in range(i + 1):
+            for j in range(o + i + 1):
                 e = _exp(s[b, i, j] * sc - m)
                 s[b, i, j] = e
                 total = total + e
-            for j in range(i + 1):
+            for j in range(o + i + 1):
                 s[b, i, j] = <floating>(s[b, i, j] / total)
-            for j in range(i + 1, t):
+            for j in range(o + i + 1, t + o):
                 s[b, i, j] = 0
 
 

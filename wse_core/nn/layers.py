@@ -169,13 +169,21 @@ class Embedding(Unit):
             specs["wpe.weight"] = ParamSpec((self.max_positions, self.hidden), self.init, lr_group="embedding")
         return specs
 
-    def forward(self, ids, params, drop=None):
-        b, t = ids.shape
+    def _embed(self, ids, params, positions):
         h = params["wte.weight"][ids]
         if self.positions:
-            h += params["wpe.weight"][:t]
+            h += params["wpe.weight"][positions]
         if self.scale != 1.0:
             h *= h.dtype.type(self.scale)
+        return h
+
+    def infer(self, ids, params, kv):
+        """The embeddings of a generation step's new tokens ``ids`` [b, t], at each sequence's positions."""
+        return self._embed(ids, params, kv.positions())
+
+    def forward(self, ids, params, drop=None):
+        b, t = ids.shape
+        h = self._embed(ids, params, slice(0, t))
         mask = None
         if drop is not None and self.dropout > 0:
             mask = drop.scale(b, 0, EMBEDDING_SITE, (t, self.hidden), self.dropout, h.dtype)
@@ -271,6 +279,14 @@ class TransformerBlock(Unit):
                   if on and self.dropout > 0 else None for site in (ATTENTION_OUT_SITE, MLP_OUT_SITE)))
 
     def forward(self, x, params, drop=None):
+        return self._run(x, params, drop, None)
+
+    def infer(self, x, params, kv):
+        """A generation step: the block on the new positions ``x`` [b, t, c], attending over each
+        sequence's KV cache ``kv`` (``wse_core.nn.kv``); training's forward but for attention."""
+        return self._run(x, params, None, kv)[0]
+
+    def _run(self, x, params, drop, kv):
         ops, p = self.ops, self.p
         b, t, c = x.shape
         nh, hd = self.heads, self.head_dim
@@ -281,10 +297,14 @@ class TransformerBlock(Unit):
         qkv = self._lin(ln1, params, "attn.qkv", t)
         qkv = qkv.reshape(b, t, 3, nh, hd).transpose(2, 0, 3, 1, 4)     # [3, b, nh, t, hd]
         q, k, v = (np.ascontiguousarray(qkv[i]) for i in range(3))
-        probs = matmul(q, k.transpose(0, 1, 3, 2))                                # [b, nh, t, t]
-        ops.causal_softmax_forward(probs.reshape(b * nh, t, t), scale)
-        used = probs if masks[0] is None else probs * masks[0]                    # dropout on the attention weights
-        att = np.ascontiguousarray(matmul(used, v).transpose(0, 2, 1, 3)).reshape(b * t, c)
+        if kv is None:
+            probs = matmul(q, k.transpose(0, 1, 3, 2))                            # [b, nh, t, t]
+            ops.causal_softmax_forward(probs.reshape(b * nh, t, t), scale)
+            used = probs if masks[0] is None else probs * masks[0]                # dropout on the attention weights
+            heads = matmul(used, v)
+        else:
+            probs, heads = None, kv.attend(self.name, q, k, v, scale, ops)
+        att = np.ascontiguousarray(heads.transpose(0, 2, 1, 3)).reshape(b * t, c)
         proj = self._lin(att, params, "attn.proj", t)
         mid = x2 + (proj if masks[1] is None else proj * masks[1])
         ln2, mu2, rs2 = ops.layernorm_forward(mid, params[p + "ln_2.weight"], params[p + "ln_2.bias"], self.eps)
@@ -350,6 +370,10 @@ class LMHead(Unit):
                 "ln_f.bias": fixed_spec((c,), "zeros"),
                 self.weight: ParamSpec((self.vocab_size, c), self.init, lr_group="embedding" if
                                        self.weight == "wte.weight" else None)}
+
+    def infer(self, x, params, kv):
+        """The logits of a generation step's positions."""
+        return self.forward(x, params)[0]
 
     def forward(self, x, params, drop=None):
         b, t, c = x.shape

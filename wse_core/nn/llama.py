@@ -59,11 +59,12 @@ class Rotary:
         angles = positions[:, None] * rotary_frequencies(rotary_dim, theta, scaling)[None, :]
         self.cos, self.sin = np.cos(angles), np.sin(angles)   # [positions, rotary_dim / 2]
 
-    def apply(self, x, inverse=False):
-        """Rotate the adjacent pairs of the first ``dim`` features of x [..., t, d] in place (by the
-        negative angle with ``inverse``: the backward pass of an orthogonal map); returns x."""
+    def apply(self, x, inverse=False, start=0):
+        """Rotate the adjacent pairs of the first ``dim`` features of x [..., t, d], at positions
+        start..start+t-1, in place (by the negative angle with ``inverse``: the backward pass of an
+        orthogonal map); returns x."""
         t = x.shape[-2]
-        cos, sin = self.cos[:t].astype(x.dtype), self.sin[:t].astype(x.dtype)
+        cos, sin = self.cos[start:start + t].astype(x.dtype), self.sin[start:start + t].astype(x.dtype)
         if inverse:
             sin = -sin
         even, odd = x[..., 0:self.dim:2].copy(), x[..., 1:self.dim:2].copy()
@@ -139,20 +140,36 @@ class LlamaBlock(Unit):
         return np.ascontiguousarray(y.reshape(b, t, n, self.head_dim).transpose(0, 2, 1, 3))
 
     def forward(self, x, params, drop=None):
+        return self._run(x, params, drop, None)
+
+    def infer(self, x, params, kv):
+        """A generation step: the block on the new positions ``x`` [b, t, c], rotated to each
+        sequence's positions and attending over its KV cache ``kv`` (``wse_core.nn.kv``)."""
+        return self._run(x, params, None, kv)[0]
+
+    def _run(self, x, params, drop, kv):
         p, (b, t, c) = self.p, x.shape
         nh, group = self.heads, self.heads // self.kv_heads
         masks = self._masks(drop, b, t, x.dtype)
         x2 = x.reshape(b * t, c)
         n1, r1 = rms_norm(x2, params[p + "norm_1.weight"], self.eps)
-        q = self.rotary.apply(self._heads(matmul(n1, params[p + "attn.q.weight"].T, sample_rows=t), b, t, nh))
-        k = self.rotary.apply(self._heads(matmul(n1, params[p + "attn.k.weight"].T, sample_rows=t), b, t,
-                                          self.kv_heads))
+        q = self._heads(matmul(n1, params[p + "attn.q.weight"].T, sample_rows=t), b, t, nh)
+        k = self._heads(matmul(n1, params[p + "attn.k.weight"].T, sample_rows=t), b, t, self.kv_heads)
         v = self._heads(matmul(n1, params[p + "attn.v.weight"].T, sample_rows=t), b, t, self.kv_heads)
-        kf, vf = np.repeat(k, group, axis=1), np.repeat(v, group, axis=1)   # q head h reads kv head h // group
-        probs = matmul(q, kf.transpose(0, 1, 3, 2))
-        self.ops.causal_softmax_forward(probs.reshape(b * nh, t, t), self.attention_scale)
-        used = probs if masks[0] is None else probs * masks[0]
-        att = np.ascontiguousarray(matmul(used, vf).transpose(0, 2, 1, 3)).reshape(b * t, c)
+        if kv is None:
+            q, k = self.rotary.apply(q), self.rotary.apply(k)
+            kf, vf = np.repeat(k, group, axis=1), np.repeat(v, group, axis=1)   # q head h reads kv head h // group
+            probs = matmul(q, kf.transpose(0, 1, 3, 2))
+            self.ops.causal_softmax_forward(probs.reshape(b * nh, t, t), self.attention_scale)
+            used = probs if masks[0] is None else probs * masks[0]
+            heads = matmul(used, vf)
+        else:
+            for i, start in enumerate(kv.starts()):  # each sequence at its own positions
+                self.rotary.apply(q[i], start=start)
+                self.rotary.apply(k[i], start=start)
+            kf = vf = probs = None
+            heads = kv.attend(self.name, q, k, v, self.attention_scale, self.ops, group)
+        att = np.ascontiguousarray(heads.transpose(0, 2, 1, 3)).reshape(b * t, c)
         proj = matmul(att, params[p + "attn.proj.weight"].T, sample_rows=t)
         mid = x2 + (proj if masks[1] is None else proj * masks[1])
         n2, r2 = rms_norm(mid, params[p + "norm_2.weight"], self.eps)
@@ -225,6 +242,10 @@ class RMSHead(Unit):
         return {"norm_f.weight": fixed_spec((self.hidden,), "ones"),
                 self.weight: ParamSpec((self.vocab_size, self.hidden), self.init,
                                        lr_group="embedding" if self.weight == "wte.weight" else None)}
+
+    def infer(self, x, params, kv):
+        """The logits of a generation step's positions."""
+        return self.forward(x, params)[0]
 
     def forward(self, x, params, drop=None):
         b, t, c = x.shape

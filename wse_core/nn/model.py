@@ -290,6 +290,21 @@ class LanguageModel(Model):
     def first_input(self, batch, dtype):
         return np.ascontiguousarray(batch["input_ids"])
 
+    def infer(self, params, ids, kv, active):
+        """A generation step: the logits [b, vocab] of the last of the new tokens ``ids`` [b, t] of the
+        sequences ``active`` (ids in the KV cache ``kv``, ``wse_core.nn.kv``), whose caches grow by t.
+        ``params``: the weights the CS-2s compute with (``compute_weights``). Each unit's ``infer`` is
+        its training forward but for attention over the cache; outputs in the run's precision."""
+        kv.begin(active, ids.shape[1])
+        x = np.ascontiguousarray(ids, dtype=np.int32)
+        last = len(self.units) - 1
+        for u, unit in enumerate(self.units):
+            if u == last:  # only the last position's logits are needed
+                x = np.ascontiguousarray(x[:, -1:])
+            x = self.precision.round_(unit.infer(x, params, kv))
+        kv.end()
+        return x[:, -1]
+
     def correct(self, y, batch):
         hit = np.argmax(y, axis=-1) == batch["labels"]
         return int(np.count_nonzero(hit & (batch["loss_mask"] != 0)))

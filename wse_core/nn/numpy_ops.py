@@ -64,9 +64,9 @@ def relu_backward(pre, dy):
 
 
 def causal_softmax_forward(scores, scale):
-    t = scores.shape[-1]
+    t, length = scores.shape[-2:]
     scores *= scale
-    scores[:, np.triu(np.ones((t, t), bool), k=1)] = -np.inf
+    scores[:, np.triu(np.ones((t, length), bool), k=length - t + 1)] = -np.inf
     scores -= scores.max(axis=-1, keepdims=True)
     np.exp(scores, out=scores)
     scores /= scores.sum(axis=-1, keepdims=True)

@@ -116,10 +116,12 @@ def relu_backward(pre, dy):
 
 
 def causal_softmax_forward(scores, scale):
-    """scores[n, i, :] := causal softmax of scale * scores[n, i, :], in place; returns scores."""
+    """scores[n, i, :] := causal softmax of scale * scores[n, i, :], in place; returns scores. Blocks
+    [n, t, L] (t <= L) are the last t of L positions: row i sees the first L - t + i + 1 (training's
+    are square; a KV cache's decode step is one row seeing all L)."""
     _float("scores", scores, 3)
-    if scores.shape[1] != scores.shape[2]:
-        raise ValueError(f"scores: expected square [n, T, T] blocks, got shape {scores.shape}")
+    if scores.shape[1] > scores.shape[2]:
+        raise ValueError(f"scores: expected blocks [n, t, L] with t <= L, got shape {scores.shape}")
     _kernels.causal_softmax_forward(scores, float(scale))
     return scores
 
