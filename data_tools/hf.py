@@ -18,11 +18,9 @@ from data_tools.errors import CheckpointError, DataError, DataWarning
 from data_tools.tokenizers import write_hf_tokenizer
 
 
-def from_hf(hf_dir, model_dir):
-    """A checkpoint (step 0, weights only: the optimizer starts fresh) in ``model_dir`` from a Hugging
-    Face directory (config.json, model.safetensors); returns (its path, the model section of the params
-    a run on it needs)."""
-    import yaml
+def read_hf(hf_dir):
+    """(model, weights, config) of a Hugging Face directory (config.json, *.safetensors): our model of
+    its architecture and its weights in our names; CheckpointError naming the file at fault."""
     from safetensors.numpy import load_file
 
     from wse_core.nn import build_model
@@ -51,7 +49,17 @@ def from_hf(hf_dir, model_dir):
         if weights[name].shape != spec.shape:
             raise CheckpointError(f"{hf_dir}: tensor for {name} has shape {list(weights[name].shape)}, the config "
                                   f"says {list(spec.shape)}")
-    path = save_checkpoint(model_dir, 0, [({n: weights[n] for n in model.param_names}, {})],
+    return model, {n: weights[n] for n in model.param_names}, config
+
+
+def from_hf(hf_dir, model_dir):
+    """A checkpoint (step 0, weights only: the optimizer starts fresh) in ``model_dir`` from a Hugging
+    Face directory (config.json, model.safetensors); returns (its path, the model section of the params
+    a run on it needs)."""
+    import yaml
+
+    model, weights, _ = read_hf(hf_dir)
+    path = save_checkpoint(model_dir, 0, [(weights, {})],
                            params_yaml=yaml.safe_dump({"model": model.config}, sort_keys=False))
     return path, model.config
 

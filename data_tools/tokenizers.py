@@ -132,15 +132,9 @@ def get_tokenizer(spec):
     return HFTokenizer(path)
 
 
-def write_hf_tokenizer(data_dirs, out, *, vocab_size, max_length):
-    """Write the tokenizer of the dataset in ``data_dirs`` (a list: their files are one dataset) to
-    ``out`` as transformers' ``AutoTokenizer`` loads it: ``tokenizer.json``, ``tokenizer_config.json``
-    and ``special_tokens_map.json``, end-of-text and pad the data's. Returns the ids ``config.json``
-    takes; raises DataError saying why when there is no tokenizer to write."""
-    try:
-        import tokenizers  # noqa: F401  (checked here, once, rather than as each tokenizer is built)
-    except ImportError:
-        raise DataError("the optional 'tokenizers' package is not installed (pip install 'wse-cluster[hf]')") from None
+def data_tokenizer(data_dirs):
+    """(tokenizer, eos id, pad id, first directory) of the dataset in ``data_dirs`` (a list: their
+    files are one dataset), as its data_params.json name them; DataError saying why there is none."""
     made = {}  # directory -> (tokenizer, eos_id, pad_id) of its data_params.json
     for d in map(Path, data_dirs):
         if not d.is_dir():
@@ -157,9 +151,22 @@ def write_hf_tokenizer(data_dirs, out, *, vocab_size, max_length):
         raise DataError(f"{first / DATA_PARAMS}: tokenizer {spec} is not there (moved, or a hub name, "
                         "which needs the network)")
     tok = get_tokenizer(spec)
-    hf = tok.hf_tokenizer()
     eos = tok.eot_id if eos is None else eos
-    pad = eos if pad is None else pad
+    return tok, eos, eos if pad is None else pad, first
+
+
+def write_hf_tokenizer(data_dirs, out, *, vocab_size, max_length):
+    """Write the tokenizer of the dataset in ``data_dirs`` (a list: their files are one dataset) to
+    ``out`` as transformers' ``AutoTokenizer`` loads it: ``tokenizer.json``, ``tokenizer_config.json``
+    and ``special_tokens_map.json``, end-of-text and pad the data's. Returns the ids ``config.json``
+    takes; raises DataError saying why when there is no tokenizer to write."""
+    try:
+        import tokenizers  # noqa: F401  (checked here, once, rather than as each tokenizer is built)
+    except ImportError:
+        raise DataError("the optional 'tokenizers' package is not installed (pip install 'wse-cluster[hf]')") from None
+    tok, eos, pad, first = data_tokenizer(data_dirs)
+    spec = tok.name
+    hf = tok.hf_tokenizer()
     if hf.get_vocab_size(with_added_tokens=True) > vocab_size:
         raise DataError(f"{first}: its tokenizer has {hf.get_vocab_size(with_added_tokens=True)} ids, "
                         f"model.vocab_size only {vocab_size}")

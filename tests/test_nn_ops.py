@@ -88,6 +88,8 @@ def test_causal_softmax(rng, dtype):
     want = numpy_ops.causal_softmax_backward(ref, dp.astype(np.float64), 0.25)
     np.testing.assert_allclose(got, want, rtol=10 * TOL[dtype], atol=10 * TOL[dtype])
     assert np.all(np.triu(got[0], k=1) == 0)
+    # a [t, L] block is the last t rows of the square one, bit for bit (a KV cache's step)
+    np.testing.assert_array_equal(ops.causal_softmax_forward(s[:, 13:].copy(), 0.25), p[:, 13:])
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -132,8 +134,8 @@ def test_wrappers_reject_bad_arrays():
         ops.layernorm_forward(x, np.ones(8, np.float32), np.zeros(8), 1e-5)
     with pytest.raises(ValueError, match="h: expected a C-contiguous array"):
         ops.bias_gelu_forward(np.zeros((8, 4), np.float32).T, np.zeros(8, np.float32))
-    with pytest.raises(ValueError, match=r"scores: expected square"):
-        ops.causal_softmax_forward(np.zeros((2, 3, 4)), 1.0)
+    with pytest.raises(ValueError, match=r"scores: expected blocks \[n, t, L\] with t <= L, got shape \(2, 4, 3\)"):
+        ops.causal_softmax_forward(np.zeros((2, 4, 3), np.float32), 1.0)
     with pytest.raises(TypeError, match="labels: expected an int32 array"):
         ops.cross_entropy(np.zeros((2, 3)), np.zeros(2, np.int64), np.ones(2, np.int32))
 

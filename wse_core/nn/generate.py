@@ -4,8 +4,8 @@ section 2, "Inference").
 ``generate(model, params, prompts, max_new_tokens, sampling)`` yields ``(k, token)`` for prompt k
 as each token is made: each prompt is prefilled alone (its positions through the units' ``infer``
 in one step), then every unfinished sequence decodes one token per step, together. A sequence
-ends at one of ``stop_ids`` (not yielded), after ``max_new_tokens``, or when it fills the model's
-positions.
+ends at one of ``stop_ids`` (not yielded), after ``max_new_tokens``, or when it holds as many tokens
+(the prompt's and the ones made) as the model has positions.
 
 ``Sampling``: greedy by default (temperature 0: the first of the largest logits, as torch.argmax);
 otherwise Hugging Face's order of warpers (temperature, then top_k, then top_p) and a draw from
@@ -101,7 +101,8 @@ def generate(model, params, prompts, max_new_tokens, sampling=GREEDY, stop_ids=(
         if tok is not None:
             yield k, tok
     while True:
-        live = [k for k in last if made[k] < max_new_tokens and kv.lengths[seqs[k]] < capacity]
+        # a sequence holds at most ``capacity`` tokens, the prompt's and the ones made
+        live = [k for k in last if made[k] < max_new_tokens and len(prompts[k]) + made[k] < capacity]
         if not live:
             return
         logits = model.infer(weights, np.array([[last[k]] for k in live], np.int32), kv, [seqs[k] for k in live])

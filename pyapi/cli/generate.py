@@ -1,0 +1,57 @@
+"""`wse generate`: text from a trained model (pyapi.generate)."""
+
+
+def _cmd_generate(args):
+    import json
+    import sys
+
+    from pyapi.generate import Generator
+
+    prompts = list(args.prompt or [])
+    if args.prompt_file:
+        try:
+            with open(args.prompt_file, encoding="utf-8") as f:
+                prompts += [line.rstrip("\n") for line in f if line.strip()]
+        except OSError as exc:
+            raise ValueError(f"--prompt_file {args.prompt_file}: {exc.strerror}") from None
+    if not prompts:
+        raise ValueError("give a prompt: --prompt TEXT or --prompt_file FILE")
+    gen = Generator.load(args.model, args.checkpoint_path)
+    stream = len(prompts) == 1 and not args.json
+
+    def on_token(k, token, text):
+        sys.stdout.write(text)
+        sys.stdout.flush()
+
+    if stream:
+        sys.stdout.write(prompts[0])
+    done = gen.generate(prompts, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+                        top_p=args.top_p, seed=args.seed, on_token=on_token if stream else None)
+    if stream:
+        print()
+    elif args.json:
+        print(json.dumps([{"prompt": c.prompt, "tokens": c.tokens, "text": c.text, "finish_reason": c.finish_reason}
+                          for c in done], indent=1))
+    else:
+        for c in done:
+            print(f"{c.prompt}{c.text}")
+    return 0
+
+
+def add_generate(sub, chosen):
+    p = sub.add_parser("generate", help="generate text from a trained model",
+                       description="Generate text from a model_dir (its latest checkpoint), a checkpoint or a "
+                                   "Hugging Face directory, with the training data's tokenizer; greedy unless "
+                                   "--temperature is given. One prompt is printed as its tokens come.")
+    p.add_argument("model", help="a model_dir, a checkpoint directory, or a Hugging Face model directory")
+    p.add_argument("--checkpoint_path", help="a checkpoint of the model_dir other than its latest")
+    p.add_argument("--prompt", action="append", help="a prompt (repeat for several)")
+    p.add_argument("--prompt_file", help="a file of prompts, one per line")
+    p.add_argument("--max_new_tokens", type=int, default=64, help="tokens to generate per prompt (default 64)")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 (default): greedy; above: sampling")
+    p.add_argument("--top_k", type=int, default=0, help="sample among the k likeliest tokens (0: all)")
+    p.add_argument("--top_p", type=float, default=1.0, help="sample among the likeliest tokens of this total "
+                                                            "probability (1: all)")
+    p.add_argument("--seed", type=int, default=0, help="the sampling seed (the same seed, the same text)")
+    p.add_argument("--json", action="store_true", help="print the completions as JSON")
+    p.set_defaults(func=_cmd_generate)

@@ -1,0 +1,114 @@
+"""Text from a trained model: ``wse generate`` and ``pyapi.Generator`` (docs/user-guide.md,
+"Generating text").
+
+``Generator.load(SOURCE)`` reads a model from a model_dir (its latest checkpoint), a checkpoint
+directory, or a Hugging Face model directory (config.json and *.safetensors, through
+``data_tools.hf``), with its tokenizer: the training data's (byte, or the tokenizer.json its
+data_params.json names) for ours, the directory's tokenizer.json for a Hugging Face one. A text
+prompt is encoded after the end-of-text token, which is what the model saw before every document
+(the data's convention, and the exported tokenizer's ``bos_token``); generation stops at
+end-of-text. ``generate`` runs ``wse_core.nn.generate`` (a KV cache; the model's own layers) and
+returns one ``Completion`` per prompt, calling ``on_token(k, token, text)`` as each token comes.
+"""
+from dataclasses import dataclass, field
+from pathlib import Path
+
+
+@dataclass
+class Completion:
+    """One prompt's continuation. ``finish_reason``: "stop" (the model ended the text) or "length"
+    (``max_new_tokens``, or the model's positions, reached)."""
+
+    prompt: str | None
+    prompt_ids: list
+    tokens: list = field(default_factory=list)
+    text: str | None = None
+    finish_reason: str = "length"
+
+
+class Generator:
+    """A model ready to generate: its weights, its tokenizer (or None: prompts of token ids only),
+    the token a text follows (``bos_id``) and those that end one (``stop_ids``)."""
+
+    def __init__(self, model, weights, tokenizer=None, *, bos_id=None, stop_ids=(), source="", why_no_tokenizer=""):
+        if not getattr(model, "is_lm", False) or not hasattr(model, "infer"):
+            raise ValueError(f"{source}: model {model.config['name']}: generating is built for the language models "
+                             "(gpt2, gpt3, llama)")
+        self.model, self.weights, self.tokenizer = model, weights, tokenizer
+        self.bos_id, self.stop_ids, self.source = bos_id, tuple(stop_ids), source
+        self.why_no_tokenizer = why_no_tokenizer
+
+    @classmethod
+    def load(cls, source, checkpoint_path=None):
+        """From a model_dir, a checkpoint, or a Hugging Face directory; ValueError naming what is wrong."""
+        import yaml
+
+        from data_tools.checkpoint import Checkpoint
+        from data_tools.errors import DataError
+        from data_tools.tokenizers import data_tokenizer, get_tokenizer
+
+        path = Path(source)
+        if checkpoint_path is None and (path / "config.json").is_file():  # a Hugging Face directory
+            from data_tools.hf import read_hf
+
+            model, weights, config = read_hf(path)
+            tok, why = None, f"{path}: no tokenizer.json"
+            if (path / "tokenizer.json").is_file():
+                tok = get_tokenizer(str(path))
+            eos = config.get("eos_token_id")
+            return cls(model, weights, tok, bos_id=config.get("bos_token_id"), source=str(path),
+                       stop_ids=eos if isinstance(eos, list) else () if eos is None else (eos,), why_no_tokenizer=why)
+        from wse_core.nn import build_model
+
+        ckpt = Checkpoint(checkpoint_path if checkpoint_path is not None else path)
+        params = yaml.safe_load(ckpt.params_yaml) or {}
+        if "model" not in params:
+            raise ValueError(f"{ckpt.dir}: its params name no model")
+        model = build_model(params["model"])
+        weights = ckpt.dense(ckpt.load(model.param_names)[0])
+        data = params.get("train_input") or {}
+        dirs = data.get("data_dir") or [m["data_dir"] for m in data.get("mixture") or ()]
+        try:
+            if not dirs:
+                raise DataError("its params name no train_input.data_dir")
+            tok, eos, _, _ = data_tokenizer([dirs] if isinstance(dirs, str) else dirs)
+        except DataError as exc:
+            return cls(model, weights, source=str(ckpt.dir), why_no_tokenizer=f"{ckpt.dir}: no tokenizer: {exc}")
+        return cls(model, weights, tok, bos_id=eos, stop_ids=(eos,), source=str(ckpt.dir))
+
+    def encode(self, prompt):
+        """A prompt's ids: a text through the tokenizer, after ``bos_id``; a list of ids as given."""
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError(f"a text prompt needs a tokenizer ({self.why_no_tokenizer}); give token ids instead")
+            return ([] if self.bos_id is None else [self.bos_id]) + list(self.tokenizer.encode(prompt))
+        return [int(i) for i in prompt]
+
+    def generate(self, prompts, max_new_tokens=64, *, temperature=0.0, top_k=0, top_p=1.0, seed=0, on_token=None):
+        """One Completion per prompt (a text or a list of token ids); ``on_token(k, token, text)`` is
+        called as each token of prompt k is made (``text``: what it adds to the decoded text, held
+        back while a character's bytes are incomplete)."""
+        from wse_core.nn.generate import Sampling, generate
+
+        if isinstance(prompts, (str, bytes)) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        sampling = Sampling(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
+        out = [Completion(p if isinstance(p, str) else None, self.encode(p)) for p in prompts]
+        shown = [""] * len(out)
+        for k, tok in generate(self.model, self.weights, [c.prompt_ids for c in out], max_new_tokens, sampling,
+                               self.stop_ids):
+            out[k].tokens.append(tok)
+            if on_token is not None:
+                piece = ""
+                if self.tokenizer is not None:
+                    text = self.tokenizer.decode(out[k].tokens)
+                    if not text.endswith("\ufffd"):
+                        piece, shown[k] = text[len(shown[k]):], text
+                on_token(k, tok, piece)
+        limit = self.model.config["max_position_embeddings"]
+        for c in out:
+            ended = len(c.tokens) < max_new_tokens and len(c.prompt_ids) + len(c.tokens) < limit
+            c.finish_reason = "stop" if ended else "length"
+            if self.tokenizer is not None:
+                c.text = self.tokenizer.decode(c.tokens)
+        return out
