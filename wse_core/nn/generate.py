@@ -1,10 +1,11 @@
 """Generation: next tokens of a language model from prompts, with a KV cache (docs/design.md
 section 2, "Inference").
 
-``generate(model, params, prompts, max_new_tokens, sampling)`` yields ``(k, token)`` for prompt k
-as each token is made: each prompt is prefilled alone (its positions through the units' ``infer``
-in one step), then every unfinished sequence decodes one token per step, together. A sequence
-ends at one of ``stop_ids`` (not yielded), after ``max_new_tokens``, or when it holds as many tokens
+``Engine`` batches continuously: sequences join at any step; each is prefilled alone (its
+prompt's positions through the units' ``infer`` in one step), then every unfinished sequence
+decodes one token per step, together. ``generate(model, params, prompts, max_new_tokens,
+sampling)`` runs one over a list of prompts and yields ``(k, token)`` for prompt k as each token is
+made. A sequence ends at one of ``stop_ids`` (not yielded), after ``max_new_tokens``, or when it holds as many tokens
 (the prompt's and the ones made) as the model has positions.
 
 ``Sampling``: greedy by default (temperature 0: the first of the largest logits, as torch.argmax);
@@ -73,42 +74,84 @@ def check_prompts(prompts, capacity):
     return out
 
 
-def generate(model, params, prompts, max_new_tokens, sampling=GREEDY, stop_ids=()):
-    """Yield (k, token) for prompt k as each token is made; see the module's docstring. ``params``:
-    the float32 master weights (the model's precision is applied as the CS-2s apply it)."""
-    Int(0)(max_new_tokens, "max_new_tokens")
-    capacity = model.config["max_position_embeddings"]
-    prompts = check_prompts(prompts, capacity)
-    weights = model.compute_weights(params)
-    kv = KVCache(capacity)
-    seqs = [kv.add() for _ in prompts]
-    last = {}  # sequence k -> the token it feeds next
-    made = [0] * len(prompts)
-    stops = set(int(s) for s in stop_ids)
+class Engine:
+    """Continuous batching over one KV cache: sequences join (``add``) at any step and leave when they
+    end; ``step()`` prefills the sequences added since the last step, one by one, then decodes one
+    token for every other unfinished sequence, together, and returns [(sequence, token or None)]:
+    None when the sequence has ended (at a stop id, which is not returned, after its
+    ``max_new_tokens``, or at the model's positions). ``params``: the float32 master weights (the
+    model's precision is applied as the CS-2s apply it)."""
 
-    def take(k, logits):
-        tok = sampling.pick(logits, kv.lengths[seqs[k]])
-        made[k] += 1
-        if tok in stops:
-            return None
-        last[k] = tok
+    def __init__(self, model, params):
+        self.model = model
+        self.capacity = model.config["max_position_embeddings"]
+        self.weights = model.compute_weights(params)
+        self.kv = KVCache(self.capacity)
+        self.waiting, self.live = [], {}  # sequences to prefill: (id, prompt); decoding: id -> state
+
+    def add(self, prompt, max_new_tokens, sampling=GREEDY, stop_ids=()):
+        """A sequence to generate from ``prompt`` (token ids); returns its id."""
+        Int(0)(max_new_tokens, "max_new_tokens")
+        (prompt,) = check_prompts([prompt], self.capacity)
+        i = self.kv.add()
+        self.waiting.append((i, prompt))
+        self.live[i] = {"prompt": len(prompt), "made": 0, "last": None, "max": max_new_tokens,
+                        "sampling": sampling, "stops": set(int(s) for s in stop_ids)}
+        return i
+
+    def cancel(self, i):
+        """End sequence ``i`` now (a client that left)."""
+        self.waiting = [(j, p) for j, p in self.waiting if j != i]
+        if i in self.live:
+            del self.live[i]
+            self.kv.remove(i)
+
+    @property
+    def busy(self):
+        return bool(self.live)
+
+    def _take(self, i, logits):
+        s = self.live[i]
+        tok = s["sampling"].pick(logits, s["prompt"] + s["made"])
+        s["made"] += 1
+        if tok in s["stops"]:
+            tok = None
+        s["last"] = tok
         return tok
 
-    if max_new_tokens == 0:
-        return
-    for k, p in enumerate(prompts):
-        tok = take(k, model.infer(weights, p[None], kv, [seqs[k]])[0])
-        if tok is not None:
-            yield k, tok
-    while True:
-        # a sequence holds at most ``capacity`` tokens, the prompt's and the ones made
-        live = [k for k in last if made[k] < max_new_tokens and len(prompts[k]) + made[k] < capacity]
-        if not live:
-            return
-        logits = model.infer(weights, np.array([[last[k]] for k in live], np.int32), kv, [seqs[k] for k in live])
-        for k in live:
-            del last[k]
-        for k, row in zip(live, logits):
-            tok = take(k, row)
+    def _ended(self, i):
+        s = self.live[i]
+        return s["last"] is None or s["made"] >= s["max"] or s["prompt"] + s["made"] >= self.capacity
+
+    def step(self):
+        out = []
+        waiting, self.waiting = self.waiting, []
+        prefilled = set()
+        for i, prompt in waiting:
+            if self.live[i]["max"] == 0:
+                out.append((i, None))
+            else:
+                out.append((i, self._take(i, self.model.infer(self.weights, prompt[None], self.kv, [i])[0])))
+                prefilled.add(i)
+        decode = [i for i in self.live if i not in prefilled and self.live[i]["made"] and not self._ended(i)]
+        if decode:
+            ids = np.array([[self.live[i]["last"]] for i in decode], np.int32)
+            for i, row in zip(decode, self.model.infer(self.weights, ids, self.kv, decode)):
+                out.append((i, self._take(i, row)))
+        full = [i for i, tok in out if tok is not None and self._ended(i)]  # its last token just made
+        for i in [i for i, tok in out if tok is None] + full:
+            del self.live[i]
+            self.kv.remove(i)
+        return out + [(i, None) for i in full]
+
+
+def generate(model, params, prompts, max_new_tokens, sampling=GREEDY, stop_ids=()):
+    """Yield (k, token) for prompt k as each token is made; see the module's docstring."""
+    Int(0)(max_new_tokens, "max_new_tokens")
+    prompts = check_prompts(prompts, model.config["max_position_embeddings"])
+    engine = Engine(model, params)
+    index = {engine.add(p, max_new_tokens, sampling, stop_ids): k for k, p in enumerate(prompts)}
+    while engine.busy:
+        for i, tok in engine.step():
             if tok is not None:
-                yield k, tok
+                yield index[i], tok
