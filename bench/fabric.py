@@ -15,9 +15,10 @@ routes every iteration), and grow as a Z + b (W + H) + c: Z for the vector work 
 column, W + H for the allreduce latency. The benchmark fits a, b, c on small meshes, checks the
 fit on a fourth, and predicts an iteration on the SC20 paper's 600 x 595 x 1536 mesh.
 
-It also calibrates the simulated-time model (wse_core.perf.calibration): the weight-streaming GEMM
-and the mesh allreduce on small rectangles, each formula fitted and checked on sizes the fit did
-not see, and prints the fitted constants next to those the model uses.
+It also calibrates the simulated-time model (wse_core.perf.calibration): the weight-streaming GEMM,
+the mesh allreduce, and the GEMV and broadcast that decode runs on (perf.inference), on small
+rectangles, each formula fitted and checked on sizes the fit did not see, and prints the fitted
+constants next to those the model uses.
 """
 import time
 
@@ -144,20 +145,24 @@ def report(result):
 
 
 def _calibration_report(cal):
-    from wse_core.perf.calibration import ALLREDUCE_COEF, GEMM_COEF
+    from wse_core.perf.calibration import ALLREDUCE_COEF, BROADCAST_COEF, GEMM_COEF, GEMV_COEF
 
-    g, a = cal["gemm"], cal["allreduce"]
-    lines = ["Simulated-time calibration (fit on {} + {} sizes, checked on sizes not in the fit):".format(
-        len(g["fit_sizes"]), len(a["fit_sizes"]))]
+    g, a, v, bc = cal["gemm"], cal["allreduce"], cal["gemv"], cal["broadcast"]
+    lines = ["Simulated-time calibration (fit on {} sizes, checked on sizes not in the fit):".format(
+        " + ".join(str(len(x["fit_sizes"])) for x in (g, a, v, bc)))]
     a1, a2, b, c, d = g["coef"]
     lines.append(f"  stream GEMM cycles = {a1:.4f} kb n mb + {a2:.4f} kb n + {b:.4f} mb n + {c:.3f} (W + H) "
                  f"{d:+.2f}   (model uses {', '.join(f'{x:g}' for x in GEMM_COEF)})")
     e, f, g0 = a["coef"]
     lines.append(f"  mesh allreduce cycles = {e:.3f} n + {f:.3f} (W + H) {g0:+.2f}   (model uses "
                  f"{', '.join(f'{x:g}' for x in ALLREDUCE_COEF)})")
-    rows = [["gemm", "x".join(map(str, r["size"])), r["cycles"], f"{r['predicted']:.0f}", f"{r['error']:+.2%}"]
-            for r in g["check"]]
-    rows += [["allreduce", "x".join(map(str, r["size"])), r["cycles"], f"{r['predicted']:.0f}", f"{r['error']:+.2%}"]
-             for r in a["check"]]
+    p1, p2, p3, p4, p5 = v["coef"]
+    lines.append(f"  gemv cycles = {p1:.3f} b c + {p2:.3f} b + {p3:.3f} W + {p4:.3f} H {p5:+.2f}   (model uses "
+                 f"{', '.join(f'{x:g}' for x in GEMV_COEF)})")
+    q1, q2, q3 = bc["coef"]
+    lines.append(f"  broadcast cycles = {q1:.3f} n + {q2:.3f} W {q3:+.2f}   (model uses "
+                 f"{', '.join(f'{x:g}' for x in BROADCAST_COEF)})")
+    rows = [[name, "x".join(map(str, r["size"])), r["cycles"], f"{r['predicted']:.0f}", f"{r['error']:+.2%}"]
+            for name in ("gemm", "allreduce", "gemv", "broadcast") for r in cal[name]["check"]]
     lines.append(table(rows, ["program", "held-out size (W x H x ...)", "simulator cycles", "model", "error"]))
     return lines

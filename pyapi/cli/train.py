@@ -15,6 +15,13 @@ def _cmd_compile(args):
 
     from mpi_launch.plan import describe
 
+    if args.inference:
+        if args.plot:
+            raise ValueError("--plot: draws the training's pipelined placement, not with --inference")
+        return _print_inference(args)
+    for flag in ("batch", "prompt_tokens", "new_tokens"):
+        if getattr(args, flag) is not None:
+            raise ValueError(f"--{flag}: only with --inference")
     d = describe(_load_params(args))
     if args.json:
         print(json.dumps(d, indent=2))
@@ -65,6 +72,52 @@ def _cmd_compile(args):
 
         plot_placement(pl, args.plot)
         print(f"wrote {args.plot}")
+    return 0
+
+
+def _print_inference(args):
+    """What serving the params' model takes on the emulated hardware (wse_core.perf.inference)."""
+    import json
+
+    from wse_core.nn import build_model
+    from wse_core.perf import Hardware
+    from wse_core.perf.inference import serve
+
+    params = _load_params(args)
+    model = build_model(params.model)
+    most = model.config.get("max_position_embeddings", 2)
+    prompt = args.prompt_tokens if args.prompt_tokens is not None else min(128, most // 2)
+    new = args.new_tokens if args.new_tokens is not None else min(128, most - prompt)
+    num_csx = params.runconfig.num_csx
+    kwargs = dict(batch=1 if args.batch is None else args.batch, prompt_tokens=prompt, new_tokens=new,
+                  num_csx=num_csx, hw=Hardware.for_model(model, params.runconfig.hardware))
+    r = serve(model, **kwargs)
+    if args.json:
+        print(json.dumps(r.to_dict(), indent=2))
+        return 0
+    d = r.detail
+    csx = f"{num_csx} CS-2" + ("s" if num_csx > 1 else "")
+    print(f"inference (a model of the hardware, wse_core.perf; {d['precision']}): {r.why}")
+    print(f"  batch {r.batch}, prompt {r.prompt_tokens} tokens, {r.new_tokens} new: time to first token "
+          f"{r.ttft_s * 1e3:.3f} ms, time per output token {r.tpot_s * 1e3:.3f} ms "
+          f"(a request {d['request_s'] * 1e3:.1f} ms)")
+    print(f"  {r.tokens_per_s_user:.1f} tokens/s per user, {r.tokens_per_s_batch:.1f} tokens/s for the batch")
+    print(f"  KV cache {r.kv_bytes_per_sequence / 1e6:.3g} MB a sequence of {r.prompt_tokens + r.new_tokens} "
+          f"positions: up to {r.max_batch['resident']} sequences with the weights resident on {csx}, "
+          f"{r.max_batch['streamed']} with them streamed")
+    if r.placement == "resident":
+        g, m = d["micro_batches"], d["micro_batch"]
+        print(f"  pipelined over {d['stages']} stages: {g} micro-batch{'es' if g > 1 else ''} of {m} "
+              f"sequence{'s' if m > 1 else ''}, slowest stage {d['slowest_stage_s'] * 1e3:.4f} ms, a token through "
+              f"them all {d['latency_s'] * 1e3:.3f} ms")
+        if r.max_batch["streamed"] >= r.batch:
+            s = serve(model, placement="streamed", **kwargs)
+            print(f"  streamed from MemoryX instead: {s.tokens_per_s_user:.1f} tokens/s per user, "
+                  f"{s.tokens_per_s_batch:.1f} for the batch")
+    else:
+        n = d["sequences_per_csx"]
+        print(f"  a decode step: compute {d['compute_s'] * 1e3:.3f} ms, the weights' stream "
+              f"{d['stream_s'] * 1e3:.3f} ms ({n} sequence{'s' if n > 1 else ''} per CS-2)")
     return 0
 
 
@@ -141,8 +194,16 @@ def add_validate(sub, chosen):
 def add_compile(sub, chosen):
     p = sub.add_parser("compile", help="print the rank plan and per-rank memory of a params file (no training)",
                        description="Validate PARAMS and print the rank plan: roles, MemoryX layer ownership, "
-                                   "the SwarmX tree and estimated memory per rank. Nothing is launched.")
+                                   "the SwarmX tree and estimated memory per rank; with --inference, the "
+                                   "simulated latency of serving the model instead. Nothing is launched.")
     job_args(p, model_dir=False)
     p.add_argument("--json", action="store_true", help="print JSON")
     p.add_argument("--plot", metavar="PNG", help="draw the pipelined placement on the wafer (needs matplotlib)")
+    p.add_argument("--inference", action="store_true",
+                   help="print instead what serving the model takes: time to first token, per output token, tokens/s")
+    opt(p, "--batch", type=int, metavar="B", help="with --inference: sequences decoding together (default 1)")
+    opt(p, "--prompt_tokens", type=int, metavar="P",
+        help="with --inference: tokens of each prompt (default 128, at most half the model's positions)")
+    opt(p, "--new_tokens", type=int, metavar="N",
+        help="with --inference: tokens generated a sequence (default 128, at most the positions left)")
     p.set_defaults(func=_cmd_compile)
