@@ -26,6 +26,33 @@ class Completion:
     finish_reason: str = "length"
 
 
+def finish_reason(prompt_tokens, made, max_new_tokens, capacity):
+    """Why a sequence of ``prompt_tokens`` ended after ``made`` tokens: "stop" (at an end-of-text, before
+    ``max_new_tokens`` and the model's ``capacity`` positions) or "length"."""
+    return "stop" if made < max_new_tokens and prompt_tokens + made < capacity else "length"
+
+
+class TextPieces:
+    """The text of a sequence's tokens, given piece by piece as they come: ``add(token)`` returns what
+    the token adds to the decoded text ("" while a character's bytes are incomplete: the decoder
+    would show U+FFFD for them); ``rest()`` what is still held back once the sequence has ended."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer, self.tokens, self.shown = tokenizer, [], ""
+
+    def add(self, token):
+        self.tokens.append(token)
+        text = self.tokenizer.decode(self.tokens)
+        if text.endswith("\ufffd") or not text.startswith(self.shown):
+            return ""
+        piece, self.shown = text[len(self.shown):], text
+        return piece
+
+    def rest(self):
+        text = self.tokenizer.decode(self.tokens)
+        return text[len(self.shown):] if text.startswith(self.shown) else ""
+
+
 class Generator:
     """A model ready to generate: its weights, its tokenizer (or None: prompts of token ids only),
     the token a text follows (``bos_id``) and those that end one (``stop_ids``)."""
@@ -94,21 +121,15 @@ class Generator:
             prompts = [prompts]
         sampling = Sampling(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
         out = [Completion(p if isinstance(p, str) else None, self.encode(p)) for p in prompts]
-        shown = [""] * len(out)
+        pieces = [TextPieces(self.tokenizer) if self.tokenizer is not None else None for _ in out]
         for k, tok in generate(self.model, self.weights, [c.prompt_ids for c in out], max_new_tokens, sampling,
                                self.stop_ids):
             out[k].tokens.append(tok)
             if on_token is not None:
-                piece = ""
-                if self.tokenizer is not None:
-                    text = self.tokenizer.decode(out[k].tokens)
-                    if not text.endswith("\ufffd"):
-                        piece, shown[k] = text[len(shown[k]):], text
-                on_token(k, tok, piece)
-        limit = self.model.config["max_position_embeddings"]
+                on_token(k, tok, "" if pieces[k] is None else pieces[k].add(tok))
         for c in out:
-            ended = len(c.tokens) < max_new_tokens and len(c.prompt_ids) + len(c.tokens) < limit
-            c.finish_reason = "stop" if ended else "length"
+            c.finish_reason = finish_reason(len(c.prompt_ids), len(c.tokens), max_new_tokens,
+                                            self.model.config["max_position_embeddings"])
             if self.tokenizer is not None:
                 c.text = self.tokenizer.decode(c.tokens)
         return out

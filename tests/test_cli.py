@@ -28,7 +28,7 @@ def test_version():
 @pytest.mark.parametrize("cmd", [[], ["doctor"], ["demo"], ["bench"], ["bench", "optim"], ["bench", "nn"],
                                  ["bench", "input"], ["data"], ["data", "preprocess"], ["data", "inspect"],
                                  ["data", "verify"], ["checkpoint"], ["checkpoint", "info"],
-                                 ["checkpoint", "verify"], ["checkpoint", "convert"]])
+                                 ["checkpoint", "verify"], ["checkpoint", "convert"], ["serve"]])
 def test_help_on_every_command(cmd):
     proc = wse(*cmd, "--help")
     assert proc.returncode == 0 and "usage: wse" in proc.stdout

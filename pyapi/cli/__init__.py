@@ -5,6 +5,7 @@ Each command group is a module that adds its subparser(s) and holds the function
     doctor      doctor, demo
     train       fit, validate, compile
     generate    generate
+    serve       serve
     appliance   appliance start|stop|status, submit, jobs, logs, cancel
     params      params convert|keys
     data        data preprocess|inspect|verify
@@ -25,12 +26,13 @@ import os
 import sys
 
 from mpi_launch import MPILaunchError
-from pyapi.cli import appliance, checkpoint, data, doctor, fabric, generate, params, train
+from pyapi.cli import appliance, checkpoint, data, doctor, fabric, generate, params, serve, train
 
 #: The subcommands in the order `wse --help` lists them.
 _COMMANDS = (doctor.add_doctor, doctor.add_demo, train.add_fit, appliance.add_appliance, appliance.add_submit,
              appliance.add_jobs, appliance.add_logs, appliance.add_cancel, train.add_validate, params.add_params,
-             train.add_compile, generate.add_generate, data.add_data, checkpoint.add_checkpoint, fabric.add_fabric)
+             train.add_compile, generate.add_generate, serve.add_serve, data.add_data, checkpoint.add_checkpoint,
+             fabric.add_fabric)
 #: Where the commands of the layers above register (pyproject.toml's [project.entry-points]).
 PLUGINS = "wse.commands"
 

@@ -1,0 +1,617 @@
+"""`wse serve`: a trained model behind an OpenAI-compatible HTTP API (docs/user-guide.md, "Serving").
+
+Endpoints: ``GET /v1/models``, ``POST /v1/completions`` and, for a Hugging Face directory whose
+tokenizer carries a chat template, ``POST /v1/chat/completions``; streamed answers are OpenAI's
+server-sent events ending with ``data: [DONE]``. The HTTP side is aiohttp: one well-kept package
+that gives the server, its limits (body size, connections) and streamed responses, so there is no
+hand-written HTTP parser here and no ASGI stack (a framework, a server, a glue layer) to assemble.
+
+Parts, by what they do:
+
+    requests    one dataclass per endpoint, its fields checked on arrival (``_read``); every refusal
+                is an ``ApiError``, which the transport writes as OpenAI's error JSON
+    Batcher     the one thread that owns the ``Engine`` (wse_core.nn.generate): it loops ``step()``
+                while any sequence is live and sleeps on a condition when none is, so the
+                requests of the moment decode together, one token each per step
+    Server      the transport: aiohttp's handlers on the event loop, which hand prompts to the
+                batcher and get tokens back through ``loop.call_soon_threadsafe`` into one
+                asyncio.Queue per request; the API key, the limits, and a client that leaves (its
+                handler is cancelled, and with it the request's sequences)
+"""
+import asyncio
+import hmac
+import json
+import os
+import secrets
+import signal
+import socket
+import sys
+import threading
+import time
+import traceback
+from dataclasses import MISSING, dataclass, fields
+from pathlib import Path
+
+from aiohttp import web
+
+from pyapi.generate import Generator, TextPieces, finish_reason
+from wse_core.checks import Bool, Check, Constraint, Int, Number, Text, default_of, did_you_mean, key, show
+from wse_core.nn.generate import GREEDY, Engine, Sampling
+
+
+# -- errors ----------------------------------------------------------------------------------------
+
+class ApiError(Exception):
+    """A request refused: its HTTP status and OpenAI's error fields (``param``: the field at fault)."""
+
+    TYPES = {429: "requests", 500: "server_error"}  # any other status: OpenAI's "invalid_request_error"
+
+    def __init__(self, status, message, *, param=None, code=None):
+        super().__init__(message)
+        self.status, self.param, self.code = status, param, code
+
+    def body(self):
+        return {"error": {"message": str(self), "type": self.TYPES.get(self.status, "invalid_request_error"),
+                          "param": self.param, "code": self.code}}
+
+    def response(self):
+        return web.json_response(self.body(), status=self.status)
+
+
+# -- requests --------------------------------------------------------------------------------------
+
+class Unserved(Constraint):
+    """A field of OpenAI's API whose other values ask for what this server does not do: ``accepted``
+    (and null) pass; anything else is one line saying why."""
+
+    def __init__(self, *accepted, why):
+        super().__init__(none=True)
+        self.accepted, self.why = accepted, why
+        self.expected = " or ".join(show(a) for a in accepted)
+
+    def check(self, value, path):
+        if any(value == a and isinstance(value, bool) == isinstance(a, bool) for a in self.accepted):
+            return value
+        raise ValueError(f"{path}: {self.why}, got {show(value)}")
+
+
+def _prompts(value, path):
+    """OpenAI's ``prompt``: a text, texts, token ids, or lists of token ids; as a list of prompts."""
+    def ids(v):
+        return isinstance(v, list) and v and all(isinstance(i, int) and not isinstance(i, bool) for i in v)
+
+    if isinstance(value, str):
+        return [value]
+    if isinstance(value, list) and value and (all(isinstance(v, str) for v in value) or all(ids(v) for v in value)):
+        return value
+    if ids(value):
+        return [value]
+    raise TypeError(f"{path}: expected a string, a list of strings, a list of token ids or a list of such lists, "
+                    f"got {show(value)}")
+
+
+def _messages(value, path):
+    """OpenAI's chat ``messages``: objects with a role and a text content (text parts are joined, as a
+    model of text reads them); the other keys go to the template as given."""
+    if not isinstance(value, list) or not value:
+        raise TypeError(f"{path}: expected a non-empty list of messages, got {show(value)}")
+    out = []
+    for i, m in enumerate(value):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+            raise TypeError(f"{path}[{i}]: expected an object with a role, got {show(m)}")
+        content = m.get("content")
+        if isinstance(content, list):
+            if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
+                       for p in content):
+                raise ValueError(f"{path}[{i}].content: only text parts are served, got {show(content)}")
+            m = dict(m, content="".join(p["text"] for p in content))
+        elif content is not None and not isinstance(content, str):
+            raise TypeError(f"{path}[{i}].content: expected a string or a list of text parts, got {show(content)}")
+        out.append(m)
+    return out
+
+
+def _stream_options(value, path):
+    if not isinstance(value, dict) or set(value) - {"include_usage"} or \
+            not isinstance(value.get("include_usage", False), bool):
+        raise ValueError(f"{path}: expected {{\"include_usage\": true or false}}, got {show(value)}")
+    return value
+
+
+def _any_text(value, path):
+    if not isinstance(value, str):
+        raise TypeError(f"{path}: expected a string, got {show(value)}")
+    return value
+
+
+@dataclass(kw_only=True)
+class _Sampled:
+    """What both endpoints take: the model, how many tokens, how to pick them. A null is the default."""
+
+    model: str = key(Text(), "the served model's name (GET /v1/models)")
+    max_tokens: int = key(Int(0), "tokens to make per prompt", None)  # None: the endpoint's default
+    temperature: float = key(Number(0, 2), "0: greedy; above: sampling", 1.0)  # OpenAI's default
+    top_p: float = key(Number(0, 1), "sample among the likeliest tokens of this total probability", 1.0)
+    top_k: int = key(Int(0), "sample among the k likeliest tokens (0: all; vLLM's, not OpenAI's)", 0)
+    seed: int = key(Int(0), "the sampling seed", None)  # None: one drawn per request, as OpenAI's
+    n: int = key(Unserved(1, why="one completion per prompt is served"), "completions per prompt", 1)
+    stream: bool = key(Bool(), "send the tokens as they come (server-sent events)", False)
+    stream_options: dict = key(Check(_stream_options, "{include_usage: bool}"), "", None)
+    stop: list = key(Unserved([], why="stop sequences are not served (a text ends at the model's end-of-text "
+                                       "token)"), "", None)
+    user: str = key(Check(_any_text, "a string"), "the end user's id (taken, not used)", None)
+    frequency_penalty: float = key(Unserved(0, why="penalties are not served"), "", 0)
+    presence_penalty: float = key(Unserved(0, why="penalties are not served"), "", 0)
+    logit_bias: dict = key(Unserved({}, why="logit biases are not served"), "", None)
+
+
+@dataclass(kw_only=True)
+class CompletionRequest(_Sampled):
+    """POST /v1/completions."""
+
+    prompt: list = key(Check(_prompts, "texts or token ids"), "the prompt(s): text or token ids")
+    echo: bool = key(Unserved(False, why="echo is not served"), "", False)
+    logprobs: int = key(Unserved(None, why="log-probabilities are not served"), "", None)
+    best_of: int = key(Unserved(1, why="best_of is not served"), "", 1)
+    suffix: str = key(Unserved(None, "", why="suffixes are not served"), "", None)
+
+
+@dataclass(kw_only=True)
+class ChatRequest(_Sampled):
+    """POST /v1/chat/completions."""
+
+    messages: list = key(Check(_messages, "a list of messages"), "the conversation so far")
+    max_completion_tokens: int = key(Int(0), "max_tokens' newer name", None)
+    logprobs: bool = key(Unserved(False, why="log-probabilities are not served"), "", False)
+    top_logprobs: int = key(Unserved(None, why="log-probabilities are not served"), "", None)
+    tools: list = key(Unserved([], why="tools are not served"), "", None)
+    tool_choice: str = key(Unserved("none", why="tools are not served"), "", None)
+    response_format: dict = key(Unserved({"type": "text"}, why="only text responses are served"), "", None)
+
+
+def _read(cls, body):
+    """The request dataclass ``cls`` from a JSON body, each field checked by its constraint; an unknown,
+    missing or wrong field is an ApiError naming it. (``wse_core.checks.check_fields``'s rules, but
+    the error's ``param`` must name the field, and OpenAI's clients send null for "the default".)"""
+    if not isinstance(body, dict):
+        raise ApiError(400, f"the body: expected a JSON object, got {show(body)}")
+    known = {f.name: f for f in fields(cls)}
+    for name in body:
+        if name not in known:
+            shown = name if len(name) <= 60 and name.isprintable() else show(name)
+            raise ApiError(400, f"{shown}: unknown field ({did_you_mean(name, sorted(known))})", param=name)
+    out = {}
+    for name, f in known.items():
+        value = body.get(name)
+        if value is None:
+            if default_of(f) is MISSING:
+                raise ApiError(400, f"{name}: missing ({f.metadata['help']})", param=name)
+            out[name] = default_of(f)
+            continue
+        try:
+            out[name] = f.metadata["check"](value, name)
+        except (TypeError, ValueError) as exc:
+            raise ApiError(400, str(exc), param=name) from None
+    return cls(**out)
+
+
+def _sampling(req):
+    """OpenAI's sampling fields as ours: temperature 0 (and top_p 0: only the likeliest token left) is
+    greedy; a request without a seed gets a fresh one, so its samples differ from another's."""
+    if req.temperature == 0 or req.top_p == 0:
+        return GREEDY
+    seed = req.seed if req.seed is not None else secrets.randbits(63)
+    return Sampling(temperature=req.temperature, top_k=req.top_k, top_p=req.top_p, seed=seed)
+
+
+# -- chat templates --------------------------------------------------------------------------------
+
+NO_CHAT = "this model has no chat template: use /v1/completions"
+
+
+class ChatTemplate:
+    """A Hugging Face directory's chat template (tokenizer_config.json's ``chat_template``, or
+    ``chat_template.jinja``), rendered as transformers' ``apply_chat_template`` renders it: a
+    sandboxed jinja2 environment (trim_blocks, lstrip_blocks, loop controls), ``raise_exception``,
+    ``strftime_now``, and the special tokens' text (``bos_token``, ``eos_token``, ...)."""
+
+    def __init__(self, source, specials):
+        import jinja2.sandbox
+
+        env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                                            extensions=["jinja2.ext.loopcontrols"])
+
+        def raise_exception(message):
+            raise jinja2.exceptions.TemplateError(message)
+
+        env.filters["tojson"] = lambda x, indent=None: json.dumps(x, ensure_ascii=False, indent=indent)
+        env.globals.update(raise_exception=raise_exception, strftime_now=lambda f: time.strftime(f))
+        self.template, self.specials = env.from_string(source), specials
+        self.errors = (jinja2.exceptions.TemplateError,)
+
+    @classmethod
+    def find(cls, directory):
+        """(the template of ``directory``, or None and one line saying why there is none)."""
+        directory = Path(directory)
+        try:
+            config = json.loads((directory / "tokenizer_config.json").read_text())
+        except (OSError, ValueError):
+            config = {}
+        source = config.get("chat_template") if isinstance(config, dict) else None
+        if isinstance(source, list):  # named templates: the default one
+            source = next((t.get("template") for t in source if isinstance(t, dict) and t.get("name") == "default"),
+                          None)
+        if source is None and (directory / "chat_template.jinja").is_file():
+            source = (directory / "chat_template.jinja").read_text()
+        if not isinstance(source, str):
+            return None, NO_CHAT
+        try:
+            import jinja2.sandbox  # noqa: F401  (the optional package the templates need)
+        except ImportError:
+            return None, "this model's chat template needs the jinja2 package, which is not installed on the server"
+        specials = {k: v.get("content") if isinstance(v, dict) else v for k, v in config.items()
+                    if k.endswith("_token") and isinstance(v, (str, dict))}
+        return cls(source, specials), ""
+
+    def render(self, messages):
+        """The prompt text of ``messages`` followed by the assistant's turn; ApiError for what the
+        template refuses (its own ``raise_exception``)."""
+        try:
+            return self.template.render(messages=messages, add_generation_prompt=True, **self.specials)
+        except self.errors as exc:
+            raise ApiError(400, f"messages: the chat template refused them: {exc}", param="messages") from None
+
+
+# -- the engine thread -----------------------------------------------------------------------------
+
+class _Ticket:
+    """A sequence handed to the batcher, and how its tokens go back: ``deliver(token)``, then
+    ``deliver(None)`` at its end, or ``deliver(exception)`` if the engine failed."""
+
+    def __init__(self, prompt, max_tokens, sampling, deliver):
+        self.prompt, self.max_tokens, self.sampling, self.deliver = prompt, max_tokens, sampling, deliver
+        self.cancelled = False
+
+
+class Batcher:
+    """The one thread that owns the Engine (continuous batching over one KV cache): sequences handed
+    over by ``submit`` join at the next step; ``cancel`` ends one at the next step; with none live
+    the thread sleeps on a condition until one comes."""
+
+    def __init__(self, model, weights, stop_ids=()):
+        self.model, self.weights, self.stop_ids = model, weights, tuple(stop_ids)
+        self._engine = Engine(model, weights)
+        self._cond = threading.Condition()
+        self._arrivals, self._closed = [], False
+        self._thread = threading.Thread(target=self._run, name="wse serve engine", daemon=True)
+
+    def start(self):
+        self._thread.start()
+
+    def submit(self, prompt, max_tokens, sampling, deliver):
+        """Hand a sequence to the engine; ``deliver`` is called from the engine's thread. Returns its ticket."""
+        ticket = _Ticket(prompt, max_tokens, sampling, deliver)
+        with self._cond:
+            self._arrivals.append(ticket)
+            self._cond.notify()
+        return ticket
+
+    def cancel(self, ticket):
+        """End ``ticket``'s sequence at the next step (nothing more is delivered to it)."""
+        with self._cond:
+            ticket.cancelled = True
+            self._cond.notify()
+
+    def close(self):
+        """Stop the thread after its step; sequences still live get nothing more."""
+        with self._cond:
+            self._closed = True
+            self._cond.notify()
+        if self._thread.is_alive():
+            self._thread.join()
+
+    def _run(self):
+        live = {}  # the engine's id -> ticket
+        while True:
+            with self._cond:
+                while not (self._arrivals or self._closed or live):
+                    self._cond.wait()
+                if self._closed:
+                    return
+                arrivals, self._arrivals = self._arrivals, []
+                cancelled = [i for i, t in live.items() if t.cancelled]
+            for i in cancelled:
+                self._engine.cancel(i)
+                del live[i]
+            for t in arrivals:
+                if t.cancelled:
+                    continue
+                try:
+                    live[self._engine.add(t.prompt, t.max_tokens, t.sampling, self.stop_ids)] = t
+                except ValueError as exc:  # the handlers check first; this keeps the thread alive if one did not
+                    t.deliver(exc)
+            if not live:
+                continue
+            try:
+                made = self._engine.step()
+            except Exception as exc:  # the server keeps serving: these requests fail, a fresh engine goes on
+                traceback.print_exc(file=sys.stderr)
+                failed, live = list(live.values()), {}
+                self._engine = Engine(self.model, self.weights)  # in place before anyone hears of the failure
+                for t in failed:
+                    t.deliver(exc)
+                continue
+            for i, token in made:
+                live[i].deliver(token)
+                if token is None:
+                    del live[i]
+
+
+def _to_loop(loop, queue, k):
+    """A ``deliver`` for the engine's thread: (k, item) into ``queue`` on the event loop ``loop``."""
+    def deliver(item):
+        try:
+            loop.call_soon_threadsafe(queue.put_nowait, (k, item))
+        except RuntimeError:  # the loop has closed: the server is stopping and nobody waits
+            pass
+    return deliver
+
+
+# -- the HTTP side ---------------------------------------------------------------------------------
+
+@dataclass
+class Limits:
+    """What the server takes at once; None: the most the model allows."""
+
+    max_prompt_tokens: int | None = None  # tokens of one prompt; None: the model's positions minus one
+    max_tokens: int | None = None         # tokens made for one prompt; None: the model's positions minus one
+    max_streams: int = 16                 # sequences generating at once, over all requests; beyond: 429
+
+    def resolved(self, capacity):
+        """These limits with the Nones filled in for a model of ``capacity`` positions; ValueError
+        naming the option that is out of range."""
+        most = capacity - 1
+        Int(1, most)(most if self.max_prompt_tokens is None else self.max_prompt_tokens, "--max_prompt_tokens")
+        Int(0, most)(most if self.max_tokens is None else self.max_tokens, "--max_tokens")
+        Int(1)(self.max_streams, "--max_streams")
+        return Limits(most if self.max_prompt_tokens is None else self.max_prompt_tokens,
+                      most if self.max_tokens is None else self.max_tokens, self.max_streams)
+
+
+class Server:
+    """A Generator behind the OpenAI API: ``app()`` is the aiohttp application, ``run(host, port)``
+    serves it until SIGINT or SIGTERM."""
+
+    def __init__(self, generator, name, *, limits=None, api_key=None, chat=(None, NO_CHAT)):
+        if generator.tokenizer is None:
+            raise ValueError(f"{generator.why_no_tokenizer}: the server answers in text, so it needs the "
+                             "model's tokenizer")
+        self.gen, self.name, self.api_key = generator, name, api_key
+        self.capacity = generator.model.config["max_position_embeddings"]
+        self.limits = (limits or Limits()).resolved(self.capacity)
+        self.chat, self.why_no_chat = chat
+        self.batcher = Batcher(generator.model, generator.weights, generator.stop_ids)
+        self.in_flight = 0  # sequences of the requests being answered (read and written on the event loop only)
+        self.created = int(time.time())
+
+    @classmethod
+    def load(cls, source, checkpoint_path=None, **kwargs):
+        """A server for what ``Generator.load`` reads, named by its directory; a Hugging Face directory's
+        chat template, if it has one, answers /v1/chat/completions."""
+        gen = Generator.load(source, checkpoint_path)
+        is_hf = checkpoint_path is None and (Path(source) / "config.json").is_file()  # as Generator.load decides
+        chat = ChatTemplate.find(source) if is_hf else (None, NO_CHAT)
+        return cls(gen, Path(source).resolve().name, chat=chat, **kwargs)
+
+    def describe(self):
+        lim = self.limits
+        return (f"max_streams {lim.max_streams}, max_tokens {lim.max_tokens}, max_prompt_tokens "
+                f"{lim.max_prompt_tokens}, {'API key required' if self.api_key else 'no API key'}, "
+                f"chat {'on' if self.chat else 'off'}")
+
+    def app(self):
+        app = web.Application(middlewares=[self._guard])
+        app.router.add_get("/v1/models", self._models)
+        app.router.add_get("/v1/models/{model}", self._model)
+        app.router.add_post("/v1/completions", self._completions)
+        app.router.add_post("/v1/chat/completions", self._chat)
+        return app
+
+    def run(self, host, port, on_ready):
+        """Serve on ``host``:``port`` (0: a free port) until SIGINT or SIGTERM; ``on_ready(url)`` once
+        listening. ValueError naming the address when it cannot be bound."""
+        try:
+            family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0][0]
+            sock = socket.create_server((host, port), family=family)
+        except socket.gaierror as exc:
+            raise ValueError(f"--host {host}: {exc.strerror}") from None
+        except OSError as exc:  # create_server's own message repeats the address; the system's says it once
+            raise ValueError(f"--host {host} --port {port}: {os.strerror(exc.errno) if exc.errno else exc}") from None
+        asyncio.run(self._serve(sock, on_ready))
+
+    async def _serve(self, sock, on_ready):
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
+        # handler_cancellation: a client that leaves cancels its handler, which cancels its sequences.
+        # shutdown_timeout: requests under way at a stop get this long to finish.
+        runner = web.AppRunner(self.app(), handler_cancellation=True, shutdown_timeout=2.0, access_log=None)
+        await runner.setup()
+        self.batcher.start()
+        try:
+            await web.SockSite(runner, sock).start()
+            host, port = sock.getsockname()[:2]
+            on_ready(f"http://{f'[{host}]' if ':' in host else host}:{port}/v1")
+            await stop.wait()
+        finally:
+            await runner.cleanup()
+            self.batcher.close()
+
+    # -- the transport's rules: the key, and every failure as OpenAI's error JSON
+
+    @web.middleware
+    async def _guard(self, request, handler):
+        try:
+            if self.api_key is not None:
+                given = request.headers.get("Authorization", "")
+                if not hmac.compare_digest(given.encode(), f"Bearer {self.api_key}".encode()):
+                    raise ApiError(401, "missing or wrong API key: send the header 'Authorization: Bearer KEY' "
+                                        "with the key the server was started with", code="invalid_api_key")
+            return await handler(request)
+        except ApiError as exc:
+            return exc.response()
+        except web.HTTPException as exc:  # aiohttp's own: no such route (404), method (405), a body too large (413)
+            return ApiError(exc.status, f"{exc.reason}: {request.method} {request.path}").response()
+        except Exception as exc:
+            traceback.print_exc(file=sys.stderr)
+            return ApiError(500, f"internal error: {type(exc).__name__}: {exc}").response()
+
+    async def _body(self, request, cls):
+        try:
+            body = json.loads(await request.read())
+        except ValueError as exc:
+            raise ApiError(400, f"the body is not JSON: {exc}") from None
+        req = _read(cls, body)
+        if req.model != self.name:
+            raise ApiError(404, f"model {show(req.model)}: this server serves {self.name}", param="model",
+                           code="model_not_found")
+        return req
+
+    # -- endpoints
+
+    def _card(self):
+        return {"id": self.name, "object": "model", "created": self.created, "owned_by": "wse-cluster"}
+
+    async def _models(self, request):
+        return web.json_response({"object": "list", "data": [self._card()]})
+
+    async def _model(self, request):
+        if request.match_info["model"] != self.name:
+            raise ApiError(404, f"model {show(request.match_info['model'])}: this server serves {self.name}",
+                           param="model", code="model_not_found")
+        return web.json_response(self._card())
+
+    async def _completions(self, request):
+        req = await self._body(request, CompletionRequest)
+        prompts = [self._check_prompt(self.gen.encode(p), "prompt", None if len(req.prompt) == 1 else k)
+                   for k, p in enumerate(req.prompt)]
+        return await self._answer(request, req, prompts, 16 if req.max_tokens is None else req.max_tokens, chat=False)
+
+    async def _chat(self, request):
+        if self.chat is None:
+            raise ApiError(400, self.why_no_chat)
+        req = await self._body(request, ChatRequest)
+        # The template writes the special tokens a conversation starts with (a bos_token), so nothing is added.
+        prompt = self._check_prompt(self.gen.tokenizer.encode(self.chat.render(req.messages)), "messages", None)
+        given = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        return await self._answer(request, req, [prompt], self.limits.max_tokens if given is None else given, chat=True)
+
+    def _check_prompt(self, ids, param, k):
+        """The token ids of field ``param`` (its k-th prompt, if k is not None), checked."""
+        where, vocab = param if k is None else f"{param}[{k}]", self.gen.model.config["vocab_size"]
+        if not ids:
+            raise ApiError(400, f"{where}: empty (give at least one token)", param=param)
+        bad = next((i for i in ids if not 0 <= i < vocab), None)
+        if bad is not None:
+            raise ApiError(400, f"{where}: token id {bad} is outside the vocabulary [0, {vocab})", param=param)
+        if len(ids) > self.limits.max_prompt_tokens:
+            raise ApiError(400, f"{where}: {len(ids)} tokens; this server takes prompts of at most "
+                                f"{self.limits.max_prompt_tokens}", param=param, code="context_length_exceeded")
+        return ids
+
+    async def _answer(self, request, req, prompts, max_tokens, *, chat):
+        if max_tokens > self.limits.max_tokens:
+            param = "max_completion_tokens" if chat and req.max_completion_tokens is not None else "max_tokens"
+            raise ApiError(400, f"{param}: {max_tokens}; this server makes at most {self.limits.max_tokens} tokens "
+                                "per prompt", param=param)
+        if len(prompts) > self.limits.max_streams:
+            raise ApiError(400, f"prompt: {len(prompts)} prompts; this server generates at most "
+                                f"{self.limits.max_streams} sequences at once", param="prompt")
+        if self.in_flight + len(prompts) > self.limits.max_streams:
+            raise ApiError(429, f"the server is busy: {self.in_flight} of its {self.limits.max_streams} streams are "
+                                f"generating and this request needs {len(prompts)}; try again shortly",
+                           code="rate_limit_exceeded")
+        self.in_flight += len(prompts)
+        try:
+            head = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{secrets.token_hex(12)}",
+                    "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
+                    "model": self.name}
+            if req.stream:
+                return await self._stream(request, req, head, prompts, max_tokens, chat)
+            done = await self._generate(prompts, max_tokens, _sampling(req))
+            made = sum(len(tokens) for tokens, _, _ in done)
+            choices = [{"index": k, **({"message": {"role": "assistant", "content": text}} if chat else {"text": text}),
+                        "logprobs": None, "finish_reason": why} for k, (_, text, why) in enumerate(done)]
+            return web.json_response({**head, "choices": choices, "usage": _usage(prompts, made)})
+        finally:
+            self.in_flight -= len(prompts)
+
+    async def _generate(self, prompts, max_tokens, sampling, on_piece=None):
+        """[(tokens, text, finish_reason)] of each prompt; ``on_piece(k, text, finish_reason or None)`` is
+        awaited as prompt k's text grows and once at its end. Whatever ends this early (the client
+        left, the stop) cancels the sequences still live."""
+        loop, queue = asyncio.get_running_loop(), asyncio.Queue()
+        pieces = [TextPieces(self.gen.tokenizer) for _ in prompts]
+        ended = [None] * len(prompts)
+        tickets = [self.batcher.submit(p, max_tokens, sampling, _to_loop(loop, queue, k))
+                   for k, p in enumerate(prompts)]
+        try:
+            while None in ended:
+                k, item = await queue.get()
+                if isinstance(item, Exception):
+                    raise ApiError(500, f"the engine failed: {type(item).__name__}: {item}")
+                if item is None:
+                    ended[k] = finish_reason(len(prompts[k]), len(pieces[k].tokens), max_tokens, self.capacity)
+                    piece = pieces[k].rest() if on_piece else ""
+                elif on_piece:
+                    piece = pieces[k].add(item)
+                else:  # not streamed: the text is decoded once, at the end
+                    pieces[k].tokens.append(item)
+                    piece = ""
+                if on_piece and (piece or ended[k]):
+                    await on_piece(k, piece, ended[k])
+        finally:
+            for t, why in zip(tickets, ended):
+                if why is None:
+                    self.batcher.cancel(t)
+        return [(p.tokens, self.gen.tokenizer.decode(p.tokens), why) for p, why in zip(pieces, ended)]
+
+    async def _stream(self, request, req, head, prompts, max_tokens, chat):
+        """OpenAI's server-sent events: a chunk per piece of text, one with each prompt's finish_reason,
+        the usage if ``stream_options.include_usage``, then ``data: [DONE]``."""
+        head = {**head, "object": "chat.completion.chunk" if chat else "text_completion"}
+        usage = bool(req.stream_options and req.stream_options.get("include_usage"))
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        await resp.prepare(request)
+
+        async def send(data):
+            await resp.write(b"data: " + (data if isinstance(data, bytes) else json.dumps(data).encode()) + b"\n\n")
+
+        async def chunk(k, text, why, role=None):
+            said = {"text": text} if not chat else {"delta": {**({"role": role} if role else {}),
+                                                              **({"content": text} if text or role else {})}}
+            await send({**head, "choices": [{"index": k, **said, "logprobs": None, "finish_reason": why}],
+                        **({"usage": None} if usage else {})})
+
+        try:
+            try:
+                if chat:  # OpenAI's first chunk names the role; it also sends the headers at once
+                    await chunk(0, "", None, role="assistant")
+                else:  # a comment line: the headers go now, so the client knows at once that it was taken
+                    await resp.write(b": accepted\n\n")
+                done = await self._generate(prompts, max_tokens, _sampling(req), chunk)
+                if usage:
+                    await send({**head, "choices": [], "usage": _usage(prompts, sum(len(t) for t, _, _ in done))})
+            except ApiError as exc:  # after the headers, an error is an event of the stream (OpenAI's clients raise it)
+                await send(exc.body())
+            await send(b"[DONE]")
+            await resp.write_eof()
+        except ConnectionResetError:  # the client left; _generate has cancelled its sequences
+            pass
+        return resp
+
+
+def _usage(prompts, made):
+    given = sum(len(p) for p in prompts)
+    return {"prompt_tokens": given, "completion_tokens": made, "total_tokens": given + made}
