@@ -209,6 +209,21 @@ def test_bench_input_on_a_given_dataset(tmp_path):
     assert all(v > 0 for v in result["mb_per_s"].values()) and "preprocess" not in result
 
 
+def test_bench_serve_answers_every_request_and_makes_transformers_token_counts(tmp_path):
+    """`wse bench serve`, small: every request answered, as many tokens as transformers made from the
+    same weights and prompts (one at a time and batched), and the emulated hardware's figure beside."""
+    pytest.importorskip("aiohttp")
+    pytest.importorskip("transformers")
+    out = tmp_path / "s.json"
+    proc = wse("bench", "serve", "--requests", "3", "--clients", "2", "--new_tokens", "5", "--json", str(out),
+               timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    r = json.loads(out.read_text())
+    assert r["serve_tokens"] == r["hf_alone_tokens"] == r["hf_batched_tokens"] == 15
+    assert r["serve_tokens_per_s"] > 0 and 0 < r["simulated_s_per_token"] < r["wall_s_per_token"]
+    assert "wse serve, 2 clients" in proc.stdout
+
+
 def test_bench_scaling_from_the_model(tmp_path):
     """`wse bench scaling` (model only): every shape and CS-2 count, speed-ups against one CS-2."""
     out = tmp_path / "s.json"
