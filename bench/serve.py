@@ -15,6 +15,7 @@ received, ``--clients`` at a time) and the emulated CS-2's (``wse_core.perf.infe
 ``--clients`` sequences at once).
 """
 import json
+import select
 import statistics
 import subprocess
 import sys
@@ -26,6 +27,8 @@ from pathlib import Path
 
 from bench.harness import machine, table
 
+#: Seconds the server may take to say it is ready (a bound only a hang reaches).
+READY_S = 120
 CONFIG = {"name": "gpt2", "vocab_size": 257, "hidden_size": 256, "num_hidden_layers": 4, "num_heads": 4,
           "max_position_embeddings": 256}
 
@@ -60,26 +63,33 @@ def _model_dir(where, prompt_tokens, requests):
 
 def _serve(model_dir, prompts, new_tokens, clients):
     """(wall seconds, completion tokens per request) of the prompts sent by ``clients`` threads."""
+    log = open(model_dir.parent / "serve.log", "w+")  # the server's stderr: a file never fills up as a pipe can
     proc = subprocess.Popen([sys.executable, "-m", "pyapi.cli", "serve", str(model_dir), "--port", "0",
-                             "--max_streams", str(clients)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                             "--max_streams", str(clients)], stdout=subprocess.PIPE, stderr=log, text=True)
     try:
-        line = proc.stdout.readline()
+        ready, _, _ = select.select([proc.stdout], [], [], READY_S)
+        line = proc.stdout.readline() if ready else ""
         if not line.startswith("serving "):
-            raise RuntimeError(f"wse serve did not start: {line}{proc.stderr.read()}")
+            log.seek(0)
+            raise RuntimeError(f"wse serve did not start within {READY_S} s: {line}{log.read()[-2000:]}")
         url = line.split(" on ")[1].split(" ")[0] + "/completions"
-        todo, done, lock = list(enumerate(prompts)), {}, threading.Lock()
+        todo, done, failed, lock = list(enumerate(prompts)), {}, [], threading.Lock()
 
         def client():
             while True:
                 with lock:
-                    if not todo:
+                    if not todo or failed:
                         return
                     k, prompt = todo.pop(0)
                 body = json.dumps({"model": "model", "prompt": prompt, "max_tokens": new_tokens,
                                    "temperature": 0}).encode()
                 req = urllib.request.Request(url, body, {"Content-Type": "application/json"})
-                with urllib.request.urlopen(req, timeout=600) as r:
-                    done[k] = json.loads(r.read())["usage"]["completion_tokens"]
+                try:
+                    with urllib.request.urlopen(req, timeout=600) as r:
+                        done[k] = json.loads(r.read())["usage"]["completion_tokens"]
+                except (OSError, ValueError, KeyError) as exc:  # an HTTP error is an OSError too
+                    with lock:
+                        failed.append(f"request {k}: {exc}")
 
         threads = [threading.Thread(target=client) for _ in range(clients)]
         t0 = time.perf_counter()
@@ -87,10 +97,14 @@ def _serve(model_dir, prompts, new_tokens, clients):
             t.start()
         for t in threads:
             t.join()
-        return time.perf_counter() - t0, [done[k] for k in range(len(prompts))]
+        wall = time.perf_counter() - t0
+        if failed:
+            raise RuntimeError(f"wse serve: {failed[0]}")
+        return wall, [done[k] for k in range(len(prompts))]
     finally:
         proc.terminate()
         proc.wait(timeout=60)
+        log.close()
 
 
 def _transformers(hf_dir, prompts, new_tokens):

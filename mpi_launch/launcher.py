@@ -81,14 +81,19 @@ def launch(cmd, plan, run_dir, *, peer_timeout, startup_timeout, hostfile=None, 
                                     env=mpi_env(1, {"OMP_WAIT_POLICY": "PASSIVE", **watchdog.env(),
                                                    **hydra_env(run_dir.hwloc_xml)}))
             watchdog.start(proc)
+            stopper = None
             if stop is not None:
-                def stopper():
-                    while proc.poll() is None:
+                ended = threading.Event()  # the job is over: the stopper ends before the watchdog stops
+
+                def watch_stop():
+                    while not ended.is_set() and proc.poll() is None:
                         if stop.wait(0.2):  # a sleep between looks at the job, not a spin
-                            watchdog.end("the job was stopped before its last step (its caller asked)")
+                            if not ended.is_set():
+                                watchdog.end("the job was stopped before its last step (its caller asked)")
                             return
 
-                threading.Thread(target=stopper, name="wse-launch-stop", daemon=True).start()
+                stopper = threading.Thread(target=watch_stop, name="wse-launch-stop", daemon=True)
+                stopper.start()
             banner = []  # hydra's failure banner comes on stdout; it goes to logs/mpiexec.log
             try:
                 for line in proc.stdout:
@@ -108,6 +113,9 @@ def launch(cmd, plan, run_dir, *, peer_timeout, startup_timeout, hostfile=None, 
                 proc.wait()
                 raise
             finally:
+                if stopper is not None:
+                    ended.set()
+                    stopper.join()
                 watchdog.stop()
                 watchdog.remove_shared_memory()
             err.seek(0)

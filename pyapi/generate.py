@@ -10,6 +10,7 @@ prompt is encoded after the end-of-text token, which is what the model saw befor
 end-of-text. ``generate`` runs ``wse_core.nn.generate`` (a KV cache; the model's own layers) and
 returns one ``Completion`` per prompt, calling ``on_token(k, token, text)`` as each token comes.
 """
+import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -82,9 +83,16 @@ class Generator:
             tok, why = None, f"{path}: no tokenizer.json"
             if (path / "tokenizer.json").is_file():
                 tok = get_tokenizer(str(path))
-            eos = config.get("eos_token_id")
-            return cls(model, weights, tok, bos_id=config.get("bos_token_id"), source=str(path),
-                       stop_ids=eos if isinstance(eos, list) else () if eos is None else (eos,), why_no_tokenizer=why)
+            # generation_config.json may name more ends (an instruct model's end-of-turn), as transformers reads it
+            stops = []
+            for f in ("config.json", "generation_config.json"):
+                try:
+                    eos = json.loads((path / f).read_text()).get("eos_token_id")
+                except (OSError, ValueError):
+                    continue
+                stops += [e for e in (eos if isinstance(eos, list) else [eos]) if e is not None and e not in stops]
+            return cls(model, weights, tok, bos_id=config.get("bos_token_id"), source=str(path), stop_ids=stops,
+                       why_no_tokenizer=why)
         from wse_core.nn import build_model
 
         ckpt = Checkpoint(checkpoint_path if checkpoint_path is not None else path)

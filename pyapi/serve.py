@@ -496,7 +496,9 @@ class Server:
         req = await self._body(request, CompletionRequest)
         prompts = [self._check_prompt(self.gen.encode(p), "prompt", None if len(req.prompt) == 1 else k)
                    for k, p in enumerate(req.prompt)]
-        return await self._answer(request, req, prompts, 16 if req.max_tokens is None else req.max_tokens, chat=False)
+        # OpenAI's default of 16, within the server's own limit (a client that said nothing is not refused)
+        n = min(16, self.limits.max_tokens) if req.max_tokens is None else req.max_tokens
+        return await self._answer(request, req, prompts, n, chat=False)
 
     async def _chat(self, request):
         if self.chat is None:

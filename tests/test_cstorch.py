@@ -656,6 +656,25 @@ def test_step_closures_called_inside_the_traced_step_run_on_each_steps_values(tm
     assert logged == [(s, "inside", v) for s, v in enumerate(returned, 1)] and returned[-1] < returned[0]
     summaries = [json.loads(line) for line in next(tmp_path.glob("run_*/summaries.jsonl")).read_text().splitlines()]
     assert summaries == [{"step": s, "name": "inside/loss", "value": v} for s, v in enumerate(returned, 1)]
+    # a closure the step calls on some steps only (not the first), as a logging interval does
+    logged.clear()
+
+    @cstorch.trace
+    def sometimes(x, y):
+        loss = torch.nn.functional.cross_entropy(compiled(x), y)
+        loss.backward()
+        optimizer.step()
+        if where["step"] % 4 == 0:
+            log(loss, where["step"])
+        return loss
+
+    data12 = data * 3
+    for step, (x, y) in enumerate(cstorch.utils.data.DataExecutor(cstorch.utils.data.DataLoader(lambda: data12)), 1):
+        where["step"] = step
+        sometimes(x, y)
+    assert [s for s, _, _ in logged] == [4, 8, 12]
+    assert hasattr(cstorch, "metrics") is False and getattr(cstorch, "sparse", None) is None
+    from pyapi.cstorch import run  # noqa: F401  (a submodule, imported on demand)
     where["other"] = True
     with pytest.raises(NotBuilt, match=r"^log: a step closure given a tensor other than the traced step's return value"):
         for x, y in cstorch.utils.data.DataExecutor(cstorch.utils.data.DataLoader(lambda: data)):

@@ -99,6 +99,9 @@ def test_what_generation_refuses_is_one_line():
         made(model, w, [[1], list(range(24))], 3)
     with pytest.raises(ValueError, match=r"^prompt 0: empty"):
         made(model, w, [[]], 3)
+    for bad in (-1, 61):  # numpy would wrap -1 to the last row; 61 is past the table
+        with pytest.raises(ValueError, match=rf"^prompt 1: token id {bad} outside the model's vocabulary \[0, 61\)"):
+            made(model, w, [[1], [2, bad]], 3)
     with pytest.raises(ValueError, match=r"^top_p: expected a number in \(0, 1\]"):
         Sampling(top_p=0)
     # a sequence stops at a stop id (not given back) and at the model's positions

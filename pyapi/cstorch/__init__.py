@@ -30,15 +30,25 @@ except ImportError:
 from pyapi.cstorch import amp, optim, utils  # noqa: E402
 from pyapi.cstorch.backend import Backend, ClusterConfig, backend, compile, current_backend, use_cs  # noqa: E402
 from pyapi.cstorch.step import checkpoint_closure, step_closure, summarize_scalar, trace  # noqa: E402
-from pyapi.cstorch.errors import not_built  # noqa: E402
+from pyapi.cstorch.errors import NotBuilt  # noqa: E402
 from pyapi.cstorch.storage import load, save  # noqa: E402
 
 __all__ = ["Backend", "ClusterConfig", "amp", "backend", "checkpoint_closure", "compile", "current_backend", "load",
            "optim", "save", "step_closure", "summarize_scalar", "trace", "use_cs", "utils"]
 
 
+class _NotBuiltAttribute(NotBuilt, AttributeError):
+    """A name of Cerebras' API not built here: one line, and an AttributeError, so ``hasattr`` and
+    ``getattr(cstorch, name, default)`` answer as for any missing name."""
+
+
 def __getattr__(name):
-    """Cerebras' other modules and functions (metrics, sparse, distributed, ...): one line naming them."""
+    """Cerebras' other modules and functions (metrics, sparse, distributed, ...): one line naming them.
+    A submodule of this package not imported yet is imported (``from pyapi.cstorch import run``)."""
+    import importlib.util
+
     if name.startswith("_"):
         raise AttributeError(name)
-    raise not_built(f"cstorch.{name}", "built: " + ", ".join(__all__))
+    if importlib.util.find_spec(f"{__name__}.{name}") is not None:
+        return importlib.import_module(f"{__name__}.{name}")
+    raise _NotBuiltAttribute(f"cstorch.{name}: not built in wse-cluster (built: {', '.join(__all__)})")

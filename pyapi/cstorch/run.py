@@ -19,7 +19,7 @@ run at step k + 1 (the model holds the saved weights, the program takes them): t
 checkpoint, and the dataset is written rotated by k batches (the cluster reads step k + i's batch
 at position (k + i) x batch size): the executor's i-th batch is still step k + i's. Schedules and
 dropout follow the global step, so a run stopped at a checkpoint and resumed gives the bits of one
-that never stopped.
+that never stopped (but for a dynamic loss scale, which restarts from its initial value).
 """
 import json
 import threading
@@ -28,7 +28,7 @@ import numpy as np
 import yaml
 
 from pyapi.cstorch.errors import not_built
-from pyapi.cstorch.step import ops_of, record, run_closures
+from pyapi.cstorch.step import names_closures, ops_of, record, run_closures
 
 #: Seconds between looks at the job's metrics while a step is awaited (a sleep, not a spin: the
 #: ranks need the cores).
@@ -78,7 +78,8 @@ class Run:
             self._start(fn, args)
             self.fn = fn
             self.ops, calls, returned = ops_of(fn, args)
-            self.every_step = bool(calls)  # its closures take each step's Python values
+            # its closures take each step's Python values, on whichever steps it calls them
+            self.every_step = bool(calls) or names_closures(fn)
         elif fn is not self.fn:
             raise not_built(f"{fn.__name__}: a second traced function in one DataExecutor loop",
                             f"one traced step, {self.fn.__name__}")
@@ -124,6 +125,7 @@ class Run:
                 raise CompileError(str(exc).replace("model.model.", "model.").replace("model.model:", "model:")) \
                     from None
         self.user_model = model
+        self._fp16_type = rec.fp16_type
         if not rec.optimizers and not rec.backward:
             self._start_eval(graph)
             return
@@ -210,7 +212,10 @@ class Run:
 
         program = self.dir / "program.pt2"
         save_program(graph, partition(graph), program)
-        self.evaluator = build_model({"name": "torch", "program": str(program)})
+        model = {"name": "torch", "program": str(program)}
+        if self._fp16_type is not None:  # the run's precision, as for training
+            model.update(mixed_precision=True, fp16_type=self._fp16_type)
+        self.evaluator = build_model(model)
         self.evaluator.check_evaluable()
         self.model_dir.mkdir(parents=True)
         self.started = True

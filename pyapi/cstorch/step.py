@@ -112,6 +112,21 @@ def ops_of(fn, args):
     return ops.seen, rec.closures, out
 
 
+def names_closures(fn):
+    """Whether the traced step ``fn``'s own code names a step closure, a checkpoint closure or
+    ``summarize_scalar`` (a global, a name it closes over, or an attribute such as
+    ``cstorch.summarize_scalar``): then its Python runs every step, since it may call them on some
+    steps only. A closure reached only through another function is not seen (docs/design.md
+    section 2)."""
+    code = getattr(fn, "__code__", None)
+    if code is None:
+        return False
+    cells = dict(zip(code.co_freevars, (c.cell_contents for c in fn.__closure__ or ())))
+    scope = {**getattr(fn, "__globals__", {}), **cells}
+    return "summarize_scalar" in code.co_names or any(
+        getattr(scope.get(name), "_cstorch_closure", False) for name in (*code.co_names, *code.co_freevars))
+
+
 def run_closures(calls, returned, value):
     """The step closures a step called, in order, on its values: the tensor the step returned is
     ``value`` (the step's loss from the cluster); a closure given another of its tensors is one line."""
@@ -152,6 +167,7 @@ def step_closure(fn):
             return None
         return fn(*args, **kwargs)
 
+    closure._cstorch_closure = True  # names_closures finds it in a traced step
     return closure
 
 
@@ -171,6 +187,7 @@ def checkpoint_closure(fn):
             return fn(*args, **kwargs)
         return None
 
+    closure._cstorch_closure = True
     return closure
 
 
@@ -182,4 +199,4 @@ def summarize_scalar(name, value):
         return
     if _executor is None:
         raise RuntimeError("summarize_scalar: outside a DataExecutor loop (it writes the value with its step)")
-    _executor.run.summarize(name, float(value), _executor.step)
+    _executor.run.summarize(name, float(value), _executor.run.start + _executor.step)  # the run's global step

@@ -59,18 +59,22 @@ class Sampling:
 GREEDY = Sampling()
 
 
-def check_prompts(prompts, capacity):
-    """The prompts as int32 arrays; ValueError naming the first that is empty or longer than the
-    model's positions."""
+def check_prompts(prompts, capacity, vocab_size):
+    """The prompts as int32 arrays; ValueError naming the first that is empty, longer than the
+    model's positions, or holds an id outside the vocabulary."""
     out = []
     for k, p in enumerate(prompts):
-        a = np.asarray(p, dtype=np.int32).reshape(-1)
+        a = np.asarray(p, dtype=np.int64).reshape(-1)
         if a.size == 0:
             raise ValueError(f"prompt {k}: empty (give it at least one token)")
+        bad = a[(a < 0) | (a >= vocab_size)]
+        if bad.size:
+            raise ValueError(f"prompt {k}: token id {int(bad[0])} outside the model's vocabulary [0, {vocab_size}) "
+                             "(model.vocab_size)")
         if a.size >= capacity:
             raise ValueError(f"prompt {k}: {a.size} tokens; the model holds {capacity} positions "
                              f"(model.max_position_embeddings), so at most {capacity - 1} leave room for one more")
-        out.append(a)
+        out.append(a.astype(np.int32))
     return out
 
 
@@ -92,7 +96,7 @@ class Engine:
     def add(self, prompt, max_new_tokens, sampling=GREEDY, stop_ids=()):
         """A sequence to generate from ``prompt`` (token ids); returns its id."""
         Int(0)(max_new_tokens, "max_new_tokens")
-        (prompt,) = check_prompts([prompt], self.capacity)
+        (prompt,) = check_prompts([prompt], self.capacity, self.model.config["vocab_size"])
         i = self.kv.add()
         self.waiting.append((i, prompt))
         self.live[i] = {"prompt": len(prompt), "made": 0, "last": None, "max": max_new_tokens,
@@ -148,7 +152,7 @@ class Engine:
 def generate(model, params, prompts, max_new_tokens, sampling=GREEDY, stop_ids=()):
     """Yield (k, token) for prompt k as each token is made; see the module's docstring."""
     Int(0)(max_new_tokens, "max_new_tokens")
-    prompts = check_prompts(prompts, model.config["max_position_embeddings"])
+    prompts = check_prompts(prompts, model.config["max_position_embeddings"], model.config["vocab_size"])
     engine = Engine(model, params)
     index = {engine.add(p, max_new_tokens, sampling, stop_ids): k for k, p in enumerate(prompts)}
     while engine.busy:

@@ -158,7 +158,7 @@ def _shape(pes, hw):
     """A near-square region of ``pes`` PEs within the program rectangle, at least 2 columns wide
     (the GEMM model keeps column 0 for its inputs' edge)."""
     w = min(hw.program_width, max(2, math.isqrt(pes)))
-    return w, min(hw.program_height, max(1, pes // w))
+    return w, min(hw.program_height, max(1, -(-pes // w)))  # rounded up: never fewer PEs than asked
 
 
 def _region(unit, floor, share, sequences, cache_len, hw):

@@ -15,7 +15,8 @@ norms). Other per-group values are refused by name.
 ``state_dict()`` is torch.optim's: ``{"state": {index: {"step", "exp_avg", ...}}, "param_groups":
 [...]}``, the state being the cluster's at the last step the model was given (a checkpoint closure's
 or the loop's end). ``load_state_dict`` of one makes the next run resume from it: the state's
-``step`` is where it starts (``pyapi.cstorch.run``); the hyper-parameters stay the constructor's.
+``step`` is where it starts (``pyapi.cstorch.run``); the hyper-parameters stay the constructor's;
+a dynamic loss scale restarts from its initial value.
 """
 from pyapi.cstorch import step as step_mod
 from pyapi.cstorch.errors import not_built
