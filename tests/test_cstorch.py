@@ -4,8 +4,8 @@ bits on the CPU backend and on 1, 2 and 4 CS-2s, eager PyTorch's losses, one lin
 The script is ``examples/cstorch_fc.py`` (the shape of Cerebras' custom-training-loop tutorial), run
 as a user runs it."""
 import importlib.util
+import inspect
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -236,30 +236,34 @@ cstorch.save({{"model": model.state_dict()}}, out + "/final.h5")
 '''
 
 
-@pytest.mark.parametrize("name", MODELS)
-def test_models_a_user_brings_train_on_two_cs2s_with_the_bits_of_one_and_eager_pytorchs_losses(tmp_path, name):
+def same_bits_on_two_backends(tmp_path, text, backends):
+    """(losses, final weights) of the script ``text`` (MODEL_SCRIPT's shape) run on each of two
+    ``backends`` ((kind, num_csx) pairs), which must give the same losses and weights, bit for bit."""
     import pyapi.cstorch as cstorch
 
-    code, call = MODELS[name]
-    if "transformers" in code:
-        pytest.importorskip("transformers")
-    text = MODEL_SCRIPT.format(model=code, call=call)
     runs = []
-    for n in (1, 2):
-        out = tmp_path / f"csx{n}"
+    for kind, n in backends:
+        out = tmp_path / f"{kind}{n}"
         out.mkdir()
-        proc = run_script(out, text, "CSX", n, out)
+        proc = run_script(out, text, kind, n, out)
         assert proc.returncode == 0, proc.stderr[-3000:]
         runs.append(([float(line.split()[-1]) for line in proc.stdout.splitlines() if line.startswith("step ")],
                      cstorch.load(out / "final.h5")["model"]))
     (losses, weights), (losses2, weights2) = runs
     assert losses == losses2 and len(losses) == 4
     assert all(torch.equal(weights[k], weights2[k]) for k in weights)
+    return losses, weights
+
+
+def eager_run(code, call, make_optimizer, losses):
+    """The same module, data and loss as the script's, trained eagerly by ``make_optimizer(model)`` for
+    its 4 steps, each loss equal to the script's ``losses`` to 1e-5; returns (the model, its initial state)."""
     user = {"torch": torch}
     torch.manual_seed(0)
-    exec("g = torch.Generator().manual_seed(1)\n" + code, user)  # the same module, data and loss, eagerly
+    exec("g = torch.Generator().manual_seed(1)\n" + code, user)
     model = user["model"]
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, eps=1e-6, weight_decay=0.0)
+    initial = {k: v.clone() for k, v in model.state_dict().items()}
+    optimizer = make_optimizer(model)
     for step in range(4):
         inputs, targets = user["x"][16 * step:16 * step + 16], user["y"][16 * step:16 * step + 16]
         out = model(inputs)
@@ -268,11 +272,17 @@ def test_models_a_user_brings_train_on_two_cs2s_with_the_bits_of_one_and_eager_p
         loss.backward()
         optimizer.step()
         assert losses[step] == pytest.approx(loss.item(), rel=1e-5), step
+    return model, initial
 
 
-GROUPS_SCRIPT = MODEL_SCRIPT.replace(
-    "optimizer = cstorch.optim.AdamW(model.parameters(), lr=1e-2)",
-    "optimizer = cstorch.optim.AdamW(groups(model), lr=1e-2, weight_decay=0.1)")
+@pytest.mark.parametrize("name", MODELS)
+def test_models_a_user_brings_train_on_two_cs2s_with_the_bits_of_one_and_eager_pytorchs_losses(tmp_path, name):
+    code, call = MODELS[name]
+    if "transformers" in code:
+        pytest.importorskip("transformers")
+    losses, _ = same_bits_on_two_backends(tmp_path, MODEL_SCRIPT.format(model=code, call=call),
+                                          (("CSX", 1), ("CSX", 2)))
+    eager_run(code, call, lambda m: torch.optim.AdamW(m.parameters(), lr=1e-2, eps=1e-6, weight_decay=0.0), losses)
 
 
 def groups(model):
@@ -283,37 +293,19 @@ def groups(model):
             {"params": [p for n, p in named if p.dim() > 1 and n.startswith("7.")], "lr": 5e-3}]
 
 
-def test_parameter_groups_with_their_own_lr_and_weight_decay_train_as_eager_pytorchs(tmp_path):
-    import pyapi.cstorch as cstorch
+#: MODEL_SCRIPT with the optimizer over ``groups`` (its source put in the script).
+GROUPS_SCRIPT = MODEL_SCRIPT.replace(
+    "optimizer = cstorch.optim.AdamW(model.parameters(), lr=1e-2)",
+    inspect.getsource(groups).replace("{", "{{").replace("}", "}}")
+    + "\noptimizer = cstorch.optim.AdamW(groups(model), lr=1e-2, weight_decay=0.1)")
 
+
+def test_parameter_groups_with_their_own_lr_and_weight_decay_train_as_eager_pytorchs(tmp_path):
     code, call = MODELS["cnn"]
-    text = GROUPS_SCRIPT.format(model=code, call=call).replace("import pyapi.cstorch as cstorch",
-                                                                "import pyapi.cstorch as cstorch\nfrom test_cstorch import groups")
-    runs = []
-    for kind, n in (("CPU", 1), ("CSX", 2)):
-        out = tmp_path / f"{kind}{n}"
-        out.mkdir()
-        proc = subprocess.run([sys.executable, "-c", text, kind, str(n), str(out)], capture_output=True, text=True,
-                              timeout=300, cwd=out, env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
-        assert proc.returncode == 0, proc.stderr[-3000:]
-        runs.append(([float(line.split()[-1]) for line in proc.stdout.splitlines() if line.startswith("step ")],
-                     cstorch.load(out / "final.h5")["model"]))
-    (losses, weights), (losses2, weights2) = runs
-    assert losses == losses2 and len(losses) == 4
-    assert all(torch.equal(weights[k], weights2[k]) for k in weights)
-    user = {"torch": torch}
-    torch.manual_seed(0)
-    exec("g = torch.Generator().manual_seed(1)\n" + code, user)
-    model = user["model"]
-    initial = {k: v.clone() for k, v in model.state_dict().items()}
-    optimizer = torch.optim.AdamW(groups(model), lr=1e-2, eps=1e-6, weight_decay=0.1)
-    for step in range(4):
-        inputs, targets = user["x"][16 * step:16 * step + 16], user["y"][16 * step:16 * step + 16]
-        loss = user["loss_fn"](model(inputs), targets)
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
-        assert losses[step] == pytest.approx(loss.item(), rel=1e-5), step
+    losses, weights = same_bits_on_two_backends(tmp_path, GROUPS_SCRIPT.format(model=code, call=call),
+                                                (("CPU", 1), ("CSX", 2)))
+    model, initial = eager_run(code, call, lambda m: torch.optim.AdamW(groups(m), lr=1e-2, eps=1e-6, weight_decay=0.1),
+                               losses)
     for k, w in model.state_dict().items():
         assert torch.allclose(weights[k], w, rtol=1e-4, atol=1e-6), k
         assert not torch.equal(weights[k], initial[k]), k
