@@ -86,20 +86,25 @@ def run_mpi(nranks, argv, *, timeout, threads_per_rank=1, env=None):
 
 
 def fit_command(params, *, hostfile=None, cores=None):
-    """The mpiexec command line of a training job: one MPMD segment per thread setting.
+    """The mpiexec command line of a training job, and its plan (``job_command``)."""
+    from mpi_launch.plan import plan_for
+
+    plan, _ = plan_for(params)
+    return job_command(plan, params.runconfig.model_dir, hostfile=hostfile, cores=cores), plan
+
+
+def job_command(plan, run_dir, *, hostfile=None, cores=None):
+    """The mpiexec command line that runs ``plan``'s ranks on the job in ``run_dir`` (its run.json):
+    one MPMD segment per thread setting.
 
     CS-2 ranks do the arithmetic and share the cores; every other role mostly waits (sleeping),
     so it gets one thread.
     """
-    from mpi_launch.plan import plan_for
-
-    r = params.runconfig
-    plan, _ = plan_for(params)
     cores = cores or os.cpu_count() or 1
-    csx_threads = max(1, cores // r.num_csx)
+    csx_threads = max(1, cores // plan.num_csx)
     # -P (Python 3.11+): the ranks run in the job's directory, which must not come first on their import path.
     entry = [sys.executable, *(["-P"] if sys.version_info >= (3, 11) else []), "-m", "mpi_launch.run",
-             str(Path(r.model_dir).resolve())]
+             str(Path(run_dir).resolve())]
     # Ranks before the CS-2s, the CS-2s, the input workers after them (the plan's order).
     segments = [(plan.csx[0], 1), (len(plan.csx), csx_threads), (plan.world_size - plan.csx[-1] - 1, 1)]
     # The watchdog ends the job when a rank fails (mpi_launch.watchdog), on one host or several,
@@ -108,7 +113,7 @@ def fit_command(params, *, hostfile=None, cores=None):
     parts = [["-n", str(n), "-env", "OMP_NUM_THREADS", str(threads), *entry] for n, threads in segments if n]
     for i, part in enumerate(parts):
         cmd += ([":"] if i else []) + part
-    return cmd, plan
+    return cmd
 
 
 #: More ranks than this per core on one machine is a mistake, not a plan: every rank is a Python

@@ -30,8 +30,8 @@ from types import MappingProxyType
 FWD_WEIGHTS, BWD_WEIGHTS, GRADS, DATA, CONTROL, REPORT, HEADER = range(7)
 NUM_PHASES = 7
 #: Report indices (``tag(REPORT, 0, i)``): losses, gradient norms, checkpoint shards, step times,
-#: weights for an evaluation.
-LOSS, NORMS, SHARD, STEP_TIME, EVAL_WEIGHTS = range(5)
+#: weights for an evaluation; an inference job's logits.
+LOSS, NORMS, SHARD, STEP_TIME, EVAL_WEIGHTS, LOGITS = range(6)
 
 
 @dataclass(frozen=True)
@@ -87,6 +87,24 @@ STEP = MappingProxyType({m.name: m for m in (
             "the table of the checkpoint shard it wrote (when control asks)", "none"),
     Message("eval weights", "MemoryX", "coordinator", "(REPORT, 0, EVAL_WEIGHTS)",
             "{name: weights} it owns (when control asks for an evaluation)", "none: evaluation is off the clock"),
+)})
+
+
+#: The messages of a forward pass of an inference job (``mpi_launch.roles.inference``; docs/design.md
+#: section 2, "Inference on the cluster"), in the order a pass sends them. No simulated time rides on
+#: them: an inference job's latency is ``wse_core.perf.inference``'s model.
+INFER = MappingProxyType({m.name: m for m in (
+    Message("pass", "coordinator", "every MemoryX and SwarmX node (weights streamed), or none (resident)",
+            "(CONTROL, 0, 0)", "{stop}: stream the weights once more, or end", "none"),
+    Message("weights", "MemoryX owning unit u", "SwarmX root, relayed down the tree to every CS-2",
+            "(FWD_WEIGHTS, u, i)", "unit u's weights on the wire, chunked: once when resident, every pass "
+                                   "when streamed", "none"),
+    Message("rows", "coordinator", "every CS-2 (streamed: its own sequences), or the first (resident)",
+            "(CONTROL, 0, 0)", "{x: token ids [b, t], active, t, added, removed} or {stop}", "none"),
+    Message("activations", "CS-2 c (resident)", "CS-2 c + 1, which holds the next units", "(DATA, 0, 0)",
+            "the rows message with x the output of CS-2 c's last unit", "none"),
+    Message("logits", "CS-2 (streamed), the last CS-2 (resident)", "coordinator", "(REPORT, 0, LOGITS)",
+            "the last position's logits [b, vocab] of its rows", "none"),
 )})
 
 

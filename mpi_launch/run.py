@@ -1,4 +1,5 @@
-"""Entry point of every rank of a training job: ``mpiexec -n N python -m mpi_launch.run MODEL_DIR``.
+"""Entry point of every rank of a job: ``mpiexec -n N python -m mpi_launch.run RUN_DIR`` (a training
+job's model_dir, or an inference job's directory: ``mpi_launch.inference``).
 
 Under ``wse fit`` each rank first forks its supervisor (mpi_launch.supervisor), which reports to
 the launcher's watchdog how the rank is doing and how it ended. The rank then reads
@@ -32,21 +33,30 @@ def main(argv=None):
 
     supervisor.report(supervisor.MPI_UP)
     from mpi_launch.plan import plan_for
-    from mpi_launch.roles import ROLES
-    from mpi_launch.spec import RunSpec
 
     comm = MPI.COMM_WORLD
-    params = RunSpec.from_dict(run["params"])
     role, index = ("unknown", 0)
     try:
         pid_file = run_dir.pid_file(comm.rank)
         pid_file.with_suffix(".tmp").write_text(str(os.getpid()))
         os.replace(pid_file.with_suffix(".tmp"), pid_file)  # a reader never sees half a pid
-        plan, _ = plan_for(params)
+        if "inference" in run:  # an inference job (mpi_launch.inference)
+            from mpi_launch.inference import plan_of
+            from mpi_launch.roles.inference import ROLES
+
+            plan = plan_of(run["inference"])
+            make = lambda role, index: ROLES[role](comm, plan, run["inference"], run_dir, index)  # noqa: E731
+        else:
+            from mpi_launch.roles import ROLES
+            from mpi_launch.spec import RunSpec
+
+            params = RunSpec.from_dict(run["params"])
+            plan, _ = plan_for(params)
+            make = lambda role, index: ROLES[role](comm, plan, params, run, index)  # noqa: E731
         if comm.size != plan.world_size:
             raise RuntimeError(f"started with {comm.size} ranks, the plan needs {plan.world_size}")
         role, index = plan.role_of(comm.rank)
-        job = ROLES[role](comm, plan, params, run, index)
+        job = make(role, index)
         supervisor.report("ready")
         job.run()
         supervisor.report("done")

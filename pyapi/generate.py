@@ -58,12 +58,13 @@ class Generator:
     """A model ready to generate: its weights, its tokenizer (or None: prompts of token ids only),
     the token a text follows (``bos_id``) and those that end one (``stop_ids``)."""
 
-    def __init__(self, model, weights, tokenizer=None, *, bos_id=None, stop_ids=(), source="", why_no_tokenizer=""):
+    def __init__(self, model, weights, tokenizer=None, *, bos_id=None, stop_ids=(), source="", kind=None,
+                 why_no_tokenizer=""):
         if not getattr(model, "is_lm", False) or not hasattr(model, "infer"):
             raise ValueError(f"{source}: model {model.config['name']}: generating is built for the language models "
                              "(gpt2, gpt3, llama)")
         self.model, self.weights, self.tokenizer = model, weights, tokenizer
-        self.bos_id, self.stop_ids, self.source = bos_id, tuple(stop_ids), source
+        self.bos_id, self.stop_ids, self.source, self.kind = bos_id, tuple(stop_ids), source, kind
         self.why_no_tokenizer = why_no_tokenizer
 
     @classmethod
@@ -91,8 +92,8 @@ class Generator:
                 except (OSError, ValueError):
                     continue
                 stops += [e for e in (eos if isinstance(eos, list) else [eos]) if e is not None and e not in stops]
-            return cls(model, weights, tok, bos_id=config.get("bos_token_id"), source=str(path), stop_ids=stops,
-                       why_no_tokenizer=why)
+            return cls(model, weights, tok, bos_id=config.get("bos_token_id"), source=str(path), kind="hf",
+                       stop_ids=stops, why_no_tokenizer=why)
         from wse_core.nn import build_model
 
         ckpt = Checkpoint(checkpoint_path if checkpoint_path is not None else path)
@@ -108,8 +109,25 @@ class Generator:
                 raise DataError("its params name no train_input.data_dir")
             tok, eos, _, _ = data_tokenizer([dirs] if isinstance(dirs, str) else dirs)
         except DataError as exc:
-            return cls(model, weights, source=str(ckpt.dir), why_no_tokenizer=f"{ckpt.dir}: no tokenizer: {exc}")
-        return cls(model, weights, tok, bos_id=eos, stop_ids=(eos,), source=str(ckpt.dir))
+            return cls(model, weights, source=str(ckpt.dir), kind="checkpoint",
+                       why_no_tokenizer=f"{ckpt.dir}: no tokenizer: {exc}")
+        return cls(model, weights, tok, bos_id=eos, stop_ids=(eos,), source=str(ckpt.dir), kind="checkpoint")
+
+    def engine(self, num_csx=None, **options):
+        """Where the forward passes run: this process (``num_csx`` None: ``wse_core.nn.generate.Engine``),
+        or an inference job on ``num_csx`` emulated CS-2s (``mpi_launch.inference.ClusterEngine``, with
+        its ``options``: max_streams, placement, num_wgt_servers, swarmx_fanout, stream), the same
+        tokens either way. Close it when done (``with``)."""
+        from wse_core.nn.generate import Engine
+
+        if num_csx is None:
+            return Engine(self.model, self.weights)
+        if self.kind is None:
+            raise ValueError(f"{self.source or 'this model'}: a model given as weights in memory runs in this process "
+                             "only; load it from a checkpoint or a Hugging Face directory to run it on CS-2s")
+        from mpi_launch.inference import ClusterEngine
+
+        return ClusterEngine(self.model, self.source, self.kind, num_csx=num_csx, **options)
 
     def encode(self, prompt):
         """A prompt's ids: a text through the tokenizer, after ``bos_id``; a list of ids as given."""
@@ -119,10 +137,12 @@ class Generator:
             return ([] if self.bos_id is None else [self.bos_id]) + list(self.tokenizer.encode(prompt))
         return [int(i) for i in prompt]
 
-    def generate(self, prompts, max_new_tokens=64, *, temperature=0.0, top_k=0, top_p=1.0, seed=0, on_token=None):
+    def generate(self, prompts, max_new_tokens=64, *, temperature=0.0, top_k=0, top_p=1.0, seed=0, on_token=None,
+                 engine=None):
         """One Completion per prompt (a text or a list of token ids); ``on_token(k, token, text)`` is
         called as each token of prompt k is made (``text``: what it adds to the decoded text, held
-        back while a character's bytes are incomplete)."""
+        back while a character's bytes are incomplete). ``engine``: an idle one of ``engine()`` (an
+        inference job on CS-2s); default: this process."""
         from wse_core.nn.generate import Sampling, generate
 
         if isinstance(prompts, (str, bytes)) or (prompts and isinstance(prompts[0], int)):
@@ -131,7 +151,7 @@ class Generator:
         out = [Completion(p if isinstance(p, str) else None, self.encode(p)) for p in prompts]
         pieces = [TextPieces(self.tokenizer) if self.tokenizer is not None else None for _ in out]
         for k, tok in generate(self.model, self.weights, [c.prompt_ids for c in out], max_new_tokens, sampling,
-                               self.stop_ids):
+                               self.stop_ids, engine=engine):
             out[k].tokens.append(tok)
             if on_token is not None:
                 on_token(k, tok, "" if pieces[k] is None else pieces[k].add(tok))

@@ -52,18 +52,22 @@ class _Ticket:
 
 
 class Batcher:
-    """The one thread that owns the Engine (continuous batching over one KV cache): sequences handed
-    over by ``submit`` join at the next step; ``cancel`` ends one at the next step; with none live
-    the thread sleeps on a condition until one comes."""
+    """The one thread that owns the engine (continuous batching): sequences handed over by ``submit``
+    join at the next step; ``cancel`` ends one at the next step; with none live the thread sleeps on
+    a condition until one comes. ``make_engine()`` gives the engine (this process's, or an inference
+    job's on the emulated CS-2s): once at ``start``, and again after an engine fails (a new job,
+    when a CS-2 rank died), so the server goes on."""
 
-    def __init__(self, model, weights, stop_ids=()):
-        self.model, self.weights, self.stop_ids = model, weights, tuple(stop_ids)
-        self._engine = Engine(model, weights)
+    def __init__(self, make_engine, stop_ids=()):
+        self._make, self.stop_ids = make_engine, tuple(stop_ids)
+        self._engine = None
         self._cond = threading.Condition()
         self._arrivals, self._closed = [], False
         self._thread = threading.Thread(target=self._run, name="wse serve engine", daemon=True)
 
     def start(self):
+        """Make the engine (an inference job starts here: its failure is raised here) and start the thread."""
+        self._engine = self._make()
         self._thread.start()
 
     def submit(self, prompt, max_tokens, sampling, deliver):
@@ -81,12 +85,23 @@ class Batcher:
             self._cond.notify()
 
     def close(self):
-        """Stop the thread after its step; sequences still live get nothing more."""
+        """Stop the thread after its step, and the engine; sequences still live get nothing more."""
         with self._cond:
             self._closed = True
             self._cond.notify()
         if self._thread.is_alive():
             self._thread.join()
+        if self._engine is not None:
+            self._engine.close()
+            self._engine = None
+
+    def _renew(self):
+        """A fresh engine in place of one that failed (None if it cannot be made: the next arrivals try again)."""
+        try:
+            self._engine.close()
+        except Exception:  # noqa: BLE001 - a failed engine may fail to close too; a new one is what matters
+            pass
+        self._engine = _made(self._make)
 
     def _run(self):
         live = {}  # the engine's id -> ticket
@@ -98,6 +113,12 @@ class Batcher:
                     return
                 arrivals, self._arrivals = self._arrivals, []
                 cancelled = [i for i, t in live.items() if t.cancelled]
+            if self._engine is None:  # it failed and could not be made again: try once more for these
+                self._engine = _made(self._make)
+                if self._engine is None:
+                    for t in arrivals:
+                        t.deliver(RuntimeError("the engine could not be restarted (the server's log says why)"))
+                    continue
             for i in cancelled:
                 self._engine.cancel(i)
                 del live[i]
@@ -115,7 +136,7 @@ class Batcher:
             except Exception as exc:  # the server keeps serving: these requests fail, a fresh engine goes on
                 traceback.print_exc(file=sys.stderr)
                 failed, live = list(live.values()), {}
-                self._engine = Engine(self.model, self.weights)  # in place before anyone hears of the failure
+                self._renew()  # in place before anyone hears of the failure
                 for t in failed:
                     t.deliver(exc)
                 continue
@@ -123,6 +144,14 @@ class Batcher:
                 live[i].deliver(token)
                 if token is None:
                     del live[i]
+
+def _made(make):
+    """``make()``, or None, said on stderr, if it fails."""
+    try:
+        return make()
+    except Exception as exc:  # noqa: BLE001
+        print(f"wse serve: cannot restart the engine: {exc}", file=sys.stderr, flush=True)
+        return None
 
 
 def _to_loop(loop, queue, k):
@@ -158,9 +187,10 @@ class Limits:
 
 class Server:
     """A Generator behind the OpenAI API: ``app()`` is the aiohttp application, ``run(host, port)``
-    serves it until SIGINT or SIGTERM."""
+    serves it until SIGINT or SIGTERM. ``cluster``: ``Generator.engine``'s options (num_csx, ...) to
+    generate on emulated CS-2s (an inference job held while the server runs); None: in this process."""
 
-    def __init__(self, generator, name, *, limits=None, api_key=None, chat=(None, NO_CHAT)):
+    def __init__(self, generator, name, *, limits=None, api_key=None, chat=(None, NO_CHAT), cluster=None):
         if generator.tokenizer is None:
             raise ValueError(f"{generator.why_no_tokenizer}: the server answers in text, so it needs the "
                              "model's tokenizer")
@@ -168,7 +198,10 @@ class Server:
         self.capacity = generator.model.config["max_position_embeddings"]
         self.limits = (limits or Limits()).resolved(self.capacity)
         self.chat, self.why_no_chat = chat
-        self.batcher = Batcher(generator.model, generator.weights, generator.stop_ids)
+        cluster = {} if cluster is None else dict(cluster, max_streams=self.limits.max_streams)
+        self.where = (f"on {cluster['num_csx']} emulated CS-2{'s' if cluster['num_csx'] > 1 else ''}" if cluster
+                      else "in this process")
+        self.batcher = Batcher(lambda: generator.engine(**cluster), generator.stop_ids)
         self.in_flight = 0  # sequences of the requests being answered (read and written on the event loop only)
         self.created = int(time.time())
 
@@ -183,7 +216,7 @@ class Server:
 
     def describe(self):
         lim = self.limits
-        return (f"max_streams {lim.max_streams}, max_tokens {lim.max_tokens}, max_prompt_tokens "
+        return (f"{self.where}, max_streams {lim.max_streams}, max_tokens {lim.max_tokens}, max_prompt_tokens "
                 f"{lim.max_prompt_tokens}, {'API key required' if self.api_key else 'no API key'}, "
                 f"chat {'on' if self.chat else 'off'}")
 
@@ -205,7 +238,12 @@ class Server:
             raise ValueError(f"--host {host}: {exc.strerror}") from None
         except OSError as exc:  # create_server's own message repeats the address; the system's says it once
             raise ValueError(f"--host {host} --port {port}: {os.strerror(exc.errno) if exc.errno else exc}") from None
-        asyncio.run(self._serve(sock, on_ready))
+        try:
+            self.batcher.start()  # an inference job on CS-2s starts here; its failure is one line
+            asyncio.run(self._serve(sock, on_ready))
+        finally:
+            self.batcher.close()
+            sock.close()
 
     async def _serve(self, sock, on_ready):
         stop = asyncio.Event()
@@ -216,7 +254,6 @@ class Server:
         # shutdown_timeout: requests under way at a stop get this long to finish.
         runner = web.AppRunner(self.app(), handler_cancellation=True, shutdown_timeout=2.0, access_log=None)
         await runner.setup()
-        self.batcher.start()
         try:
             await web.SockSite(runner, sock).start()
             host, port = sock.getsockname()[:2]
@@ -224,7 +261,6 @@ class Server:
             await stop.wait()
         finally:
             await runner.cleanup()
-            self.batcher.close()
 
     # -- the transport's rules: the key, and every failure as OpenAI's error JSON
 

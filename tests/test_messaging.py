@@ -9,7 +9,7 @@ from mpi4py import MPI
 
 from mpi_launch import messaging as msg
 from mpi_launch.mpiexec import run_mpi
-from mpi_launch.protocol import GRADS, STEP, Layout, ProtocolError
+from mpi_launch.protocol import GRADS, INFER, STEP, Layout, ProtocolError
 
 
 def test_chunked_tree_reduce_is_the_pairwise_tree_sum():
@@ -85,6 +85,8 @@ def test_the_step_table_is_what_the_roles_and_the_walk_cite():
     assert (by_roles | by_walk) <= set(STEP)
     assert by_roles == set(STEP)
     assert {m.name for m in STEP.values() if not m.clock.startswith("none")} <= by_walk
+    inference = root / "mpi_launch" / "roles" / "inference.py"
+    assert set(re.findall(r'INFER\["([^"]+)"\]', inference.read_text())) == set(INFER)
 
 
 def test_the_protocol_table_imports_nothing_of_mpi_launch():

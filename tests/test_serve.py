@@ -268,12 +268,12 @@ def test_a_request_beyond_max_streams_gets_429_and_a_client_that_leaves_frees_it
             server.batcher.start()
             after = await http.post("/v1/completions", json=dict(body, stream=False))
             assert after.status == 200 and len((await after.json())["choices"]) == 2
+            assert not server.batcher._engine.busy
 
     try:
         asyncio.run(scenario())
     finally:
         server.batcher.close()
-    assert not server.batcher._engine.busy
 
 
 def test_an_engine_that_fails_fails_its_requests_in_one_line_and_a_fresh_one_serves_on(model_dir, capsys):
@@ -314,12 +314,15 @@ def test_the_batcher_ends_a_cancelled_sequence_and_serves_the_others():
     """Two sequences decode in the same steps; one cancelled after two tokens gets no more (and never
     its end); the other runs to its own end with the tokens it makes alone."""
     from pyapi.serve import Batcher
-    from wse_core.nn.generate import generate
+    from wse_core.nn.generate import Engine, generate
 
     model = build_model(GPT2)
     weights = model.init_params(0)
     alone = [t for _, t in generate(model, weights, [[5, 6, 7]], 10)]
-    batcher = Batcher(model, weights)
+    engine, steps = Engine(model, weights), []
+    step = engine.step
+    engine.step = lambda: steps.append(1) or step()
+    batcher = Batcher(lambda: engine)
     got, done = {"a": [], "b": []}, threading.Event()
 
     def deliver_a(token):
@@ -334,8 +337,6 @@ def test_the_batcher_ends_a_cancelled_sequence_and_serves_the_others():
 
     a = batcher.submit([1, 2, 3], 10, deliver=deliver_a, sampling=Sampling())
     batcher.submit([5, 6, 7], 10, deliver=deliver_b, sampling=Sampling())
-    steps, step = [], batcher._engine.step
-    batcher._engine.step = lambda: steps.append(1) or step()
     batcher.start()
     try:
         assert done.wait(TIMEOUT)
@@ -343,5 +344,5 @@ def test_the_batcher_ends_a_cancelled_sequence_and_serves_the_others():
         batcher.close()
     assert len(got["a"]) == 2 and None not in got["a"] and got["b"] == alone + [None]
     assert len(steps) == 10  # b's ten tokens, a's two among them: the two decoded in the same steps
-    assert not batcher._engine.busy
+    assert not engine.busy
 

@@ -23,10 +23,15 @@ def _cmd_generate(args):
         sys.stdout.write(text)
         sys.stdout.flush()
 
-    if stream:
-        sys.stdout.write(prompts[0])
-    done = gen.generate(prompts, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
-                        top_p=args.top_p, seed=args.seed, on_token=on_token if stream else None)
+    cluster = {} if args.num_csx is None else {"num_csx": args.num_csx, "max_streams": len(prompts),
+                                                  "placement": args.placement, "stream": sys.stderr}
+    with gen.engine(**cluster) as engine:
+        if args.num_csx is not None:
+            print(f"on {args.num_csx} CS-2{'s' if args.num_csx > 1 else ''}: {engine.latency.why}", file=sys.stderr)
+        if stream:
+            sys.stdout.write(prompts[0])
+        done = gen.generate(prompts, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+                            top_p=args.top_p, seed=args.seed, on_token=on_token if stream else None, engine=engine)
     if stream:
         print()
     elif args.json:
@@ -54,4 +59,9 @@ def add_generate(sub, chosen):
                                                             "probability (1: all)")
     p.add_argument("--seed", type=int, default=0, help="the sampling seed (the same seed, the same text)")
     p.add_argument("--json", action="store_true", help="print the completions as JSON")
+    p.add_argument("--num_csx", type=int, help="run on this many emulated CS-2s (MPI ranks, with MemoryX and "
+                                               "SwarmX); default: in this process, with the same tokens")
+    p.add_argument("--placement", choices=("resident", "streamed"), help="with --num_csx: keep the weights on the "
+                                                                         "wafers or stream them from MemoryX every "
+                                                                         "pass (default: resident when they fit)")
     p.set_defaults(func=_cmd_generate)

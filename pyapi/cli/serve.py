@@ -12,7 +12,9 @@ def _cmd_serve(args):
 
     api_key = args.api_key or os.environ.get("WSE_API_KEY") or None
     given = {k: getattr(args, k) for k in ("max_prompt_tokens", "max_tokens", "max_streams")}
-    server = Server.load(args.model, args.checkpoint_path, api_key=api_key,
+    cluster = None if args.num_csx is None else {"num_csx": args.num_csx, "placement": args.placement,
+                                                 "stream": sys.stderr}
+    server = Server.load(args.model, args.checkpoint_path, api_key=api_key, cluster=cluster,
                          limits=Limits(**{k: v for k, v in given.items() if v is not None}))
     if api_key is None and args.host not in ("127.0.0.1", "::1", "localhost"):
         print(f"wse serve: warning: --host {args.host} without an API key: whoever reaches the port can use the "
@@ -43,4 +45,10 @@ def add_serve(sub, chosen):
                                                   "positions minus one)")
     p.add_argument("--max_streams", type=int, help="sequences generating at once over all requests (a request of "
                                                    "k prompts takes k); a request beyond gets 429 (default 16)")
+    p.add_argument("--num_csx", type=int, help="generate on this many emulated CS-2s (an inference job of MPI "
+                                               "ranks, held while the server runs; restarted if a rank fails); "
+                                               "default: in this process, with the same tokens")
+    p.add_argument("--placement", choices=("resident", "streamed"), help="with --num_csx: keep the weights on the "
+                                                                         "wafers or stream them from MemoryX every "
+                                                                         "pass (default: resident when they fit)")
     p.set_defaults(func=_cmd_serve)

@@ -3,7 +3,8 @@ section 2, "Inference").
 
 ``Engine`` batches continuously: sequences join at any step; each is prefilled alone (its
 prompt's positions through the units' ``infer`` in one step), then every unfinished sequence
-decodes one token per step, together. ``generate(model, params, prompts, max_new_tokens,
+decodes one token per step, together. Its forward passes run on a runner: ``Local`` in this
+process, or the emulated cluster's CS-2s (``mpi_launch.inference``), with the same bits. ``generate(model, params, prompts, max_new_tokens,
 sampling)`` runs one over a list of prompts and yields ``(k, token)`` for prompt k as each token is
 made. A sequence ends at one of ``stop_ids`` (not yielded), after ``max_new_tokens``, or when it holds as many tokens
 (the prompt's and the ones made) as the model has positions.
@@ -78,26 +79,46 @@ def check_prompts(prompts, capacity, vocab_size):
     return out
 
 
-class Engine:
-    """Continuous batching over one KV cache: sequences join (``add``) at any step and leave when they
-    end; ``step()`` prefills the sequences added since the last step, one by one, then decodes one
-    token for every other unfinished sequence, together, and returns [(sequence, token or None)]:
-    None when the sequence has ended (at a stop id, which is not returned, after its
-    ``max_new_tokens``, or at the model's positions). ``params``: the float32 master weights (the
-    model's precision is applied as the CS-2s apply it)."""
+class Local:
+    """Where an Engine's forward passes run in this process: the model's units over one KV cache.
+    Any object with the same ``add``/``remove``/``forward`` runs them elsewhere (the emulated
+    cluster's CS-2s: ``mpi_launch.inference``)."""
 
     def __init__(self, model, params):
+        self.model, self.weights = model, model.compute_weights(params)
+        self.kv = KVCache(model.config["max_position_embeddings"])
+
+    def add(self):
+        """A new sequence's id."""
+        return self.kv.add()
+
+    def remove(self, i):
+        self.kv.remove(i)
+
+    def forward(self, ids, active):
+        """Logits [b, vocab] after the new tokens ``ids`` [b, t] of the sequences ``active``."""
+        return self.model.infer(self.weights, ids, self.kv, active)
+
+
+class Engine:
+    """Continuous batching: sequences join (``add``) at any step and leave when they end; ``step()``
+    prefills the sequences added since the last step, one by one, then decodes one token for every
+    other unfinished sequence, together, and returns [(sequence, token or None)]: None when the
+    sequence has ended (at a stop id, which is not returned, after its ``max_new_tokens``, or at
+    the model's positions). The forward passes run on ``runner`` (default: ``Local(model, params)``,
+    ``params`` the float32 master weights, in the model's precision as the CS-2s apply it)."""
+
+    def __init__(self, model, params=None, *, runner=None):
         self.model = model
         self.capacity = model.config["max_position_embeddings"]
-        self.weights = model.compute_weights(params)
-        self.kv = KVCache(self.capacity)
+        self.runner = runner if runner is not None else Local(model, params)
         self.waiting, self.live = [], {}  # sequences to prefill: (id, prompt); decoding: id -> state
 
     def add(self, prompt, max_new_tokens, sampling=GREEDY, stop_ids=()):
         """A sequence to generate from ``prompt`` (token ids); returns its id."""
         Int(0)(max_new_tokens, "max_new_tokens")
         (prompt,) = check_prompts([prompt], self.capacity, self.model.config["vocab_size"])
-        i = self.kv.add()
+        i = self.runner.add()
         self.waiting.append((i, prompt))
         self.live[i] = {"prompt": len(prompt), "made": 0, "last": None, "max": max_new_tokens,
                         "sampling": sampling, "stops": set(int(s) for s in stop_ids)}
@@ -108,11 +129,20 @@ class Engine:
         self.waiting = [(j, p) for j, p in self.waiting if j != i]
         if i in self.live:
             del self.live[i]
-            self.kv.remove(i)
+            self.runner.remove(i)
 
     @property
     def busy(self):
         return bool(self.live)
+
+    def close(self):
+        """Nothing to release in this process (an engine on the cluster ends its job)."""
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
 
     def _take(self, i, logits):
         s = self.live[i]
@@ -135,25 +165,26 @@ class Engine:
             if self.live[i]["max"] == 0:
                 out.append((i, None))
             else:
-                out.append((i, self._take(i, self.model.infer(self.weights, prompt[None], self.kv, [i])[0])))
+                out.append((i, self._take(i, self.runner.forward(prompt[None], [i])[0])))
                 prefilled.add(i)
         decode = [i for i in self.live if i not in prefilled and self.live[i]["made"] and not self._ended(i)]
         if decode:
             ids = np.array([[self.live[i]["last"]] for i in decode], np.int32)
-            for i, row in zip(decode, self.model.infer(self.weights, ids, self.kv, decode)):
+            for i, row in zip(decode, self.runner.forward(ids, decode)):
                 out.append((i, self._take(i, row)))
         full = [i for i, tok in out if tok is not None and self._ended(i)]  # its last token just made
         for i in [i for i, tok in out if tok is None] + full:
             del self.live[i]
-            self.kv.remove(i)
+            self.runner.remove(i)
         return out + [(i, None) for i in full]
 
 
-def generate(model, params, prompts, max_new_tokens, sampling=GREEDY, stop_ids=()):
-    """Yield (k, token) for prompt k as each token is made; see the module's docstring."""
+def generate(model, params, prompts, max_new_tokens, sampling=GREEDY, stop_ids=(), *, engine=None):
+    """Yield (k, token) for prompt k as each token is made; see the module's docstring. ``engine``:
+    an idle Engine (or one of the same interface) to run them on, instead of a new one in this process."""
     Int(0)(max_new_tokens, "max_new_tokens")
     prompts = check_prompts(prompts, model.config["max_position_embeddings"], model.config["vocab_size"])
-    engine = Engine(model, params)
+    engine = engine if engine is not None else Engine(model, params)
     index = {engine.add(p, max_new_tokens, sampling, stop_ids): k for k, p in enumerate(prompts)}
     while engine.busy:
         for i, tok in engine.step():

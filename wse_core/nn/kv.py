@@ -27,9 +27,14 @@ class KVCache:
         self.active, self.new = [], 0  # the step under way: its sequences, and the positions each adds
         self._next = 0
 
-    def add(self):
-        """A new, empty sequence; returns its id."""
-        i, self._next = self._next, self._next + 1
+    def add(self, i=None):
+        """A new, empty sequence; returns its id: ``i`` (a CS-2 keeps the ids the coordinator gave),
+        or the next unused one."""
+        if i is None:
+            i = self._next
+        elif i in self.lengths:
+            raise ValueError(f"sequence {i} is already in the KV cache")
+        self._next = max(self._next, i + 1)
         self.lengths[i], self.buffers[i] = 0, {}
         return i
 

@@ -295,15 +295,22 @@ class LanguageModel(Model):
         sequences ``active`` (ids in the KV cache ``kv``, ``wse_core.nn.kv``), whose caches grow by t.
         ``params``: the weights the CS-2s compute with (``compute_weights``). Each unit's ``infer`` is
         its training forward but for attention over the cache; outputs in the run's precision."""
-        kv.begin(active, ids.shape[1])
-        x = np.ascontiguousarray(ids, dtype=np.int32)
+        ids = np.ascontiguousarray(ids, dtype=np.int32)
+        return self.infer_units(params, ids, kv, active, 0, len(self.units), ids.shape[1])[:, -1]
+
+    def infer_units(self, params, x, kv, active, first, end, t):
+        """Units ``first`` .. ``end`` - 1 of a generation step of ``t`` new positions: ``x`` is unit
+        ``first``'s input (token ids for the first unit), the last unit's output is returned whole.
+        A CS-2 of the cluster runs its own units this way (docs/design.md section 2, "Inference on
+        the cluster"); ``infer`` runs them all."""
+        kv.begin(active, t)
         last = len(self.units) - 1
-        for u, unit in enumerate(self.units):
+        for u in range(first, end):
             if u == last:  # only the last position's logits are needed
                 x = np.ascontiguousarray(x[:, -1:])
-            x = self.precision.round_(unit.infer(x, params, kv))
+            x = self.precision.round_(self.units[u].infer(x, params, kv))
         kv.end()
-        return x[:, -1]
+        return x
 
     def correct(self, y, batch):
         hit = np.argmax(y, axis=-1) == batch["labels"]

@@ -299,7 +299,8 @@ def _resident(model, weights, unit_kv, batch, prompt_tokens, cache_len, num_csx,
                for i, (u, (w, h)) in enumerate(zip(units, shapes))]
     ttft = sum(prefill) + len(crossings) * (hop + prompt_tokens * hidden_bytes / hw.io_bytes_per_s)
     how = f"on {num_csx} CS-2" + ("s" if num_csx > 1 else "") + ", pipelined across layers"
-    return ttft, tpot, how, {"micro_batch": m, "micro_batches": g, "stages": len(units) + len(crossings),
+    return ttft, tpot, how, {"wafers": owner, "micro_batch": m, "micro_batches": g,
+                             "stages": len(units) + len(crossings),
                              "latency_s": latency, "slowest_stage_s": slowest, "prefill_s": prefill,
                              "regions": shapes}
 

@@ -1,0 +1,270 @@
+"""The roles of an inference job (docs/design.md section 2, "Inference on the cluster"): the
+generation ``Engine`` on the coordinator, its forward passes on the CS-2s, the weights from MemoryX
+through the SwarmX tree. ``mpi_launch.inference`` plans and starts the job and talks to its
+coordinator.
+
+Two placements, chosen by ``wse_core.perf.inference`` when the job is planned:
+
+* **resident**: the weights cross from MemoryX once, at the start; CS-2 c keeps its run of units
+  (``spec["wafers"]``, balanced by bytes with their KV caches) and the caches of every sequence in
+  those units. A pass runs through the CS-2s in order: the first gets the token ids from the
+  coordinator, each hands its last unit's output to the next, the last sends the logits back
+  (pipelined across layers and wafers, as Cerebras serves models).
+* **streamed**: every pass, every MemoryX streams its units again through the tree to every CS-2.
+  Each sequence lives on one CS-2 (the least loaded when it joins), which runs every unit on its
+  sequences' rows and keeps their caches.
+
+A sequence's logits do not depend on the other rows of its pass (``wse_core.nn.kv``), so the tokens
+are those of ``wse_core.nn.generate.Local`` for any ``num_csx`` and either placement. Ranks other
+than the coordinator wait for its next message without a deadline (a server may stay idle for
+hours; the watchdog still ends the job if any rank dies), never spinning (``messaging.poll``).
+
+Messages: the table ``mpi_launch.protocol.INFER``.
+"""
+import math
+from multiprocessing.connection import Client
+
+import numpy as np
+
+from mpi_launch import messaging as msg
+from mpi_launch.protocol import CONTROL, DATA, FWD_WEIGHTS, LOGITS, REPORT, Layout
+from mpi_launch.rundir import LineLog
+
+
+class InferenceRole:
+    """What every rank of an inference job shares: its link, the plan, the model and the job's spec
+    (``mpi_launch.inference.spec``)."""
+
+    def __init__(self, comm, plan, spec, run_dir, index):
+        from wse_core.nn import build_model
+
+        self.comm, self.plan, self.spec, self.index, self.rank = comm, plan, spec, index, comm.rank
+        self.model = build_model(spec["model"])
+        self.units, self.unit_params = self.model.units, self.model.unit_params
+        self.shapes = {n: s.shape for n, s in self.model.param_specs.items()}
+        self.streamed = spec["placement"] == "streamed"
+        self.param_owner = {}
+        for u, names in enumerate(self.unit_params):
+            for n in names:
+                self.param_owner.setdefault(n, plan.unit_owner[u])
+        layout = Layout.for_job(units=len(self.units), micro_batches=1,
+                                arrays_per_unit=max(len(p) for p in self.unit_params))
+        self.link = msg.Link(comm, layout, spec["peer_timeout"], "--peer_timeout")
+        self.log_file = LineLog(run_dir.rank_log(self.rank))
+
+    def log(self, text):
+        import time
+
+        self.log_file.write(f"{time.strftime('%H:%M:%S')} {text}\n")
+
+    def unit_layout(self, u):
+        return [(self.shapes[n], self.model.precision.wire_dtype) for n in self.unit_params[u]]
+
+    def next_order(self, source, tag, what):
+        """The next message from ``source``, waited for as long as it takes (never spinning)."""
+        return self.link.recv_object(source, tag, what, timeout=math.inf)
+
+
+class Coordinator(InferenceRole):
+    """Runs the Engine (sampling, continuous batching, ends of sequences) for the process that started
+    the job, over a Unix socket (``multiprocessing.connection``): ("add", prompt, max_new_tokens,
+    sampling, stop_ids) answers the sequence's id or a ValueError's line; ("cancel", id); ("step",)
+    answers the step's [(id, token or None)]; ("close",), or the socket closing, ends the job."""
+
+    def run(self):
+        from wse_core.nn.generate import Engine
+
+        engine = Engine(self.model, runner=_ClusterRunner(self))
+        conn = Client(self.spec["socket"], family="AF_UNIX")
+        try:
+            while True:
+                try:
+                    order = conn.recv()  # blocks in the kernel: an idle server costs nothing
+                except EOFError:
+                    break
+                if order[0] == "add":
+                    try:
+                        conn.send(("ok", engine.add(*order[1:])))
+                    except ValueError as exc:
+                        conn.send(("error", str(exc)))
+                elif order[0] == "cancel":
+                    engine.cancel(order[1])
+                elif order[0] == "step":
+                    conn.send(("ok", engine.step()))
+                else:
+                    break
+        finally:
+            conn.close()
+        self._stop()
+
+    def _stop(self):
+        """End every rank: MemoryX and SwarmX wait for the coordinator in both placements, the CS-2s
+        for their rows (resident: the first, which hands the end on)."""
+        tag = self.link.tag(CONTROL)
+        for rank in self.plan.memoryx + self.plan.swarmx:
+            self.comm.send({"stop": True}, dest=rank, tag=tag)  # INFER["pass"]
+        for rank in self.plan.csx if self.streamed else self.plan.csx[:1]:
+            self.comm.send({"stop": True}, dest=rank, tag=tag)  # INFER["rows"]
+
+
+class _ClusterRunner:
+    """The Engine's runner (``wse_core.nn.generate.Local``'s interface) on the coordinator: sequences
+    are given to CS-2s, each forward pass is sent to them and their logits gathered."""
+
+    def __init__(self, role):
+        self.role, self.next_id = role, 0
+        self.home = {}                                  # sequence -> CS-2 index (streamed)
+        self.added, self.removed = [], []               # since the last pass: (sequence, CS-2)
+        self.vocab = role.model.config["vocab_size"]
+
+    def add(self):
+        i, self.next_id = self.next_id, self.next_id + 1
+        load = [0] * self.role.plan.num_csx
+        for c in self.home.values():
+            load[c] += 1
+        c = load.index(min(load)) if self.role.streamed else 0
+        self.home[i] = c
+        self.added.append((i, c))
+        return i
+
+    def remove(self, i):
+        self.removed.append((i, self.home.pop(i)))
+
+    def forward(self, ids, active):
+        role, link = self.role, self.role.link
+        tag = link.tag
+        t = ids.shape[1]
+        logits = np.empty((len(active), self.vocab), np.float32)
+        if role.streamed:
+            for rank in role.plan.memoryx + role.plan.swarmx:
+                role.comm.send({"stop": False}, dest=rank, tag=tag(CONTROL))  # INFER["pass"]
+            rows = {c: [k for k, i in enumerate(active) if self.home[i] == c] for c in range(role.plan.num_csx)}
+            for c, rank in enumerate(role.plan.csx):
+                role.comm.send({"x": ids[rows[c]], "active": [active[k] for k in rows[c]], "t": t,  # INFER["rows"]
+                                "added": [i for i, h in self.added if h == c],
+                                "removed": [i for i, h in self.removed if h == c]}, dest=rank, tag=tag(CONTROL))
+            for c, rank in enumerate(role.plan.csx):
+                got = link.recv_object(rank, tag(REPORT, 0, LOGITS), f"CS-2 rank {rank} (logits)")  # INFER["logits"]
+                if rows[c]:
+                    logits[rows[c]] = got
+        else:
+            role.comm.send({"x": ids, "active": list(active), "t": t, "added": [i for i, _ in self.added],
+                            "removed": [i for i, _ in self.removed]}, dest=role.plan.csx[0], tag=tag(CONTROL))
+            last = role.plan.csx[-1]
+            logits[:] = link.recv_object(last, tag(REPORT, 0, LOGITS), f"CS-2 rank {last} (logits)")
+        self.added, self.removed = [], []
+        return logits
+
+
+class WeightStore(InferenceRole):
+    """A MemoryX server: loads the weights it owns from the job's source and streams them down the
+    tree, once (resident) or for every pass (streamed), in the model's precision."""
+
+    def run(self):
+        owned = [n for n in self.model.param_names if self.param_owner[n] == self.index]
+        wire = {n: self.model.precision.to_wire(w) for n, w in _load(self.spec, owned).items()}
+        uses = [(u, i, n) for u, names in enumerate(self.unit_params) for i, n in enumerate(names)
+                if self.param_owner[n] == self.index]
+        root, coordinator = self.plan.swarmx_root, self.plan.coordinator
+
+        def send():
+            reqs = []
+            for u, i, n in uses:
+                reqs += self.link.isend_arrays([wire[n]], root, FWD_WEIGHTS, u, index=i)  # INFER["weights"]
+            self.link.wait_all(reqs, f"SwarmX root rank {root} (weights)")
+
+        if not self.streamed:
+            send()
+        while not self.next_order(coordinator, self.link.tag(CONTROL), "the coordinator (next pass)")["stop"]:
+            send()
+
+
+class Relay(InferenceRole):
+    """A SwarmX node: relays every unit's weights to its children, chunk by chunk, as they land."""
+
+    def run(self):
+        me = self.plan.swarmx[self.index]
+        kids, parent = self.plan.children[me], self.plan.parent[me]
+
+        def relay():
+            sends, keep = [], []
+            for u in range(len(self.units)):
+                sources = ([parent] * len(self.unit_params[u]) if parent is not None else
+                           [self.plan.memoryx[self.param_owner[n]] for n in self.unit_params[u]])
+                arrays, more = self.link.relay(self.unit_layout(u), sources, kids, FWD_WEIGHTS, u,
+                                               f"weights of {self.units[u].name}")
+                sends += more
+                keep.append(arrays)
+            self.link.wait_all(sends, f"children {kids} of SwarmX rank {me} (weights)")
+
+        if not self.streamed:
+            relay()
+        while not self.next_order(self.plan.coordinator, self.link.tag(CONTROL), "the coordinator (next pass)")["stop"]:
+            relay()
+
+
+class Wafer(InferenceRole):
+    """A CS-2 of an inference job: its units' weights (resident: kept from the start; streamed: taken
+    again every pass) and its sequences' KV caches; runs its units on each pass's rows."""
+
+    def run(self):
+        from wse_core.nn.kv import KVCache
+
+        c, csx = self.index, self.plan.csx
+        mine = [u for u, w in enumerate(self.spec["wafers"]) if w == c] if not self.streamed else range(len(self.units))
+        first, end = min(mine), max(mine) + 1
+        kv = KVCache(self.model.config["max_position_embeddings"])
+        coordinator = self.plan.coordinator
+        source, tag_in = (coordinator, CONTROL) if self.streamed or c == 0 else (csx[c - 1], DATA)
+        last = self.streamed or c + 1 == len(csx)
+        weights = None if self.streamed else self._weights(first, end)
+        self.log(f"units {first}..{end - 1} ({self.spec['placement']})")
+        while True:
+            order = self.next_order(source, self.link.tag(tag_in), f"rank {source} (the next pass)")
+            if order.get("stop"):
+                if not last:
+                    self.comm.send(order, dest=csx[c + 1], tag=self.link.tag(DATA))
+                return
+            if self.streamed:
+                weights = self._weights(first, end)
+            for i in order["removed"]:
+                kv.remove(i)
+            for i in order["added"]:
+                kv.add(i)
+            x = order["x"]
+            if order["active"]:
+                x = self.model.infer_units(weights, x, kv, order["active"], first, end, order["t"])
+            if last:
+                self.comm.send(np.ascontiguousarray(x[:, -1]) if order["active"] else None,  # INFER["logits"]
+                               dest=coordinator, tag=self.link.tag(REPORT, 0, LOGITS))
+            else:
+                self.comm.send(dict(order, x=x), dest=csx[c + 1], tag=self.link.tag(DATA))  # INFER["activations"]
+
+    def _weights(self, first, end):
+        """Every unit's weights from the tree (a pass streams them all to every CS-2); those of units
+        ``first`` .. ``end`` - 1, in the precision the CS-2s compute in."""
+        parent = self.plan.parent[self.plan.csx[self.index]]
+        arrays, reqs = [], []
+        for u in range(len(self.units)):
+            a, r = self.link.irecv_arrays(self.unit_layout(u), parent, FWD_WEIGHTS, u)
+            arrays.append(a)
+            reqs += r
+        self.link.wait_all(reqs, f"SwarmX rank {parent} (weights)")
+        from_wire = self.model.precision.from_wire
+        return {n: from_wire(a) for u in range(first, end) for n, a in zip(self.unit_params[u], arrays[u])}
+
+
+def _load(spec, names):
+    """The float32 master weights ``names`` of the job's source: a checkpoint, or a Hugging Face directory."""
+    if spec["kind"] == "hf":
+        from data_tools.hf import read_hf
+
+        weights = read_hf(spec["source"])[1]
+        return {n: weights[n] for n in names}
+    from data_tools.checkpoint import Checkpoint
+
+    ckpt = Checkpoint(spec["source"])
+    return ckpt.dense(ckpt.load(names)[0])
+
+
+ROLES = {"coordinator": Coordinator, "memoryx": WeightStore, "swarmx": Relay, "csx": Wafer}
