@@ -1,10 +1,11 @@
 """`wse serve` against transformers' generate: requests/s and tokens/s, and the emulated hardware's time per output token.
 
-    wse bench serve [--json PATH] [--requests 16] [--clients 8] [--prompt_tokens 32] [--new_tokens 32]
+    wse bench serve [--json PATH] [--requests 16] [--clients 8] [--prompt_tokens 32] [--new_tokens 32] [--num_csx N]
 
 A GPT-2 in the shape of ``wse bench stream``'s (4 layers x 256, 4 heads, byte vocabulary, 256
 positions), its weights as training starts them, served by ``wse serve`` (a subprocess, a free
-port): ``--clients`` threads send ``--requests`` greedy completions, each a prompt of
+port; with ``--num_csx``, generating on that many emulated CS-2s, an inference job of MPI ranks):
+``--clients`` threads send ``--requests`` greedy completions, each a prompt of
 ``--prompt_tokens`` token ids of the standard library's text and ``max_tokens`` ``--new_tokens``;
 the wall time from the first request sent to the last answer. The baseline, in this process on the
 same cores: the same weights exported for transformers (``data_tools.hf.to_hf``) and
@@ -38,6 +39,8 @@ def add_arguments(parser):
     parser.add_argument("--clients", type=int, default=8, help="clients sending them at once (default 8)")
     parser.add_argument("--prompt_tokens", type=int, default=32, help="tokens of each prompt (default 32)")
     parser.add_argument("--new_tokens", type=int, default=32, help="max_tokens of each request (default 32)")
+    parser.add_argument("--num_csx", type=int, help="serve on this many emulated CS-2s (default: in the server's "
+                                                    "process)")
 
 
 def _model_dir(where, prompt_tokens, requests):
@@ -61,11 +64,12 @@ def _model_dir(where, prompt_tokens, requests):
     return model, path, prompts
 
 
-def _serve(model_dir, prompts, new_tokens, clients):
+def _serve(model_dir, prompts, new_tokens, clients, num_csx):
     """(wall seconds, completion tokens per request) of the prompts sent by ``clients`` threads."""
     log = open(model_dir.parent / "serve.log", "w+")  # the server's stderr: a file never fills up as a pipe can
     proc = subprocess.Popen([sys.executable, "-m", "pyapi.cli", "serve", str(model_dir), "--port", "0",
-                             "--max_streams", str(clients)], stdout=subprocess.PIPE, stderr=log, text=True)
+                             "--max_streams", str(clients), *(["--num_csx", str(num_csx)] if num_csx else [])],
+                            stdout=subprocess.PIPE, stderr=log, text=True)
     try:
         ready, _, _ = select.select([proc.stdout], [], [], READY_S)
         line = proc.stdout.readline() if ready else ""
@@ -145,14 +149,15 @@ def run(args):
         where = Path(tmp)
         model, path, prompts = _model_dir(where, args.prompt_tokens, args.requests)
         hf_dir = to_hf(path, where / "hf")
-        wall, served = _serve(where / "model", prompts, args.new_tokens, args.clients)
+        wall, served = _serve(where / "model", prompts, args.new_tokens, args.clients, args.num_csx)
         alone, one, together, batched = _transformers(hf_dir, prompts, args.new_tokens)
-    sim = simulate(model, batch=args.clients, prompt_tokens=args.prompt_tokens, new_tokens=args.new_tokens)
+    sim = simulate(model, batch=args.clients, prompt_tokens=args.prompt_tokens, new_tokens=args.new_tokens,
+                   num_csx=args.num_csx or 1)
     tokens = sum(served)
     rounds = -(-args.requests // args.clients)  # the requests go through the server this many at a time
     return {
         "machine": machine(), "torch": torch.__version__, "torch_threads": torch.get_num_threads(),
-        "params": model.num_params(), "requests": args.requests, "clients": args.clients,
+        "params": model.num_params(), "requests": args.requests, "clients": args.clients, "num_csx": args.num_csx,
         "prompt_tokens": args.prompt_tokens, "new_tokens": args.new_tokens,
         "serve_s": wall, "serve_tokens": tokens, "serve_requests_per_s": args.requests / wall,
         "serve_tokens_per_s": tokens / wall,
@@ -166,7 +171,8 @@ def run(args):
 
 def report(result):
     m, r = result["machine"], result
-    rows = [["wse serve, " + f"{r['clients']} clients", f"{r['serve_requests_per_s']:.2f}", f"{r['serve_tokens_per_s']:.0f}",
+    where = f", on {r['num_csx']} CS-2s" if r.get("num_csx") else ""
+    rows = [["wse serve, " + f"{r['clients']} clients{where}", f"{r['serve_requests_per_s']:.2f}", f"{r['serve_tokens_per_s']:.0f}",
              f"{r['serve_over_best_hf']:.2f}"],
             ["transformers generate, one prompt at a time", f"{r['requests'] / r['hf_alone_s']:.2f}",
              f"{r['hf_alone_tokens_per_s']:.0f}", ""],

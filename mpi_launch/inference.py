@@ -150,6 +150,14 @@ class ClusterEngine:
     def busy(self):
         return bool(self._live)
 
+    @property
+    def capacity(self):
+        return self.model.config["max_position_embeddings"]
+
+    @property
+    def vocab_size(self):
+        return self.model.config["vocab_size"]
+
     def step(self):
         made = self._call("step")
         for i, tok in made:

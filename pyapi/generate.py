@@ -36,22 +36,36 @@ def finish_reason(prompt_tokens, made, max_new_tokens, capacity):
 class TextPieces:
     """The text of a sequence's tokens, given piece by piece as they come: ``add(token)`` returns what
     the token adds to the decoded text ("" while a character's bytes are incomplete: the decoder
-    would show U+FFFD for them); ``rest()`` what is still held back once the sequence has ended."""
+    would show U+FFFD for them); ``rest()`` what is still held back once the sequence has ended.
+    With ``stops`` (strings), the text ends before the first of them to appear: ``stopped`` is then
+    set, and what could still become one is held back until it cannot (OpenAI's ``stop``)."""
 
-    def __init__(self, tokenizer):
-        self.tokenizer, self.tokens, self.shown = tokenizer, [], ""
+    def __init__(self, tokenizer, stops=()):
+        self.tokenizer, self.tokens, self.shown, self.stops = tokenizer, [], "", tuple(stops)
+        self.stopped = False
 
     def add(self, token):
         self.tokens.append(token)
         text = self.tokenizer.decode(self.tokens)
-        if text.endswith("\ufffd") or not text.startswith(self.shown):
+        if self.stops:
+            found = [i for i in (text.find(s) for s in self.stops) if i >= 0]
+            if found:
+                self.stopped, text = True, text[:min(found)]
+            else:  # the longest end of the text that a stop could still start with
+                held = max((n for s in self.stops for n in range(1, len(s)) if text.endswith(s[:n])), default=0)
+                text = text[:len(text) - held]
+        if (text.endswith("\ufffd") and not self.stopped) or not text.startswith(self.shown):
             return ""
         piece, self.shown = text[len(self.shown):], text
         return piece
 
     def rest(self):
-        text = self.tokenizer.decode(self.tokens)
+        text = self.text()
         return text[len(self.shown):] if text.startswith(self.shown) else ""
+
+    def text(self):
+        """The sequence's text: up to its stop, or all of it."""
+        return self.shown if self.stopped else self.tokenizer.decode(self.tokens)
 
 
 class Generator:
@@ -60,9 +74,19 @@ class Generator:
 
     def __init__(self, model, weights, tokenizer=None, *, bos_id=None, stop_ids=(), source="", kind=None,
                  why_no_tokenizer=""):
-        if not getattr(model, "is_lm", False) or not hasattr(model, "infer"):
+        if getattr(model, "family", None) == "torch":  # a compiled PyTorch model (wse_core.compiler.generate)
+            from wse_core.compiler.generate import Recompute
+
+            try:
+                probe = Recompute(model, weights)  # refuses, in one line, a model that cannot generate
+            except ValueError as exc:
+                raise ValueError(f"{source}: {exc}") from None
+            self.capacity, self.vocab_size = probe.capacity, probe.vocab_size
+        elif not getattr(model, "is_lm", False) or not hasattr(model, "infer"):
             raise ValueError(f"{source}: model {model.config['name']}: generating is built for the language models "
-                             "(gpt2, gpt3, llama)")
+                             "(gpt2, gpt3, llama, and compiled PyTorch models of token ids)")
+        else:
+            self.capacity, self.vocab_size = model.config["max_position_embeddings"], model.config["vocab_size"]
         self.model, self.weights, self.tokenizer = model, weights, tokenizer
         self.bos_id, self.stop_ids, self.source, self.kind = bos_id, tuple(stop_ids), source, kind
         self.why_no_tokenizer = why_no_tokenizer
@@ -120,6 +144,13 @@ class Generator:
         tokens either way. Close it when done (``with``)."""
         from wse_core.nn.generate import Engine
 
+        if getattr(self.model, "family", None) == "torch":
+            if num_csx is not None:
+                raise ValueError("--num_csx: a compiled PyTorch model generates in this process only (its graph "
+                                 "has no KV cache to place on the wafers)")
+            from wse_core.compiler.generate import Recompute
+
+            return Engine(self.model, runner=Recompute(self.model, self.weights))
         if num_csx is None:
             return Engine(self.model, self.weights)
         if self.kind is None:
@@ -150,14 +181,14 @@ class Generator:
         sampling = Sampling(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
         out = [Completion(p if isinstance(p, str) else None, self.encode(p)) for p in prompts]
         pieces = [TextPieces(self.tokenizer) if self.tokenizer is not None else None for _ in out]
+        engine = engine if engine is not None else self.engine()  # this process's: nothing to close
         for k, tok in generate(self.model, self.weights, [c.prompt_ids for c in out], max_new_tokens, sampling,
                                self.stop_ids, engine=engine):
             out[k].tokens.append(tok)
             if on_token is not None:
                 on_token(k, tok, "" if pieces[k] is None else pieces[k].add(tok))
         for c in out:
-            c.finish_reason = finish_reason(len(c.prompt_ids), len(c.tokens), max_new_tokens,
-                                            self.model.config["max_position_embeddings"])
+            c.finish_reason = finish_reason(len(c.prompt_ids), len(c.tokens), max_new_tokens, self.capacity)
             if self.tokenizer is not None:
                 c.text = self.tokenizer.decode(c.tokens)
         return out

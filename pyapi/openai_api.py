@@ -97,6 +97,15 @@ def _stream_options(value, path):
     return value
 
 
+def _stops(value, path):
+    """OpenAI's ``stop``: a string or a list of up to 4 non-empty strings."""
+    stops = [value] if isinstance(value, str) else value
+    if not isinstance(stops, list) or not 1 <= len(stops) <= 4 or \
+            not all(isinstance(s, str) and s for s in stops):
+        raise TypeError(f"{path}: expected a non-empty string or a list of 1 to 4 of them, got {show(value)}")
+    return stops
+
+
 def _any_text(value, path):
     if not isinstance(value, str):
         raise TypeError(f"{path}: expected a string, got {show(value)}")
@@ -116,8 +125,8 @@ class _Sampled:
     n: int = key(Unserved(1, why="one completion per prompt is served"), "completions per prompt", 1)
     stream: bool = key(Bool(), "send the tokens as they come (server-sent events)", False)
     stream_options: dict = key(Check(_stream_options, "{include_usage: bool}"), "", None)
-    stop: list = key(Unserved([], why="stop sequences are not served (a text ends at the model's end-of-text "
-                                       "token)"), "", None)
+    stop: list = key(Check(_stops, "a string or up to 4 strings"), "texts that end the completion (not included)",
+                     None)
     user: str = key(Check(_any_text, "a string"), "the end user's id (taken, not used)", None)
     frequency_penalty: float = key(Unserved(0, why="penalties are not served"), "", 0)
     presence_penalty: float = key(Unserved(0, why="penalties are not served"), "", 0)

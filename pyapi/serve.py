@@ -195,7 +195,7 @@ class Server:
             raise ValueError(f"{generator.why_no_tokenizer}: the server answers in text, so it needs the "
                              "model's tokenizer")
         self.gen, self.name, self.api_key = generator, name, api_key
-        self.capacity = generator.model.config["max_position_embeddings"]
+        self.capacity = generator.capacity
         self.limits = (limits or Limits()).resolved(self.capacity)
         self.chat, self.why_no_chat = chat
         cluster = {} if cluster is None else dict(cluster, max_streams=self.limits.max_streams)
@@ -325,7 +325,7 @@ class Server:
 
     def _check_prompt(self, ids, param, k):
         """The token ids of field ``param`` (its k-th prompt, if k is not None), checked."""
-        where, vocab = param if k is None else f"{param}[{k}]", self.gen.model.config["vocab_size"]
+        where, vocab = param if k is None else f"{param}[{k}]", self.gen.vocab_size
         if not ids:
             raise ApiError(400, f"{where}: empty (give at least one token)", param=param)
         bad = next((i for i in ids if not 0 <= i < vocab), None)
@@ -355,7 +355,7 @@ class Server:
                     "model": self.name}
             if req.stream:
                 return await self._stream(request, req, head, prompts, max_tokens, chat)
-            done = await self._generate(prompts, max_tokens, sampling_of(req))
+            done = await self._generate(prompts, max_tokens, sampling_of(req), req.stop or ())
             made = sum(len(tokens) for tokens, _, _ in done)
             choices = [{"index": k, **({"message": {"role": "assistant", "content": text}} if chat else {"text": text}),
                         "logprobs": None, "finish_reason": why} for k, (_, text, why) in enumerate(done)]
@@ -363,12 +363,13 @@ class Server:
         finally:
             self.in_flight -= len(prompts)
 
-    async def _generate(self, prompts, max_tokens, sampling, on_piece=None):
+    async def _generate(self, prompts, max_tokens, sampling, stops=(), on_piece=None):
         """[(tokens, text, finish_reason)] of each prompt; ``on_piece(k, text, finish_reason or None)`` is
-        awaited as prompt k's text grows and once at its end. Whatever ends this early (the client
-        left, the stop) cancels the sequences still live."""
+        awaited as prompt k's text grows and once at its end. A prompt whose text meets one of
+        ``stops`` ends there ("stop"; its sequence is cancelled). Whatever ends this early (the client
+        left, the server's stop) cancels the sequences still live."""
         loop, queue = asyncio.get_running_loop(), asyncio.Queue()
-        pieces = [TextPieces(self.gen.tokenizer) for _ in prompts]
+        pieces = [TextPieces(self.gen.tokenizer, stops) for _ in prompts]
         ended = [None] * len(prompts)
         tickets = [self.batcher.submit(p, max_tokens, sampling, _to_loop(loop, queue, k))
                    for k, p in enumerate(prompts)]
@@ -377,11 +378,16 @@ class Server:
                 k, item = await queue.get()
                 if isinstance(item, Exception):
                     raise ApiError(500, f"the engine failed: {type(item).__name__}: {item}")
+                if ended[k] is not None:  # made before its stop string cancelled it
+                    continue
                 if item is None:
                     ended[k] = finish_reason(len(prompts[k]), len(pieces[k].tokens), max_tokens, self.capacity)
                     piece = pieces[k].rest() if on_piece else ""
-                elif on_piece:
+                elif on_piece or stops:
                     piece = pieces[k].add(item)
+                    if pieces[k].stopped:
+                        ended[k] = "stop"
+                        self.batcher.cancel(tickets[k])
                 else:  # not streamed: the text is decoded once, at the end
                     pieces[k].tokens.append(item)
                     piece = ""
@@ -391,7 +397,7 @@ class Server:
             for t, why in zip(tickets, ended):
                 if why is None:
                     self.batcher.cancel(t)
-        return [(p.tokens, self.gen.tokenizer.decode(p.tokens), why) for p, why in zip(pieces, ended)]
+        return [(p.tokens, p.text(), why) for p, why in zip(pieces, ended)]
 
     async def _stream(self, request, req, head, prompts, max_tokens, chat):
         """OpenAI's server-sent events: a chunk per piece of text, one with each prompt's finish_reason,
@@ -416,7 +422,7 @@ class Server:
                     await chunk(0, "", None, role="assistant")
                 else:  # a comment line: the headers go now, so the client knows at once that it was taken
                     await resp.write(b": accepted\n\n")
-                done = await self._generate(prompts, max_tokens, sampling_of(req), chunk)
+                done = await self._generate(prompts, max_tokens, sampling_of(req), req.stop or (), chunk)
                 if usage:
                     await send({**head, "choices": [], "usage": _usage(prompts, sum(len(t) for t, _, _ in done))})
             except ApiError as exc:  # after the headers, an error is an event of the stream (OpenAI's clients raise it)

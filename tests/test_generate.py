@@ -143,3 +143,66 @@ def test_wse_generate_prints_the_text_of_a_trained_model_with_its_datas_tokenize
     assert bare.returncode != 0 and bare.stderr.strip().splitlines() == [
         f"wse generate: error: a text prompt needs a tokenizer ({tmp_path / 'bare' / 'checkpoint_3'}: no tokenizer: "
         "its params name no train_input.data_dir); give token ids instead"]
+
+
+def test_a_compiled_pytorch_language_model_generates_as_transformers_does(tmp_path):
+    """A GPT2LMHeadModel captured by the compiler (its step: cross-entropy of its logits), with weights far
+    from the initialisation: Generator's greedy tokens equal transformers' generate on the same weights,
+    for prompts of different lengths side by side."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    from pyapi.generate import Generator
+    from wse_core.compiler import capture, partition
+    from wse_core.compiler.model import save_program
+
+    torch.manual_seed(0)
+    cfg = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=61, n_positions=16, bos_token_id=0,
+                                  eos_token_id=0, resid_pdrop=0, embd_pdrop=0, attn_pdrop=0)
+    hf = transformers.GPT2LMHeadModel(cfg)
+    ids = torch.randint(0, 61, (4, 16))
+
+    def lm_loss(logits, target):
+        return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1))
+
+    graph = capture(hf, (ids, ids.roll(-1, 1)), lm_loss)
+    save_program(graph, partition(graph), tmp_path / "gpt2.pt2")
+    model = build_model({"name": "torch", "program": str(tmp_path / "gpt2.pt2")})
+    rng = np.random.default_rng(0)
+    w = {n: (v + rng.normal(0, 0.3, v.shape)).astype(np.float32) for n, v in model.init_params(0).items()}
+    ours = Generator(model, w).generate(PROMPTS[:2], 8)
+    hf.eval().load_state_dict({k: torch.from_numpy(w[k]) if k in w else v for k, v in hf.state_dict().items()})
+    for c, p in zip(ours, PROMPTS):
+        theirs = hf.generate(torch.tensor([p]), max_new_tokens=8, do_sample=False, eos_token_id=None,
+                             pad_token_id=0)[0, len(p):].tolist()
+        assert c.tokens == theirs, p
+    with pytest.raises(ValueError, match=r"^--num_csx: a compiled PyTorch model generates in this process only"):
+        Generator(model, w).engine(num_csx=1)
+
+
+def test_a_compiled_model_that_is_not_causal_is_refused_in_one_line(tmp_path):
+    torch = pytest.importorskip("torch")
+    from pyapi.generate import Generator
+    from wse_core.compiler import capture, partition
+    from wse_core.compiler.model import save_program
+
+    class Bidirectional(torch.nn.Module):  # every position sees every other: no next-token model
+        def __init__(self):
+            super().__init__()
+            self.embed = torch.nn.Embedding(61, 16)
+            self.mix = torch.nn.Linear(12 * 16, 12 * 16)
+            self.head = torch.nn.Linear(16, 61)
+
+        def forward(self, ids):
+            x = self.embed(ids)
+            return self.head(self.mix(x.flatten(1)).view(x.shape))
+
+    def lm_loss(logits, target):
+        return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1))
+
+    ids = torch.randint(0, 61, (4, 12))
+    graph = capture(Bidirectional(), (ids, ids.roll(-1, 1)), lm_loss)
+    save_program(graph, partition(graph), tmp_path / "bi.pt2")
+    model = build_model({"name": "torch", "program": str(tmp_path / "bi.pt2")})
+    with pytest.raises(ValueError, match=r"^m: the compiled model is not causal: the logits at a position change "
+                                         r"with the tokens after it, so it cannot generate$"):
+        Generator(model, model.init_params(0), source="m")

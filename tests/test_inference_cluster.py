@@ -13,6 +13,7 @@ import yaml
 from data_tools.checkpoint import save_checkpoint
 from mpi_launch.inference import ClusterEngine, InferenceJobError
 from mpi_launch.launcher import job_processes
+from test_appliance import appliance  # noqa: F401 - the fixture
 from test_generate import FAMILIES, PROMPTS, made, weights_of
 from wse_core.nn.generate import Sampling, generate
 
@@ -85,7 +86,7 @@ def test_a_cs2_rank_that_dies_is_named_and_the_job_leaves_nothing_running(tmp_pa
     assert engine.dir.exists() and not job_processes(engine.dir)  # a failed job's logs are kept
 
 
-def test_wse_serve_on_cs2s_answers_as_one_process_and_restarts_its_job_after_a_fault(tmp_path):
+def test_wse_serve_on_cs2s_answers_as_one_process_and_restarts_its_job_after_a_fault(tmp_path, monkeypatch):
     """`wse serve --num_csx 2`: the official client's completion equals Generator.generate's; a CS-2
     rank killed under the server fails the request under way with a 500, and the next request is
     answered by a new job."""
@@ -99,14 +100,8 @@ def test_wse_serve_on_cs2s_answers_as_one_process_and_restarts_its_job_after_a_f
     want = Generator.load(model_dir).generate(["def f"], 8)[0]
     env_tmp = tmp_path / "jobs"
     env_tmp.mkdir()
-    os.environ["TMPDIR"], old = str(env_tmp), os.environ.get("TMPDIR")
-    try:
-        proc, url = start(model_dir, "--num_csx", 2)
-    finally:
-        if old is None:
-            del os.environ["TMPDIR"]
-        else:
-            os.environ["TMPDIR"] = old
+    monkeypatch.setenv("TMPDIR", str(env_tmp))  # the inference job's directory: where the test finds it
+    proc, url = start(model_dir, "--num_csx", 2)
     api = openai.OpenAI(base_url=url, api_key="none", max_retries=0, timeout=TIMEOUT)
     try:
         got = api.completions.create(model="tiny", prompt="def f", max_tokens=8, temperature=0)
@@ -124,3 +119,49 @@ def test_wse_serve_on_cs2s_answers_as_one_process_and_restarts_its_job_after_a_f
         code, out, err = stop(proc, signal.SIGINT)
     assert code == 0, err
     assert not job_processes(env_tmp)
+
+
+def test_a_serve_job_holds_its_cs2s_is_listed_restarted_after_a_fault_and_cancelled(tmp_path, jobs, appliance,
+                                                                                      monkeypatch):
+    """`wse serve --submit --num_csx 2` on an appliance of 3 CS-2s: the job holds 2 of them while it
+    serves (`wse jobs` lists it running), answers as one process does, is restarted when its server
+    is killed (max_restarts 1) and serves again, and `wse cancel` stops it, leaving nothing running
+    and its CS-2s free."""
+    openai = pytest.importorskip("openai")
+    pytest.importorskip("aiohttp")
+    from pyapi.generate import Generator
+    from test_appliance import _children, until
+    from test_serve import trained
+
+    model_dir = trained(tmp_path / "m")
+    want = Generator.load(model_dir).generate(["def f"], 8)[0].text
+    monkeypatch.setenv("TMPDIR", str(tmp_path))  # the inference jobs' directories: the test's processes
+    a = appliance(3)
+    r = a.wse("serve", model_dir, "--num_csx", 2, "--port", 0, "--submit", "--max_restarts", 1)
+    assert r.returncode == 0, r.stderr
+    job_id = int(r.stdout.split(":")[0].split()[1])
+
+    def served(n):
+        """The URL of the server's n-th ready line in the job's log (None before it)."""
+        lines = [ln for ln in a.wse("logs", job_id).stdout.splitlines() if ln.startswith("serving tiny on ")]
+        return lines[n - 1].split(" on ")[1].split(" ")[0] if len(lines) >= n else None
+
+    def complete(url):
+        api = openai.OpenAI(base_url=url, api_key="none", max_retries=0, timeout=TIMEOUT)
+        return api.completions.create(model="tiny", prompt="def f", max_tokens=8, temperature=0).choices[0].text
+
+    assert complete(until(lambda: served(1), "the server's ready line")) == want
+    assert a.client.status()["free_csx"] == 1
+    listed = [ln for ln in a.wse("jobs").stdout.splitlines() if ln.split()[:1] == [str(job_id)]]
+    assert len(listed) == 1 and "running" in listed[0], listed
+    service = a.client.status()["pid"]
+    (runner,) = [p for p in _children(service) if b"pyapi.appliance.runner" in open(f"/proc/{p}/cmdline", "rb").read()]
+    os.kill(runner, signal.SIGKILL)
+    assert complete(until(lambda: served(2), "the restarted server's ready line")) == want
+    assert a.client.job(job_id)["restarts"] == 1
+    r = a.wse("cancel", job_id)
+    assert r.returncode == 0, r.stderr
+    rec = a.wait(job_id, TIMEOUT)
+    assert rec["state"] == "cancelled", rec
+    assert a.client.status()["free_csx"] == 3
+    until(lambda: set(jobs.leftovers()) <= {service}, "nothing of the job left running", timeout=60)

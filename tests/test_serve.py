@@ -128,6 +128,26 @@ def test_completions_equal_generate_streamed_and_not(server, model_dir):
                                   seed=6).choices[0].text != sampled
 
 
+def test_a_stop_string_ends_the_text_before_it_streamed_and_not(server, model_dir):
+    """OpenAI's ``stop``: the text ends just before the first stop string it would contain
+    (finish_reason "stop"), the same streamed (the pieces never show a stop's start) and not; a stop
+    that never appears changes nothing."""
+    url, _ = server
+    api = client(url)
+    want = Generator.load(model_dir).generate("def f(", 24)[0]
+    assert len(want.text) > 8, want.text
+    stop_at = want.text[5:8]
+    cut = want.text[:want.text.find(stop_at)]
+    for stops in (stop_at, ["\u00a7never", stop_at]):
+        got = api.completions.create(model="tiny", prompt="def f(", max_tokens=24, temperature=0, stop=stops)
+        assert (got.choices[0].text, got.choices[0].finish_reason) == (cut, "stop")
+        text, why, _ = streamed(api.completions.create(model="tiny", prompt="def f(", max_tokens=24, temperature=0,
+                                                       stop=stops, stream=True))
+        assert (text, why) == (cut, "stop")
+    never = api.completions.create(model="tiny", prompt="def f(", max_tokens=24, temperature=0, stop="\u00a7never")
+    assert (never.choices[0].text, never.choices[0].finish_reason) == (want.text, want.finish_reason)
+
+
 def test_eight_concurrent_clients_are_each_answered_with_their_own_completion(server, model_dir):
     """Eight threads at once (half of them streaming) decode in the same steps; each gets what
     Generator.generate makes for its prompt alone."""
@@ -178,7 +198,8 @@ def test_refusals_are_openai_error_json_and_the_server_serves_on(server):
     for kwargs, param, said in [
             ({"max_tokens": 33}, "max_tokens", "max_tokens: 33; this server makes at most 32 tokens per prompt"),
             ({"n": 2}, "n", "n: one completion per prompt is served, got 2"),
-            ({"stop": ["\n"]}, "stop", "stop: stop sequences are not served"),
+            ({"stop": ["a", "b", "c", "d", "e"]}, "stop", "stop: expected a non-empty string or a list of 1 to 4"),
+            ({"stop": ""}, "stop", "stop: expected a non-empty string or a list of 1 to 4"),
             ({"temperature": 2.5}, "temperature", "temperature: expected a number in [0, 2], got 2.5"),
             ({"extra_body": {"temprature": 1}}, "temprature", "temprature: unknown field (did you mean temperature?)"),
             ({"prompt": [[1, 2, 999]]}, "prompt", "prompt: token id 999 is outside the vocabulary [0, 257)")]:

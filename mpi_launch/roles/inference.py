@@ -115,7 +115,7 @@ class _ClusterRunner:
         self.role, self.next_id = role, 0
         self.home = {}                                  # sequence -> CS-2 index (streamed)
         self.added, self.removed = [], []               # since the last pass: (sequence, CS-2)
-        self.vocab = role.model.config["vocab_size"]
+        self.capacity, self.vocab_size = role.model.config["max_position_embeddings"], role.model.config["vocab_size"]
 
     def add(self):
         i, self.next_id = self.next_id, self.next_id + 1
@@ -134,7 +134,7 @@ class _ClusterRunner:
         role, link = self.role, self.role.link
         tag = link.tag
         t = ids.shape[1]
-        logits = np.empty((len(active), self.vocab), np.float32)
+        logits = np.empty((len(active), self.vocab_size), np.float32)
         if role.streamed:
             for rank in role.plan.memoryx + role.plan.swarmx:
                 role.comm.send({"stop": False}, dest=rank, tag=tag(CONTROL))  # INFER["pass"]

@@ -59,6 +59,8 @@ def check_params(raw, pool_csx, cores):
     from mpi_launch.plan import plan_for
     from pyapi.params import validate
 
+    if isinstance(raw, dict) and set(raw) == {"serve"}:
+        return check_serve(raw["serve"], pool_csx, cores)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the submitter's own check showed them
         spec = validate(raw)
@@ -68,6 +70,50 @@ def check_params(raw, pool_csx, cores):
     check_capacity(plan_for(spec)[0], cores=cores_for(r.num_csx, pool_csx, cores))
     return {"params": spec.to_dict(), "num_csx": r.num_csx, "max_steps": r.max_steps,
             "model_dir": str(r.model_dir)}
+
+
+#: A serve job's fields (``wse serve --submit``): name -> (JSON types, required).
+SERVE_FIELDS = {"model": (str, True), "checkpoint_path": (str, False), "num_csx": (int, True), "host": (str, True),
+                "port": (int, True), "placement": (str, False), "max_streams": (int, False),
+                "max_tokens": (int, False), "max_prompt_tokens": (int, False)}
+
+
+def check_serve(serve, pool_csx, cores):
+    """In the checker child: a serve job (``pyapi.serve`` on an inference job of ``num_csx`` CS-2s),
+    its model loaded and its inference job planned as the submitter; its "model_dir" is the model's
+    directory (one job of a user serves it at a time)."""
+    from mpi_launch.inference import plan_of, spec
+    from mpi_launch.mpiexec import check_capacity
+    from pyapi.appliance.requests import check_path
+    from pyapi.generate import Generator
+    from pyapi.serve import Limits
+
+    if not isinstance(serve, dict):
+        return {"error": "serve: expected an object"}
+    for name in set(serve) - set(SERVE_FIELDS):
+        return {"error": f"serve: unknown field {name!r}"}
+    for name, (kind, required) in SERVE_FIELDS.items():
+        value = serve.get(name)
+        if value is None:
+            if required:
+                return {"error": f"serve.{name}: required"}
+        elif not isinstance(value, kind) or isinstance(value, bool):
+            return {"error": f"serve.{name}: expected {kind.__name__}, got {type(value).__name__}"}
+    model = check_path(serve["model"], "serve.model")
+    num_csx = serve["num_csx"]
+    if not 1 <= num_csx <= pool_csx:
+        return {"error": f"--num_csx: {num_csx} CS-2s asked, the appliance has {pool_csx}"}
+    if not 0 <= serve["port"] < 65536:
+        return {"error": f"--port: expected a port in [0, 65535], got {serve['port']}"}
+    gen = Generator.load(model, serve.get("checkpoint_path"))
+    if gen.tokenizer is None:
+        return {"error": f"{gen.why_no_tokenizer}: the server answers in text, so it needs the model's tokenizer"}
+    limits = Limits(**{k: serve[k] for k in ("max_streams", "max_tokens", "max_prompt_tokens") if serve.get(k)})
+    limits = limits.resolved(gen.model.config["max_position_embeddings"])
+    job, _ = spec(gen.model, gen.source, gen.kind, num_csx=num_csx, max_streams=limits.max_streams,
+                  placement=serve.get("placement"))
+    check_capacity(plan_of(job), cores=cores_for(num_csx, pool_csx, cores))
+    return {"params": {"serve": dict(serve, model=model)}, "num_csx": num_csx, "max_steps": 0, "model_dir": model}
 
 
 class Check:

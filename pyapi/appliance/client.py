@@ -118,6 +118,14 @@ class Client:
                              name=name or model_dir.name, numerics=numerics_variables())
         return SubmittedJob(self, reply["job"]["id"], model_dir)
 
+    def submit_serve(self, serve, *, max_restarts=0, priority=0, name=None):
+        """Queue a serve job (``wse serve --submit``: the fields of ``checker.SERVE_FIELDS``); return its
+        ``SubmittedJob``. It holds its CS-2s until cancelled."""
+        model = Path(serve["model"]).absolute()
+        reply = self.request("submit", params={"serve": dict(serve, model=str(model))}, cwd=os.getcwd(),
+                             max_restarts=max_restarts, priority=priority, name=name or f"serve {model.name}")
+        return SubmittedJob(self, reply["job"]["id"], model)
+
     def jobs(self):
         return self.request("jobs")["jobs"]
 

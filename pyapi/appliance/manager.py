@@ -195,7 +195,8 @@ class Manager:
                 self.end(job, JobState.FAILED, why)
                 return
             n = job["restarts"] + 1
-            self.log(job_id, f"== restart {n} of {job['max_restarts']} from the latest checkpoint after: {why}\n")
+            resume = " from the latest checkpoint" if job["max_steps"] else ""  # a serve job has none
+            self.log(job_id, f"== restart {n} of {job['max_restarts']}{resume} after: {why}\n")
             self.say(f"job {job_id}: failed ({why}); restart {n} of {job['max_restarts']}")
             if self.stopping:  # it restarts when the appliance is started again
                 self.requeue(job_id, why, restarts=n)

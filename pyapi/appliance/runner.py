@@ -2,7 +2,7 @@
 
 It runs as the user who submitted the job, in the directory they submitted it from, with the
 numerics variables of their shell (BLAS kernel, thread counts: sent with the job), and trains
-exactly as ``wse fit`` does (``pyapi.Job.fit``: the launcher, its watchdog, resume from the
+exactly as ``wse fit`` does (a serve job: serves as ``wse serve --num_csx`` does, ``serve``) (``pyapi.Job.fit``: the launcher, its watchdog, resume from the
 latest checkpoint in model_dir), on the cores the service gave the job. Its standard output is
 the job's log; its exit code tells the service what happened (the codes below), and the last
 line it prints says why. It reads its orders, one JSON object, from standard input.
@@ -86,6 +86,31 @@ class _Progress(threading.Thread):
         self.report()
 
 
+def serve(orders, *, cores=None):
+    """Serve as ``wse serve --num_csx`` does (``pyapi.serve.Server`` over an inference job on the
+    job's CS-2s and cores) until SIGTERM (a cancel, or the appliance stopping); print the outcome as
+    the last line and return ``(exit code, that line)``: 128 + SIGTERM once stopped (a serve job
+    has no end of its own), EXIT_BAD_INPUT when it cannot start as given, EXIT_JOB_FAILED when its
+    inference job cannot start."""
+    from mpi_launch.inference import InferenceJobError
+    from pyapi.serve import Limits, Server
+
+    limits = Limits(**{k: orders[k] for k in ("max_streams", "max_tokens", "max_prompt_tokens") if orders.get(k)})
+    try:
+        server = Server.load(orders["model"], orders.get("checkpoint_path"), limits=limits,
+                             cluster={"num_csx": orders["num_csx"], "placement": orders.get("placement"),
+                                      "cores": cores, "stream": sys.stdout})
+        server.run(orders["host"], orders["port"], on_ready=lambda url: print(
+            f"serving {server.name} on {url} ({server.describe()})", flush=True))
+        code, line = 128 + signal.SIGTERM, f"stopped serving {server.name}"
+    except InferenceJobError as exc:
+        code, line = EXIT_JOB_FAILED, str(exc)
+    except (ValueError, TypeError, OSError) as exc:
+        code, line = EXIT_BAD_INPUT, f"error: {exc}"
+    print(line, flush=True)
+    return code, line
+
+
 def attempt(params, *, cores=None, hostfile=None, progress_fd=None):
     """Train ``params`` (a validated flat dict) as ``wse fit`` does; print the outcome as the last
     line and return ``(exit code, that line)``: 0, EXIT_BAD_INPUT, EXIT_JOB_FAILED or 128 + signal.
@@ -135,6 +160,8 @@ def main():
     from wse_core import configure_process
 
     configure_process()
+    if "serve" in orders["params"]:
+        return serve(orders["params"]["serve"], cores=orders["cores"])[0]
     return attempt(orders["params"], cores=orders["cores"], progress_fd=orders["progress_fd"])[0]
 
 

@@ -12,6 +12,8 @@ def _cmd_serve(args):
 
     api_key = args.api_key or os.environ.get("WSE_API_KEY") or None
     given = {k: getattr(args, k) for k in ("max_prompt_tokens", "max_tokens", "max_streams")}
+    if args.submit:
+        return _submit(args, given, api_key)
     cluster = None if args.num_csx is None else {"num_csx": args.num_csx, "placement": args.placement,
                                                  "stream": sys.stderr}
     server = Server.load(args.model, args.checkpoint_path, api_key=api_key, cluster=cluster,
@@ -22,6 +24,32 @@ def _cmd_serve(args):
     server.run(args.host, args.port,
                on_ready=lambda url: print(f"serving {server.name} on {url} ({server.describe()})", flush=True))
     print(f"wse serve: stopped serving {server.name}", flush=True)
+    return 0
+
+
+def _submit(args, given, api_key):
+    """``wse serve --submit``: the server as a job of the appliance, holding its CS-2s until cancelled."""
+    import os
+    import sys
+
+    from pyapi.appliance.client import Client
+
+    if args.api_key is not None:
+        raise ValueError("--api_key: not with --submit (the appliance keeps no secrets in its job table); the "
+                         "job serves 127.0.0.1 only, or the --host you give")
+    if api_key is not None:
+        print("wse serve: WSE_API_KEY is not sent with --submit: the job serves without an API key",
+              file=sys.stderr)
+    if args.num_csx is None:
+        raise ValueError("--submit: give --num_csx, the CS-2s the job holds from the appliance's pool")
+    checkpoint = args.checkpoint_path and os.path.abspath(args.checkpoint_path)
+    serve = {"model": args.model, "checkpoint_path": checkpoint, "num_csx": args.num_csx, "host": args.host,
+             "port": args.port, "placement": args.placement, **given}
+    handle = Client(args.socket).submit_serve({k: v for k, v in serve.items() if v is not None},
+                                              max_restarts=args.max_restarts, name=args.name)
+    st = handle.status()
+    print(f"job {handle.id}: {st['state']} ({st['num_csx']} CS-2s, serving {handle.model_dir}); its log says where "
+          f"(`wse logs {handle.id}`), `wse cancel {handle.id}` stops it")
     return 0
 
 
@@ -51,4 +79,11 @@ def add_serve(sub, chosen):
     p.add_argument("--placement", choices=("resident", "streamed"), help="with --num_csx: keep the weights on the "
                                                                          "wafers or stream them from MemoryX every "
                                                                          "pass (default: resident when they fit)")
+    p.add_argument("--submit", action="store_true", help="run the server as a job of the appliance (with "
+                                                           "--num_csx): queued, listed by `wse jobs`, stopped by "
+                                                           "`wse cancel`, restarted after a fault")
+    p.add_argument("--max_restarts", type=int, default=0, help="with --submit: restarts after a fault (default 0)")
+    p.add_argument("--name", help="with --submit: the job's name (default: serve MODEL)")
+    p.add_argument("--socket", help="with --submit: the appliance's socket (default: $WSE_APPLIANCE_SOCKET, "
+                                    "your own appliance, then the machine's)")
     p.set_defaults(func=_cmd_serve)

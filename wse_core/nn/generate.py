@@ -81,12 +81,14 @@ def check_prompts(prompts, capacity, vocab_size):
 
 class Local:
     """Where an Engine's forward passes run in this process: the model's units over one KV cache.
-    Any object with the same ``add``/``remove``/``forward`` runs them elsewhere (the emulated
-    cluster's CS-2s: ``mpi_launch.inference``)."""
+    Any object with the same ``capacity``/``vocab_size``/``add``/``remove``/``forward`` runs them
+    elsewhere (the emulated cluster's CS-2s: ``mpi_launch.inference``; a compiled PyTorch model's
+    graph: ``wse_core.compiler.generate``)."""
 
     def __init__(self, model, params):
         self.model, self.weights = model, model.compute_weights(params)
-        self.kv = KVCache(model.config["max_position_embeddings"])
+        self.capacity, self.vocab_size = model.config["max_position_embeddings"], model.config["vocab_size"]
+        self.kv = KVCache(self.capacity)
 
     def add(self):
         """A new sequence's id."""
@@ -110,14 +112,14 @@ class Engine:
 
     def __init__(self, model, params=None, *, runner=None):
         self.model = model
-        self.capacity = model.config["max_position_embeddings"]
         self.runner = runner if runner is not None else Local(model, params)
+        self.capacity, self.vocab_size = self.runner.capacity, self.runner.vocab_size
         self.waiting, self.live = [], {}  # sequences to prefill: (id, prompt); decoding: id -> state
 
     def add(self, prompt, max_new_tokens, sampling=GREEDY, stop_ids=()):
         """A sequence to generate from ``prompt`` (token ids); returns its id."""
         Int(0)(max_new_tokens, "max_new_tokens")
-        (prompt,) = check_prompts([prompt], self.capacity, self.model.config["vocab_size"])
+        (prompt,) = check_prompts([prompt], self.capacity, self.vocab_size)
         i = self.runner.add()
         self.waiting.append((i, prompt))
         self.live[i] = {"prompt": len(prompt), "made": 0, "last": None, "max": max_new_tokens,
@@ -183,8 +185,8 @@ def generate(model, params, prompts, max_new_tokens, sampling=GREEDY, stop_ids=(
     """Yield (k, token) for prompt k as each token is made; see the module's docstring. ``engine``:
     an idle Engine (or one of the same interface) to run them on, instead of a new one in this process."""
     Int(0)(max_new_tokens, "max_new_tokens")
-    prompts = check_prompts(prompts, model.config["max_position_embeddings"], model.config["vocab_size"])
     engine = engine if engine is not None else Engine(model, params)
+    prompts = check_prompts(prompts, engine.capacity, engine.vocab_size)
     index = {engine.add(p, max_new_tokens, sampling, stop_ids): k for k, p in enumerate(prompts)}
     while engine.busy:
         for i, tok in engine.step():
