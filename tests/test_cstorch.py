@@ -276,12 +276,14 @@ def eager_run(code, call, make_optimizer, losses):
 
 
 @pytest.mark.parametrize("name", MODELS)
-def test_models_a_user_brings_train_on_two_cs2s_with_the_bits_of_one_and_eager_pytorchs_losses(tmp_path, name):
+def test_models_a_user_brings_train_on_two_cs2s_with_the_bits_of_cpu_and_eager_pytorchs_losses(tmp_path, name):
+    """On 2 CS-2s, the bits of the CPU backend (which are 1 CS-2's: the tutorial's test), and eager
+    PyTorch's losses."""
     code, call = MODELS[name]
     if "transformers" in code:
         pytest.importorskip("transformers")
     losses, _ = same_bits_on_two_backends(tmp_path, MODEL_SCRIPT.format(model=code, call=call),
-                                          (("CSX", 1), ("CSX", 2)))
+                                          (("CPU", 1), ("CSX", 2)))
     eager_run(code, call, lambda m: torch.optim.AdamW(m.parameters(), lr=1e-2, eps=1e-6, weight_decay=0.0), losses)
 
 
