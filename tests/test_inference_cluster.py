@@ -73,6 +73,8 @@ def test_a_cs2_rank_that_dies_is_named_and_the_job_leaves_nothing_running(tmp_pa
     model, _, path = checkpoint(tmp_path, "gpt2")
     engine = ClusterEngine(model, path, "checkpoint", num_csx=2, placement="streamed", max_streams=2)
     try:
+        zero = engine.add([7], 0)
+        assert engine.step() == [(zero, None)]  # ended before any pass: no CS-2 ever holds its cache
         first = engine.add([1, 2, 3], 5)
         assert [i for i, _ in engine.step()] == [first]
         os.kill(csx_pid(engine.dir, engine.plan, 1), signal.SIGKILL)

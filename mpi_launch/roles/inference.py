@@ -128,7 +128,11 @@ class _ClusterRunner:
         return i
 
     def remove(self, i):
-        self.removed.append((i, self.home.pop(i)))
+        c = self.home.pop(i)
+        if (i, c) in self.added:  # ended before any pass (max_new_tokens 0, or cancelled): the CS-2s never knew it
+            self.added.remove((i, c))
+        else:
+            self.removed.append((i, c))
 
     def forward(self, ids, active):
         role, link = self.role, self.role.link
