@@ -87,7 +87,8 @@ class ClusterEngine:
         listener.listen(1)
         self._stop, self._outcome, self._live, self._conn = threading.Event(), None, set(), None
         cmd = job_command(self.plan, self.dir, cores=cores)
-        sink = stream if stream is not None else open(os.devnull, "w")
+        self._sink = None if stream is not None else open(os.devnull, "w")
+        sink = stream if stream is not None else self._sink
 
         def run():
             try:
@@ -111,7 +112,7 @@ class ClusterEngine:
                         self._stop.set()
                         raise self._failed(f"its coordinator did not connect within {startup_timeout + 60:g} s")
         except BaseException:
-            self._end()
+            self.close()  # a failed job's directory stays, with its logs
             raise
         finally:
             listener.close()
@@ -127,6 +128,7 @@ class ClusterEngine:
             self._conn.send(order)
             reply = self._conn.recv() if answer else ("ok", None)
         except (EOFError, OSError):  # the coordinator is gone: the watchdog names why and ends the job
+            self._conn.close()
             self._conn = None
             self._thread.join(self.spec["peer_timeout"])
             self._end()
@@ -138,6 +140,10 @@ class ClusterEngine:
     def add(self, prompt, max_new_tokens, sampling=None, stop_ids=()):
         from wse_core.nn.generate import GREEDY
 
+        most = self.spec["max_streams"]
+        if len(self._live) >= most:
+            raise ValueError(f"max_streams: {most} sequences are generating, as many as this inference job was placed "
+                             "for (their KV caches counted against SRAM); start it with a larger max_streams")
         i = self._call("add", list(map(int, prompt)), max_new_tokens, sampling or GREEDY, tuple(stop_ids))
         self._live.add(i)
         return i
@@ -181,6 +187,9 @@ class ClusterEngine:
         """End the job; its directory goes with it unless it failed."""
         if self._thread.is_alive() or self._conn is not None:
             self._end()
+        if self._sink is not None:
+            self._sink.close()
+            self._sink = None
         code, failure = self._outcome or (0, None)
         if code == 0 and failure is None:
             shutil.rmtree(self.dir, ignore_errors=True)

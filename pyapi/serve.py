@@ -37,7 +37,6 @@ from aiohttp import web
 from pyapi.generate import Generator, TextPieces, finish_reason
 from pyapi.openai_api import NO_CHAT, ApiError, ChatRequest, ChatTemplate, CompletionRequest, read, sampling_of
 from wse_core.checks import Int, show
-from wse_core.nn.generate import Engine
 
 
 # -- the engine thread -----------------------------------------------------------------------------
@@ -119,24 +118,27 @@ class Batcher:
                     for t in arrivals:
                         t.deliver(RuntimeError("the engine could not be restarted (the server's log says why)"))
                     continue
-            for i in cancelled:
-                self._engine.cancel(i)
-                del live[i]
-            for t in arrivals:
-                if t.cancelled:
+            taken = set()  # arrivals the engine took, or refused with their own error
+            try:  # the engine of an inference job may fail in any call (a CS-2 rank died while idle)
+                for i in cancelled:
+                    self._engine.cancel(i)
+                    del live[i]
+                for t in arrivals:
+                    if t.cancelled:
+                        continue
+                    try:
+                        live[self._engine.add(t.prompt, t.max_tokens, t.sampling, self.stop_ids)] = t
+                    except ValueError as exc:  # the handlers check first; this keeps the thread alive if one did not
+                        t.deliver(exc)
+                    taken.add(id(t))
+                if not live:
                     continue
-                try:
-                    live[self._engine.add(t.prompt, t.max_tokens, t.sampling, self.stop_ids)] = t
-                except ValueError as exc:  # the handlers check first; this keeps the thread alive if one did not
-                    t.deliver(exc)
-            if not live:
-                continue
-            try:
                 made = self._engine.step()
             except Exception as exc:  # the server keeps serving: these requests fail, a fresh engine goes on
                 traceback.print_exc(file=sys.stderr)
-                failed, live = list(live.values()), {}
-                self._renew()  # in place before anyone hears of the failure
+                failed = list(live.values()) + [t for t in arrivals if not t.cancelled and id(t) not in taken]
+                live = {}
+                self._renew()  # in place before anyone hears of the failure (a new inference job: a second or so)
                 for t in failed:
                     t.deliver(exc)
                 continue

@@ -57,6 +57,9 @@ def test_kv_caches_beyond_the_wafers_sram_are_refused_in_one_line_before_any_ran
     with pytest.raises(ValueError, match=r"^batch 100000000: 100000000 sequences of 24 positions need .* GB of KV "
                                          r"cache \(.* MB each\); \d+ fit beside the two units of weights streaming"):
         ClusterEngine(model, path, "checkpoint", num_csx=1, max_streams=100_000_000)
+    with pytest.raises(ValueError, match=r"^placement resident: 5 CS-2s for the model's 4 units; each wafer holds "
+                                         r"at least one: use at most 4 CS-2s, or stream the weights$"):
+        ClusterEngine(model, path, "checkpoint", num_csx=5, placement="resident")
 
 
 def csx_pid(job_dir, plan, c=0):
@@ -73,6 +76,13 @@ def test_a_cs2_rank_that_dies_is_named_and_the_job_leaves_nothing_running(tmp_pa
     model, _, path = checkpoint(tmp_path, "gpt2")
     engine = ClusterEngine(model, path, "checkpoint", num_csx=2, placement="streamed", max_streams=2)
     try:
+        with pytest.raises(ValueError, match=r"^max_streams: 2 sequences are generating, as many as this inference "
+                                             r"job was placed for"):
+            for _ in range(3):
+                engine.add([7], 3)
+        assert engine.step() and engine.busy
+        while engine.busy:
+            engine.step()
         zero = engine.add([7], 0)
         assert engine.step() == [(zero, None)]  # ended before any pass: no CS-2 ever holds its cache
         first = engine.add([1, 2, 3], 5)

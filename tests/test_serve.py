@@ -367,3 +367,45 @@ def test_the_batcher_ends_a_cancelled_sequence_and_serves_the_others():
     assert len(steps) == 10  # b's ten tokens, a's two among them: the two decoded in the same steps
     assert not engine.busy
 
+
+
+def test_an_engine_that_fails_outside_a_step_fails_its_tickets_and_a_new_one_serves_on():
+    """An inference job that died while the server was idle fails at the next call (an addition): that
+    request gets the error, a new engine is made, and the next request is answered."""
+    from pyapi.serve import Batcher
+    from wse_core.nn.generate import Engine
+
+    model = build_model(GPT2)
+    weights = model.init_params(0)
+    made = []
+
+    def make():
+        engine = Engine(model, weights)
+        if not made:
+            def dead(*args):
+                raise RuntimeError("the inference job on 2 CS-2(s) failed: rank 3 (csx 0): killed by SIGKILL")
+            engine.add = dead
+        made.append(engine)
+        return engine
+
+    batcher = Batcher(make)
+    got = {"a": [], "b": []}
+    done = {k: threading.Event() for k in got}
+
+    def deliver(k):
+        def take(item):
+            got[k].append(item)
+            if item is None or isinstance(item, Exception):
+                done[k].set()
+        return take
+
+    batcher.start()
+    try:
+        batcher.submit([1, 2, 3], 4, Sampling(), deliver("a"))
+        assert done["a"].wait(TIMEOUT)
+        batcher.submit([1, 2, 3], 4, Sampling(), deliver("b"))
+        assert done["b"].wait(TIMEOUT)
+    finally:
+        batcher.close()
+    assert len(got["a"]) == 1 and "rank 3 (csx 0)" in str(got["a"][0])
+    assert len(got["b"]) == 5 and got["b"][-1] is None and len(made) == 2

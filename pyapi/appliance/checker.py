@@ -106,10 +106,13 @@ def check_serve(serve, pool_csx, cores):
     if not 0 <= serve["port"] < 65536:
         return {"error": f"--port: expected a port in [0, 65535], got {serve['port']}"}
     gen = Generator.load(model, serve.get("checkpoint_path"))
+    if getattr(gen.model, "family", None) == "torch":
+        return {"error": "a compiled PyTorch model generates in its own process only (its graph has no KV cache "
+                         "to place on the wafers): serve it with `wse serve` without --submit"}
     if gen.tokenizer is None:
         return {"error": f"{gen.why_no_tokenizer}: the server answers in text, so it needs the model's tokenizer"}
     limits = Limits(**{k: serve[k] for k in ("max_streams", "max_tokens", "max_prompt_tokens") if serve.get(k)})
-    limits = limits.resolved(gen.model.config["max_position_embeddings"])
+    limits = limits.resolved(gen.capacity)
     job, _ = spec(gen.model, gen.source, gen.kind, num_csx=num_csx, max_streams=limits.max_streams,
                   placement=serve.get("placement"))
     check_capacity(plan_of(job), cores=cores_for(num_csx, pool_csx, cores))

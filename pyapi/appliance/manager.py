@@ -188,7 +188,8 @@ class Manager:
         elif cancelled_by is not None:
             self.end(job, JobState.CANCELLED, f"cancelled by {cancelled_by} while running")
         elif self.stopping and interrupted:
-            self.requeue(job_id, "interrupted when the appliance stopped; resumes from its latest checkpoint")
+            self.requeue(job_id, "interrupted when the appliance stopped; " +
+                         ("resumes from its latest checkpoint" if job["max_steps"] else "serves again at its next start"))
         else:
             why = line if code == EXIT_JOB_FAILED else f"its runner ended with {exit_name(code)}"
             if job["restarts"] >= job["max_restarts"]:

@@ -212,6 +212,9 @@ def serve(model, *, batch, prompt_tokens, new_tokens, num_csx=1, hw=None, placem
                    f"usable SRAM of {where}") if placement == "resident" else \
             (f"they and the KV caches need {total / 1e9:.3g} GB, more than the {num_csx * capacity / 1e9:.3g} GB of "
              f"usable SRAM of {where}")
+    elif placement == "resident" and num_csx > len(model.units):
+        raise ValueError(f"placement resident: {num_csx} CS-2s for the model's {len(model.units)} units; each wafer "
+                         f"holds at least one: use at most {len(model.units)} CS-2s, or stream the weights")
     elif placement in fits:
         because = f"placement {placement}"
     else:
