@@ -5,6 +5,7 @@ on with a fresh job."""
 import json
 import os
 import signal
+import tempfile
 import time
 
 import pytest
@@ -72,8 +73,9 @@ def csx_pid(job_dir, plan, c=0):
     raise AssertionError(f"no {f}")
 
 
-def test_a_cs2_rank_that_dies_is_named_and_the_job_leaves_nothing_running(tmp_path):
+def test_a_cs2_rank_that_dies_is_named_and_the_job_leaves_nothing_running(tmp_path, monkeypatch):
     model, _, path = checkpoint(tmp_path, "gpt2")
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # the failed job's directory, kept, is the test's
     engine = ClusterEngine(model, path, "checkpoint", num_csx=2, placement="streamed", max_streams=2)
     try:
         with pytest.raises(ValueError, match=r"^max_streams: 2 sequences are generating, as many as this inference "
@@ -95,7 +97,8 @@ def test_a_cs2_rank_that_dies_is_named_and_the_job_leaves_nothing_running(tmp_pa
                 engine.step()
     finally:
         engine.close()
-    assert engine.dir.exists() and not job_processes(engine.dir)  # a failed job's logs are kept
+    assert engine.dir.parent == tmp_path and engine.dir.exists()  # a failed job's logs are kept
+    assert not job_processes(engine.dir)
 
 
 def test_wse_serve_on_cs2s_answers_as_one_process_and_restarts_its_job_after_a_fault(tmp_path, monkeypatch):
