@@ -1,12 +1,13 @@
 """Scaling of the emulated cluster, from the simulated-time model: samples/s and speed-up for 1 to 192 CS-2s.
 
     wse bench scaling [--json PATH] [--plot PNG] [--batch_per_csx 64] [--global_batch 512]
-                      [--micro_batch 8] [--real 1,2,4]
+                      [--micro_batch 8] [--real 1,2,4] [--system cs2|cs3]
 
 For four GPT shapes at sequence 2048 (GPT-3 XL 1.3B, GPT-J 6B, GPT-3 13B and GPT-NeoX 20B: hidden
 size, layers, heads and vocabulary; this project's GPT-2 blocks stand in for their variants),
 ``wse_core.perf.step.walk_step`` gives the simulated step time on 1, 2, 4, 8, 16, 32, 64 and 192
-CS-2s with the default hardware (1.2 Tb/s per CS-2, SwarmX fan-out 4), each model in mixed precision
+systems of ``--system`` (default cs2: 1.2 Tb/s per CS-2, SwarmX fan-out 4; cs3: the CS-3's constants,
+``wse_core.perf.hardware.SYSTEMS``), each model in mixed precision
 as Cerebras trains them (fp16 on the wafer, from ``model.mixed_precision``): (a) with the batch per
 CS-2 held fixed, as in Cerebras' linear-scaling results, and (b) with the global batch held fixed
 (each CS-2 gets global / N, at least one micro-batch), where the weight stream, which every CS-2
@@ -42,6 +43,7 @@ def add_arguments(parser):
         parser.add_argument(flag, dest="micro_batch", type=int, default=8, help="sequences per micro-batch")
     parser.add_argument("--plot", metavar="PNG", help="also draw the speed-ups (needs matplotlib)")
     parser.add_argument("--real", default="1,2,4", help="CS-2 counts of the real wse fit runs ('' for none)")
+    parser.add_argument("--system", default="cs2", choices=("cs2", "cs3"), help="the simulated system (default cs2)")
 
 
 def model_of(shape):
@@ -52,10 +54,12 @@ def model_of(shape):
                         "num_heads": heads, "max_position_embeddings": SEQ, "mixed_precision": True})
 
 
-def _walk(model, n, per_csx, micro, seq):
+def _walk(model, n, per_csx, micro, seq, system="cs2"):
+    from wse_core.perf import Hardware
     from wse_core.perf.step import walk_step
 
-    s = walk_step(model, num_csx=n, samples_per_csx=per_csx, micro_batch_size=min(micro, per_csx), seq_len=seq)
+    s = walk_step(model, num_csx=n, samples_per_csx=per_csx, micro_batch_size=min(micro, per_csx), seq_len=seq,
+                  hw=Hardware.for_model(model, system))
     return s.to_dict()
 
 
@@ -93,10 +97,12 @@ def run(args):
 
     models = {name: model_of(shape) for name, shape in SHAPES.items()}
     # The walk's hardware: the defaults at the models' precision (all four train in mixed precision).
-    result["hardware"] = Hardware.for_model(models["GPT-3 XL 1.3B"]).to_dict()
+    system = getattr(args, "system", "cs2")
+    result["hardware"] = Hardware.for_model(models["GPT-3 XL 1.3B"], system).to_dict()
     for name, model in models.items():
-        fixed = {str(n): _walk(model, n, args.batch_per_csx, args.micro_batch, SEQ) for n in COUNTS}
-        strong = {str(n): _walk(model, n, max(1, args.global_batch // n), args.micro_batch, SEQ) for n in COUNTS}
+        fixed = {str(n): _walk(model, n, args.batch_per_csx, args.micro_batch, SEQ, system) for n in COUNTS}
+        strong = {str(n): _walk(model, n, max(1, args.global_batch // n), args.micro_batch, SEQ, system)
+                  for n in COUNTS}
         result["models"][name] = {"parameters": model.num_params(), "per_csx_fixed": fixed, "global_fixed": strong}
     if real:
         result["real"] = _real_runs(real)
@@ -140,9 +146,11 @@ def plot(result, path):
 
 
 def report(result):
-    lines = [f"simulated time of weight streaming (wse_core.perf), sequence {result['seq']}; speed-up over one CS-2"]
-    for key, title in (("per_csx_fixed", f"(a) {result['batch_per_csx']} sequences per CS-2 (global batch grows)"),
-                       ("global_fixed", f"(b) global batch {result['global_batch']} (split over the CS-2s)")):
+    system = result.get("hardware", {}).get("system", "cs2")
+    lines = [f"simulated time of weight streaming (wse_core.perf), {system} systems, sequence {result['seq']}; "
+             "speed-up over one system"]
+    for key, title in (("per_csx_fixed", f"(a) {result['batch_per_csx']} sequences per system (global batch grows)"),
+                       ("global_fixed", f"(b) global batch {result['global_batch']} (split over the systems)")):
         rows = []
         for n in result["counts"]:
             row = [n]
@@ -150,7 +158,7 @@ def report(result):
                 r = m[key][str(n)]
                 row += [f"{r['samples_per_s']:.1f}", f"{_speedups(m[key])[str(n)]:.2f}"]
             rows.append(row)
-        headers = ["CS-2s"]
+        headers = [f"{system.upper()[:2]}-{system[2:]}s"]
         for name in result["models"]:
             headers += [f"{name} samples/s", "speed-up"]
         lines += ["", title, table(rows, headers)]
@@ -161,7 +169,7 @@ def report(result):
         rows.append([name, f"{m['parameters'] / 1e9:.2f}B", f"{one['step_s']:.3f}", f"{one['compute_s']:.3f}",
                      f"{one['stream_s']:.3f}", f"{one['exposed_stream_s']:.3f}", f"{one['reduce_tail_s'] * 1e3:.2f}",
                      f"{one['optimizer_s']:.3f}", f"{m['per_csx_fixed']['192']['reduce_tail_s'] * 1e3:.2f}"])
-    lines += ["one CS-2, (a): where a step goes (seconds; tails in ms)",
+    lines += [f"one {system.upper()[:2]}-{system[2:]}, (a): where a step goes (seconds; tails in ms)",
               table(rows, ["model", "params", "step", "compute", "I/O-bound", "stream exposed", "reduce tail",
                            "optimizer", "reduce tail at 192"])]
     if "real" in result:

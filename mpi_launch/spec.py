@@ -95,10 +95,13 @@ def _lr_adjust(value, path):
 
 
 def _hardware(value, path):
+    """A system's name (cs2, cs3), or a mapping of constants over its ``system``'s (default cs2)."""
     from wse_core.perf import Hardware
 
+    if isinstance(value, str):
+        value = {"system": value}
     if not isinstance(value, dict):
-        raise ValueError(f"{path}: expected a mapping of hardware constants, got {show(value)}")
+        raise ValueError(f"{path}: expected a system (cs2, cs3) or a mapping of hardware constants, got {show(value)}")
     Hardware.from_params(value)
     return value
 
@@ -239,8 +242,9 @@ class RunConfig:
     peer_timeout: int = key(Int(1), "seconds a silent peer is waited for beyond twice the longest step so far and "
                             "a checkpoint's write (until a step has set the pace: beyond startup_timeout) before the "
                             "job ends; also how long a stopped rank is given", 20)
-    hardware: MappingProxyType = key(Check(_hardware, "a mapping of hardware constants"), "constants of the emulated hardware to override "
-                                     "(wse_core.perf.Hardware: io_gbps, clock_hz, ...; the precision is the model's)",
+    hardware: MappingProxyType = key(Check(_hardware, "a system or a mapping of hardware constants"),
+                                     "the emulated system (cs2, cs3) or constants over its own ({system: cs3, "
+                                     "io_gbps: 1600}; wse_core.perf.Hardware; the precision is the model's)",
                                      factory=lambda: MappingProxyType({}))
     startup_timeout: int = key(Int(1), "seconds every rank has to start (imports, connecting, loading its "
                                "checkpoint) before the job is ended", 300)

@@ -157,6 +157,9 @@ def test_set_fills_an_empty_section():
 def test_hardware_constants_are_params():
     p = validate(apply_overrides(BASE, ["runconfig.hardware={io_gbps: 600}"]))
     assert p.runconfig.hardware == {"io_gbps": 600} and validate(BASE).runconfig.hardware == {}
+    assert validate(apply_overrides(BASE, ["runconfig.hardware=cs3"])).runconfig.hardware == {"system": "cs3"}
+    with pytest.raises(ParamsError, match="runconfig.hardware.system: expected cs2 or cs3, got 'cs9'"):
+        validate(apply_overrides(BASE, ["runconfig.hardware=cs9"]))
     with pytest.raises(ParamsError, match="runconfig.hardware.io_gpbs: unknown constant"):
         validate(apply_overrides(BASE, ["runconfig.hardware.io_gpbs=1"]))
     with pytest.raises(ParamsError, match=r"runconfig.hardware.clock_hz: expected a number > 0, got inf"):

@@ -125,6 +125,26 @@ def test_a_step_obeys_physical_bounds_and_scales_near_linearly_with_the_batch_pe
     assert again.step_s == steps[16].step_s                    # deterministic
 
 
+def test_the_cs3_is_a_system_of_its_own_constants_and_overrides_apply_over_them():
+    """runconfig.hardware: cs3 (or {system: cs3, ...}): the WSE-3's program rectangle, I/O and lanes
+    (hardware.SYSTEMS), overrides over them; a GPT-J step computes faster and streams 1.3x faster."""
+    from wse_core.perf.step import walk_step
+
+    cs3 = Hardware.from_params("cs3")
+    assert (cs3.system, cs3.program_width * cs3.program_height, cs3.io_gbps, cs3.fmac_lanes_fp16) == \
+        ("cs3", 883_350, 1560.0, 8)
+    mine = Hardware.from_params({"system": "cs3", "io_gbps": 1600})
+    assert (mine.io_gbps, mine.fmac_lanes_fp16) == (1600, 8)
+    assert Hardware.from_params({}).system == Hardware().system == "cs2"
+    with pytest.raises(ValueError, match=r"^runconfig.hardware.system: expected cs2 or cs3, got 'cs4'$"):
+        Hardware.from_params("cs4")
+    model = gpt(SHAPES["GPT-J 6B"])
+    step = {s: walk_step(model, num_csx=1, samples_per_csx=64, micro_batch_size=8, seq_len=2048,
+                         hw=Hardware.for_model(model, s)) for s in ("cs2", "cs3")}
+    assert step["cs3"].compute_s < step["cs2"].compute_s
+    assert step["cs3"].stream_s == pytest.approx(step["cs2"].stream_s / 1.3)
+
+
 def test_a_13b_model_at_1_2_tbps_streams_at_least_0_35_s_per_step():
     from wse_core.perf.step import walk_step
 

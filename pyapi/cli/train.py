@@ -44,8 +44,8 @@ def _cmd_compile(args):
             detail = f"{d['micro_batches_per_csx']} micro-batches per step"
         print(f"  rank {rank:>3}  {role:<11} {mem[str(rank)] / 2**20:9.1f} MiB  {detail}")
     sim, wafer = d["simulated"], d["wafer_bytes"]
-    print(f"simulated step, weight streaming (a model of the hardware, wse_core.perf; {sim['detail']['precision']}, "
-          f"{sim['detail']['io_gbps']:g} Gb/s per CS-2): {sim['step_s'] * 1e3:.3f} ms, "
+    print(f"simulated step, weight streaming (a model of the hardware, wse_core.perf; {sim['detail']['system']}, "
+          f"{sim['detail']['precision']}, {sim['detail']['io_gbps']:g} Gb/s per system): {sim['step_s'] * 1e3:.3f} ms, "
           f"{sim['samples_per_s']:.1f} samples/s")
     print(f"  compute {sim['compute_s'] * 1e3:.3f} ms, waiting for weights {sim['exposed_stream_s'] * 1e3:.3f} ms "
           f"(their bytes alone, and the gradients', take {sim['stream_s'] * 1e3:.3f} ms of the CS-2's I/O), "

@@ -1,4 +1,5 @@
-"""The emulated hardware's constants: one ``Hardware`` value, WSE-2 / CS-2 cluster defaults.
+"""The emulated hardware's constants: one ``Hardware`` value, WSE-2 / CS-2 cluster defaults, and the
+CS-3 (``SYSTEMS``: ``runconfig.hardware: cs3``, or ``{system: cs3, ...}`` with overrides).
 
 Every constant says where it comes from: a public Cerebras document (the seeds of this project,
 ``../shared/seeds``), the Cerebras SDK's conventions, or **assumption** where nothing public gives
@@ -11,9 +12,33 @@ from dataclasses import asdict, dataclass, fields, replace
 
 from wse_core.checks import Number, OneOf
 
+#: The systems a run may name, as the constants in which each differs from the CS-2 defaults of
+#: ``Hardware`` (docs/design.md section 8, "Systems"). The CS-3 (WSE-3), with its sources:
+#: - 900,000 cores: Cerebras' WSE-3 datasheet; Argonne's CS system tutorial (SC24).
+#: - program rectangle 755 x 1170 PEs: the Cerebras SDK's examples compile for the CS-3 with
+#:   ``--arch=wse3 --fabric-dims=762,1172 --fabric-offsets=4,1``, and the program rectangle leaves
+#:   the columns and rows the WSE-2's 757 x 996 fabric leaves around its 750 x 994 (7 and 2: the
+#:   SDK's simulator examples size a P x P program's fabric P + 7 by P + 2). 883,350 PEs, 18.5%
+#:   more than the WSE-2's 745,500: Cerebras' cluster docs say the CS-3 "expands the core count by
+#:   20%" (docs.cerebras.ai, "How Cerebras works").
+#: - I/O 1,560 Gb/s: the same docs, "enhances the ingress/egress bandwidth by 30%" (1.3 x 1.2 Tb/s);
+#:   MemoryX's link follows it (the CS-2's **assumption**: never the narrower end of the stream).
+#: - 8 fp16 lanes: the same docs say the CS-3 "boosts the SIMD width", not by how much;
+#:   **assumption**: doubled (2 x 4).
+#: - SRAM per PE: 44 GB over 900,000 cores is 48.9 KB each (Cerebras: 44 GB "spread evenly");
+#:   **assumption**: 48 KiB, the WSE-2's, unchanged. Clock: **assumption**: the CS-2's 850 MHz.
+SYSTEMS = {
+    "cs2": {},
+    "cs3": {"pes": 900_000, "program_width": 755, "program_height": 1170, "io_gbps": 1560.0,
+            "memoryx_gbps": 1560.0, "fmac_lanes_fp16": 8},
+}
+
 
 @dataclass(frozen=True)
 class Hardware:
+    #: The system these constants describe (``SYSTEMS``): its constants are the defaults, the
+    #: params' overrides apply over them.
+    system: str = "cs2"
     # -- the wafer (WSE-2) ---------------------------------------------------------------------
     #: Processing elements of a WSE-2. Source: Cerebras system overview ("850,000 cores"), seed 003.
     pes: int = 850_000
@@ -78,14 +103,19 @@ class Hardware:
         for f in fields(self):  # the one validator (wse_core.checks)
             if f.name == "precision":
                 OneOf("fp16", "fp32")(self.precision, "Hardware.precision")
+            elif f.name == "system":
+                OneOf(*SYSTEMS)(self.system, "runconfig.hardware.system")
             else:
                 Number(0, open="low")(getattr(self, f.name), f"runconfig.hardware.{f.name}")
 
     @classmethod
     def from_params(cls, overrides=None, *, precision="fp16"):
-        """The defaults at ``precision`` with ``runconfig.hardware`` applied; a key that is no
+        """The constants of ``runconfig.hardware`` at ``precision``: a system's name ("cs2", "cs3"), or
+        a mapping of constants over the defaults of its ``system`` (default cs2); a key that is no
         constant, or ``precision`` (the model's), is refused naming the key."""
         overrides = overrides or {}
+        if isinstance(overrides, str):
+            overrides = {"system": overrides}
         if "precision" in overrides:
             raise ValueError("runconfig.hardware.precision: the precision is the model's "
                              "(model.mixed_precision, model.fp16_type); remove this key")
@@ -93,7 +123,9 @@ class Hardware:
         for key in overrides:
             if key not in known:
                 raise ValueError(f"runconfig.hardware.{key}: unknown constant (known: {', '.join(sorted(known))})")
-        return replace(cls(precision=precision), **overrides)
+        system = overrides.get("system", "cs2")
+        OneOf(*SYSTEMS)(system, "runconfig.hardware.system")
+        return replace(cls(precision=precision, system=system, **SYSTEMS[system]), **overrides)
 
     @classmethod
     def for_model(cls, model, overrides=None):

@@ -180,7 +180,7 @@ def walk_step(model, *, num_csx, samples_per_csx, micro_batch_size, seq_len=None
         stream_s=io_seconds(model, hw), exposed_stream_s=waited, reduce_tail_s=max(at_memoryx) - last_out,
         optimizer_s=max(update), tree_depth=depth, num_csx=num_csx,
         detail={"weight_bytes": total, "units": len(nbytes), "micro_batches": n_micro,
-                "io_gbps": hw.io_gbps, "precision": hw.precision})
+                "io_gbps": hw.io_gbps, "precision": hw.precision, "system": hw.system})
 
 
 def lower_bounds(model, *, samples_per_csx, seq_len=None, hw=None):
