@@ -36,16 +36,13 @@ def spec(model, source, kind, *, num_csx=1, num_wgt_servers=1, swarmx_fanout=2, 
          hw=None, peer_timeout=300.0):
     """(the job's spec, the ``perf.inference.Latency`` that placed it): ``max_streams`` sequences of the
     model's full length on ``num_csx`` CS-2s; ValueError in one line when they do not fit."""
+    from wse_core.checks import Int
     from wse_core.perf import Hardware
     from wse_core.perf.inference import serve
 
     for name, value, low in (("num_csx", num_csx, 1), ("num_wgt_servers", num_wgt_servers, 1),
                              ("swarmx_fanout", swarmx_fanout, 2), ("max_streams", max_streams, 1)):
-        if not isinstance(value, int) or isinstance(value, bool) or value < low:
-            raise ValueError(f"{name}: expected a whole number >= {low}, got {value!r}")
-    if num_wgt_servers > len(model.units):
-        raise ValueError(f"num_wgt_servers: {num_wgt_servers} MemoryX servers for {len(model.units)} units; "
-                         "each needs at least one")
+        Int(low)(value, name)  # more MemoryX servers than units: the plan refuses it (plan_of)
     hw = hw or Hardware.for_model(model)
     capacity = model.config["max_position_embeddings"]
     latency = serve(model, batch=max_streams, prompt_tokens=capacity - 1, new_tokens=1, num_csx=num_csx, hw=hw,

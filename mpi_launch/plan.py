@@ -64,6 +64,16 @@ class RankPlan:
         return d
 
 
+def param_owners(unit_params, unit_owner):
+    """The MemoryX index that owns each parameter: the owner of the first unit that uses it (a tied
+    parameter belongs to its first unit's server)."""
+    owner = {}
+    for u, names in enumerate(unit_params):
+        for n in names:
+            owner.setdefault(n, unit_owner[u])
+    return owner
+
+
 def partition_by_bytes(sizes, parts):
     """Split ``sizes`` into ``parts`` contiguous non-empty runs minimising the largest run's sum; owner per item."""
     if parts > len(sizes):

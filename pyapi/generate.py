@@ -78,10 +78,10 @@ class Generator:
             from wse_core.compiler.generate import Recompute
 
             try:
-                probe = Recompute(model, weights)  # refuses, in one line, a model that cannot generate
+                self._recompute = Recompute(model, weights)  # refuses, in one line, a model that cannot generate
             except ValueError as exc:
                 raise ValueError(f"{source}: {exc}") from None
-            self.capacity, self.vocab_size = probe.capacity, probe.vocab_size
+            self.capacity, self.vocab_size = self._recompute.capacity, self._recompute.vocab_size
         elif not getattr(model, "is_lm", False) or not hasattr(model, "infer"):
             raise ValueError(f"{source}: model {model.config['name']}: generating is built for the language models "
                              "(gpt2, gpt3, llama, and compiled PyTorch models of token ids)")
@@ -148,9 +148,7 @@ class Generator:
             if num_csx is not None:
                 raise ValueError("--num_csx: a compiled PyTorch model generates in this process only (its graph "
                                  "has no KV cache to place on the wafers)")
-            from wse_core.compiler.generate import Recompute
-
-            return Engine(self.model, runner=Recompute(self.model, self.weights))
+            return Engine(self.model, runner=self._recompute.fresh())
         if num_csx is None:
             return Engine(self.model, self.weights)
         if self.kind is None:

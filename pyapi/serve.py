@@ -147,6 +147,7 @@ class Batcher:
                 if token is None:
                     del live[i]
 
+
 def _made(make):
     """``make()``, or None, said on stderr, if it fails."""
     try:
@@ -175,6 +176,12 @@ class Limits:
     max_prompt_tokens: int | None = None  # tokens of one prompt; None: the model's positions minus one
     max_tokens: int | None = None         # tokens made for one prompt; None: the model's positions minus one
     max_streams: int = 16                 # sequences generating at once, over all requests; beyond: 429
+
+    @classmethod
+    def given(cls, options):
+        """The limits of ``options`` (a mapping that may hold any of the three), the unset (None) left out."""
+        return cls(**{k: options[k] for k in ("max_prompt_tokens", "max_tokens", "max_streams")
+                      if options.get(k) is not None})
 
     def resolved(self, capacity):
         """These limits with the Nones filled in for a model of ``capacity`` positions; ValueError

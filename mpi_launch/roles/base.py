@@ -6,6 +6,7 @@ import time
 
 
 from mpi_launch import messaging as msg
+from mpi_launch.plan import param_owners
 from mpi_launch.protocol import Layout
 from mpi_launch.rundir import LineLog, RunDir
 
@@ -36,11 +37,7 @@ class Role:
         self.batch_size, self.mbs = t.batch_size, t.micro_batch_size
         self.per_csx = self.batch_size // plan.num_csx
         self.n_micro = self.per_csx // self.mbs
-        # The MemoryX that owns each parameter: the owner of the first unit that uses it.
-        self.param_owner = {}
-        for u, names in enumerate(self.unit_params):
-            for n in names:
-                self.param_owner.setdefault(n, plan.unit_owner[u])
+        self.param_owner = param_owners(self.unit_params, plan.unit_owner)
         self.shapes = {n: s.shape for n, s in self.model.param_specs.items()}
         self.log_file = LineLog(self.run_dir.rank_log(self.rank))
         self._timing_file = None

@@ -22,11 +22,13 @@ hours; the watchdog still ends the job if any rank dies), never spinning (``mess
 Messages: the table ``mpi_launch.protocol.INFER``.
 """
 import math
+import time
 from multiprocessing.connection import Client
 
 import numpy as np
 
 from mpi_launch import messaging as msg
+from mpi_launch.plan import param_owners
 from mpi_launch.protocol import CONTROL, DATA, FWD_WEIGHTS, LOGITS, REPORT, Layout
 from mpi_launch.rundir import LineLog
 
@@ -43,18 +45,13 @@ class InferenceRole:
         self.units, self.unit_params = self.model.units, self.model.unit_params
         self.shapes = {n: s.shape for n, s in self.model.param_specs.items()}
         self.streamed = spec["placement"] == "streamed"
-        self.param_owner = {}
-        for u, names in enumerate(self.unit_params):
-            for n in names:
-                self.param_owner.setdefault(n, plan.unit_owner[u])
+        self.param_owner = param_owners(self.unit_params, plan.unit_owner)
         layout = Layout.for_job(units=len(self.units), micro_batches=1,
                                 arrays_per_unit=max(len(p) for p in self.unit_params))
         self.link = msg.Link(comm, layout, spec["peer_timeout"], "--peer_timeout")
         self.log_file = LineLog(run_dir.rank_log(self.rank))
 
     def log(self, text):
-        import time
-
         self.log_file.write(f"{time.strftime('%H:%M:%S')} {text}\n")
 
     def unit_layout(self, u):

@@ -90,8 +90,9 @@ def check_serve(serve, pool_csx, cores):
 
     if not isinstance(serve, dict):
         return {"error": "serve: expected an object"}
-    for name in set(serve) - set(SERVE_FIELDS):
-        return {"error": f"serve: unknown field {name!r}"}
+    unknown = sorted(set(serve) - set(SERVE_FIELDS))
+    if unknown:
+        return {"error": f"serve: unknown field {unknown[0]!r}"}
     for name, (kind, required) in SERVE_FIELDS.items():
         value = serve.get(name)
         if value is None:
@@ -111,8 +112,7 @@ def check_serve(serve, pool_csx, cores):
                          "to place on the wafers): serve it with `wse serve` without --submit"}
     if gen.tokenizer is None:
         return {"error": f"{gen.why_no_tokenizer}: the server answers in text, so it needs the model's tokenizer"}
-    limits = Limits(**{k: serve[k] for k in ("max_streams", "max_tokens", "max_prompt_tokens") if serve.get(k)})
-    limits = limits.resolved(gen.capacity)
+    limits = Limits.given(serve).resolved(gen.capacity)
     job, _ = spec(gen.model, gen.source, gen.kind, num_csx=num_csx, max_streams=limits.max_streams,
                   placement=serve.get("placement"))
     check_capacity(plan_of(job), cores=cores_for(num_csx, pool_csx, cores))

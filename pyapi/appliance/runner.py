@@ -2,8 +2,9 @@
 
 It runs as the user who submitted the job, in the directory they submitted it from, with the
 numerics variables of their shell (BLAS kernel, thread counts: sent with the job), and trains
-exactly as ``wse fit`` does (a serve job: serves as ``wse serve --num_csx`` does, ``serve``) (``pyapi.Job.fit``: the launcher, its watchdog, resume from the
-latest checkpoint in model_dir), on the cores the service gave the job. Its standard output is
+exactly as ``wse fit`` does (``pyapi.Job.fit``: the launcher, its watchdog, resume from the
+latest checkpoint in model_dir), on the cores the service gave the job; a serve job serves as
+``wse serve --num_csx`` does (``serve``). Its standard output is
 the job's log; its exit code tells the service what happened (the codes below), and the last
 line it prints says why. It reads its orders, one JSON object, from standard input.
 """
@@ -95,9 +96,8 @@ def serve(orders, *, cores=None):
     from mpi_launch.inference import InferenceJobError
     from pyapi.serve import Limits, Server
 
-    limits = Limits(**{k: orders[k] for k in ("max_streams", "max_tokens", "max_prompt_tokens") if orders.get(k)})
     try:
-        server = Server.load(orders["model"], orders.get("checkpoint_path"), limits=limits,
+        server = Server.load(orders["model"], orders.get("checkpoint_path"), limits=Limits.given(orders),
                              cluster={"num_csx": orders["num_csx"], "placement": orders.get("placement"),
                                       "cores": cores, "stream": sys.stdout})
         server.run(orders["host"], orders["port"], on_ready=lambda url: print(

@@ -17,7 +17,7 @@ def _cmd_serve(args):
     cluster = None if args.num_csx is None else {"num_csx": args.num_csx, "placement": args.placement,
                                                  "stream": sys.stderr}
     server = Server.load(args.model, args.checkpoint_path, api_key=api_key, cluster=cluster,
-                         limits=Limits(**{k: v for k, v in given.items() if v is not None}))
+                         limits=Limits.given(given))
     if api_key is None and args.host not in ("127.0.0.1", "::1", "localhost"):
         print(f"wse serve: warning: --host {args.host} without an API key: whoever reaches the port can use the "
               "model (give --api_key or WSE_API_KEY)", file=sys.stderr)

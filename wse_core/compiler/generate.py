@@ -66,6 +66,12 @@ class Recompute:
             raise ValueError("the compiled model is not causal: the logits at a position change with the tokens "
                              "after it, so it cannot generate")
 
+    def fresh(self):
+        """A runner of the same model, tail and weights with no sequences (checked once, when made)."""
+        other = copy.copy(self)
+        other.tokens, other._next = {}, 0
+        return other
+
     def add(self):
         i, self._next = self._next, self._next + 1
         self.tokens[i] = []
