@@ -135,8 +135,7 @@ def plan_for(params):
     plan = make_plan(num_csx=r.num_csx, num_wgt_servers=r.num_wgt_servers,
                      num_workers_per_csx=r.num_workers_per_csx, swarmx_fanout=r.swarmx_fanout,
                      unit_bytes=model.unit_bytes(),
-                     # The pipeline model runs only when the params leave the choice to it, or ask for it.
-                     pipeline=r.execution_strategy != "weight_streaming" and strategy(params, model)[0] == "pipeline")
+                     pipeline=strategy(params, model)[0] == "pipeline")
     return plan, model
 
 
@@ -153,22 +152,64 @@ def optimizer_states(o):
 
 def strategy(params, model):
     """(execution strategy, one line saying why, the pipelined Placement): ``runconfig.execution_strategy``,
-    with ``auto`` resolved by the model (``wse_core.perf.pipeline.choose``) on one CS-2."""
+    with ``auto`` resolved by the model (``wse_core.perf.pipeline.choose``) on one CS-2. Weight
+    streaming is refused when a micro-batch does not fit a CS-2's wafer (``perf.memory.streaming_wafer``),
+    as pipelined mode is when the model does not fit."""
     from wse_core.perf import Hardware
     from wse_core.perf.pipeline import choose
 
     r, t = params.runconfig, params.train_input
+    hw = Hardware.for_model(model, r.hardware)
+    seq = params.model.get("max_position_embeddings")
     chosen, why, placement, _ = choose(model, batch_size=t.batch_size, micro_batch_size=t.micro_batch_size,
-                                       seq_len=params.model.get("max_position_embeddings"),
-                                       n_states=optimizer_states(params.optimizer),
-                                       hw=Hardware.for_model(model, r.hardware))
+                                       seq_len=seq, n_states=optimizer_states(params.optimizer), hw=hw)
     if r.execution_strategy == "pipeline" and not placement.fits:
         raise PlanError(f"runconfig.execution_strategy: pipeline: the model {placement.why}")
     if r.execution_strategy != "auto":
-        return r.execution_strategy, f"{r.execution_strategy} (runconfig.execution_strategy)", placement
-    if r.num_csx != 1:
-        return "weight_streaming", f"weight streaming: pipelined runs on one CS-2, this run has {r.num_csx}", placement
+        chosen, why = r.execution_strategy, f"{r.execution_strategy} (runconfig.execution_strategy)"
+    elif r.num_csx != 1:
+        chosen, why = "weight_streaming", f"weight streaming: pipelined runs on one CS-2, this run has {r.num_csx}"
+    if chosen == "weight_streaming":
+        check_wafer(model, t.batch_size // r.num_csx, t.micro_batch_size, seq, hw)
     return chosen, why, placement
+
+
+def check_wafer(model, per_csx, micro_batch_size, seq_len, hw):
+    """Refuse, in one line saying what would fit, a micro-batch whose weight streaming does not fit a
+    CS-2's wafer (docs/design.md section 8, "Wafer memory")."""
+    from wse_core.perf.memory import largest_micro_batch, streaming_wafer
+
+    w = streaming_wafer(model, micro_batch_size, seq_len, hw)
+    if w.fits:
+        return w
+    best = largest_micro_batch(model, [b for b in range(1, per_csx + 1) if per_csx % b == 0], seq_len, hw)
+    fix = (f"the largest that fits and divides the {per_csx} samples each CS-2 gets is {best} "
+           f"(or micro_batch_size: auto)" if best else "not even one sample fits: use more CS-2s or a smaller model")
+    raise PlanError(f"train_input.micro_batch_size: {micro_batch_size} samples do not fit a CS-2's wafer in weight "
+                    f"streaming: {w.need / 1e9:.1f} GB ({(w.checkpoints + w.segment) / 1e9:.1f} GB of activations, "
+                    f"{(w.weights + w.gradients) / 1e9:.2f} GB of weights and gradients in flight) of its "
+                    f"{w.capacity / 1e9:.1f} GB usable SRAM; {fix}")
+
+
+def micro_batch_table(params, model):
+    """Every micro-batch size a CS-2's share divides into, with its wafer need and simulated samples/s
+    (``micro_batch_size: explore``)."""
+    from wse_core.perf import Hardware
+    from wse_core.perf.memory import streaming_wafer
+    from wse_core.perf.step import walk_step
+
+    r, t = params.runconfig, params.train_input
+    hw = Hardware.for_model(model, r.hardware)
+    seq = params.model.get("max_position_embeddings")
+    per_csx = t.batch_size // r.num_csx
+    rows = []
+    for b in (b for b in range(1, per_csx + 1) if per_csx % b == 0):
+        w = streaming_wafer(model, b, seq, hw)
+        sim = walk_step(model, num_csx=r.num_csx, samples_per_csx=per_csx, micro_batch_size=b, seq_len=seq,
+                        num_wgt_servers=r.num_wgt_servers, swarmx_fanout=r.swarmx_fanout, hw=hw) if w.fits else None
+        rows.append({"micro_batch_size": b, "need_bytes": w.need, "fits": w.fits,
+                     "samples_per_s": sim.samples_per_s if sim else None, "chosen": b == t.micro_batch_size})
+    return rows
 
 
 def describe(params):
@@ -176,7 +217,7 @@ def describe(params):
     import numpy as np
 
     from wse_core.perf import Hardware
-    from wse_core.perf.memory import rank_memory_bytes, wafer_bytes
+    from wse_core.perf.memory import rank_memory_bytes, streaming_wafer
     from wse_core.perf.step import walk_step
 
     run, train, opt_cfg = params.runconfig, params.train_input, params.optimizer
@@ -189,7 +230,12 @@ def describe(params):
     memory = rank_memory_bytes(plan, model, n_states=n_states, per_csx=per_csx, seq_len=seq,
                                micro_batch_size=train.micro_batch_size, example_bytes=example)
     hw = Hardware.for_model(model, run.hardware)
-    pow2 = run.num_csx & (run.num_csx - 1) == 0 and run.swarmx_fanout & (run.swarmx_fanout - 1) == 0
+    def pow2(n):
+        return n & (n - 1) == 0
+
+    # The rounds' sums are subtrees of the reference's tree (wse_core.tree), and SwarmX's its own.
+    exact = pow2(per_csx // train.micro_batch_size) and (
+        run.num_csx <= run.swarmx_fanout or pow2(run.num_csx) and pow2(run.swarmx_fanout))
     mode, why, placement = strategy(params, model)
     return {
         "plan": plan.to_json(),
@@ -198,11 +244,11 @@ def describe(params):
                   "unit_bytes": unit_bytes},
         "memory_bytes": {str(r): int(memory[r]) for r in range(plan.world_size)},
         "micro_batches_per_csx": per_csx // train.micro_batch_size,
-        "wafer_bytes": wafer_bytes(model, per_csx, seq, hw),
+        "wafer_bytes": streaming_wafer(model, train.micro_batch_size, seq, hw).to_dict(),
         "simulated": walk_step(model, num_csx=run.num_csx, samples_per_csx=per_csx,
                                micro_batch_size=train.micro_batch_size, seq_len=seq,
                                num_wgt_servers=run.num_wgt_servers, swarmx_fanout=run.swarmx_fanout,
                                hw=hw).to_dict(),
-        "bit_identical_to_reference": bool(pow2),
+        "bit_identical_to_reference": exact,
         "execution_strategy": mode, "why": why, "pipeline": placement.to_dict(),
     }

@@ -9,7 +9,7 @@ table: it needs its rules, not its tags). ``tests/test_messaging.py`` checks tha
 names a row, that every row is cited by a role, and every row that carries time by the walk.
 
 Kinds (the ``phase`` of a tag): weights forward and backward, gradient sums, input data, the
-coordinator's control, reports to the coordinator, and headers. A tag is
+coordinator's control, reports to the coordinator, headers, and weights for a recomputed forward. A tag is
 ``(phase * slots + unit) * indices + index``: ``unit`` a streaming unit (or a micro-batch, for
 data), ``index`` an array of it. The layout is sized for the job (``Layout.for_job``: the model's
 units and micro-batches, its largest unit's arrays) and checked against MPI's ``TAG_UB`` before
@@ -27,8 +27,8 @@ This module imports nothing of ``mpi_launch``: ``messaging`` builds on it, never
 from dataclasses import dataclass
 from types import MappingProxyType
 
-FWD_WEIGHTS, BWD_WEIGHTS, GRADS, DATA, CONTROL, REPORT, HEADER = range(7)
-NUM_PHASES = 7
+FWD_WEIGHTS, BWD_WEIGHTS, GRADS, DATA, CONTROL, REPORT, HEADER, RCP_WEIGHTS = range(8)
+NUM_PHASES = 8
 #: Report indices (``tag(REPORT, 0, i)``): losses, gradient norms, checkpoint shards, step times,
 #: weights for an evaluation; an inference job's logits.
 LOSS, NORMS, SHARD, STEP_TIME, EVAL_WEIGHTS, LOGITS = range(6)
@@ -47,32 +47,42 @@ class Message:
 
 
 #: The messages of one training step, in the order a step sends them (read-only). ``u`` is a
-#: streaming unit, ``i`` an array of it, ``m`` a micro-batch; "header" is ``(HEADER, u, phase)``
-#: before a tensor.
+#: streaming unit, ``i`` an array of it, ``m`` a micro-batch (a round: CS-2 c's round m is the
+#: global batch's micro-batch ``wse_core.tree.micro_batch_of(m, c, num_csx)``); "header" is
+#: ``(HEADER, u, phase)`` before a tensor. The weights and gradients messages repeat for every round,
+#: in the order of ``wse_core.perf.step.micro_batch_schedule``, under the same tags (MPI keeps the
+#: order of messages between two ranks under one tag).
 STEP = MappingProxyType({m.name: m for m in (
     Message("data", "input worker", "its CS-2 (a pipelined run's too)", "(DATA, m, i)",
-            "micro-batch m's arrays (Issend: a worker is at most two steps ahead)",
+            "round m's micro-batch's arrays (Issend: a worker is at most two steps ahead)",
             "none: input is taken as there when a step starts (prefetched, small beside the weights)"),
     Message("forward weights", "MemoryX owning unit u", "SwarmX root, relayed down the tree to every CS-2",
             "(FWD_WEIGHTS, u, i), after its header",
             "unit u's weights on the wire (16-bit patterns in a mixed-precision run), chunked",
-            "header (first, last): MemoryX sends at its clock (its update done); the lower end of each "
-            "link carries the tensor across its port (Port.carry) and sends the next header on; a CS-2 "
-            "accepts unit u from when unit u - 1 starts computing and waits for its last byte"),
+            "header (first, last): MemoryX sends every round's at its clock (its update done); the lower "
+            "end of each link carries the tensor across its port (Port.carry) and sends the next header "
+            "on; a CS-2 accepts an item's weights from when the item before it starts computing and "
+            "waits for their last byte"),
     Message("loss scale", "coordinator", "every CS-2, a pipelined run's too (dynamic loss scaling only)",
             "(CONTROL, 0, 0)", "{loss_scale}: the scale of the step to come", "none"),
-    Message("loss", "CS-2 (a pipelined run's too)", "coordinator", "(REPORT, 0, LOSS)", "{loss_sum, tokens, t}",
-            "t: the CS-2's clock after its forward pass; the coordinator receives it one hop later"),
+    Message("loss", "CS-2 (a pipelined run's too)", "coordinator", "(REPORT, 0, LOSS)",
+            "{loss_sums: one per round, tokens, t}",
+            "t: the CS-2's clock after its last round's forward pass; the coordinator receives it one hop later"),
+    Message("recompute weights", "MemoryX owning unit u", "SwarmX root, relayed down the tree to every CS-2",
+            "(RCP_WEIGHTS, u, i), after its header",
+            "unit u's weights again, for the forward of its segment recomputed from the checkpoint",
+            "as forward weights"),
     Message("backward weights", "MemoryX owning unit u", "SwarmX root, relayed down the tree to every CS-2",
             "(BWD_WEIGHTS, u, i), after its header", "unit u's weights again, units in reverse order",
-            "as forward weights; a CS-2 carries unit u's weights across its port before unit u + 1's "
-            "gradients (program order = port order)"),
+            "as forward weights; a CS-2 carries the next item's weights across its port before this "
+            "unit's gradients (program order = port order)"),
     Message("gradients", "CS-2", "SwarmX parent, summed up the tree in child order; the root to the "
             "parameter's MemoryX", "(GRADS, u, i), after its header",
-            "unit u's gradient sum over the CS-2's micro-batches (tree_sum), on the wire, chunked",
+            "unit u's gradients of the round's micro-batch, on the wire, chunked; MemoryX adds the rounds' "
+            "sums (TreeAccumulator)",
             "header (first, last, left): leaves the CS-2 when unit u's backward ends; each node carries "
             "the sum up its link from the latest of its children's headers; MemoryX's clock receives "
-            "the last; left: when the last gradient left a CS-2"),
+            "the last round's last; left: when the last gradient left a CS-2"),
     Message("norms", "MemoryX (a pipelined run's CS-2)", "coordinator", "(REPORT, 0, NORMS)",
             "{sumsq: [(name, sum of squares)], t, left}",
             "t: when the last gradient reached MemoryX; the coordinator receives it one hop later; "

@@ -49,6 +49,12 @@ def _paths(value, path):
     return value
 
 
+def _micro_batch(value, path):
+    if value in ("auto", "explore", "none") or isinstance(value, int) and not isinstance(value, bool) and value >= 1:
+        return value
+    raise ValueError(f"{path}: expected a number of samples, auto, explore or none, got {show(value)}")
+
+
 def _mixture(value, path):
     if not (isinstance(value, list) and value and all(
             isinstance(m, dict) and set(m) >= {"data_dir", "weight"} and set(m) <= {"data_dir", "weight", "data_subset"}
@@ -137,7 +143,9 @@ class TrainInput:
     mixture: tuple | None = key(Check(_mixture, "a list of {data_dir, weight}"), "datasets mixed in proportion: a list of {data_dir, weight} (Model Zoo's)",
                                 None)
     batch_size: int = key(Int(1), "global batch size, split evenly across the CS-2s")
-    micro_batch_size: int | None = key(Int(1), "samples per micro-batch (default: batch_size / num_csx)", None)
+    micro_batch_size: int | str | None = key(Check(_micro_batch, "a number of samples, auto, explore or none"),
+                                             "samples per micro-batch: a number, auto (the default: the largest "
+                                             "that fits), explore (wse compile only) or none", None)
     shuffle: bool = key(Bool(), "shuffle examples each epoch", True)
     shuffle_seed: int = key(Int(0), "seed of the per-epoch shuffle", 0)
 

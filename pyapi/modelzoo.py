@@ -330,6 +330,8 @@ class KeyReport:
     def __init__(self):
         self.fates = {}     # path -> "honoured" | "honoured (same value)" | "alias of X" | "tuning" | "refused: why"
         self.notes = []
+        self.compile_only = False      # laid out, not run (wse compile): micro_batch_size: explore allowed
+        self.micro_batch_mode = None   # "number", "auto", "explore" or "none": how the params gave it
 
     @property
     def tuning(self):

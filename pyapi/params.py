@@ -59,11 +59,13 @@ def validate(raw):
     return spec
 
 
-def check(raw, where="params", overrides=()):
+def check(raw, where="params", overrides=(), *, compile_only=False):
     """``validate``, also returning the ``KeyReport`` (each key's fate, and the notes). ``overrides``
     (``key.path=value``) may use either layout's paths: ``trainer.init.model.hidden_size=64`` or
-    ``model.hidden_size=64`` on a file of the trainer layout."""
+    ``model.hidden_size=64`` on a file of the trainer layout. ``compile_only``: the params are laid
+    out, not run (``wse compile``), so ``micro_batch_size: explore`` is allowed."""
     report = modelzoo.KeyReport()
+    report.compile_only = compile_only
     flat, problems = _flat(raw, report, list(overrides or ()))
     try:
         spec = _validate_flat(flat, report, problems)
@@ -130,7 +132,7 @@ def _validate_flat(raw, report, problems):
         problems.append(f"model: expected a mapping, got {show(raw['model'])}")
     if not problems:
         try:
-            _check_consistency(out)
+            _check_consistency(out, report)
         except ParamsError as exc:
             problems.append(str(exc))
     if len(problems) == 1:
@@ -141,7 +143,7 @@ def _validate_flat(raw, report, problems):
     return RunSpec.from_dict(out)
 
 
-def _check_consistency(p):
+def _check_consistency(p, report):
     t, r = p["train_input"], p["runconfig"]
     if r["execution_strategy"] == "pipeline" and r["num_csx"] != 1:
         raise ParamsError(f"runconfig.execution_strategy: pipeline runs on one CS-2, not runconfig.num_csx "
@@ -152,12 +154,7 @@ def _check_consistency(p):
     if t["batch_size"] % r["num_csx"]:
         raise ParamsError(f"train_input.batch_size: {t['batch_size']} does not split evenly across "
                           f"runconfig.num_csx {r['num_csx']}")
-    per_csx = t["batch_size"] // r["num_csx"]
-    if t["micro_batch_size"] is None:
-        t["micro_batch_size"] = per_csx
-    if per_csx % t["micro_batch_size"]:
-        raise ParamsError(f"train_input.micro_batch_size: {t['micro_batch_size']} does not divide the "
-                          f"{per_csx} samples each CS-2 gets (batch_size / num_csx)")
+    _resolve_micro_batch(p, report)
     if p["model"].get("fp16_type") == "cbfloat16" and p["model"].get("mixed_precision") \
             and p["optimizer"]["loss_scaling_factor"] != "dynamic":
         raise ParamsError("optimizer.loss_scaling_factor: cbfloat16 needs dynamic loss scaling (as in Model Zoo): "
@@ -172,6 +169,49 @@ def _check_consistency(p):
     if r["eval_frequency"] is not None and "eval_input" not in p:
         raise ParamsError("runconfig.eval_frequency: evaluating during training needs an eval_input section "
                           "(data_dir, batch_size)")
+
+
+def _resolve_micro_batch(p, report):
+    """Turn ``train_input.micro_batch_size`` into a number of samples (docs/design.md section 8,
+    "Wafer memory"): a number as given (it must divide each CS-2's share); ``none`` that share;
+    ``auto`` (or no key) the largest divisor of the share whose micro-batch fits a wafer in weight
+    streaming, the share itself whenever it fits (a pipelined run keeps the share); ``explore`` as
+    ``auto``, for ``wse compile`` only, which then prints every candidate."""
+    from wse_core.nn import build_model
+    from wse_core.perf import Hardware
+    from wse_core.perf.memory import largest_micro_batch, streaming_wafer
+
+    t, r = p["train_input"], p["runconfig"]
+    per_csx = t["batch_size"] // r["num_csx"]
+    given = t["micro_batch_size"]
+    report.micro_batch_mode = given if isinstance(given, str) else ("auto" if given is None else "number")
+    if given == "explore" and not report.compile_only:
+        raise ParamsError("train_input.micro_batch_size: explore searches the sizes when the params are compiled "
+                          "(wse compile); give a number, or auto")
+    if isinstance(given, int):
+        if per_csx % given:
+            raise ParamsError(f"train_input.micro_batch_size: {given} does not divide the {per_csx} samples each "
+                              f"CS-2 gets (batch_size / num_csx)")
+        return
+    if given == "none" or r["execution_strategy"] == "pipeline":
+        t["micro_batch_size"] = per_csx
+        return
+    model = build_model(p["model"])
+    seq = p["model"].get("max_position_embeddings")
+    try:
+        hw = Hardware.for_model(model, r["hardware"])
+    except ValueError as exc:
+        raise ParamsError(str(exc)) from None
+    sizes = [b for b in range(1, per_csx + 1) if per_csx % b == 0]
+    best = largest_micro_batch(model, sizes, seq, hw)
+    if best is None:
+        w = streaming_wafer(model, 1, seq, hw)
+        raise ParamsError(f"train_input.micro_batch_size: {given or 'auto'}: not even one sample fits a CS-2's wafer "
+                          f"in weight streaming ({w.need / 1e9:.1f} GB of its {w.capacity / 1e9:.1f} GB usable SRAM)")
+    t["micro_batch_size"] = best
+    if best != per_csx:
+        report.notes.append(f"train_input.micro_batch_size: {given or 'auto'} chose {best}: the largest that divides "
+                            f"the {per_csx} samples each CS-2 gets and fits its wafer (docs/design.md section 8)")
 
 
 def apply_overrides(raw, overrides):
@@ -284,6 +324,6 @@ def read(path):
     return raw
 
 
-def load(path, overrides=None):
+def load(path, overrides=None, *, compile_only=False):
     """Read, override and validate a params YAML file of either layout: its ``RunSpec``."""
-    return check(read(path), str(path), overrides)[0]
+    return check(read(path), str(path), overrides, compile_only=compile_only)[0]

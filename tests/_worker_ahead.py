@@ -59,7 +59,7 @@ def take(comm, plan, params, run):
             got = [np.empty(shape, dtype) for shape, dtype in layout]
             for i, a in enumerate(got):
                 comm.Recv(a, source=worker, tag=me.link.tag(DATA, m, i))
-            assert np.array_equal(got[0], stream.read(step * me.batch_size + m * me.mbs, me.mbs)), (step, m)
+            assert np.array_equal(got[0], stream.read(step * me.batch_size + me.round_start(m), me.mbs)), (step, m)
 
     receive_step(0)
     noted, deadline = me.model_dir / "worker_step", time.monotonic() + 60

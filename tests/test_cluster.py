@@ -233,13 +233,15 @@ def test_mixed_precision_with_dynamic_loss_scaling_is_bit_identical_to_the_refer
         run = "step 1" if first_good == 1 else f"steps 1-{first_good} ({first_good} in a row)"
         assert f"\n{run}: gradients overflowed, " in proc.stdout and "nan" not in proc.stdout, proc.stdout
         assert "step     1/6  loss " in proc.stdout and "skipped (overflow), loss scale halved to 2048" in proc.stdout
-    # 16-bit on the wire: each MemoryX takes in 2 bytes per gradient value of its units (a tied weight twice).
+    # 16-bit on the wire: each MemoryX takes in 2 bytes per gradient value of its units (a tied weight
+    # twice), for every micro-batch of a CS-2 (a round: one sum over the CS-2s).
     model, run_dir = build_model(p["model"]), RunDir(tmp_path / "model")
     uses = sum(int(np.prod(model.param_specs[n].shape)) for names in model.unit_params for n in names)
     memoryx = json.loads((tmp_path / "model" / "plan.json").read_text())["plan"]["memoryx"]
     per_step = [sum(json.loads(run_dir.timing_log(r).read_text().splitlines()[i])["bytes_in"] for r in memoryx)
                 for i in range(steps)]
-    assert per_step == [2 * uses] * steps
+    rounds = p["train_input"]["batch_size"] // num_csx // p["train_input"]["micro_batch_size"]
+    assert per_step == [2 * uses * rounds] * steps
 
 
 def test_llama_with_gqa_bfloat16_and_dropout_is_bit_identical_to_the_reference(tmp_path, data, jobs):

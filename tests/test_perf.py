@@ -99,7 +99,8 @@ def test_a_run_is_timed_at_its_models_precision(fp16_type):
     assert w16["detail"]["precision"] == "fp16" and w16["detail"]["weight_bytes"] == 2 * streamed
     assert w32["stream_s"] == pytest.approx(2 * w16["stream_s"])
     assert w32["compute_s"] > w16["compute_s"] and w32["step_s"] > w16["step_s"]
-    assert f32["wafer_bytes"]["weights_in_flight"] == 2 * f16["wafer_bytes"]["weights_in_flight"]
+    assert f32["wafer_bytes"]["weights"] == 2 * f16["wafer_bytes"]["weights"]
+    assert f32["wafer_bytes"]["checkpoints"] == 2 * f16["wafer_bytes"]["checkpoints"]
     # The pipelined model too: AdamW's 32-bit weights, gradients and two states, or 16-bit weights with a
     # 32-bit master copy.
     assert (f32["pipeline"]["detail"]["bytes_per_param"], f16["pipeline"]["detail"]["bytes_per_param"]) == (16, 18)
@@ -114,7 +115,7 @@ def test_a_step_obeys_physical_bounds_and_scales_near_linearly_with_the_batch_pe
     steps = {}
     for n in (1, 4, 16, 192):
         s = walk_step(model, num_csx=n, samples_per_csx=64, micro_batch_size=8, seq_len=2048)
-        bounds = lower_bounds(model, samples_per_csx=64, seq_len=2048)
+        bounds = lower_bounds(model, samples_per_csx=64, micro_batch_size=8, seq_len=2048)
         assert s.step_s >= bounds["io_s"] and s.step_s >= bounds["flops_s"], (n, s, bounds)
         assert s.step_s >= s.compute_s and s.stream_s == pytest.approx(bounds["io_s"])
         steps[n] = s

@@ -67,11 +67,11 @@ def test_pipeline_refuses_a_model_that_does_not_fit_in_one_line():
 
 def test_pipelined_is_faster_for_a_small_gpt2_and_not_from_some_size_on():
     """On one CS-2, a 124M GPT-2 steps faster pipelined (no weights to stream, each layer on a region
-    its size keeps busy); a 350M one at a small batch does not (the pipeline's fill and drain), and a
-    model that does not fit streams its weights."""
+    its size keeps busy); a 350M one at a small batch in one micro-batch does not (the pipeline's fill
+    and drain), and a model that does not fit streams its weights."""
     mode, why, p, ws = choose(gpt(768, 12, 12), batch_size=64, micro_batch_size=1, seq_len=512)
     assert mode == "pipeline" and p.step_s < ws.step_s and why.startswith("pipelined: the model fits")
-    mode, why, p, ws = choose(gpt(1024, 24, 16), batch_size=8, micro_batch_size=1, seq_len=512)
+    mode, why, p, ws = choose(gpt(1024, 24, 16), batch_size=8, micro_batch_size=8, seq_len=512)
     assert mode == "weight_streaming" and p.fits and p.step_s > ws.step_s and "slower than streaming" in why
     mode, why, _, _ = choose(gpt(2560, 32, 32), batch_size=64, micro_batch_size=1, seq_len=512)
     assert mode == "weight_streaming" and "does not fit one wafer" in why

@@ -52,7 +52,7 @@ def test_wse_compile(tmp_path):
     assert all(int(v) >= 0 for v in d["memory_bytes"].values())
     sim = d["simulated"]
     assert sim["num_csx"] == 4 and sim["step_s"] >= max(sim["compute_s"], sim["stream_s"]) > 0
-    assert d["wafer_bytes"]["capacity"] == 850_000 * 48 * 1024
+    assert d["wafer_bytes"]["capacity"] == 750 * 994 * 36 * 1024 and d["wafer_bytes"]["fits"]
     slow = json.loads(run("--json", "--num_csx", "4", "--set", "train_input.batch_size=16",
                           "--set", "runconfig.hardware={io_gbps: 12, memoryx_gbps: 12}").stdout)["simulated"]
     assert slow["stream_s"] == pytest.approx(100 * sim["stream_s"]) and slow["step_s"] > sim["step_s"]

@@ -60,6 +60,13 @@ class Role:
                              f"runconfig.startup_timeout {r.startup_timeout:g} s + peer_timeout {r.peer_timeout:g} s"
                              f"{self._for_a_checkpoint()}, the first steps' allowance")
 
+    def round_start(self, m, csx=None):
+        """The first sample, in the step's global batch, of the micro-batch CS-2 ``csx`` (this rank's
+        index by default) computes in round m (``wse_core.tree.micro_batch_of``)."""
+        from wse_core.tree import micro_batch_of
+
+        return micro_batch_of(m, self.index if csx is None else csx, self.plan.num_csx) * self.mbs
+
     def port(self, gbps):
         """A port of a link this rank keeps (see wse_core.perf.clock): its chunk is CHUNK_FLOATS elements
         of the wire's dtype (16-bit patterns in a mixed-precision run), as wse_core.perf.step walks it."""

@@ -52,7 +52,7 @@ class Coordinator(Role):
 
             stream_s, optimizer_s = 0.0, strategy(self.params, self.model)[2].update_s
         else:
-            stream_s = io_seconds(self.model, self.hw)
+            stream_s = io_seconds(self.model, self.hw, self.n_micro)
             optimizer_s = max(update_seconds(self.model, self.plan.unit_owner, self.hw))
         t_start = time.perf_counter()
         scaler = LossScaler.from_params(o, self.model.config.get("fp16_type"))
@@ -100,7 +100,9 @@ class Coordinator(Role):
                        for rank in self.plan.csx]
             for x in reports:
                 clock.receive(x["t"] + lat)
-            loss_sum = tree_sum([x["loss_sum"] for x in reports])
+            # Every micro-batch's loss sum in the global batch's order (wse_core.tree.micro_batch_of),
+            # summed as the reference step sums them.
+            loss_sum = tree_sum([x["loss_sums"][r] for r in range(len(reports[0]["loss_sums"])) for x in reports])
             n_tokens = sum(x["tokens"] for x in reports)
             if n_tokens < 1:
                 raise ValueError(f"step {step}: the loss mask of the global batch selects no token")

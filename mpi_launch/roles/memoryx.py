@@ -1,25 +1,31 @@
-"""A MemoryX server: holds the weights and optimizer state of its units, streams them out, applies the update.
+"""A MemoryX server: holds the weights and optimizer state of its units, streams them out for every
+micro-batch of a step, adds the micro-batches' gradient sums, applies the update.
 
 Simulated time: the weights of a step leave when the previous update is done (the SwarmX root
 keeps the port of the link); the update starts when every gradient sum has arrived and the
 coordinator's control message is in, and takes ``wse_core.perf.step.update_seconds`` (the bytes
 this server owns).
 
-Its messages (``mpi_launch.protocol``): it sends STEP["forward weights"] and
-STEP["backward weights"] to the SwarmX root and receives STEP["gradients"] from it; it sends the
-coordinator STEP["norms"], STEP["shard"] and STEP["eval weights"] and receives STEP["control"]."""
+Its messages (``mpi_launch.protocol``): it sends STEP["forward weights"], STEP["recompute weights"]
+and STEP["backward weights"] to the SwarmX root, in the order of
+``wse_core.perf.step.micro_batch_schedule`` for every round, and receives STEP["gradients"] from it,
+a round at a time, adding the rounds as the reference step adds micro-batches
+(``wse_core.tree.TreeAccumulator``); it sends the coordinator STEP["norms"], STEP["shard"] and
+STEP["eval weights"] and receives STEP["control"]."""
 import time
 
 import numpy as np
 
-from mpi_launch.protocol import BWD_WEIGHTS, CONTROL, EVAL_WEIGHTS, FWD_WEIGHTS, GRADS, NORMS, REPORT, SHARD
+from mpi_launch.protocol import CONTROL, EVAL_WEIGHTS, GRADS, NORMS, REPORT, SHARD
 from mpi_launch.roles.base import Role
+from mpi_launch.roles.csx import PHASE
 
 
 class MemoryX(Role):
     def run(self):
         from wse_core.optim import sum_of_squares
-        from wse_core.perf.step import update_seconds
+        from wse_core.perf.step import micro_batch_schedule, update_seconds
+        from wse_core.tree import TreeAccumulator
 
         owned = [n for n in self.model.param_names if self.param_owner[n] == self.index]
         self.setup(owned)
@@ -28,6 +34,10 @@ class MemoryX(Role):
         uses = [(u, i, n) for u, names in enumerate(self.unit_params) for i, n in enumerate(names)
                 if self.param_owner[n] == self.index]
         my_units = [u for u, k in enumerate(self.plan.unit_owner) if k == self.index]
+        # Every item of an owned unit (one without parameters too: its header), and of a unit using an
+        # owned parameter (a tied one, in another server's unit).
+        mine = set(my_units) | {u for u, _, _ in uses}
+        schedule = [(kind, u) for kind, u in micro_batch_schedule(len(self.units)) if u in mine]
         update_s = update_seconds(self.model, self.plan.unit_owner, self.hw)[self.index]
         clock, lat = self.clock, self.hw.swarmx_hop_latency_s
         link, tag = self.link, self.link.tag
@@ -36,37 +46,48 @@ class MemoryX(Role):
         for step in range(self.start_step - 1, self.max_steps):
             if step >= self.start_step:
                 sends = []
-                # Weights go out in the run's precision (16-bit patterns in a mixed-precision run).
+                # Weights go out in the run's precision (16-bit patterns in a mixed-precision run),
+                # every round's at once: the SwarmX root's port carries them in this order.
                 wire = {n: precision.to_wire(w) for n, w in self.weights.items()}
-                # Forward in unit order, backward in the reverse order the CS-2s use them.
-                for phase, order in ((FWD_WEIGHTS, my_units), (BWD_WEIGHTS, my_units[::-1])):
-                    sends += [link.send_header(root, phase, u, (clock.now, None)) for u in order]
-                    for u, i, n in (uses if phase == FWD_WEIGHTS else uses[::-1]):
-                        sends += link.isend_arrays([wire[n]], root, phase, u, index=i)
-                grads, greqs = {}, []
-                for u, i, n in uses:
-                    g = np.empty(self.shapes[n], precision.wire_dtype)
-                    greqs += link.irecv_into([g], root, GRADS, u, index=i)
-                    grads.setdefault(n, []).append(g)
-                heads = [link.recv_header(root, GRADS, u, f"SwarmX root rank {root} (gradients of step {step})")
-                         for u in my_units]
-                link.wait_all(sends + greqs, f"SwarmX root rank {root} (weights out, gradients in, step {step})")
+                for _ in range(self.n_micro):
+                    for kind, u in schedule:
+                        if u in my_units:  # the unit's owner sends its header
+                            sends.append(link.send_header(root, PHASE[kind], u, (clock.now, None)))
+                        sends += [r for uu, i, n in uses if uu == u
+                                  for r in link.isend_arrays([wire[n]], root, PHASE[kind], u, index=i)]
+                sums = {(u, i): TreeAccumulator(self.n_micro, precision.add) for u, i, _ in uses}
+                last = left = 0.0
+                for r in range(self.n_micro):
+                    got, greqs = {}, []
+                    for u, i, n in uses:
+                        got[u, i] = np.empty(self.shapes[n], precision.wire_dtype)
+                        greqs += link.irecv_into([got[u, i]], root, GRADS, u, index=i)
+                    heads = [link.recv_header(root, GRADS, u, f"SwarmX root rank {root} (gradients of step {step})")
+                             for u in my_units]
+                    link.wait_all(greqs, f"SwarmX root rank {root} (gradients of round {r} of step {step})")
+                    for key, g in got.items():
+                        sums[key].push(precision.from_wire(g))
+                    last, left = max([last, *(h["last"] for h in heads)]), max([left, *(h["left"] for h in heads)])
+                link.wait_all(sends, f"SwarmX root rank {root} (weights of step {step})")
                 at_grads_in = time.monotonic()
-                clock.receive(max(h["last"] for h in heads))
+                clock.receive(last)
                 # A tied parameter's uses are added in unit order, as Model.combine_unit_grads does.
-                grads = {n: [precision.from_wire(g) for g in gs] for n, gs in grads.items()}
+                grads = {}
+                for u, i, n in uses:
+                    grads.setdefault(n, []).append(sums[u, i].total())
                 total = {n: (gs[0] if len(gs) == 1 else precision.add(gs[0], gs[1])) for n, gs in grads.items()}
                 sumsq = [(n, sum_of_squares(total[n])) for n in owned]
-                self.comm.send({"sumsq": sumsq, "t": clock.now, "left": max(h["left"] for h in heads)},
+                self.comm.send({"sumsq": sumsq, "t": clock.now, "left": left},
                                dest=coordinator, tag=tag(REPORT, 0, NORMS))
             control = link.recv_object(coordinator, tag(CONTROL), f"the coordinator (step {step})")
             clock.receive(control["t"] + lat)
             if step >= self.start_step:
                 t_opt = time.perf_counter()
                 self.apply(control, total, step, update_s)
+                nbytes = {u: sum(wire[n].nbytes for uu, _, n in uses if uu == u) for _, u in schedule}
                 self.timing(step, optimizer=time.perf_counter() - t_opt, at_grads_in=at_grads_in,
-                            bytes_out=2 * sum(wire[n].nbytes for _, _, n in uses),
-                            bytes_in=sum(wire[n].nbytes for _, _, n in uses))
+                            bytes_out=self.n_micro * sum(nbytes[u] for _, u in schedule),
+                            bytes_in=self.n_micro * sum(nbytes[u] for kind, u in schedule if kind == "backward"))
             self.after_update(control)
             if step >= self.start_step:
                 self.step_done(step)

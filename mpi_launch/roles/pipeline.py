@@ -58,7 +58,7 @@ class PipelinedCS2(MemoryX):
                     dropout=(self.params.runconfig.seed, step + 1), loss_scale=loss_scale)
                 grads = self.model.combine_unit_grads(unit_grads)
                 clock.advance(compute_s)
-                self.comm.send({"loss_sum": loss_sum, "tokens": n_tokens, "t": clock.now}, dest=coordinator,
+                self.comm.send({"loss_sums": [loss_sum], "tokens": n_tokens, "t": clock.now}, dest=coordinator,
                                tag=tag(REPORT, 0, LOSS))
                 self.comm.send({"sumsq": [(n, sum_of_squares(grads[n])) for n in self.owned], "t": clock.now,
                                 "left": clock.now}, dest=coordinator, tag=tag(REPORT, 0, NORMS))

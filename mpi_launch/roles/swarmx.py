@@ -1,17 +1,24 @@
-"""A SwarmX node: broadcasts weights down its subtree and sums gradients on their way up.
+"""A SwarmX node: broadcasts weights down its subtree and sums gradients on their way up, for every
+micro-batch of a step in the order of ``wse_core.perf.step.micro_batch_schedule``.
 
 Simulated time: a node keeps the port of the link above it (the root: one per MemoryX server),
 which carries weights down and gradient sums up in the order this program handles them; each
 tensor's header goes on to the children (weights) or the parent (gradients) before its data.
 
-Its messages (``mpi_launch.protocol``): it relays STEP["forward weights"] and
-STEP["backward weights"] down and sums STEP["gradients"] up."""
-from mpi_launch.protocol import BWD_WEIGHTS, FWD_WEIGHTS, GRADS
+Its messages (``mpi_launch.protocol``): it relays STEP["forward weights"], STEP["recompute weights"]
+and STEP["backward weights"] down and sums STEP["gradients"] up."""
+from mpi4py import MPI
+
+from mpi_launch.protocol import BWD_WEIGHTS, FWD_WEIGHTS, GRADS, RCP_WEIGHTS
 from mpi_launch.roles.base import Role
+
+PHASE = {"forward": FWD_WEIGHTS, "recompute": RCP_WEIGHTS, "backward": BWD_WEIGHTS}
 
 
 class SwarmX(Role):
     def run(self):
+        from wse_core.perf.step import micro_batch_schedule
+
         me = self.plan.swarmx[self.index]
         kids = self.plan.children[me]
         parent = self.plan.parent[me]
@@ -20,17 +27,26 @@ class SwarmX(Role):
             self._ports = [self.port(self.hw.memoryx_gbps) for _ in self.plan.memoryx]
         else:
             self._ports = [self.port(self.tree_gbps)]
+        schedule = micro_batch_schedule(n_units)
         for step in range(self.start_step, self.max_steps):
             self._pending, self._keep = [], []  # requests in flight, and the buffers they use
-            for u in range(n_units):
-                self._relay(u, FWD_WEIGHTS, parent, kids, step)
-            self._relay(n_units - 1, BWD_WEIGHTS, parent, kids, step)
-            for u in reversed(range(n_units)):
-                if u > 0:  # weights of the next unit go down before this unit's gradients come up
-                    self._relay(u - 1, BWD_WEIGHTS, parent, kids, step)
-                self._reduce(u, parent, kids, step)
+            pending = None  # a unit whose gradients come up once the next item's weights went down
+            for _ in range(self.n_micro):
+                for kind, u in schedule:
+                    self._relay(u, PHASE[kind], parent, kids, step)
+                    if pending is not None:
+                        self._reduce(pending, parent, kids, step)
+                    pending = u if kind == "backward" else None
+                self._prune()
+            self._reduce(pending, parent, kids, step)
             self.link.wait_all(self._pending, f"children {kids} and parent of SwarmX rank {me} (step {step})")
             self.step_done(step)
+
+    def _prune(self):
+        """Let go of the buffers of what has been sent (a step of many micro-batches relays many)."""
+        done = MPI.Request.Testall(self._pending) if self._pending else True
+        if done:
+            self._pending, self._keep = [], []
 
     def _sources(self, u, parent):
         if parent is not None:

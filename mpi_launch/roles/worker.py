@@ -1,4 +1,5 @@
-"""The input worker: reads its CS-2's micro-batches from the global stream and sends them ahead.
+"""The input worker: reads its CS-2's micro-batches from the global stream and sends them ahead
+(CS-2 c's round m is the step's micro-batch ``wse_core.tree.micro_batch_of(m, c, num_csx)``).
 
 It sends STEP["data"] (``mpi_launch.protocol``). Its messages carry no simulated time: input is
 prefetched and small beside the weights, so the model takes it as there when a step starts
@@ -46,10 +47,9 @@ class InputWorker(Role):
 
         try:
             for step in range(self.start_step, self.max_steps):
-                base = step * self.batch_size + csx * self.per_csx
                 reqs, keep = [], []
                 for m in range(j, self.n_micro, w):
-                    batch = stream.read(base + m * self.mbs, self.mbs)
+                    batch = stream.read(step * self.batch_size + self.round_start(m, csx), self.mbs)
                     parts = [batch] if isinstance(batch, np.ndarray) else list(batch)
                     keep.append(parts)
                     reqs += [self.comm.Issend(a, dest=dest, tag=self.link.tag(DATA, m, i)) for i, a in enumerate(parts)]

@@ -22,7 +22,15 @@ def _cmd_compile(args):
     for flag in ("batch", "prompt_tokens", "new_tokens"):
         if getattr(args, flag) is not None:
             raise ValueError(f"--{flag}: only with --inference")
-    d = describe(_load_params(args))
+    from pyapi import params
+
+    spec, report = params.check(params.read(args.params), str(args.params), overrides(args), compile_only=True)
+    d = describe(spec)
+    explore = report.micro_batch_mode == "explore"
+    if explore:
+        from mpi_launch.plan import micro_batch_table, plan_for
+
+        d["micro_batches"] = micro_batch_table(spec, plan_for(spec)[1])
     if args.json:
         print(json.dumps(d, indent=2))
         return 0
@@ -50,9 +58,19 @@ def _cmd_compile(args):
     print(f"  compute {sim['compute_s'] * 1e3:.3f} ms, waiting for weights {sim['exposed_stream_s'] * 1e3:.3f} ms "
           f"(their bytes alone, and the gradients', take {sim['stream_s'] * 1e3:.3f} ms of the CS-2's I/O), "
           f"reduce tail {sim['reduce_tail_s'] * 1e3:.3f} ms, MemoryX update {sim['optimizer_s'] * 1e3:.3f} ms")
-    print(f"  wafer memory per CS-2: activations {wafer['activations'] / 2**20:.1f} MiB, weights in flight "
-          f"{wafer['weights_in_flight'] / 2**20:.1f} MiB, of {wafer['capacity'] / 2**30:.1f} GiB of SRAM")
-    exact = "yes" if d["bit_identical_to_reference"] else "no (num_csx and swarmx_fanout must be powers of two)"
+    print(f"  wafer memory per CS-2, a micro-batch of {wafer['micro_batch_size']}: "
+          f"{(wafer['checkpoints'] + wafer['segment']) / 1e9:.2f} GB of activations (every {wafer['interval']}th "
+          f"unit's input kept, a segment recomputed), {(wafer['weights'] + wafer['gradients']) / 1e9:.2f} GB of "
+          f"weights and gradients in flight: {wafer['need'] / 1e9:.2f} of {wafer['capacity'] / 1e9:.1f} GB usable")
+    if explore:
+        print("  micro-batch sizes (micro_batch_size: explore):")
+        print(f"    {'size':>6} {'wafer GB':>9} {'samples/s':>10}")
+        for row in d["micro_batches"]:
+            speed = f"{row['samples_per_s']:10.1f}" if row["fits"] else f"{'does not fit':>10}"
+            print(f"    {row['micro_batch_size']:>6} {row['need_bytes'] / 1e9:9.2f} {speed}"
+                  + ("  <- chosen" if row["chosen"] else ""))
+    exact = "yes" if d["bit_identical_to_reference"] else (
+        "no (the micro-batches per CS-2 must be a power of two, and num_csx at most swarmx_fanout or both powers of two)")
     print(f"bit-identical to the single-process reference: {exact}")
     pl = d["pipeline"]
     print(f"pipelined on one CS-2: {pl['why']}")

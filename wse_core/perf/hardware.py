@@ -48,8 +48,9 @@ class Hardware:
     program_height: int = 994
     #: SRAM per PE, bytes. Source: seed 003 ("48 KB of SRAM" per core).
     pe_memory_bytes: int = 48 * 1024
-    #: Fraction of a PE's SRAM a pipelined layer's tensors may use; the rest holds its program,
-    #: fabric buffers and stack. **Assumption**: no public figure; 3/4.
+    #: Fraction of a PE's SRAM a program's tensors may use (a pipelined layer's, a streamed
+    #: micro-batch's activations and weights in flight); the rest holds its code, fabric buffers and
+    #: stack. **Assumption**: no public figure; 3/4.
     pe_memory_usable: float = 0.75
     #: Clock, Hz: the factor the Cerebras SDK uses to turn PE cycles into seconds (DESIGN.md
     #: section 8). Not a measured frequency of a running CS-2.
@@ -154,6 +155,12 @@ class Hardware:
     @property
     def io_bytes_per_s(self):
         return self.io_gbps * 1e9 / 8
+
+    @property
+    def usable_sram_bytes(self):
+        """SRAM a program may fill: its rectangle's PEs, each ``pe_memory_usable`` of its memory (what a
+        pipelined model and a streamed micro-batch are held against)."""
+        return self.program_width * self.program_height * int(self.pe_memory_bytes * self.pe_memory_usable)
 
     @property
     def peak_flops(self):

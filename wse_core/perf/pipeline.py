@@ -30,6 +30,7 @@ from dataclasses import asdict, dataclass, field, replace
 import numpy as np
 
 from wse_core.perf.hardware import Hardware
+from wse_core.perf.memory import unit_activation_floats
 from wse_core.perf.model import unit_seconds, unit_work
 
 #: Operations per parameter of an AdamW update (moments, bias corrections, square root, divide,
@@ -82,26 +83,6 @@ class Placement:
         return d
 
 
-def _unit_activation_floats(model, unit, samples, seq_len):
-    """Floats a unit keeps for its backward per ``samples`` (attention probabilities recomputed); a
-    unit that knows its own (a compiled PyTorch unit) says it."""
-    if hasattr(unit, "activation_floats"):
-        return unit.activation_floats(samples, seq_len)
-    from wse_core.nn.layers import Dense, Embedding, LMHead, TransformerBlock
-    from wse_core.nn.llama import LlamaBlock, RMSHead
-
-    if isinstance(unit, Dense):
-        return samples * (unit.in_features + unit.out_features)
-    t = samples * seq_len
-    if isinstance(unit, Embedding):
-        return t * unit.hidden
-    if isinstance(unit, (LMHead, RMSHead)):
-        return t * 2 * unit.hidden
-    if isinstance(unit, (TransformerBlock, LlamaBlock)):
-        return t * model._block_floats_per_token(unit.hidden, unit.filter)
-    raise TypeError(f"pipeline: no activation model for {type(unit).__name__}")
-
-
 def place(model, *, micro_batch_size, micro_batches, seq_len=None, n_states=2, hw=None):
     """The ``Placement`` of ``model`` for steps of ``micro_batches`` micro-batches of
     ``micro_batch_size`` samples (``seq_len`` tokens each), with ``n_states`` optimizer states
@@ -116,11 +97,11 @@ def place(model, *, micro_batch_size, micro_batches, seq_len=None, n_states=2, h
     params = [sum(int(np.prod(model.param_specs[n].shape)) for n in names) for names in model.unit_params]
     weight = [p * bpp for p in params]
     in_flight = [min(micro_batches, S - i) for i in range(S)]
-    act = [hw.bytes_per_value * in_flight[i] * _unit_activation_floats(model, u, micro_batch_size, seq_len)
+    act = [hw.bytes_per_value * in_flight[i] * unit_activation_floats(model, u, micro_batch_size, seq_len)
            for i, u in enumerate(units)]
     floor = [max(1, math.ceil((w + a) / per_pe)) for w, a in zip(weight, act)]
     full = [sum(unit_seconds(unit_work(u, micro_batch_size, seq_len), hw).values()) for u in units]
-    need, capacity = sum(weight) + sum(act), pes_total * per_pe
+    need, capacity = sum(weight) + sum(act), hw.usable_sram_bytes
     if sum(floor) > pes_total:
         regions = [Region(u.name, p, f, (0, 0), math.nan, w, a, f * per_pe)
                    for u, p, f, w, a in zip(units, params, floor, weight, act)]

@@ -7,15 +7,19 @@ It does not import it: ``wse_core`` sits below ``mpi_launch``, and the walk need
 rules, which it follows through ``perf.clock.Port.carry`` as the ranks do, not its tags or payloads.
 What the walk adds to the table:
 
+* A step is its micro-batches one after another, each through ``micro_batch_schedule``: forward,
+  then segment by segment a recompute and the backward (docs/design.md section 8, "Micro-batching").
 * Ports serialise what crosses them (each is busy until its last byte has left), in the order the
-  ranks' programs send: STEP["forward weights"] of every unit, then per unit backward
-  STEP["backward weights"] of the next unit before STEP["gradients"] of this one. The SwarmX root
+  ranks' programs send: the weights of each item of the schedule (STEP["forward weights"],
+  STEP["recompute weights"], STEP["backward weights"]), the next item's before the
+  STEP["gradients"] of a backward one. The SwarmX root
   keeps one port per MemoryX server, every lower link of the tree one (a node sends to all its
   children at once, one port per child, so one path stands for all), a CS-2 its I/O (one budget of
   ``Hardware.io_gbps`` for weights in and gradients out: the reading this model takes of the
-  published 1.2 Tb/s). The first unit's weights may cross a CS-2's port when the step starts.
-* A CS-2 computes each unit on its slice of the batch (``model.unit_seconds``), forward in unit
-  order, backward in reverse.
+  published 1.2 Tb/s). An item's weights may cross a CS-2's port from when the item before it
+  starts computing; the step's first from when it starts.
+* A CS-2 computes each item on one micro-batch (``model.unit_seconds``: a recompute costs the
+  unit's forward).
 * STEP["loss"] and STEP["norms"] reach the coordinator one hop after they leave; its
   STEP["control"] marks the step and reaches MemoryX one hop later, whose update
   (``memoryx_update_seconds`` of the bytes it owns) starts once every gradient is in; then the
@@ -28,6 +32,7 @@ from dataclasses import asdict, dataclass, field
 
 from wse_core.perf.clock import Port
 from wse_core.perf.hardware import Hardware
+from wse_core.perf.memory import checkpoint_interval
 from wse_core.perf.model import memoryx_update_seconds, unit_seconds, unit_work
 
 #: Values per message of a tensor through the tree: the ranks' chunk (mpi_launch.messaging.CHUNK_FLOATS
@@ -72,13 +77,43 @@ def balance(sizes, parts):
     return owner
 
 
+def stream_bytes(model, itemsize):
+    """Bytes streamed for each unit: every parameter it uses (a tied one with each unit that uses it)."""
+    return model.stream_bytes(itemsize)
+
+
+def micro_batch_schedule(n_units):
+    """What a CS-2 does with one micro-batch, in order, as (kind, unit) (docs/design.md section 8,
+    "Micro-batching"): "forward" every unit; then segment by segment from the last
+    (``perf.memory.checkpoint_interval`` units each), "recompute" the segment's forward from its
+    checkpoint (not the last segment's, whose activations are still on the wafer) and "backward" its
+    units in reverse. Every item streams its unit's weights in (STEP["forward weights"],
+    STEP["recompute weights"], STEP["backward weights"]); a backward item sends the unit's
+    gradients out (STEP["gradients"])."""
+    k = checkpoint_interval(n_units)
+    starts = list(range(0, n_units, k))
+    items = [("forward", u) for u in range(n_units)]
+    for lo in reversed(starts):
+        segment = range(lo, min(lo + k, n_units))
+        if lo != starts[-1]:
+            items += [("recompute", u) for u in segment]
+        items += [("backward", u) for u in reversed(segment)]
+    return items
+
+
+def step_bytes(model, itemsize):
+    """Bytes one micro-batch moves across a CS-2's I/O: every item's weights in, every unit's gradients out."""
+    nbytes = stream_bytes(model, itemsize)
+    return sum(nbytes[u] * (2 if kind == "backward" else 1) for kind, u in micro_batch_schedule(len(nbytes)))
+
+
 @dataclass
 class StepTime:
     """One step of the emulated cluster, seconds; ``parts`` says where the time went."""
     step_s: float
     samples_per_s: float
-    compute_s: float          # forward + backward on one CS-2
-    stream_s: float           # weights (twice) and gradients over one CS-2's I/O: the I/O-bound time
+    compute_s: float          # every micro-batch's forward, recompute and backward on one CS-2
+    stream_s: float           # every micro-batch's weights and gradients over one CS-2's I/O: the I/O-bound time
     exposed_stream_s: float   # time the CS-2 waited for weights (the stream not hidden by compute)
     reduce_tail_s: float      # from the CS-2's last gradient out to the last gradient at MemoryX
     optimizer_s: float        # MemoryX's update
@@ -90,11 +125,6 @@ class StepTime:
         return asdict(self)
 
 
-def stream_bytes(model, itemsize):
-    """Bytes streamed for each unit: every parameter it uses (a tied one with each unit that uses it)."""
-    return model.stream_bytes(itemsize)
-
-
 def update_seconds(model, owner, hw):
     """Seconds each MemoryX server's update takes: the bytes of the units it owns (``owner``: the
     server of each unit, as the plan gives them)."""
@@ -103,9 +133,9 @@ def update_seconds(model, owner, hw):
             for k in range(max(owner) + 1)]
 
 
-def io_seconds(model, hw):
-    """The weights twice and the gradients once over one CS-2's I/O: the I/O-bound time of a step."""
-    return 3 * sum(stream_bytes(model, hw.bytes_per_value)) / hw.io_bytes_per_s
+def io_seconds(model, hw, micro_batches=1):
+    """Every micro-batch's weights in and gradients out over one CS-2's I/O: the I/O-bound time of a step."""
+    return micro_batches * step_bytes(model, hw.bytes_per_value) / hw.io_bytes_per_s
 
 
 def walk_step(model, *, num_csx, samples_per_csx, micro_batch_size, seq_len=None, num_wgt_servers=1,
@@ -115,16 +145,20 @@ def walk_step(model, *, num_csx, samples_per_csx, micro_batch_size, seq_len=None
     period of the last of ``steps`` steps walked back to back (the first is a start-up). ``hw``:
     ``Hardware.for_model(model)`` when not given, as a run of the model is timed.
 
-    Each port serves what crosses it in the order its rank's program does (mpi_launch.roles):
-    the weights of every unit forward, then per unit backward the next unit's weights before this
-    unit's gradients; the ranks' clocks keep the same order, so they and the walk agree."""
+    Each micro-batch runs ``micro_batch_schedule`` to its end before the next begins. Each port
+    serves what crosses it in the order its rank's program does (mpi_launch.roles): the items'
+    weights in schedule order, each crossing a CS-2's port from when the item before it starts
+    computing (two units of weights on the wafer), and before the gradients of that item; the ranks'
+    clocks keep the same order, so they and the walk agree."""
     hw = hw or Hardware.for_model(model)
     fanout = swarmx_fanout or hw.swarmx_fanout
     depth = tree_depth(num_csx, fanout)
     n_micro = max(1, samples_per_csx // micro_batch_size)
     cost = [unit_seconds(unit_work(u, micro_batch_size, seq_len), hw) for u in model.units]
-    fwd = [n_micro * c["forward"] for c in cost]
-    bwd = [n_micro * c["backward"] for c in cost]
+    schedule = micro_batch_schedule(len(cost))
+    items = [(m, kind, u) for m in range(n_micro) for kind, u in schedule]
+    seconds = [cost[u]["backward" if kind == "backward" else "forward"] for _, kind, u in items]
+    last_forward = max(i for i, (m, kind, _) in enumerate(items) if m == n_micro - 1 and kind == "forward")
     nbytes = stream_bytes(model, hw.bytes_per_value)
     owner = balance(model.unit_bytes(), num_wgt_servers)
     update = update_seconds(model, owner, hw)
@@ -135,7 +169,7 @@ def walk_step(model, *, num_csx, samples_per_csx, micro_batch_size, seq_len=None
     tree = [Port(link, **port) for _ in range(depth - 1)]                  # kept by each lower node
     csx = Port(hw.io_gbps, **port)                                         # the CS-2's own I/O
 
-    def weights(u, ready, accept):  # STEP["forward weights"], STEP["backward weights"]
+    def weights(u, ready, accept):  # STEP["forward weights"], STEP["recompute weights"], STEP["backward weights"]
         header = (ready[owner[u]], None)
         for p in (mx[owner[u]], *tree):
             header, _ = p.carry(nbytes[u], header)
@@ -150,45 +184,42 @@ def walk_step(model, *, num_csx, samples_per_csx, micro_batch_size, seq_len=None
     t, control = 0.0, [0.0]              # the coordinator's first control message, at 0
     ready = [lat] * num_wgt_servers      # when each MemoryX starts streaming the step
     for _ in range(steps):
-        waited, arrive = 0.0, weights(0, ready, t)
-        for u in range(len(fwd)):
+        waited, at_memoryx, last_out = 0.0, [0.0] * num_wgt_servers, 0.0
+        arrive = weights(items[0][2], ready, t)
+        for i, (_, kind, u) in enumerate(items):
             begin = max(t, arrive)
             waited += begin - t
-            if u + 1 < len(fwd):
-                arrive = weights(u + 1, ready, begin)
-            t = begin + fwd[u]
-        loss_at = t
-        last = len(bwd) - 1
-        arrive, at_memoryx, last_out = weights(last, ready, t), [0.0] * num_wgt_servers, 0.0
-        for u in reversed(range(len(bwd))):
-            begin = max(t, arrive)
-            waited += begin - t
-            if u > 0:
-                arrive = weights(u - 1, ready, begin)
-            t = begin + bwd[u]
-            done = gradients(u, t)
-            last_out = max(last_out, csx.free)
-            at_memoryx[owner[u]] = max(at_memoryx[owner[u]], done)
+            if i + 1 < len(items):
+                arrive = weights(items[i + 1][2], ready, begin)
+            t = begin + seconds[i]
+            if i == last_forward:
+                loss_at = t  # STEP["loss"]: the losses of every micro-batch, after the last forward pass
+            if kind == "backward":
+                done = gradients(u, t)
+                last_out = max(last_out, csx.free)
+                at_memoryx[owner[u]] = max(at_memoryx[owner[u]], done)
         # STEP["norms"] to the coordinator, its STEP["control"] back; then each MemoryX updates.
         coordinator = max(loss_at, *at_memoryx) + lat
         control.append(coordinator)
         ready = [max(at_memoryx[k], coordinator + lat) + update[k] for k in range(num_wgt_servers)]
     step = control[-1] - control[-2]
-    total = sum(nbytes)
     return StepTime(
-        step_s=step, samples_per_s=num_csx * samples_per_csx / step, compute_s=sum(fwd) + sum(bwd),
-        stream_s=io_seconds(model, hw), exposed_stream_s=waited, reduce_tail_s=max(at_memoryx) - last_out,
+        step_s=step, samples_per_s=num_csx * samples_per_csx / step, compute_s=sum(seconds),
+        stream_s=io_seconds(model, hw, n_micro), exposed_stream_s=waited, reduce_tail_s=max(at_memoryx) - last_out,
         optimizer_s=max(update), tree_depth=depth, num_csx=num_csx,
-        detail={"weight_bytes": total, "units": len(nbytes), "micro_batches": n_micro,
+        detail={"weight_bytes": sum(nbytes), "units": len(nbytes), "micro_batches": n_micro,
+                "recomputed_units": sum(kind == "recompute" for kind, _ in schedule),
                 "io_gbps": hw.io_gbps, "precision": hw.precision, "system": hw.system})
 
 
-def lower_bounds(model, *, samples_per_csx, seq_len=None, hw=None):
-    """What no step can beat: its weights twice and its gradients over one CS-2's I/O, and its
-    multiply-adds at the wafer's peak."""
+def lower_bounds(model, *, samples_per_csx, micro_batch_size=None, seq_len=None, hw=None):
+    """What no step can beat: every micro-batch's weights and gradients over one CS-2's I/O, and its
+    multiply-adds (forward, recompute, backward) at the wafer's peak."""
     hw = hw or Hardware.for_model(model)
+    micro_batch_size = micro_batch_size or samples_per_csx
+    passes = {"forward": 1, "recompute": 1, "backward": 2}
     macs = 0
-    for u in model.units:
-        w = unit_work(u, samples_per_csx, seq_len)
-        macs += 3 * sum(M * K * N for M, K, N in w.gemms) + 3 * w.other_macs
-    return {"io_s": io_seconds(model, hw), "flops_s": 2 * macs / hw.peak_flops}
+    for kind, u in micro_batch_schedule(len(model.units)):
+        w = unit_work(model.units[u], samples_per_csx, seq_len)
+        macs += passes[kind] * (sum(M * K * N for M, K, N in w.gemms) + w.other_macs)
+    return {"io_s": io_seconds(model, hw, samples_per_csx // micro_batch_size), "flops_s": 2 * macs / hw.peak_flops}
