@@ -26,6 +26,8 @@ BENCHMARKS = {
                                "count what is named right."),
     "scaling": ("bench.scaling", "Scaling of the emulated cluster, from the simulated-time model: samples/s and "
                                  "speed-up for 1 to 192 CS-2s."),
+    "fidelity": ("bench.fidelity", "The simulated time held against real CS-2 and CS-3 training runs: published "
+                                   "samples/s next to the walk's."),
     "appliance": ("bench.appliance", "The appliance against `wse fit`: the same jobs queued on a CS-2 pool, and run "
                                      "one after another directly."),
     "cstorch": ("bench.cstorch", "A user's PyTorch model through the Cerebras-API front-end: step time on 1 CS-2 "

@@ -1,7 +1,7 @@
 """Scaling of the emulated cluster, from the simulated-time model: samples/s and speed-up for 1 to 192 CS-2s.
 
     wse bench scaling [--json PATH] [--plot PNG] [--batch_per_csx 64] [--global_batch 512]
-                      [--micro_batch 8] [--real 1,2,4] [--system cs2|cs3]
+                      [--micro_batch N] [--real 1,2,4] [--system cs2|cs3]
 
 For four GPT shapes at sequence 2048 (GPT-3 XL 1.3B, GPT-J 6B, GPT-3 13B and GPT-NeoX 20B: hidden
 size, layers, heads and vocabulary; this project's GPT-2 blocks stand in for their variants),
@@ -40,7 +40,8 @@ def add_arguments(parser):
     for flag in ("--global_batch", "--global-batch"):
         parser.add_argument(flag, dest="global_batch", type=int, default=512, help="(b) sequences per step, held fixed")
     for flag in ("--micro_batch", "--micro-batch"):
-        parser.add_argument(flag, dest="micro_batch", type=int, default=8, help="sequences per micro-batch")
+        parser.add_argument(flag, dest="micro_batch", type=int, default=None,
+                            help="sequences per micro-batch (default: as micro_batch_size: auto, the largest that fits)")
     parser.add_argument("--plot", metavar="PNG", help="also draw the speed-ups (needs matplotlib)")
     parser.add_argument("--real", default="1,2,4", help="CS-2 counts of the real wse fit runs ('' for none)")
     parser.add_argument("--system", default="cs2", choices=("cs2", "cs3"), help="the simulated system (default cs2)")
@@ -55,12 +56,18 @@ def model_of(shape):
 
 
 def _walk(model, n, per_csx, micro, seq, system="cs2"):
+    """The walk of ``per_csx`` samples on each of ``n`` systems in micro-batches of ``micro`` (None: as
+    ``micro_batch_size: auto`` takes them, the largest that fits the wafer)."""
+    from wse_core.nn import micro_batch_sizes
     from wse_core.perf import Hardware
+    from wse_core.perf.memory import largest_micro_batch
     from wse_core.perf.step import walk_step
 
-    s = walk_step(model, num_csx=n, samples_per_csx=per_csx, micro_batch_size=min(micro, per_csx), seq_len=seq,
-                  hw=Hardware.for_model(model, system))
-    return s.to_dict()
+    hw = Hardware.for_model(model, system)
+    if micro is None:
+        micro = largest_micro_batch(model, micro_batch_sizes(per_csx), seq, hw)
+    s = walk_step(model, num_csx=n, samples_per_csx=per_csx, micro_batch_size=min(micro, per_csx), seq_len=seq, hw=hw)
+    return dict(s.to_dict(), micro_batch_size=min(micro, per_csx))
 
 
 def _real_runs(counts, steps=8):
@@ -87,7 +94,7 @@ def _real_runs(counts, steps=8):
 
 
 def run(args):
-    if min(args.batch_per_csx, args.global_batch, args.micro_batch) < 1:
+    if min(args.batch_per_csx, args.global_batch, args.micro_batch or 1) < 1:
         raise ValueError("--batch_per_csx, --global_batch and --micro_batch must be >= 1")
     real = [int(x) for x in str(args.real).split(",") if x.strip()]
     result = {"benchmark": "scaling", "machine": machine(), "seq": SEQ, "counts": COUNTS,

@@ -170,20 +170,22 @@ def strategy(params, model):
     elif r.num_csx != 1:
         chosen, why = "weight_streaming", f"weight streaming: pipelined runs on one CS-2, this run has {r.num_csx}"
     if chosen == "weight_streaming":
-        check_wafer(model, t.batch_size // r.num_csx, t.micro_batch_size, seq, hw)
+        check_wafer(model, t.batch_size, r.num_csx, t.micro_batch_size, seq, hw)
     return chosen, why, placement
 
 
-def check_wafer(model, per_csx, micro_batch_size, seq_len, hw):
+def check_wafer(model, batch_size, num_csx, micro_batch_size, seq_len, hw):
     """Refuse, in one line saying what would fit, a micro-batch whose weight streaming does not fit a
     CS-2's wafer (docs/design.md section 8, "Wafer memory")."""
+    from wse_core.nn import micro_batch_sizes
     from wse_core.perf.memory import largest_micro_batch, streaming_wafer
 
     w = streaming_wafer(model, micro_batch_size, seq_len, hw)
     if w.fits:
         return w
-    best = largest_micro_batch(model, [b for b in range(1, per_csx + 1) if per_csx % b == 0], seq_len, hw)
-    fix = (f"the largest that fits and divides the {per_csx} samples each CS-2 gets is {best} "
+    best = largest_micro_batch(model, micro_batch_sizes(batch_size, num_csx), seq_len, hw)
+    per_csx = -(-batch_size // num_csx)
+    fix = (f"the largest that fits and deals the {per_csx} samples each CS-2 gets evenly is {best} "
            f"(or micro_batch_size: auto)" if best else "not even one sample fits: use more CS-2s or a smaller model")
     raise PlanError(f"train_input.micro_batch_size: {micro_batch_size} samples do not fit a CS-2's wafer in weight "
                     f"streaming: {w.need / 1e9:.1f} GB ({(w.checkpoints + w.segment) / 1e9:.1f} GB of activations, "
@@ -192,8 +194,9 @@ def check_wafer(model, per_csx, micro_batch_size, seq_len, hw):
 
 
 def micro_batch_table(params, model):
-    """Every micro-batch size a CS-2's share divides into, with its wafer need and simulated samples/s
+    """Every micro-batch size that deals the batch evenly, with its wafer need and simulated samples/s
     (``micro_batch_size: explore``)."""
+    from wse_core.nn import micro_batch_sizes
     from wse_core.perf import Hardware
     from wse_core.perf.memory import streaming_wafer
     from wse_core.perf.step import walk_step
@@ -201,12 +204,13 @@ def micro_batch_table(params, model):
     r, t = params.runconfig, params.train_input
     hw = Hardware.for_model(model, r.hardware)
     seq = params.model.get("max_position_embeddings")
-    per_csx = t.batch_size // r.num_csx
+    per_csx = -(-t.batch_size // r.num_csx)
     rows = []
-    for b in (b for b in range(1, per_csx + 1) if per_csx % b == 0):
+    for b in micro_batch_sizes(t.batch_size, r.num_csx):
         w = streaming_wafer(model, b, seq, hw)
         sim = walk_step(model, num_csx=r.num_csx, samples_per_csx=per_csx, micro_batch_size=b, seq_len=seq,
-                        num_wgt_servers=r.num_wgt_servers, swarmx_fanout=r.swarmx_fanout, hw=hw) if w.fits else None
+                        num_wgt_servers=r.num_wgt_servers, swarmx_fanout=r.swarmx_fanout, hw=hw,
+                        batch_size=t.batch_size) if w.fits else None
         rows.append({"micro_batch_size": b, "need_bytes": w.need, "fits": w.fits,
                      "samples_per_s": sim.samples_per_s if sim else None, "chosen": b == t.micro_batch_size})
     return rows
@@ -224,18 +228,19 @@ def describe(params):
     plan, model = plan_for(params)
     unit_bytes = plan.unit_bytes
     n_states = optimizer_states(opt_cfg)
-    per_csx = train.batch_size // run.num_csx
+    per_csx = -(-train.batch_size // run.num_csx)
+    rounds = -(-per_csx // train.micro_batch_size)
     seq = params.model.get("max_position_embeddings")
     example = sum(int(np.prod(shape)) * np.dtype(dtype).itemsize for shape, dtype in model.example_layout(1, seq))
-    memory = rank_memory_bytes(plan, model, n_states=n_states, per_csx=per_csx, seq_len=seq,
+    memory = rank_memory_bytes(plan, model, n_states=n_states, seq_len=seq,
                                micro_batch_size=train.micro_batch_size, example_bytes=example)
     hw = Hardware.for_model(model, run.hardware)
+
     def pow2(n):
         return n & (n - 1) == 0
 
     # The rounds' sums are subtrees of the reference's tree (wse_core.tree), and SwarmX's its own.
-    exact = pow2(per_csx // train.micro_batch_size) and (
-        run.num_csx <= run.swarmx_fanout or pow2(run.num_csx) and pow2(run.swarmx_fanout))
+    exact = pow2(rounds) and (run.num_csx <= run.swarmx_fanout or pow2(run.num_csx) and pow2(run.swarmx_fanout))
     mode, why, placement = strategy(params, model)
     return {
         "plan": plan.to_json(),
@@ -243,12 +248,12 @@ def describe(params):
                   "units": [u.name for u in model.units],
                   "unit_bytes": unit_bytes},
         "memory_bytes": {str(r): int(memory[r]) for r in range(plan.world_size)},
-        "micro_batches_per_csx": per_csx // train.micro_batch_size,
+        "micro_batches_per_csx": rounds,
         "wafer_bytes": streaming_wafer(model, train.micro_batch_size, seq, hw).to_dict(),
         "simulated": walk_step(model, num_csx=run.num_csx, samples_per_csx=per_csx,
                                micro_batch_size=train.micro_batch_size, seq_len=seq,
                                num_wgt_servers=run.num_wgt_servers, swarmx_fanout=run.swarmx_fanout,
-                               hw=hw).to_dict(),
+                               hw=hw, batch_size=train.batch_size).to_dict(),
         "bit_identical_to_reference": exact,
         "execution_strategy": mode, "why": why, "pipeline": placement.to_dict(),
     }

@@ -19,7 +19,7 @@ DEMO_DIR = Path("wse_demo")
 #: would take minutes to evaluate.
 HOLD_OUT_EVERY = 50
 PARAMS = {
-    "train_input": {"data_dir": str(DEMO_DIR / "data"), "batch_size": 16, "micro_batch_size": 4,
+    "train_input": {"data_dir": str(DEMO_DIR / "data"), "batch_size": 16, "micro_batch_size": "auto",
                     "shuffle": True, "shuffle_seed": 1},
     "eval_input": {"data_dir": str(DEMO_DIR / "eval_data"), "batch_size": 16},
     "model": {"name": "gpt2", "vocab_size": 257, "hidden_size": 64, "num_hidden_layers": 2, "num_heads": 4,

@@ -151,9 +151,9 @@ def _check_consistency(p, report):
     if (t["data_dir"] is None) == (t["mixture"] is None):
         raise ParamsError("train_input: give one of data_dir or mixture" + (
             " (not both)" if t["data_dir"] is not None else " (the data to read)"))
-    if t["batch_size"] % r["num_csx"]:
-        raise ParamsError(f"train_input.batch_size: {t['batch_size']} does not split evenly across "
-                          f"runconfig.num_csx {r['num_csx']}")
+    if t["batch_size"] < r["num_csx"]:
+        raise ParamsError(f"train_input.batch_size: {t['batch_size']} samples cannot feed runconfig.num_csx "
+                          f"{r['num_csx']} CS-2s")
     _resolve_micro_batch(p, report)
     if p["model"].get("fp16_type") == "cbfloat16" and p["model"].get("mixed_precision") \
             and p["optimizer"]["loss_scaling_factor"] != "dynamic":
@@ -173,25 +173,33 @@ def _check_consistency(p, report):
 
 def _resolve_micro_batch(p, report):
     """Turn ``train_input.micro_batch_size`` into a number of samples (docs/design.md section 8,
-    "Wafer memory"): a number as given (it must divide each CS-2's share); ``none`` that share;
-    ``auto`` (or no key) the largest divisor of the share whose micro-batch fits a wafer in weight
-    streaming, the share itself whenever it fits (a pipelined run keeps the share); ``explore`` as
-    ``auto``, for ``wse compile`` only, which then prints every candidate."""
-    from wse_core.nn import build_model
+    "Micro-batching" and "Wafer memory"), one of the sizes that deal the batch evenly
+    (``wse_core.nn.micro_batch_sizes``): a number as given, or the next of those sizes up (said);
+    ``none`` each CS-2's share; ``auto`` (or no key) the largest size whose micro-batch fits a wafer
+    in weight streaming, the share itself whenever it fits (a pipelined run keeps the share);
+    ``explore`` as ``auto``, for ``wse compile`` only, which then prints every candidate."""
+    from wse_core.nn import build_model, micro_batch_sizes
     from wse_core.perf import Hardware
     from wse_core.perf.memory import largest_micro_batch, streaming_wafer
 
     t, r = p["train_input"], p["runconfig"]
-    per_csx = t["batch_size"] // r["num_csx"]
+    per_csx = -(-t["batch_size"] // r["num_csx"])
+    sizes = micro_batch_sizes(t["batch_size"], r["num_csx"])
     given = t["micro_batch_size"]
     report.micro_batch_mode = given if isinstance(given, str) else ("auto" if given is None else "number")
     if given == "explore" and not report.compile_only:
         raise ParamsError("train_input.micro_batch_size: explore searches the sizes when the params are compiled "
                           "(wse compile); give a number, or auto")
     if isinstance(given, int):
-        if per_csx % given:
-            raise ParamsError(f"train_input.micro_batch_size: {given} does not divide the {per_csx} samples each "
-                              f"CS-2 gets (batch_size / num_csx)")
+        if given > per_csx:
+            raise ParamsError(f"train_input.micro_batch_size: {given} is more than the {per_csx} samples each CS-2 "
+                              f"gets (batch_size / num_csx, rounded up)")
+        size = min(b for b in sizes if b >= given)
+        if size != given:
+            t["micro_batch_size"] = size
+            report.notes.append(f"train_input.micro_batch_size: {given} is taken as {size}, which deals the "
+                                f"batch of {t['batch_size']} evenly across {r['num_csx']} CS-2s and their "
+                                f"micro-batches (as many rounds)")
         return
     if given == "none" or r["execution_strategy"] == "pipeline":
         t["micro_batch_size"] = per_csx
@@ -202,7 +210,6 @@ def _resolve_micro_batch(p, report):
         hw = Hardware.for_model(model, r["hardware"])
     except ValueError as exc:
         raise ParamsError(str(exc)) from None
-    sizes = [b for b in range(1, per_csx + 1) if per_csx % b == 0]
     best = largest_micro_batch(model, sizes, seq, hw)
     if best is None:
         w = streaming_wafer(model, 1, seq, hw)
@@ -210,8 +217,8 @@ def _resolve_micro_batch(p, report):
                           f"in weight streaming ({w.need / 1e9:.1f} GB of its {w.capacity / 1e9:.1f} GB usable SRAM)")
     t["micro_batch_size"] = best
     if best != per_csx:
-        report.notes.append(f"train_input.micro_batch_size: {given or 'auto'} chose {best}: the largest that divides "
-                            f"the {per_csx} samples each CS-2 gets and fits its wafer (docs/design.md section 8)")
+        report.notes.append(f"train_input.micro_batch_size: {given or 'auto'} chose {best}: the largest that fits a "
+                            f"CS-2's wafer and deals its {per_csx} samples evenly (docs/design.md section 8)")
 
 
 def apply_overrides(raw, overrides):

@@ -50,16 +50,16 @@ class Noting(InputWorker):
 def take(comm, plan, params, run):
     me = Role(comm, plan, params, run, 0)  # the tag layout and batch geometry of the real CS-2
     (worker,) = plan.workers[0]
-    layout = me.model.example_layout(me.mbs, me.seq_len())
     stream = GlobalStream(params.train_input.data_dir, shuffle=params.train_input.shuffle,
                           seed=params.train_input.shuffle_seed)
 
     def receive_step(step):
         for m in range(me.n_micro):
-            got = [np.empty(shape, dtype) for shape, dtype in layout]
+            got = [np.empty(shape, dtype) for shape, dtype in me.model.example_layout(me.round_size(m), me.seq_len())]
             for i, a in enumerate(got):
                 comm.Recv(a, source=worker, tag=me.link.tag(DATA, m, i))
-            assert np.array_equal(got[0], stream.read(step * me.batch_size + me.round_start(m), me.mbs)), (step, m)
+            lo, hi = me.round_range(m)
+            assert np.array_equal(got[0], stream.read(step * me.batch_size + lo, hi - lo)), (step, m)
 
     receive_step(0)
     noted, deadline = me.model_dir / "worker_step", time.monotonic() + 60

@@ -35,7 +35,7 @@ def data(tmp_path_factory):
 
 
 def params_file(path, data, model_dir, **runconfig):
-    p = {"train_input": {"data_dir": str(data), "batch_size": 8, "micro_batch_size": 2, "shuffle": True,
+    p = {"train_input": {"data_dir": str(data), "batch_size": 8, "micro_batch_size": 4, "shuffle": True,
                          "shuffle_seed": 4},
          "model": {"name": "gpt2", "vocab_size": 257, "hidden_size": 32, "num_hidden_layers": 2, "num_heads": 2,
                    "max_position_embeddings": 32},

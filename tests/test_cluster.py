@@ -22,6 +22,7 @@ from conftest import read_events
 from data_tools.checkpoint import Checkpoint
 from data_tools.dataset import GlobalStream
 from data_tools.preprocess import preprocess_text
+from mpi_launch.plan import PlanError, describe
 from mpi_launch.rundir import RunDir
 from wse_core.nn import build_model, numpy_ops, reference_step
 from wse_core.numerics import differences, environment
@@ -39,9 +40,11 @@ def data(tmp_path_factory):
     return d / "lm"
 
 
-def params_file(tmp_path, data, **runconfig):
+def params_file(tmp_path, data, micro_batch_size=2, **runconfig):
+    """A small GPT-2's params (a test of faults, not of micro-batching, takes micro-batches of 4: as
+    many rounds of weights and gradients as it needs, and no more)."""
     p = {
-        "train_input": {"data_dir": str(data), "batch_size": 8, "micro_batch_size": 2, "shuffle": True,
+        "train_input": {"data_dir": str(data), "batch_size": 8, "micro_batch_size": micro_batch_size, "shuffle": True,
                         "shuffle_seed": 4},
         "model": {"name": "gpt2", "vocab_size": 257, "hidden_size": 32, "num_hidden_layers": 2, "num_heads": 2,
                   "max_position_embeddings": 32},
@@ -60,9 +63,10 @@ def one_line(proc):
     return proc.stderr.strip().splitlines()[-1]
 
 
-def reference(p, steps, results=None):
+def reference(p, steps, results=None, num_csx=1):
     """Weights and optimizer state after `steps` single-process reference steps on the same data
-    (each step's StepResult appended to ``results``)."""
+    (each step's StepResult appended to ``results``), the batch laid out for ``num_csx`` CS-2s (which
+    changes nothing when it divides evenly)."""
     model = build_model(p["model"])
     seed = p["runconfig"].get("seed", 0)
     params = model.init_params(seed)
@@ -80,7 +84,8 @@ def reference(p, steps, results=None):
         batch = model.batch_of(ex)
         r = reference_step(model, params, state, opt, batch, micro_batch_size=t_in["micro_batch_size"],
                            step=t + 1, lr=schedule(t), max_gradient_norm=o["max_gradient_norm"], seed=seed,
-                           scaler=scaler, lr_factors=model.lr_factors(o.get("adjust_learning_rate")))
+                           scaler=scaler, lr_factors=model.lr_factors(o.get("adjust_learning_rate")),
+                           num_csx=num_csx)
         losses.append(r.loss)
         if results is not None:
             results.append(r)
@@ -93,7 +98,7 @@ def fit_matches_reference(jobs, tmp_path, path, p, num_csx, steps=STEPS, results
     losses (``p``: the flat params the file holds); returns the finished process and the metrics."""
     proc = jobs.run("fit", path, "--num_csx", num_csx)
     assert proc.returncode == 0, proc.stderr
-    params, state, losses = reference(p, steps, results)
+    params, state, losses = reference(p, steps, results, num_csx)
     assert_bits(tmp_path / "model", params, state)
     metrics = RunDir(tmp_path / "model").read_metrics()
     assert [m["loss"] for m in metrics] == losses
@@ -106,6 +111,36 @@ def assert_bits(ckpt_dir, params, state):
         assert got[k].tobytes() == params[k].tobytes(), k
         for s in state[k]:
             assert got_state[k][s].tobytes() == state[k][s].tobytes(), (k, s)
+
+
+def test_auto_takes_the_micro_batch_that_fits_the_wafer_and_trains_with_the_references_bits(tmp_path, data, jobs):
+    """micro_batch_size: auto, on a wafer too small for a CS-2's whole share (4 samples: 202 KB of the
+    188 KB this wafer of 8 x 8 PEs holds), takes 2, and the run has the reference's bits at 2; the
+    ranks' clocks are the walk's."""
+    small = {"program_width": 8, "program_height": 8, "pe_memory_bytes": 3916}
+    path, p = params_file(tmp_path, data, hardware=small)
+    p["train_input"]["micro_batch_size"] = "auto"
+    path.write_text(yaml.safe_dump(p))
+    assert validate(p).train_input.micro_batch_size == 2
+    with pytest.raises(PlanError, match="the largest that fits and deals the 4 samples each CS-2 gets evenly is 2"):
+        describe(validate(dict(p, train_input=dict(p["train_input"], micro_batch_size=4),
+                               runconfig=dict(p["runconfig"], num_csx=2))))
+    resolved = dict(p, train_input=dict(p["train_input"], micro_batch_size=2))
+    _, metrics = fit_matches_reference(jobs, tmp_path, path, resolved, 2)
+    assert_clock_agrees_with_the_walk(metrics, p, 2)
+
+
+@pytest.mark.parametrize("batch_size", [10, 9])
+def test_a_batch_that_does_not_divide_is_dealt_evenly_with_the_references_bits(tmp_path, data, jobs, batch_size):
+    """Any batch runs, as on Cerebras' clusters from release 2.3: each of 2 CS-2s computes
+    ceil(ceil(B / 2) / 3) = 2 micro-batches, the samples dealt to the four as evenly as they go (10 as
+    3, 3, 2, 2; 9 as 3, 2, 2, 2: one CS-2 gets 5 samples, the other 4); the bits are the reference
+    step's on that layout."""
+    path, p = params_file(tmp_path, data)
+    p["train_input"].update(batch_size=batch_size, micro_batch_size=3)
+    path.write_text(yaml.safe_dump(p))
+    _, metrics = fit_matches_reference(jobs, tmp_path, path, p, 2)
+    assert [m["tokens"] for m in metrics] == [batch_size * 32] * STEPS
 
 
 @pytest.mark.parametrize("num_csx,workers", [(1, 1), (2, 2), (4, 1)])
@@ -153,9 +188,6 @@ def test_steps_longer_than_the_peer_timeout_train(tmp_path, jobs):
 def assert_clock_agrees_with_the_walk(metrics, p, num_csx):
     """The ranks' simulated clocks give the step the analytical walk gives (what `wse compile`
     prints), within 5%; the parts that do not depend on the run are the walk's."""
-    from mpi_launch.plan import describe
-    from pyapi.params import validate
-
     walk = describe(validate(dict(p, runconfig=dict(p["runconfig"], num_csx=num_csx))))["simulated"]
     sim = metrics[-1]
     assert abs(sim["sim_step_s"] - walk["step_s"]) <= 0.05 * walk["step_s"], (sim, walk)
@@ -444,7 +476,7 @@ def test_a_full_disk_names_rank_and_file_keeps_the_last_checkpoint_and_the_run_r
     naming the rank and the file it could not write; the last checkpoint verifies; with room made,
     the run resumes from it and ends with the reference's bits, nothing of the failed save left."""
     steps = 8
-    path, p = params_file(tmp_path, data, max_steps=steps, checkpoint_steps=1)
+    path, p = params_file(tmp_path, data, 4, max_steps=steps, checkpoint_steps=1)
     one = 3 * 4 * build_model(p["model"]).num_params()  # weights and two AdamW states, float32
     model_dir = small_disk(int(3.5 * one)) / "model"
     proc = jobs.run("fit", path, "--num_csx", 2, "--model_dir", model_dir)
@@ -497,7 +529,7 @@ def test_an_exception_in_a_role_ends_the_job_with_one_line(tmp_path, data, jobs)
     raw = bytearray(target.read_bytes())
     raw[offset + 3] ^= 0xFF  # the chunk holding example 5 of the third file now fails its checksum
     target.write_bytes(bytes(raw))
-    path, _ = params_file(tmp_path, bad, max_steps=4000)
+    path, _ = params_file(tmp_path, bad, 4, max_steps=4000)
     proc = jobs.run("fit", path, "--num_csx", 2, "--set", "train_input.shuffle=false")
     assert proc.returncode == 1
     line = one_line(proc)
@@ -515,7 +547,7 @@ def shared_memory_of(run_dir):
 def start_long_job(jobs, tmp_path, data, *extra, steps=100000):
     """A `wse fit` of 2 CS-2s that runs until stopped; returns (process, plan, run dir) once every
     rank is ready and step 1 is done."""
-    path, _ = params_file(tmp_path, data, max_steps=steps, log_steps=100000, peer_timeout=5)
+    path, _ = params_file(tmp_path, data, 4, max_steps=steps, log_steps=100000, peer_timeout=5)
     job = jobs.start("fit", path, "--num_csx", 2, *extra)
     run_dir = RunDir(tmp_path / "model")
     deadline = time.monotonic() + 120
@@ -572,7 +604,7 @@ def test_an_input_worker_runs_a_bounded_number_of_steps_ahead_of_its_cs2(tmp_pat
     from mpi_launch.mpiexec import run_mpi
     from mpi_launch.plan import plan_for
 
-    _, p = params_file(tmp_path, data, max_steps=40, num_csx=1, num_workers_per_csx=1)
+    _, p = params_file(tmp_path, data, 8, max_steps=40, num_csx=1, num_workers_per_csx=1)
     params = validate(p)
     RunDir(tmp_path / "model").prepare(params)
     program = Path(__file__).with_name("_worker_ahead.py")

@@ -342,7 +342,7 @@ def gpt2_program(tmp_path_factory):
 
 @pytest.mark.parametrize("fp16_type", ["float16", "bfloat16", "cbfloat16"])
 def test_a_compiled_model_in_mixed_precision_streams_and_hands_on_16_bit_values(gpt2_program, fp16_type):
-    """model.mixed_precision (the family torch, as the CS-2s run it: micro-batches side by side): every
+    """model.mixed_precision (the family torch, as a CS-2 runs it: unit by unit): every
     weight a unit reads, every value it hands on or gets back as a gradient, every weight gradient is a
     number of the format; the loss is not rounded; the bits are those of the micro-batches one after the
     other (Model.forward_backward, the reference's); the loss is near float32's, not equal to it."""
@@ -363,8 +363,8 @@ def test_a_compiled_model_in_mixed_precision_streams_and_hands_on_16_bit_values(
     m, weights = built(mixed_precision=True, fp16_type=fp16_type)
     xs, saved, seen = [m.first_input(b, np.float32) for b in batches], [], list(weights.values())
     tail = m.torch_units[-1].outputs[0]
-    for u in range(len(m.units)):  # a CS-2's passes: each unit on every micro-batch, side by side
-        xs, kept = zip(*m.units_forward(u, xs, {p: weights[p] for p in m.unit_params[u]}, drops))
+    for u in range(len(m.units)):  # each unit on every micro-batch
+        xs, kept = zip(*[m.unit_forward(u, x, {p: weights[p] for p in m.unit_params[u]}, d) for x, d in zip(xs, drops)])
         saved.append(kept)
         seen += [v.detach().numpy() for x in xs for k, v in x.items()
                  if k not in ("input", tail) and isinstance(v, torch.Tensor) and v.is_floating_point()]
@@ -372,11 +372,12 @@ def test_a_compiled_model_in_mixed_precision_streams_and_hands_on_16_bit_values(
     losses = [m.loss(x, b, 1024.0) for x, b in zip(xs, batches)]
     dys, grads = [dy for _, _, dy in losses], []
     for u in reversed(range(len(m.units))):
-        dys, g = zip(*m.units_backward(u, dys, saved[u], {p: weights[p] for p in m.unit_params[u]}))
+        dys, g = zip(*[m.unit_backward(u, dy, k, {p: weights[p] for p in m.unit_params[u]})
+                       for dy, k in zip(dys, saved[u])])
         grads.append(g)
         seen += [v.numpy() for dy in dys for v in dy.values()] + [a for gs in g for a in gs.values()]
     assert len(seen) > 100 and all(np.array_equal(fmt.round(a), a) for a in seen)
-    for j, (b, d) in enumerate(zip(batches, drops)):  # one micro-batch after the other: the same bits
+    for j, (b, d) in enumerate(zip(batches, drops)):  # a micro-batch's forward and backward in turn: the same bits
         loss_sum, n, unit_grads = m.forward_backward(weights, b, d, 1024.0)
         assert (loss_sum, n) == losses[j][:2]
         assert all(np.array_equal(unit_grads[u][p], grads[-1 - u][j][p]) for u in range(len(m.units))

@@ -72,7 +72,7 @@ def rx_bytes(ns, dev):
 def start_fit(hosts, tmp_path, data, max_steps):
     # peer_timeout at its default: a killed rank is named by the watchdog, not by a timeout. (Step 0
     # here once took 36 s, the input workers' run-ahead over TCP: test_cluster's steps-ahead test.)
-    path, p = params_file(tmp_path, data, max_steps=max_steps, num_csx=2, log_steps=100000)
+    path, p = params_file(tmp_path, data, 4, max_steps=max_steps, num_csx=2, log_steps=100000)
     # The namespaces share this machine's memory, so force UCX onto TCP as separate machines would be.
     env = dict(os.environ, HYDRA_LAUNCHER="ssh", HYDRA_LAUNCHER_EXEC=str(hosts["ssh"]), UCX_TLS="tcp,self")
     cmd = f"hostname host-a; exec {sys.executable} -m pyapi.cli fit {path} --hostfile {hosts['hostfile']}"

@@ -1,5 +1,6 @@
 """The params schema: defaults, overrides, and errors that name the key path."""
 import re
+import warnings
 
 import pytest
 import yaml
@@ -13,6 +14,19 @@ BASE = {
     "optimizer": {"learning_rate": 1e-3},
     "runconfig": {"max_steps": 5, "num_csx": 2},
 }
+
+
+@pytest.mark.parametrize("batch,num_csx,given,taken", [(673, 2, 168, 169), (8, 3, 2, 2), (10, 2, 4, 5), (8, 2, 3, 4)])
+def test_a_micro_batch_size_is_taken_as_one_that_deals_the_batch_evenly(batch, num_csx, given, taken):
+    """As Cerebras' compiler does (its example: 673 samples on 2 systems, 168 is taken as 169), and
+    said when it changes."""
+    raw = apply_overrides(BASE, [f"train_input.batch_size={batch}", f"runconfig.num_csx={num_csx}",
+                                 f"train_input.micro_batch_size={given}"])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert validate(raw).train_input.micro_batch_size == taken
+    said = [str(w.message) for w in caught if f"micro_batch_size: {given} is taken as" in str(w.message)]
+    assert len(said) == (given != taken)
 
 
 def test_defaults_are_filled_in():
@@ -30,8 +44,8 @@ def test_defaults_are_filled_in():
 @pytest.mark.parametrize("override,match", [
     ("optimizer.learning_rate='fast'", "optimizer.learning_rate: expected a number or a list of schedulers, got 'fast'"),
     ("runconfig.num_csx=0", "runconfig.num_csx: expected an integer >= 1, got 0"),
-    ("runconfig.num_csx=3", "train_input.batch_size: 8 does not split evenly across runconfig.num_csx 3"),
-    ("train_input.micro_batch_size=3", "train_input.micro_batch_size: 3 does not divide the 4 samples"),
+    ("runconfig.num_csx=9", "train_input.batch_size: 8 samples cannot feed runconfig.num_csx 9 CS-2s"),
+    ("train_input.micro_batch_size=5", "train_input.micro_batch_size: 5 is more than the 4 samples each CS-2 gets"),
     ("runconfig.frobnicate=1", "runconfig.frobnicate: unknown key"),
     ("extras.x=1", "extras: unknown section"),
     ("model.num_heads=3", "model.num_heads: 3 does not divide model.hidden_size 32"),

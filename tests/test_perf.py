@@ -175,3 +175,18 @@ def test_the_tree_depth_is_the_plans():
             while plan.parent.get(rank) is not None:
                 rank, depth = plan.parent[rank], depth + 1
             assert tree_depth(n, f) == depth, (n, f)   # SwarmX nodes between a CS-2 and MemoryX
+
+
+def test_the_model_holds_against_published_cs2_and_cs3_runs():
+    """`wse bench fidelity`: the walk against logged runs of real CS-2s and CS-3s (bench/fidelity.py
+    cites each), nothing fitted on them. The current-release runs of GPT-2, LLaMA and Llama-2 on
+    CS-2s and of GPT-J and Llama-2 on a CS-3 are within 25%; GPT-J on CS-2s is the model's known
+    gap (docs/benchmarks.md, "Held against the machine")."""
+    from bench.fidelity import run
+
+    result = run(None)
+    ratios = {r["id"]: r["ratio"] for r in result["runs"]}
+    assert result["within_25pct"] == ["A5", "A6", "A7", "A8", "E1"]
+    assert all(0.75 <= ratios[i] <= 1.25 for i in result["within_25pct"])
+    assert 1.25 < ratios["A3"] < ratios["A4"] < 1.4            # GPT-J on CS-2s: optimistic
+    assert ratios["A1"] > ratios["A2"] > ratios["A4"]          # the same run, later releases faster

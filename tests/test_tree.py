@@ -1,7 +1,7 @@
 """The balanced pairwise tree: its shape, and that aligned groups are its subtrees."""
 import pytest
 
-from wse_core.tree import tree_reduce, tree_sum
+from wse_core.tree import TreeAccumulator, micro_batch_of, tree_reduce, tree_sum
 
 SHOW = lambda a, b: f"({a}{b})"  # noqa: E731
 
@@ -27,3 +27,25 @@ def test_leaves_are_computed_in_order_and_empty_is_an_error():
     assert seen == [0, 1, 2, 3, 4]
     with pytest.raises(ValueError, match="empty range"):
         tree_sum([])
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 5, 8, 13, 64])
+def test_an_accumulator_adds_items_given_one_at_a_time_as_the_tree_does(n):
+    items = [f"x{i}" for i in range(n)]
+    acc = TreeAccumulator(n, SHOW)
+    for x in items:
+        acc.push(x)
+    assert acc.total() == tree_sum(items, SHOW)
+    with pytest.raises(ValueError, match=f"more than {n} items"):
+        acc.push("one more")
+
+
+@pytest.mark.parametrize("rounds,num_csx", [(4, 2), (2, 4), (8, 3), (1, 5)])
+def test_rounds_of_csx_sums_are_the_whole_tree_when_the_rounds_are_a_power_of_two(rounds, num_csx):
+    """The cluster's order (wse_core.tree's docstring): SwarmX sums round r's micro-batches
+    r * num_csx + c over the CS-2s, MemoryX adds the rounds; num_csx up to SwarmX's fan-out."""
+    items = [f"m{micro_batch_of(r, c, num_csx)}" for r in range(rounds) for c in range(num_csx)]
+    acc = TreeAccumulator(rounds, SHOW)
+    for r in range(rounds):
+        acc.push(tree_sum([f"m{micro_batch_of(r, c, num_csx)}" for c in range(num_csx)], SHOW))
+    assert acc.total() == tree_sum(items, SHOW)

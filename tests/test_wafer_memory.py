@@ -65,7 +65,7 @@ def test_a_13b_batch_on_one_wafer_is_refused_with_the_micro_batch_that_fits():
         compiled(model, 720, "none")
     line = str(e.value)
     assert "\n" not in line and line.startswith("train_input.micro_batch_size: 720 samples do not fit a CS-2's wafer")
-    assert "of its 27.5 GB usable SRAM; the largest that fits and divides the 720 samples each CS-2 gets is 90" in line
+    assert "of its 27.5 GB usable SRAM; the largest that fits and deals the 720 samples each CS-2 gets evenly is 90" in line
     # auto takes that size (Model Zoo's own for GPT-3 13B), on one CS-2 and split over four.
     assert compiled(model, 720)["wafer_bytes"]["micro_batch_size"] == 90
     assert compiled(model, 720, "auto", num_csx=4)["wafer_bytes"]["micro_batch_size"] == 90
@@ -83,7 +83,7 @@ def test_the_share_is_kept_when_it_fits_and_explore_is_compile_only(tmp_path):
     tiny = {"program_width": 8, "program_height": 8, "pe_memory_bytes": 3542}     # 170 KB usable
     d = compiled(small, 8, "auto", num_csx=2, hardware=tiny)
     assert d["wafer_bytes"]["micro_batch_size"] == 2 and d["wafer_bytes"]["fits"]
-    with pytest.raises(PlanError, match="the largest that fits and divides the 4 samples each CS-2 gets is 2"):
+    with pytest.raises(PlanError, match="the largest that fits and deals the 4 samples each CS-2 gets evenly is 2"):
         compiled(small, 8, 4, num_csx=2, hardware=tiny)
     with pytest.raises(ParamsError, match="train_input.micro_batch_size: explore searches the sizes when the params "
                                           "are compiled"):

@@ -33,10 +33,13 @@ class Role:
         self.model_dir = self.run_dir.path
         self.max_steps = params.runconfig.max_steps
         self.start_step = run["start_step"]
+        from wse_core.nn.reference import micro_batch_ranges
+
         t = params.train_input
         self.batch_size, self.mbs = t.batch_size, t.micro_batch_size
-        self.per_csx = self.batch_size // plan.num_csx
-        self.n_micro = self.per_csx // self.mbs
+        # The step's micro-batches in the global batch's order; each CS-2 computes n_micro of them.
+        self.ranges = micro_batch_ranges(self.batch_size, self.mbs, plan.num_csx)
+        self.n_micro = len(self.ranges) // plan.num_csx
         self.param_owner = param_owners(self.unit_params, plan.unit_owner)
         self.shapes = {n: s.shape for n, s in self.model.param_specs.items()}
         self.log_file = LineLog(self.run_dir.rank_log(self.rank))
@@ -60,12 +63,16 @@ class Role:
                              f"runconfig.startup_timeout {r.startup_timeout:g} s + peer_timeout {r.peer_timeout:g} s"
                              f"{self._for_a_checkpoint()}, the first steps' allowance")
 
-    def round_start(self, m, csx=None):
-        """The first sample, in the step's global batch, of the micro-batch CS-2 ``csx`` (this rank's
-        index by default) computes in round m (``wse_core.tree.micro_batch_of``)."""
+    def round_range(self, m, csx=None):
+        """(first, end) samples, in the step's global batch, of the micro-batch CS-2 ``csx`` (this
+        rank's index by default) computes in round m (``wse_core.tree.micro_batch_of``)."""
         from wse_core.tree import micro_batch_of
 
-        return micro_batch_of(m, self.index if csx is None else csx, self.plan.num_csx) * self.mbs
+        return self.ranges[micro_batch_of(m, self.index if csx is None else csx, self.plan.num_csx)]
+
+    def round_size(self, m, csx=None):
+        lo, hi = self.round_range(m, csx)
+        return hi - lo
 
     def port(self, gbps):
         """A port of a link this rank keeps (see wse_core.perf.clock): its chunk is CHUNK_FLOATS elements

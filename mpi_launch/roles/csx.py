@@ -69,7 +69,7 @@ class CS2(Role):
             # Data for this step, and the first item's weights, arrive while nothing else happens yet.
             data_reqs, raw = [], []
             for m in range(self.n_micro):
-                a = [np.empty(shape, dtype) for shape, dtype in model.example_layout(self.mbs, seq)]
+                a = [np.empty(shape, dtype) for shape, dtype in model.example_layout(self.round_size(m), seq)]
                 raw.append(a)
                 data_reqs += [self.comm.Irecv(x, source=workers[m % w], tag=tag(DATA, m, i)) for i, x in enumerate(a)]
             weights, wreqs = link.irecv_arrays(self.unit_layout(0), parent, FWD_WEIGHTS, 0)
@@ -106,7 +106,7 @@ class CS2(Role):
                     continue
                 if kind == "forward" and u == 0:  # a new micro-batch
                     batch = model.batch_of(raw[m])
-                    drop = DropoutKey(seed, step + 1, self.round_start(m))
+                    drop = DropoutKey(seed, step + 1, self.round_range(m)[0])
                     x, checkpoints, saved = model.first_input(batch, np.float32), {}, [None] * len(units)
                 if u % k == 0:  # a segment's first unit: its input is the checkpoint
                     if kind == "recompute":

@@ -36,7 +36,6 @@ class PipelinedCS2(MemoryX):
         loss_scale = scaler.scale  # a static scale never changes; a dynamic one comes each step
         workers, w = self.plan.workers[0], self.plan.num_workers_per_csx
         seq = self.seq_len() if self.model.is_lm else None
-        layout = self.model.example_layout(self.mbs, seq)
         coordinator, clock, lat = self.plan.coordinator, self.clock, self.hw.swarmx_hop_latency_s
         tag = self.link.tag
         self._controls = []
@@ -45,12 +44,12 @@ class PipelinedCS2(MemoryX):
                 t0 = time.perf_counter()
                 raw, reqs = [], []
                 for m in range(self.n_micro):
-                    a = [np.empty(shape, dtype) for shape, dtype in layout]
+                    a = [np.empty(shape, dtype) for shape, dtype in self.model.example_layout(self.round_size(m), seq)]
                     raw.append(a)
                     reqs += [self.comm.Irecv(x, source=workers[m % w], tag=tag(DATA, m, i)) for i, x in enumerate(a)]
                 self.link.wait_all(reqs, f"input workers {workers} (micro-batches of step {step})")
                 t_data = time.perf_counter() - t0
-                batch = self.model.batch_of([np.concatenate([r[i] for r in raw]) for i in range(len(layout))])
+                batch = self.model.batch_of([np.concatenate([r[i] for r in raw]) for i in range(len(raw[0]))])
                 if scaler.dynamic:
                     loss_scale = self._control("loss_scale", step)["loss_scale"]
                 loss_sum, n_tokens, unit_grads = accumulate(

@@ -49,7 +49,8 @@ class InputWorker(Role):
             for step in range(self.start_step, self.max_steps):
                 reqs, keep = [], []
                 for m in range(j, self.n_micro, w):
-                    batch = stream.read(step * self.batch_size + self.round_start(m, csx), self.mbs)
+                    lo, hi = self.round_range(m, csx)
+                    batch = stream.read(step * self.batch_size + lo, hi - lo)
                     parts = [batch] if isinstance(batch, np.ndarray) else list(batch)
                     keep.append(parts)
                     reqs += [self.comm.Issend(a, dest=dest, tag=self.link.tag(DATA, m, i)) for i, a in enumerate(parts)]

@@ -58,10 +58,13 @@ def _cmd_compile(args):
     print(f"  compute {sim['compute_s'] * 1e3:.3f} ms, waiting for weights {sim['exposed_stream_s'] * 1e3:.3f} ms "
           f"(their bytes alone, and the gradients', take {sim['stream_s'] * 1e3:.3f} ms of the CS-2's I/O), "
           f"reduce tail {sim['reduce_tail_s'] * 1e3:.3f} ms, MemoryX update {sim['optimizer_s'] * 1e3:.3f} ms")
+    def size(n):
+        return f"{n / 1e9:.2f} GB" if n >= 1e8 else f"{n / 1e6:.2f} MB"
+
     print(f"  wafer memory per CS-2, a micro-batch of {wafer['micro_batch_size']}: "
-          f"{(wafer['checkpoints'] + wafer['segment']) / 1e9:.2f} GB of activations (every {wafer['interval']}th "
-          f"unit's input kept, a segment recomputed), {(wafer['weights'] + wafer['gradients']) / 1e9:.2f} GB of "
-          f"weights and gradients in flight: {wafer['need'] / 1e9:.2f} of {wafer['capacity'] / 1e9:.1f} GB usable")
+          f"{size(wafer['checkpoints'] + wafer['segment'])} of activations (one unit's input in {wafer['interval']} "
+          f"kept, a segment recomputed), {size(wafer['weights'] + wafer['gradients'])} of weights and gradients in "
+          f"flight: {size(wafer['need'])} of {wafer['capacity'] / 1e9:.1f} GB usable")
     if explore:
         print("  micro-batch sizes (micro_batch_size: explore):")
         print(f"    {'size':>6} {'wafer GB':>9} {'samples/s':>10}")

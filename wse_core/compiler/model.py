@@ -23,10 +23,7 @@ reference step, checkpoints and the simulated clock run it unchanged:
   micro-batch's first sample, unit) (``runner.dropout_seed``), inside ``fork_rng``;
 - torch computes on one thread (``one_thread``): its reductions (a bias's gradient, LayerNorm's)
   give other bits on other thread counts, and a rank, the CPU backend's process and a test must
-  agree whatever their own settings (docs/design.md section 2, property (b)). A CS-2's cores are
-  used by running its micro-batches side by side instead (``units_forward``/``units_backward``:
-  each on one thread, so the same bits), when the units draw no random numbers (torch's generator
-  is one per process: dropout masks would depend on which thread drew first).
+  agree whatever their own settings (docs/design.md section 2, property (b)).
 
 Batches come from the project's datasets, in one of their two layouts: ``arrays`` (``features``
 ``[n, ...]``, ``labels`` int32 ``[n]``) for a model of one input and a class target, ``lm``
@@ -38,7 +35,6 @@ import contextlib
 import functools
 import math
 import os
-from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import torch
@@ -297,21 +293,6 @@ class TorchModel(Model):
                 waiting[name] = g if name not in waiting else self._round_grad(waiting[name] + g)
         return waiting, {p: self._round_grad(g).numpy() for p, g in grads.items()}
 
-    def units_forward(self, u, xs, params, drops):
-        return self._side_by_side(lambda x, d: self.unit_forward(u, x, params, d), xs, drops)
-
-    def units_backward(self, u, dys, saved, params):
-        return self._side_by_side(lambda dy, s: self.unit_backward(u, dy, s, params), dys, saved)
-
-    def _side_by_side(self, fn, *lists):
-        """``fn`` on each micro-batch: side by side on this process's cores when the units draw no
-        random numbers, each on one torch thread (the bits of one after the other)."""
-        workers = min(len(lists[0]), _cores())
-        if workers < 2 or self.program["random"]:
-            return [fn(*args) for args in zip(*lists)]
-        with one_thread(), ThreadPoolExecutor(workers) as pool:
-            return list(pool.map(fn, *lists))
-
     # -- estimates ------------------------------------------------------------------------------
 
     def activation_floats(self, samples, seq_len=None):
@@ -345,13 +326,6 @@ class _Streamed:
         s, c = samples / self.example_samples, self.cost
         return UnitWork([(max(1, round(m * s)), k, n) for m, k, n in c["gemms"]], other_macs=round(c["other_macs"] * s),
                         elementwise=round(c["elementwise"] * s))
-
-
-def _cores():
-    """The cores this process may use: the launcher's thread count for the rank (OMP_NUM_THREADS), or
-    the machine's."""
-    given = os.environ.get("OMP_NUM_THREADS", "")
-    return int(given) if given.isdigit() and int(given) > 0 else len(os.sched_getaffinity(0))
 
 
 #: aten ops that draw from the default generator without naming one in their schema.

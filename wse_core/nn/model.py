@@ -202,14 +202,6 @@ class Model:
             self.precision.round_(g)
         return (dx if dx is None else self.precision.round_(dx)), grads
 
-    def units_forward(self, u, xs, params, drops):
-        """[(output, saved)] of unit u on each micro-batch ``xs[m]`` (a CS-2's share of a step), in order."""
-        return [self.unit_forward(u, x, params, d) for x, d in zip(xs, drops)]
-
-    def units_backward(self, u, dys, saved, params):
-        """[(input gradient, weight gradients)] of unit u on each micro-batch, in order."""
-        return [self.unit_backward(u, dy, s, params) for dy, s in zip(dys, saved)]
-
     def forward_backward(self, params, batch, drop=None, loss_scale=1.0):
         """(loss_sum, n_tokens, unit_grads) for one micro-batch; unit_grads[i] holds unit i's gradients
         (of the loss times ``loss_scale``)."""

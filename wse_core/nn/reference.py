@@ -4,8 +4,8 @@ One step on a global batch of B samples split into micro-batches of ``micro_batc
 
 1. every micro-batch runs forward, loss and backward (``Model.forward_backward``);
 2. per unit, micro-batch gradients are summed as a balanced pairwise tree in micro-batch index
-   order (``wse_core.tree``), exactly as CS-2s owning contiguous runs of micro-batches and SwarmX
-   adding their partial sums will; loss sums and token counts likewise;
+   order (``wse_core.tree``), as SwarmX summing each round's micro-batches over the CS-2s and MemoryX
+   adding the rounds will; loss sums and token counts likewise;
 3. a parameter used by several units (a tied embedding) gets their sums added in unit order;
 4. the loss is the mean over the masked-in tokens N of the global batch, so the gradient is the
    sum / N (or, with ``model.loss_scaling: batch_size``, sum / B * loss_weight: ``model.loss_divisor``),
@@ -37,19 +37,43 @@ class StepResult:
     skipped: bool = False
 
 
-def micro_batch_ranges(batch_size, micro_batch_size):
-    """[(lo, hi), ...] of the micro-batches; the batch must split into whole micro-batches."""
-    if micro_batch_size < 1 or batch_size % micro_batch_size:
-        raise ValueError(f"micro_batch_size: {micro_batch_size} does not divide the batch size {batch_size}")
-    return [(lo, lo + micro_batch_size) for lo in range(0, batch_size, micro_batch_size)]
+def micro_batch_ranges(batch_size, micro_batch_size, num_csx=1):
+    """[(lo, hi), ...] of a step's micro-batches, in the global batch's order (docs/design.md section
+    8, "Micro-batching"): each of the ``num_csx`` CS-2s computes R = ceil(ceil(B / num_csx) /
+    micro_batch_size) of them (CS-2 c's round r is micro-batch ``wse_core.tree.micro_batch_of(r, c,
+    num_csx)``), and the B samples are dealt to the num_csx x R micro-batches as evenly as they go:
+    the first B mod (num_csx x R) one sample larger. A batch that divides evenly gives micro-batches of
+    ``micro_batch_size`` each."""
+    per_csx = -(-batch_size // num_csx)
+    if not 1 <= num_csx <= batch_size:
+        raise ValueError(f"batch_size: {batch_size} samples cannot feed {num_csx} CS-2s")
+    if not 1 <= micro_batch_size <= per_csx:
+        raise ValueError(f"micro_batch_size: {micro_batch_size} is not between 1 and the {per_csx} samples "
+                         f"of a CS-2 (batch_size / num_csx, rounded up)")
+    n = num_csx * -(-per_csx // micro_batch_size)
+    if n > batch_size:
+        raise ValueError(f"micro_batch_size: {micro_batch_size} makes {n} micro-batches of a batch of {batch_size} samples")
+    size, extra = divmod(batch_size, n)
+    bounds = [j * size + min(j, extra) for j in range(n + 1)]
+    return list(zip(bounds[:-1], bounds[1:]))
 
 
-def accumulate(model, params, batch, micro_batch_size, lo=0, hi=None, *, dropout=None, loss_scale=1.0):
-    """Tree sum of micro-batches [lo, hi) of ``batch``: (loss_sum, n_tokens, unit_grads).
+def micro_batch_sizes(batch_size, num_csx=1):
+    """The micro-batch sizes that deal a batch evenly (``micro_batch_ranges``), smallest first: each
+    CS-2's share (B / num_csx, rounded up) over a whole number of rounds, rounded up, as Cerebras
+    takes them (a size between two of these computes no fewer rounds than the larger one)."""
+    per_csx = -(-batch_size // num_csx)
+    sizes = {-(-per_csx // k) for k in range(1, per_csx + 1)}
+    return sorted(b for b in sizes if num_csx * -(-per_csx // b) <= batch_size)
+
+
+def accumulate(model, params, batch, micro_batch_size, lo=0, hi=None, *, num_csx=1, dropout=None, loss_scale=1.0):
+    """Tree sum of micro-batches [lo, hi) of ``batch`` (``micro_batch_ranges`` for ``num_csx`` CS-2s):
+    (loss_sum, n_tokens, unit_grads).
 
     ``dropout``: (seed, step) of the dropout masks (training), or None (no dropout); the gradients
     are of the loss times ``loss_scale``, each partial sum in the model's precision."""
-    ranges = micro_batch_ranges(model.check_batch(batch), micro_batch_size)
+    ranges = micro_batch_ranges(model.check_batch(batch), micro_batch_size, num_csx)
     hi = len(ranges) if hi is None else hi
 
     def leaf(i):
@@ -72,17 +96,18 @@ def apply_update(model, params, opt_state, optimizer, grads, grad_scale, *, step
 
 
 def reference_step(model, params, opt_state, optimizer, batch, *, micro_batch_size, step, lr=None,
-                   max_gradient_norm=None, seed=0, scaler=None, lr_factors=None):
+                   max_gradient_norm=None, seed=0, scaler=None, lr_factors=None, num_csx=1):
     """Run one full training step in this process; ``params`` and ``opt_state`` are updated in place.
 
     ``seed`` (the run's ``runconfig.seed``) keys the dropout masks with ``step``. The forward and
     backward passes use the weights in the model's precision (``params`` are the float32 master
     weights). ``scaler`` (an ``optim.LossScaler``) scales the loss, and with dynamic scaling skips
     a step whose gradient norm is not finite. ``lr_factors`` scale each parameter's learning rate
-    (``Model.lr_factors``: Model Zoo's ``adjust_learning_rate``)."""
+    (``Model.lr_factors``: Model Zoo's ``adjust_learning_rate``). ``num_csx``: the CS-2s the batch is
+    laid out for (``micro_batch_ranges``), when it does not divide evenly."""
     loss_scale = 1.0 if scaler is None else scaler.scale
     loss_sum, n_tokens, unit_grads = accumulate(model, model.compute_weights(params), batch, micro_batch_size,
-                                                dropout=(seed, step), loss_scale=loss_scale)
+                                                num_csx=num_csx, dropout=(seed, step), loss_scale=loss_scale)
     if n_tokens < 1:
         raise ValueError("batch: the loss mask selects no token, so the loss is undefined")
     grads = model.combine_unit_grads(unit_grads)

@@ -23,8 +23,9 @@ from wse_core.checks import Number, OneOf
 #:   20%" (docs.cerebras.ai, "How Cerebras works").
 #: - I/O 1,560 Gb/s: the same docs, "enhances the ingress/egress bandwidth by 30%" (1.3 x 1.2 Tb/s);
 #:   MemoryX's link follows it (the CS-2's **assumption**: never the narrower end of the stream).
-#: - 8 fp16 lanes: the same docs say the CS-3 "boosts the SIMD width", not by how much;
-#:   **assumption**: doubled (2 x 4).
+#: - 8 fp16 lanes: the same docs say the CS-3 "boosts the SIMD width"; The Next Platform (2024-03-14,
+#:   "Cerebras Goes Hyperscale With Third Gen Waferscale Supercomputers") reports an "eight-wide
+#:   FP16 SIMD math unit, up from a four-wide SIMD engine used in the WSE-1 and WSE-2".
 #: - SRAM per PE: 44 GB over 900,000 cores is 48.9 KB each (Cerebras: 44 GB "spread evenly");
 #:   **assumption**: 48 KiB, the WSE-2's, unchanged. Clock: **assumption**: the CS-2's 850 MHz.
 SYSTEMS = {
@@ -53,7 +54,8 @@ class Hardware:
     #: stack. **Assumption**: no public figure; 3/4.
     pe_memory_usable: float = 0.75
     #: Clock, Hz: the factor the Cerebras SDK uses to turn PE cycles into seconds (DESIGN.md
-    #: section 8). Not a measured frequency of a running CS-2.
+    #: section 8; Cerebras' csl-examples: "a PE runs with clock speed 850MHz"). Cerebras publishes no
+    #: clock of a running CS-2 (its 7.5 PF would need about 1.1 GHz at 4 fp16 lanes).
     clock_hz: float = 850e6
     #: Multiply-adds per PE per cycle, fp16 and fp32 (DESIGN.md section 8: 4-wide fp16, 1-wide fp32
     #: FMAC, the SDK's SIMD widths). The fabric

@@ -6,11 +6,11 @@ from dataclasses import asdict, dataclass
 from wse_core.perf.hardware import Hardware
 
 
-def rank_memory_bytes(plan, model, *, n_states, per_csx, seq_len, micro_batch_size, example_bytes):
+def rank_memory_bytes(plan, model, *, n_states, seq_len, micro_batch_size, example_bytes):
     """{rank: bytes} for a rank plan (``mpi_launch.plan.Plan``) of ``model``: MemoryX holds its units'
     weights, gradient sums and ``n_states`` optimizer states; a SwarmX node a unit in flight and one
     partial sum per child; a CS-2 two units of weights (the next streams in while this one
-    computes), one unit's gradients and its slice's activations; an input worker its prefetch."""
+    computes), one unit's gradients and one micro-batch's activations; an input worker its prefetch."""
     unit_bytes = plan.unit_bytes
     biggest = max(unit_bytes)
     memory = {plan.coordinator: 0}
@@ -20,7 +20,7 @@ def rank_memory_bytes(plan, model, *, n_states, per_csx, seq_len, micro_batch_si
     for rank in plan.swarmx:
         memory[rank] = biggest * (1 + len(plan.children[rank]))
     for rank in plan.csx:  # a pipelined CS-2 is also the MemoryX: both add up
-        memory[rank] = memory.get(rank, 0) + 3 * biggest + 4 * model.activation_floats(per_csx, seq_len)
+        memory[rank] = memory.get(rank, 0) + 3 * biggest + 4 * model.activation_floats(micro_batch_size, seq_len)
     for ranks in plan.workers:
         for rank in ranks:
             memory[rank] = 4 * micro_batch_size * example_bytes

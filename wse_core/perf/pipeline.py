@@ -173,7 +173,7 @@ def choose(model, *, batch_size, micro_batch_size, seq_len=None, n_states=2, hw=
     from wse_core.perf.step import walk_step
 
     hw = hw or Hardware.for_model(model)
-    p = place(model, micro_batch_size=micro_batch_size, micro_batches=max(1, batch_size // micro_batch_size),
+    p = place(model, micro_batch_size=micro_batch_size, micro_batches=-(-batch_size // micro_batch_size),
               seq_len=seq_len, n_states=n_states, hw=hw)
     ws = walk_step(model, num_csx=1, samples_per_csx=batch_size, micro_batch_size=micro_batch_size,
                    seq_len=seq_len, hw=hw)

@@ -139,11 +139,13 @@ def io_seconds(model, hw, micro_batches=1):
 
 
 def walk_step(model, *, num_csx, samples_per_csx, micro_batch_size, seq_len=None, num_wgt_servers=1,
-              swarmx_fanout=None, hw=None, steps=3):
+              swarmx_fanout=None, hw=None, steps=3, batch_size=None):
     """The simulated time of a training step of ``model`` (a ``wse_core.nn`` Model) on ``num_csx``
-    CS-2s, each with ``samples_per_csx`` samples in micro-batches of ``micro_batch_size``: the
-    period of the last of ``steps`` steps walked back to back (the first is a start-up). ``hw``:
-    ``Hardware.for_model(model)`` when not given, as a run of the model is timed.
+    CS-2s, each with ``samples_per_csx`` samples in micro-batches of ``micro_batch_size`` (a last,
+    smaller one padded to it, as the compiled program's shape): the period of the last of ``steps``
+    steps walked back to back (the first is a start-up). ``batch_size``: the global batch, when the
+    CS-2s' shares are not all ``samples_per_csx`` (the largest). ``hw``: ``Hardware.for_model(model)``
+    when not given, as a run of the model is timed.
 
     Each micro-batch runs ``micro_batch_schedule`` to its end before the next begins. Each port
     serves what crosses it in the order its rank's program does (mpi_launch.roles): the items'
@@ -153,7 +155,7 @@ def walk_step(model, *, num_csx, samples_per_csx, micro_batch_size, seq_len=None
     hw = hw or Hardware.for_model(model)
     fanout = swarmx_fanout or hw.swarmx_fanout
     depth = tree_depth(num_csx, fanout)
-    n_micro = max(1, samples_per_csx // micro_batch_size)
+    n_micro = -(-samples_per_csx // micro_batch_size)
     cost = [unit_seconds(unit_work(u, micro_batch_size, seq_len), hw) for u in model.units]
     schedule = micro_batch_schedule(len(cost))
     items = [(m, kind, u) for m in range(n_micro) for kind, u in schedule]
@@ -204,7 +206,7 @@ def walk_step(model, *, num_csx, samples_per_csx, micro_batch_size, seq_len=None
         ready = [max(at_memoryx[k], coordinator + lat) + update[k] for k in range(num_wgt_servers)]
     step = control[-1] - control[-2]
     return StepTime(
-        step_s=step, samples_per_s=num_csx * samples_per_csx / step, compute_s=sum(seconds),
+        step_s=step, samples_per_s=(batch_size or num_csx * samples_per_csx) / step, compute_s=sum(seconds),
         stream_s=io_seconds(model, hw, n_micro), exposed_stream_s=waited, reduce_tail_s=max(at_memoryx) - last_out,
         optimizer_s=max(update), tree_depth=depth, num_csx=num_csx,
         detail={"weight_bytes": sum(nbytes), "units": len(nbytes), "micro_batches": n_micro,
