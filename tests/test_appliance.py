@@ -420,6 +420,8 @@ def test_malformed_and_hostile_requests_get_one_line_and_leave_the_service_runni
     idle = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     idle.connect(str(a.socket))  # says nothing: must not hold up anyone else
     good = yaml.safe_load(params_file(tmp_path / "p.yaml", data, tmp_path / "m").read_text())
+    # 4 CS-2s, each with micro-batches of its 2 samples: params that are good but for the pool's size
+    four = {"train_input": {**good["train_input"], "micro_batch_size": 2}, "runconfig": {**good["runconfig"], "num_csx": 4}}
     cases = {
         b"not json\n": "a request is one line of JSON",
         b"[1, 2]\n": "a request is a JSON object",
@@ -433,7 +435,7 @@ def test_malformed_and_hostile_requests_get_one_line_and_leave_the_service_runni
         b"x" * (2 << 20): "request longer than",
         json.dumps({"op": "submit", "params": {**good, "model": {**good["model"], "hiden_size": 3}},
                     "cwd": str(tmp_path)}).encode() + b"\n": "hiden_size",
-        json.dumps({"op": "submit", "params": {**good, "runconfig": {**good["runconfig"], "num_csx": 4}},
+        json.dumps({"op": "submit", "params": {**good, **four},
                     "cwd": str(tmp_path)}).encode() + b"\n": "runconfig.num_csx: 4 CS-2s asked, the appliance has 2",
         json.dumps({"op": "submit", "params": good, "cwd": "relative"}).encode() + b"\n":
             "cwd: expected an absolute path",
@@ -458,8 +460,7 @@ def test_malformed_and_hostile_requests_get_one_line_and_leave_the_service_runni
         assert len(reply.splitlines()) == 1 and expected in json.loads(reply)["error"], (payload[:60], reply)
     # Params that take seconds to check (sparsity masks of a wide model) are checked in a child:
     # the service answers others meanwhile; they are refused after (4 CS-2s on a pool of 2).
-    slow = {**good, "model": {**good["model"], "hidden_size": 2048, "num_heads": 16, "sparsity": 0.5},
-            "runconfig": {**good["runconfig"], "num_csx": 4}}
+    slow = {**good, "model": {**good["model"], "hidden_size": 2048, "num_heads": 16, "sparsity": 0.5}, **four}
     refusal = []
     worker = threading.Thread(target=lambda: refusal.append(_raw(a.socket, json.dumps(
         {"op": "submit", "params": slow, "cwd": str(tmp_path)}).encode() + b"\n")))

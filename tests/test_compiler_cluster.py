@@ -54,15 +54,16 @@ def fit(jobs, tmp_path, data, program, num_csx, steps=4, lr=0.01, name="m"):
     return Checkpoint(model_dir).load()[0], losses
 
 
-def test_a_compiled_torch_mlp_has_the_same_bits_on_1_2_and_4_cs2s(jobs, tmp_path, arrays):
+def test_a_compiled_torch_mlp_has_the_same_bits_on_1_and_4_cs2s(jobs, tmp_path, arrays):
+    """(2 CS-2s against 1: the transformers GPT-2's test.)"""
     data, x, y = arrays
     torch.manual_seed(0)
     program = compile_to(tmp_path / "mlp.pt2", MLP(dropout=0.1), (torch.from_numpy(x[:8]), torch.from_numpy(y[:8])),
                          torch.nn.CrossEntropyLoss())
-    (w1, l1), (w2, l2), (w4, l4) = (fit(jobs, tmp_path, data, program, n) for n in (1, 2, 4))
-    assert l1 == l2 == l4 and len(l1) == 4
+    (w1, l1), (w4, l4) = (fit(jobs, tmp_path, data, program, n) for n in (1, 4))
+    assert l1 == l4 and len(l1) == 4
     for name in w1:
-        assert np.array_equal(w1[name], w2[name]) and np.array_equal(w1[name], w4[name]), name
+        assert np.array_equal(w1[name], w4[name]), name
 
 
 def test_a_compiled_torch_mlp_trains_as_eager_pytorch_does(jobs, tmp_path, arrays):

@@ -40,11 +40,12 @@ def train(tmp_path, kind, num_csx, steps=6, checkpoint_steps=3):
     return out, losses, cstorch.load(out / f"checkpoint_{steps}.h5")["model"]
 
 
-def test_the_tutorials_script_gives_the_same_bits_on_cpu_and_on_1_2_and_4_cs2s(tmp_path):
+def test_the_tutorials_script_gives_the_same_bits_on_cpu_and_on_1_and_4_cs2s(tmp_path):
+    """(2 CS-2s against the CPU backend: the models' and mixed precision's tests.)"""
     import pyapi.cstorch as cstorch
 
     (_, reference, weights), *others = (train(tmp_path, kind, n) for kind, n in
-                                        (("CPU", 1), ("CSX", 1), ("CSX", 2), ("CSX", 4)))
+                                        (("CPU", 1), ("CSX", 1), ("CSX", 4)))
     assert reference[-1] < reference[0]
     for out, losses, w in others:
         assert losses == reference, out
@@ -211,7 +212,7 @@ kind, num_csx, out = sys.argv[1], int(sys.argv[2]), sys.argv[3]
 torch.manual_seed(0)
 g = torch.Generator().manual_seed(1)
 {model}
-backend = cstorch.backend(kind, num_csx=num_csx, micro_batch_size=4)
+backend = cstorch.backend(kind, num_csx=num_csx, micro_batch_size=8)   # one micro-batch a CS-2 on two
 compiled = cstorch.compile(model, backend)
 optimizer = cstorch.optim.AdamW(model.parameters(), lr=1e-2)
 
@@ -390,7 +391,7 @@ for half in sys.argv[4:]:
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 32), torch.nn.ReLU(),
                                 torch.nn.Linear(32, 4))
-    compiled = cstorch.compile(model, cstorch.backend(kind, num_csx=num_csx, micro_batch_size=4))
+    compiled = cstorch.compile(model, cstorch.backend(kind, num_csx=num_csx, micro_batch_size=8))
     optimizer = cstorch.optim.AdamW(model.parameters(), lr=1e-2)
     scaler = cstorch.amp.GradScaler(loss_scale="dynamic", init_scale=2.0 ** 15, steps_per_increase=2)
 
