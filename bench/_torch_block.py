@@ -1,7 +1,9 @@
 """The GPT-2 block of ``bench.nn`` in PyTorch eager, run in its own process with PyTorch's defaults.
 
-``python -m bench._torch_block IN.npz OUT.npz REPEATS THREADS``: IN holds the block's parameters
-(``blocks.0.*``), ``x`` and ``dy``; OUT gets ``seconds`` (median forward + backward) and ``y``.
+``python -m bench._torch_block IN.npz OUT.npz REPEATS THREADS [profile]``: IN holds the block's
+parameters (``blocks.0.*``), ``x`` and ``dy``; OUT gets ``seconds`` (median forward + backward) and
+``y``; with ``profile``, also ``ops`` and ``ms``: the operators' self CPU time per forward + backward
+(``torch.profiler``), the largest twelve and the rest.
 It imports nothing of wse_core, so the OpenMP and malloc settings that wse_core makes for its
 own kernels do not slow PyTorch down.
 """
@@ -13,7 +15,7 @@ import torch
 from bench.harness import median_seconds  # imports nothing of wse_core at module level
 
 
-def main(src, dst, repeats, threads):
+def main(src, dst, repeats, threads, profile=False):
     torch.set_num_threads(threads)
     data = np.load(src)
     f = torch.nn.functional
@@ -38,8 +40,17 @@ def main(src, dst, repeats, threads):
         return out
 
     y = step().detach().numpy()
-    np.savez(dst, seconds=median_seconds(step, repeats), y=y, version=torch.__version__)
+    out = {"seconds": median_seconds(step, repeats), "y": y, "version": torch.__version__}
+    if profile:
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            for _ in range(repeats):
+                step()
+        rows = sorted(((e.key, e.self_cpu_time_total / 1e3 / repeats) for e in prof.key_averages()),
+                      key=lambda kv: -kv[1])
+        rows = rows[:12] + [("everything else", sum(ms for _, ms in rows[12:]))]
+        out.update(ops=np.array([k for k, _ in rows]), ms=np.array([ms for _, ms in rows]))
+    np.savez(dst, **out)
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]))
+    main(sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), sys.argv[5:] == ["profile"])

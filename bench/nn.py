@@ -1,6 +1,6 @@
 """Forward + backward of one GPT-2 block and of a small GPT-2: fused kernels against unfused numpy (and PyTorch, if installed).
 
-    wse bench nn [--json PATH] [--repeats R]
+    wse bench nn [--json PATH] [--repeats R] [--profile]
 
 The block is hidden 256, 4 heads, sequence 256, batch 8, float32. The unfused baseline is the
 same code with ``wse_core.nn.numpy_ops`` in place of the fused kernels (same GEMMs), so its
@@ -9,6 +9,11 @@ in PyTorch eager on the CPU, in a process of its own with PyTorch's default sett
 threads as the kernels use, and its output is checked against ours. Our GEMMs run through
 ``wse_core.nn.gemm`` (BLAS pinned to one thread, parallel over fixed row chunks) so that results
 are bit-identical for any thread count.
+
+``--profile`` also says where the block's time goes: ours by function (cProfile's own time of
+each, in the timing thread, where the GEMMs show as its wait for ``gemm.matmul``'s worker
+threads), PyTorch's by operator (``torch.profiler``'s self CPU time, over its threads), per forward
++ backward, over the same repeats.
 """
 import importlib.util
 import os
@@ -31,6 +36,8 @@ SMALL_GPT2 = {"name": "gpt2", "vocab_size": 257, "hidden_size": 256, "num_hidden
 
 def add_arguments(parser):
     parser.add_argument("--repeats", type=int, default=7, help="timed repetitions (median reported)")
+    parser.add_argument("--profile", action="store_true",
+                        help="also break the block's time down by function (ours) and by operator (PyTorch's)")
 
 
 def _block(ops):
@@ -45,8 +52,28 @@ def _block_fwd_bwd(block, x, params, dy):
     return y
 
 
-def _torch_block(params, x, dy, threads, repeats):
-    """Time the same block in PyTorch eager in a clean process; (seconds, output, version) or None."""
+def _profile(fn, repeats, top=12):
+    """[(function, ms per call)] of ``fn``'s own time per function, the largest ``top`` and the rest."""
+    import cProfile
+    import pstats
+
+    prof = cProfile.Profile()
+    for _ in range(repeats):
+        prof.runcall(fn)
+    per = {}
+    for (path, _, name), (_, _, tottime, _, _) in pstats.Stats(prof).stats.items():
+        key = f"{'' if path == '~' else Path(path).stem + '.'}{name.strip('<>')}"
+        # The timing thread waits on a lock while gemm.matmul's worker threads multiply.
+        key = "GEMMs (gemm.matmul's row-chunk threads)" if "acquire' of '_thread.lock" in key else key
+        per[key] = per.get(key, 0.0) + tottime
+    rows = sorted(per.items(), key=lambda kv: -kv[1])
+    rest = sum(v for _, v in rows[top:])
+    return [(k, 1e3 * v / repeats) for k, v in rows[:top]] + [("everything else", 1e3 * rest / repeats)]
+
+
+def _torch_block(params, x, dy, threads, repeats, profile=False):
+    """Time the same block in PyTorch eager in a clean process; (seconds, output, version, profile rows)
+    or None."""
     if importlib.util.find_spec("torch") is None:
         return None
     env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
@@ -54,12 +81,13 @@ def _torch_block(params, x, dy, threads, repeats):
         src, dst = Path(tmp) / "in.npz", Path(tmp) / "out.npz"
         np.savez(src, x=x, dy=dy, heads=BLOCK["heads"], **params)
         proc = subprocess.run([sys.executable, "-m", "bench._torch_block", str(src), str(dst), str(repeats),
-                               str(threads)], env=env, capture_output=True, text=True)
+                               str(threads), *(["profile"] if profile else [])], env=env, capture_output=True, text=True)
         if proc.returncode != 0:
             last = (proc.stderr.strip().splitlines() or ["no output"])[-1]
             raise RuntimeError(f"the PyTorch block failed: {last}")
         out = np.load(dst)
-        return float(out["seconds"]), out["y"], str(out["version"])
+        rows = [(str(n), float(ms)) for n, ms in zip(out["ops"], out["ms"])] if profile else None
+        return float(out["seconds"]), out["y"], str(out["version"]), rows
 
 
 def run(args):
@@ -79,7 +107,8 @@ def run(args):
     t_fused = median_seconds(lambda: _block_fwd_bwd(fused, x, params, dy), args.repeats)
     t_numpy = median_seconds(lambda: _block_fwd_bwd(unfused, x, params, dy), args.repeats)
     y_fused = _block_fwd_bwd(fused, x, params, dy)
-    torch_result = _torch_block(params, x, dy, threads, args.repeats)
+    profile = getattr(args, "profile", False)
+    torch_result = _torch_block(params, x, dy, threads, args.repeats, profile)
 
     model = build_model(SMALL_GPT2)
     model_np = build_model(SMALL_GPT2, ops=numpy_ops)
@@ -102,8 +131,12 @@ def run(args):
         "block_tokens_per_s": b * t / t_fused,
         "model_tokens_per_s": b * t / m_fused,
     }
+    if profile:
+        result["profile"] = {"wse_core": _profile(lambda: _block_fwd_bwd(fused, x, params, dy), args.repeats)}
     if torch_result is not None:
-        t_torch, y_torch, result["torch"] = torch_result
+        t_torch, y_torch, result["torch"], torch_rows = torch_result
+        if profile:
+            result["profile"]["torch"] = torch_rows
         result["median_seconds"]["block_torch"] = t_torch
         result["block_speedup_vs_torch"] = t_torch / t_fused
         result["block_max_abs_diff_vs_torch"] = float(np.abs(y_torch - y_fused).max())
@@ -135,4 +168,8 @@ def report(result):
     if "block_speedup_vs_torch" in result:
         lines.append(f"block speedup vs PyTorch: {result['block_speedup_vs_torch']:.2f}x "
                      f"(max |difference| of outputs {result['block_max_abs_diff_vs_torch']:.1e})")
+    for who, rows in result.get("profile", {}).items():
+        lines.append(f"\nwhere the block's forward + backward goes, {who} (ms per call, own time):")
+        lines.append(table([[name, f"{ms:.1f}"] for name, ms in rows], ["function" if who == "wse_core" else "operator",
+                                                                         "ms"]))
     return "\n".join(lines)
