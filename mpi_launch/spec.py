@@ -142,7 +142,7 @@ class TrainInput:
                                        None)
     mixture: tuple | None = key(Check(_mixture, "a list of {data_dir, weight}"), "datasets mixed in proportion: a list of {data_dir, weight} (Model Zoo's)",
                                 None)
-    batch_size: int = key(Int(1), "global batch size, split evenly across the CS-2s")
+    batch_size: int = key(Int(1), "global batch size, dealt to the CS-2s and their micro-batches as evenly as it goes")
     micro_batch_size: int | str | None = key(Check(_micro_batch, "a number of samples, auto, explore or none"),
                                              "samples per micro-batch: a number, auto (the default: the largest "
                                              "that fits), explore (wse compile only) or none", None)
