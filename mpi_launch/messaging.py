@@ -107,6 +107,11 @@ class Link:
             seconds, said = timeout, f"{timeout:g} s"
         poll(test, seconds, lambda: PeerTimeout(f"no answer within {said} while waiting for {what}"))
 
+    def done(self, requests, what):
+        """Whether every request has completed, without waiting (buffers behind them may be let go)."""
+        live = [r for r in requests if r is not None]
+        return not live or bool(_mpi(lambda: MPI.Request.Testall(live), what))
+
     def wait_all(self, requests, what, timeout=None):
         """Wait for every request (``timeout`` seconds without progress, or the job's). Never spins."""
         pending = [r for r in requests if r is not None]

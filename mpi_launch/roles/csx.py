@@ -105,6 +105,8 @@ class CS2(Role):
                     pending = (u, ready)
                     continue
                 if kind == "forward" and u == 0:  # a new micro-batch
+                    if link.done(sends, f"SwarmX rank {parent} (gradients of step {step})"):
+                        sends, keep = [], []  # what was sent so far has left: its buffers may go
                     batch = model.batch_of(raw[m])
                     drop = DropoutKey(seed, step + 1, self.round_range(m)[0])
                     x, checkpoints, saved = model.first_input(batch, np.float32), {}, [None] * len(units)

@@ -7,8 +7,6 @@ tensor's header goes on to the children (weights) or the parent (gradients) befo
 
 Its messages (``mpi_launch.protocol``): it relays STEP["forward weights"], STEP["recompute weights"]
 and STEP["backward weights"] down and sums STEP["gradients"] up."""
-from mpi4py import MPI
-
 from mpi_launch.protocol import BWD_WEIGHTS, FWD_WEIGHTS, GRADS, RCP_WEIGHTS
 from mpi_launch.roles.base import Role
 
@@ -37,16 +35,11 @@ class SwarmX(Role):
                     if pending is not None:
                         self._reduce(pending, parent, kids, step)
                     pending = u if kind == "backward" else None
-                self._prune()
+                if self.link.done(self._pending, f"children {kids} and parent of SwarmX rank {me} (step {step})"):
+                    self._pending, self._keep = [], []  # what has been sent: let its buffers go
             self._reduce(pending, parent, kids, step)
             self.link.wait_all(self._pending, f"children {kids} and parent of SwarmX rank {me} (step {step})")
             self.step_done(step)
-
-    def _prune(self):
-        """Let go of the buffers of what has been sent (a step of many micro-batches relays many)."""
-        done = MPI.Request.Testall(self._pending) if self._pending else True
-        if done:
-            self._pending, self._keep = [], []
 
     def _sources(self, u, parent):
         if parent is not None:
