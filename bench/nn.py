@@ -10,9 +10,14 @@ threads as the kernels use, and its output is checked against ours. Our GEMMs ru
 ``wse_core.nn.gemm`` (BLAS pinned to one thread, parallel over fixed row chunks) so that results
 are bit-identical for any thread count.
 
+The block is also timed in mixed precision as we train in it (``mixed_precision`` with
+``fp16_type: bfloat16``: weights, the block's output and its gradients rounded to bfloat16, the
+arithmetic in float32; docs/design.md section 5) against PyTorch's CPU mixed precision,
+``torch.autocast`` in bfloat16 (its float16 autocast on this CPU took 2.5 s a block).
+
 ``--profile`` also says where the block's time goes: ours by function (cProfile's own time of
-each, in the timing thread, where the GEMMs show as its wait for ``gemm.matmul``'s worker
-threads), PyTorch's by operator (``torch.profiler``'s self CPU time, over its threads), per forward
+each, in the timing thread: ``gemm.matmul``'s BLAS calls show as its own time, or as a wait for its
+worker threads where numpy's BLAS is not one the kernels call), PyTorch's by operator (``torch.profiler``'s self CPU time, over its threads), per forward
 + backward, over the same repeats.
 """
 import importlib.util
@@ -52,6 +57,13 @@ def _block_fwd_bwd(block, x, params, dy):
     return y
 
 
+def _mixed_fwd_bwd(model, x, weights, dy):
+    """The block as a unit of a bfloat16 mixed-precision model: output and gradients rounded."""
+    y, saved = model.unit_forward(0, x, weights)
+    model.unit_backward(0, dy, saved, weights)
+    return y
+
+
 def _profile(fn, repeats, top=12):
     """[(function, ms per call)] of ``fn``'s own time per function, the largest ``top`` and the rest."""
     import cProfile
@@ -63,8 +75,10 @@ def _profile(fn, repeats, top=12):
     per = {}
     for (path, _, name), (_, _, tottime, _, _) in pstats.Stats(prof).stats.items():
         key = f"{'' if path == '~' else Path(path).stem + '.'}{name.strip('<>')}"
-        # The timing thread waits on a lock while gemm.matmul's worker threads multiply.
-        key = "GEMMs (gemm.matmul's row-chunk threads)" if "acquire' of '_thread.lock" in key else key
+        # gemm.matmul's BLAS calls run inside _matmul (the kernels' threads), or, where numpy's BLAS is
+        # not one the kernels can call, in worker threads while the timing thread waits on a lock.
+        if key == "gemm._matmul" or "acquire' of '_thread.lock" in key:
+            key = "GEMMs (gemm.matmul)"
         per[key] = per.get(key, 0.0) + tottime
     rows = sorted(per.items(), key=lambda kv: -kv[1])
     rest = sum(v for _, v in rows[top:])
@@ -72,8 +86,8 @@ def _profile(fn, repeats, top=12):
 
 
 def _torch_block(params, x, dy, threads, repeats, profile=False):
-    """Time the same block in PyTorch eager in a clean process; (seconds, output, version, profile rows)
-    or None."""
+    """Time the same block in PyTorch eager in a clean process; (seconds, bfloat16 autocast seconds,
+    output, version, profile rows) or None."""
     if importlib.util.find_spec("torch") is None:
         return None
     env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
@@ -87,7 +101,7 @@ def _torch_block(params, x, dy, threads, repeats, profile=False):
             raise RuntimeError(f"the PyTorch block failed: {last}")
         out = np.load(dst)
         rows = [(str(n), float(ms)) for n, ms in zip(out["ops"], out["ms"])] if profile else None
-        return float(out["seconds"]), out["y"], str(out["version"]), rows
+        return float(out["seconds"]), float(out["seconds_bf16"]), out["y"], str(out["version"]), rows
 
 
 def run(args):
@@ -105,6 +119,9 @@ def run(args):
     unfused = _block(numpy_ops)
 
     t_fused = median_seconds(lambda: _block_fwd_bwd(fused, x, params, dy), args.repeats)
+    mixed = Model({"mixed_precision": True, "fp16_type": "bfloat16"}, [fused])
+    weights16 = mixed.compute_weights(params)
+    t_mixed = median_seconds(lambda: _mixed_fwd_bwd(mixed, x, weights16, dy), args.repeats)
     t_numpy = median_seconds(lambda: _block_fwd_bwd(unfused, x, params, dy), args.repeats)
     y_fused = _block_fwd_bwd(fused, x, params, dy)
     profile = getattr(args, "profile", False)
@@ -124,7 +141,7 @@ def run(args):
         "repeats": args.repeats,
         "block": dict(BLOCK, dtype="float32"),
         "model": dict(SMALL_GPT2, params=model.num_params(), seq=t, batch=b),
-        "median_seconds": {"block_fused": t_fused, "block_numpy": t_numpy,
+        "median_seconds": {"block_fused": t_fused, "block_numpy": t_numpy, "block_fused_bf16": t_mixed,
                            "model_fused": m_fused, "model_numpy": m_numpy},
         "block_speedup_vs_numpy": t_numpy / t_fused,
         "model_speedup_vs_numpy": m_numpy / m_fused,
@@ -134,11 +151,13 @@ def run(args):
     if profile:
         result["profile"] = {"wse_core": _profile(lambda: _block_fwd_bwd(fused, x, params, dy), args.repeats)}
     if torch_result is not None:
-        t_torch, y_torch, result["torch"], torch_rows = torch_result
+        t_torch, t_torch_bf16, y_torch, result["torch"], torch_rows = torch_result
         if profile:
             result["profile"]["torch"] = torch_rows
         result["median_seconds"]["block_torch"] = t_torch
+        result["median_seconds"]["block_torch_bf16"] = t_torch_bf16
         result["block_speedup_vs_torch"] = t_torch / t_fused
+        result["block_bf16_speedup_vs_torch"] = t_torch_bf16 / t_mixed
         result["block_max_abs_diff_vs_torch"] = float(np.abs(y_torch - y_fused).max())
     return result
 
@@ -151,6 +170,10 @@ def report(result):
     if "block_torch" in t:
         rows.append([f"GPT-2 block, PyTorch {result['torch']} eager", f"{t['block_torch'] * 1e3:.1f}",
                      f"{t['block_torch'] / t['block_fused']:.2f}"])
+    rows.append(["GPT-2 block, fused, mixed precision (bfloat16)", f"{t['block_fused_bf16'] * 1e3:.1f}", "1.00"])
+    if "block_torch_bf16" in t:
+        rows.append(["GPT-2 block, PyTorch autocast bfloat16", f"{t['block_torch_bf16'] * 1e3:.1f}",
+                     f"{t['block_torch_bf16'] / t['block_fused_bf16']:.2f}"])
     mdl = result["model"]
     rows += [[f"GPT-2 {mdl['num_hidden_layers']} layers ({mdl['params'] / 1e6:.1f}M), fused",
               f"{t['model_fused'] * 1e3:.1f}", "1.00"],
@@ -167,7 +190,8 @@ def report(result):
              f"block {result['block_tokens_per_s']:,.0f} tokens/s"]
     if "block_speedup_vs_torch" in result:
         lines.append(f"block speedup vs PyTorch: {result['block_speedup_vs_torch']:.2f}x "
-                     f"(max |difference| of outputs {result['block_max_abs_diff_vs_torch']:.1e})")
+                     f"(max |difference| of outputs {result['block_max_abs_diff_vs_torch']:.1e}); in mixed "
+                     f"precision: {result['block_bf16_speedup_vs_torch']:.2f}x")
     for who, rows in result.get("profile", {}).items():
         lines.append(f"\nwhere the block's forward + backward goes, {who} (ms per call, own time):")
         lines.append(table([[name, f"{ms:.1f}"] for name, ms in rows], ["function" if who == "wse_core" else "operator",

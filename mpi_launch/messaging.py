@@ -29,6 +29,11 @@ from mpi_launch.protocol import HEADER, Layout
 #: took 0.57 s on 2 cores, with 200 us 0.18 s, for the same CPU time (2.9 s for 12 steps).
 _MIN_SLEEP, _MAX_SLEEP = 50e-6, 2e-4
 
+#: The longest sleep of a rank off the streaming path (``Link.off_path``): the coordinator and the
+#: input workers wait most of a step, and waking every 200 us cost each 5% of a core, taken from the
+#: computing CS-2s (measured: 3,200 wake-ups a second each, on 2 cores shared by 7 ranks).
+OFF_PATH_SLEEP = 2e-3
+
 #: Elements per message (1 MiB of float32, 512 KiB of a mixed-precision run's 16-bit values): large
 #: enough that MPI's per-message cost is small against the copy, small enough that a tree of depth d
 #: adds d chunk-times, not d tensor-times.
@@ -46,10 +51,10 @@ class PeerLost(RuntimeError):
     """An exchange with a peer failed in MPI: usually the echo of that peer's death."""
 
 
-def poll(test, seconds, expired):
+def poll(test, seconds, expired, max_sleep=_MAX_SLEEP):
     """Call ``test()`` until it returns ``DONE``, sleeping between calls that return ``IDLE``. Never spins.
 
-    The sleep starts at 50 us and doubles up to 200 us; after ``MOVED`` (something completed) the
+    The sleep starts at 50 us and doubles up to ``max_sleep`` (200 us); after ``MOVED`` (something completed) the
     test runs again at once and both the sleep and the deadline restart: a rank whose transfers
     keep moving polls often (MPICH moves a large message only while both sides call into MPI) and
     is never taken for a silent peer. Past ``seconds`` without progress it raises ``expired()``.
@@ -65,7 +70,7 @@ def poll(test, seconds, expired):
         if time.monotonic() > deadline:
             raise expired()
         time.sleep(pause)
-        pause = min(pause * 2, _MAX_SLEEP)
+        pause = min(pause * 2, max_sleep)
 
 
 def _mpi(call, what):
@@ -89,7 +94,12 @@ class Link:
 
     def __init__(self, comm, layout=None, timeout=300.0, why="the default"):
         self.comm, self.layout = comm, layout or Layout()
+        self.max_sleep = _MAX_SLEEP
         self.set_timeout(timeout, why)
+
+    def off_path(self):
+        """This rank's waits are off the streaming path: they may sleep up to ``OFF_PATH_SLEEP``."""
+        self.max_sleep = OFF_PATH_SLEEP
 
     def set_timeout(self, seconds, why):
         """Set how long waits last before ``PeerTimeout``, and ``why`` (said in its message)."""
@@ -105,7 +115,7 @@ class Link:
             seconds, said = self.timeout, f"{self.timeout:.1f} s ({self.why})"
         else:
             seconds, said = timeout, f"{timeout:g} s"
-        poll(test, seconds, lambda: PeerTimeout(f"no answer within {said} while waiting for {what}"))
+        poll(test, seconds, lambda: PeerTimeout(f"no answer within {said} while waiting for {what}"), self.max_sleep)
 
     def done(self, requests, what):
         """Whether every request has completed, without waiting (buffers behind them may be let go)."""

@@ -190,8 +190,10 @@ def test_bench_nn_writes_json(tmp_path):
     result = json.loads(out.read_text())
     assert result["block"]["hidden"] == 256 and result["block"]["seq"] == 256
     assert result["block_speedup_vs_numpy"] > 0 and result["model_speedup_vs_numpy"] > 0
+    assert result["median_seconds"]["block_fused_bf16"] > 0
     if "torch" in result:  # the PyTorch block computes the same function as ours
         assert result["block_max_abs_diff_vs_torch"] < 1e-3
+        assert result["block_bf16_speedup_vs_torch"] > 0
 
 
 def test_bench_input_on_a_given_dataset(tmp_path):

@@ -163,3 +163,80 @@ print(h.hexdigest())
         digests.add(subprocess.run([sys.executable, "-c", code], env=env, check=True,
                                    capture_output=True, text=True).stdout.strip())
     assert len(digests) == 1
+
+
+def _dense_attention(q, k, v, scale, mask, dout):
+    """Causal attention and its gradients, in float64 with the whole [t, t] product."""
+    q, k, v, dout = (x.astype(np.float64) for x in (q, k, v, dout))
+    t = q.shape[2]
+    s = q @ k.transpose(0, 1, 3, 2) * scale
+    s[:, :, np.triu(np.ones((t, t), bool), 1)] = -np.inf
+    p = np.exp(s - s.max(-1, keepdims=True))
+    p /= p.sum(-1, keepdims=True)
+    used = p if mask is None else p * mask
+    dused = dout @ v.transpose(0, 1, 3, 2)
+    dp = dused if mask is None else dused * mask
+    ds = p * (dp - (p * dp).sum(-1, keepdims=True)) * scale
+    return used @ v, p, (ds @ k, ds.transpose(0, 1, 3, 2) @ q, used.transpose(0, 1, 3, 2) @ dout)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("t", [5, 64, 100, 200])
+@pytest.mark.parametrize("dropout", [False, True])
+def test_blocked_causal_attention_is_dense_attention_and_both_paths_agree_bit_for_bit(rng, dtype, t, dropout):
+    """Attention in blocks of query rows (wse_core.nn.attention: t a multiple of the block or not)
+    equals the whole masked product; the kernels' own BLAS calls give the bits of the same blocks
+    through numpy (the path where numpy's BLAS is not one the kernels can call)."""
+    from wse_core.nn import attention, gemm
+
+    q, k, v, dout = (rng.standard_normal((2, 3, t, 16)).astype(dtype) for _ in range(4))
+    mask = (rng.random((2, 3, t, t)) > 0.2).astype(dtype) * 1.25 if dropout else None
+    out, probs = attention.forward(q, k, v, 0.3, ops, mask)
+    grads = attention.backward(dout, q, k, v, probs, 0.3, ops, mask)
+    want_out, want_probs, want_grads = _dense_attention(q, k, v, 0.3, mask, dout)
+    for got, want in [(out, want_out), (probs, want_probs), *zip(grads, want_grads)]:
+        np.testing.assert_allclose(got, want, rtol=TOL[dtype], atol=TOL[dtype])
+    if not gemm.blas_in_kernels():
+        pytest.skip("numpy's BLAS is not one the kernels call: only the numpy path runs here")
+    try:
+        gemm._state["blas"] = False
+        out2, probs2 = attention.forward(q, k, v, 0.3, ops, mask)
+        grads2 = attention.backward(dout, q, k, v, probs2, 0.3, ops, mask)
+    finally:
+        gemm._state["blas"] = None
+    for a, b in [(out, out2), (probs, probs2), *zip(grads, grads2)]:
+        assert a.tobytes() == b.tobytes()
+
+
+def test_matmul_through_the_kernels_gives_numpys_bits(rng):
+    """A 2-D product's row chunks called from the kernels' threads give the bits of the same calls
+    made by numpy (transposed operands and sample boundaries included)."""
+    from wse_core.nn import gemm
+
+    if not gemm.blas_in_kernels():
+        pytest.skip("numpy's BLAS is not one the kernels call")
+    a = rng.standard_normal((700, 300)).astype(np.float32)
+    w = rng.standard_normal((200, 300)).astype(np.float32)
+    cases = [(a, w.T, 350), (a.T, a, None), (a[:, :64], w[:, :64].T, None)]
+    got = [gemm.matmul(x, y, rows) for x, y, rows in cases]
+    try:
+        gemm._state["blas"] = False
+        want = [gemm.matmul(x, y, rows) for x, y, rows in cases]
+    finally:
+        gemm._state["blas"] = None
+    for g, w_ in zip(got, want):
+        assert g.tobytes() == w_.tobytes()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_exact_gelu_and_its_derivative_are_within_float_rounding_of_erf(dtype):
+    """The exact GELU's float32 erf (wse_math.h: Abramowitz & Stegun 7.1.26, vectorised) is within
+    5e-7 of glibc's, forward and backward; float64 uses libm's erf."""
+    x = np.linspace(-9, 9, 20001).astype(dtype).reshape(1, -1)
+    y = ops.bias_gelu_forward(x.copy(), np.zeros(x.shape[1], dtype), exact=True)
+    dy = ops.gelu_backward(x, np.ones_like(x), exact=True)
+    erf = np.vectorize(math.erf)(x.astype(np.float64) / math.sqrt(2))
+    want = 0.5 * x * (1 + erf)
+    want_d = 0.5 * (1 + erf) + x * np.exp(-0.5 * x.astype(np.float64) ** 2) / math.sqrt(2 * math.pi)
+    tol = 5e-7 * np.maximum(1, np.abs(x)) if dtype == np.float32 else 1e-13
+    assert (np.abs(y - want) <= tol).all() and (np.abs(dy - want_d) <= tol).all()

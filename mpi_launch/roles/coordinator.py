@@ -28,6 +28,7 @@ class Coordinator(Role):
         from wse_core.perf.step import io_seconds, update_seconds
 
         o, r = self.params.optimizer, self.params.runconfig
+        self.link.off_path()  # it waits a whole step for the CS-2s' reports
         schedule = make_schedule(o.learning_rate, key="optimizer.learning_rate")
         names = self.model.param_names
         metrics = LineLog(self.run_dir.metrics)

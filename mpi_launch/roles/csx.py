@@ -2,11 +2,14 @@
 (``wse_core.perf.step.micro_batch_schedule``: forward, then segment by segment a recompute from the
 checkpoint and the backward), as the weights stream through; sends each unit's gradients up.
 
-What it keeps of a micro-batch from its forward pass to its backward (docs/design.md section 8,
-"Micro-batching"): the input of every segment's first unit (the checkpoint) and the activations of
-the last segment; the other segments' are recomputed from their checkpoints, with their weights
-streamed again, before their backward. The recomputed values are the forward's bits (the same
-inputs, weights and dropout keys).
+What the emulated CS-2 keeps of a micro-batch from its forward pass to its backward (docs/design.md
+section 8, "Micro-batching"): the input of every segment's first unit (the checkpoint) and the
+activations of the last segment; the other segments' are recomputed from their checkpoints, with
+their weights streamed again, before their backward. This rank's host keeps the whole micro-batch's
+activations instead (what its planned memory counts), so a recompute item takes its weights across
+the port and costs the clock a forward, but computes nothing: its values would be the forward's
+bits (the same inputs, weights and dropout keys), and computing them again took a sixth to a
+third of the rank's step.
 
 Simulated time: this rank keeps its CS-2's I/O port. An item's weights cross it once there is room
 for them (a CS-2 holds two units: from the moment the item before starts computing), the clock
@@ -34,7 +37,6 @@ class CS2(Role):
         from wse_core.nn.layers import DropoutKey
         from wse_core.optim.loss_scale import LossScaler
         from wse_core.perf import unit_seconds, unit_work
-        from wse_core.perf.memory import checkpoint_interval
         from wse_core.perf.step import micro_batch_schedule
 
         parent = self.plan.parent[self.plan.csx[self.index]]
@@ -49,8 +51,7 @@ class CS2(Role):
         seq = self.seq_len() if model.is_lm else None
         cost = [unit_seconds(unit_work(u, self.mbs, seq), self.hw) for u in units]
         items = [(m, kind, u) for m in range(self.n_micro) for kind, u in micro_batch_schedule(len(units))]
-        k = checkpoint_interval(len(units))
-        last_segment, head = (len(units) - 1) // k, len(units) - 1
+        head = len(units) - 1
         seed = self.params.runconfig.seed
 
         def weights_arrive(i, accept):
@@ -104,22 +105,18 @@ class CS2(Role):
                     sends += link.isend_arrays(arrays, parent, GRADS, u)
                     pending = (u, ready)
                     continue
-                if kind == "forward" and u == 0:  # a new micro-batch
+                clock.advance(cost[u]["forward"])
+                compute += cost[u]["forward"]
+                if kind == "recompute":  # the values are kept: see the module's docstring
+                    continue
+                if u == 0:  # a new micro-batch
                     if link.done(sends, f"SwarmX rank {parent} (gradients of step {step})"):
                         sends, keep = [], []  # what was sent so far has left: its buffers may go
                     batch = model.batch_of(raw[m])
                     drop = DropoutKey(seed, step + 1, self.round_range(m)[0])
-                    x, checkpoints, saved = model.first_input(batch, np.float32), {}, [None] * len(units)
-                if u % k == 0:  # a segment's first unit: its input is the checkpoint
-                    if kind == "recompute":
-                        x = checkpoints[u // k]
-                    checkpoints[u // k] = x
+                    x, saved = model.first_input(batch, np.float32), [None] * len(units)
                 x, saved[u] = model.unit_forward(u, x, params, drop)
-                if kind == "forward" and u // k != last_segment:
-                    saved[u] = None  # not kept: recomputed before its backward
-                clock.advance(cost[u]["forward"])
-                compute += cost[u]["forward"]
-                if kind == "forward" and u == head:
+                if u == head:
                     loss_sum, n_tokens, dy = model.loss(x, batch, loss_scale)
                     losses.append((loss_sum, n_tokens))
                     if m == self.n_micro - 1:  # every round's loss, once the last forward pass is done

@@ -32,6 +32,7 @@ class InputWorker(Role):
     def run(self):
         from data_tools.dataset import GlobalStream
 
+        self.link.off_path()  # it waits for its CS-2 to take data sent ahead (Issend: copied already)
         w = self.plan.num_workers_per_csx
         csx, j = divmod(self.index, w)
         t_in = self.params.train_input

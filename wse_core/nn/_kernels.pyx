@@ -1,21 +1,29 @@
-"""Fused elementwise and row-wise kernels of the layer numerics (dense GEMMs stay in numpy's BLAS).
+"""Fused elementwise and row-wise kernels of the layer numerics, and the products that call BLAS
+from the kernels' threads (row-chunked GEMMs, causal attention).
 
 Every kernel trusts its inputs (shapes, dtypes, C-contiguity, ids in range): the checks live in
-``wse_core.nn.ops``. Reductions that produce a parameter gradient (bias, LayerNorm gamma/beta,
-embedding rows) sum over rows in row order for each column, so the bits never depend on the
-number of threads; row-wise work (LayerNorm, softmax, loss) is parallel over rows.
+``wse_core.nn.ops`` and ``wse_core.nn.gemm``. Reductions that produce a parameter gradient (bias,
+LayerNorm gamma/beta, embedding rows) sum over rows in row order for each column, so the bits never
+depend on the number of threads; row-wise work (LayerNorm, softmax, loss) is parallel over rows.
+
+BLAS is numpy's own OpenBLAS, called through the CBLAS entry points ``set_blas`` is given (found by
+``wse_core.nn.gemm``): the same library and kernels as ``np.matmul``, minus numpy's per-call cost
+and the Python threads that used to share a product's chunks. Each call runs on the thread that
+makes it (BLAS is pinned to one thread), and what a call computes is fixed by the shapes alone.
 """
 from cython cimport floating
 from cython.parallel cimport prange
-from libc.math cimport erf, erff, exp, log, sqrt, tanh
-from libc.stdlib cimport calloc, free
-from libc.stdint cimport int32_t
+from libc.math cimport erf, exp, log, sqrt, tanh
+from libc.stdlib cimport calloc, free, malloc
+from libc.stdint cimport int32_t, int64_t
+from libc.string cimport memset
 
 from wse_core._parallel cimport WSE_GRAIN, wse_threads_for
 
 cdef extern from "wse_math.h" nogil:
     float wse_expf(float x) noexcept
     float wse_tanhf(float x) noexcept
+    float wse_erff(float x) noexcept
 
 cdef enum:
     # Columns per task of the column reductions: each task owns its columns for every row.
@@ -43,23 +51,58 @@ cdef inline floating _exp(floating x) noexcept nogil:
         return exp(x)
 
 
+cdef enum:
+    # Partial sums of a row reduction: lane l adds elements l, l + LANES, ...; the lanes are then
+    # added pairwise in a fixed order. A single running sum is one long chain of dependent adds
+    # (LayerNorm took 4x PyTorch's time, docs/benchmarks.md); lanes let gcc add 4-8 at a time.
+    LANES = 8
+
+
+cdef inline double _lanes_total(double* acc) noexcept nogil:
+    return ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]))
+
+
+cdef inline double _row_sum(const floating* x, Py_ssize_t n, double shift) noexcept nogil:
+    """sum of x[:n] - shift, in LANES partial sums."""
+    cdef double acc[LANES]
+    cdef Py_ssize_t c, l, n8 = n - n % LANES
+    for l in range(LANES):
+        acc[l] = 0.0
+    for c in range(0, n8 // LANES):
+        for l in range(LANES):
+            acc[l] += x[c * LANES + l] - shift
+    for c in range(n8, n):
+        acc[c - n8] += x[c] - shift
+    return _lanes_total(acc)
+
+
+cdef inline double _row_sum_squares(const floating* x, Py_ssize_t n, double shift) noexcept nogil:
+    """sum of (x[:n] - shift)^2, in LANES partial sums."""
+    cdef double acc[LANES]
+    cdef double d
+    cdef Py_ssize_t c, l, n8 = n - n % LANES
+    for l in range(LANES):
+        acc[l] = 0.0
+    for c in range(0, n8 // LANES):
+        for l in range(LANES):
+            d = x[c * LANES + l] - shift
+            acc[l] += d * d
+    for c in range(n8, n):
+        d = x[c] - shift
+        acc[c - n8] += d * d
+    return _lanes_total(acc)
+
+
 def layernorm_forward(const floating[:, ::1] x, const floating[::1] gamma, const floating[::1] beta,
                       double eps, floating[:, ::1] y, floating[::1] mean, floating[::1] rstd):
     """y := (x - mean(x)) / sqrt(var(x) + eps) * gamma + beta, row by row; saves mean and rstd."""
     cdef Py_ssize_t r, c, rows = x.shape[0], cols = x.shape[1]
-    cdef double s, d, mu, rs
+    cdef double mu, rs
     cdef int nt = wse_threads_for(rows * cols, WSE_GRAIN)
     with nogil:
         for r in prange(rows, schedule="static", num_threads=nt):
-            s = 0.0
-            for c in range(cols):
-                s = s + x[r, c]
-            mu = s / cols
-            s = 0.0
-            for c in range(cols):
-                d = x[r, c] - mu
-                s = s + d * d
-            rs = 1.0 / sqrt(s / cols + eps)
+            mu = _row_sum(&x[r, 0], cols, 0.0) / cols
+            rs = 1.0 / sqrt(_row_sum_squares(&x[r, 0], cols, mu) / cols + eps)
             mean[r] = <floating>mu
             rstd[r] = <floating>rs
             for c in range(cols):
@@ -80,13 +123,7 @@ def layernorm_backward(const floating[:, ::1] dy, const floating[:, ::1] x, cons
     try:
         with nogil:
             for r in prange(rows, schedule="static", num_threads=nt):
-                a = 0.0
-                bb = 0.0
-                for c in range(cols):
-                    g = dy[r, c] * gamma[c]
-                    xh = (x[r, c] - mean[r]) * rstd[r]
-                    a = a + g
-                    bb = bb + g * xh
+                _layernorm_backward_sums(&dy[r, 0], &x[r, 0], &gamma[0], mean[r], rstd[r], cols, &a, &bb)
                 a = a / cols
                 bb = bb / cols
                 for c in range(cols):
@@ -107,6 +144,32 @@ def layernorm_backward(const floating[:, ::1] dy, const floating[:, ::1] x, cons
                     dbeta[c] = <floating>acc[cols + c]
     finally:
         free(acc)
+
+
+cdef inline void _layernorm_backward_sums(const floating* dy, const floating* x, const floating* gamma,
+                                          floating mean, floating rstd, Py_ssize_t n, double* a,
+                                          double* bb) noexcept nogil:
+    """a := sum g, bb := sum g xhat over a row (g = dy gamma, xhat = (x - mean) rstd), in LANES partial sums."""
+    cdef double sa[LANES]
+    cdef double sb[LANES]
+    cdef double g, xh
+    cdef Py_ssize_t c, l, n8 = n - n % LANES
+    for l in range(LANES):
+        sa[l] = 0.0
+        sb[l] = 0.0
+    for c in range(0, n8 // LANES):
+        for l in range(LANES):
+            g = dy[c * LANES + l] * gamma[c * LANES + l]
+            xh = (x[c * LANES + l] - mean) * rstd
+            sa[l] += g
+            sb[l] += g * xh
+    for c in range(n8, n):
+        g = dy[c] * gamma[c]
+        xh = (x[c] - mean) * rstd
+        sa[c - n8] += g
+        sb[c - n8] += g * xh
+    a[0] = _lanes_total(sa)
+    bb[0] = _lanes_total(sb)
 
 
 def column_sum(const floating[:, ::1] a, floating[::1] out):
@@ -135,7 +198,7 @@ def column_sum(const floating[:, ::1] a, floating[::1] out):
 
 cdef inline floating _erf(floating x) noexcept nogil:
     if floating is float:
-        return erff(x)
+        return wse_erff(x)
     else:
         return erf(x)
 
@@ -174,7 +237,7 @@ def gelu_backward(const floating[:, ::1] pre, floating[:, ::1] dy, bint exact):
             for r in prange(rows, schedule="static", num_threads=nt):
                 for c in range(cols):
                     v = pre[r, c]
-                    dy[r, c] = dy[r, c] * (half * (one + _erf(v * s)) + v * g * <floating>exp(-half * v * v))
+                    dy[r, c] = dy[r, c] * (half * (one + _erf(v * s)) + v * g * _exp(-half * v * v))
         else:
             for r in prange(rows, schedule="static", num_threads=nt):
                 for c in range(cols):
@@ -212,47 +275,58 @@ def causal_softmax_forward(floating[:, :, ::1] s, double scale):
     """s[b, i, :] := softmax(scale * s[b, i, :o+i+1]) followed by zeros, in place (a causal mask), where
     o = L - t for blocks [t, L]: the last t of L positions attending to themselves and every earlier one
     (o = 0 in training's square blocks; a KV cache's decode step is one row, t = 1, seeing all L)."""
-    cdef Py_ssize_t nb = s.shape[0], t = s.shape[1], o = s.shape[2] - s.shape[1], row, b, i, j
-    cdef floating m, e, sc = <floating>scale
-    cdef double total
+    cdef Py_ssize_t nb = s.shape[0], t = s.shape[1], o = s.shape[2] - s.shape[1], row, b, i
     cdef int nt = wse_threads_for(nb * t * (t + o), WSE_GRAIN)
     with nogil:
         for row in prange(nb * t, schedule="static", num_threads=nt):
             b = row // t
             i = row % t
-            m = s[b, i, 0] * sc
-            for j in range(1, o + i + 1):
-                if s[b, i, j] * sc > m:
-                    m = s[b, i, j] * sc
-            total = 0.0
-            for j in range(o + i + 1):
-                e = _exp(s[b, i, j] * sc - m)
-                s[b, i, j] = e
-                total = total + e
-            for j in range(o + i + 1):
-                s[b, i, j] = <floating>(s[b, i, j] / total)
-            for j in range(o + i + 1, t + o):
-                s[b, i, j] = 0
+            _softmax_row(&s[b, i, 0], o + i + 1, t + o, <floating>scale)
+
+
+cdef inline void _softmax_row(floating* s, Py_ssize_t n, Py_ssize_t width, floating sc) noexcept nogil:
+    """s[:n] := softmax(sc * s[:n]); s[n:width] := 0 (a causal row that sees n positions)."""
+    cdef Py_ssize_t j
+    cdef floating m = s[0] * sc, e
+    cdef double total = 0.0
+    for j in range(1, n):
+        if s[j] * sc > m:
+            m = s[j] * sc
+    for j in range(n):
+        e = _exp(s[j] * sc - m)
+        s[j] = e
+        total = total + e
+    for j in range(n):
+        s[j] = <floating>(s[j] / total)
+    for j in range(n, width):
+        s[j] = 0
 
 
 def causal_softmax_backward(const floating[:, :, ::1] p, floating[:, :, ::1] dp, double scale):
-    """dp := scale * p * (dp - sum_j p dp) over the causal part of each row, zeros above; in place."""
-    cdef Py_ssize_t nb = p.shape[0], t = p.shape[1], row, b, i, j
-    cdef double dot
-    cdef floating sc = <floating>scale, d
-    cdef int nt = wse_threads_for(nb * t * t, WSE_GRAIN)
+    """dp := scale * p * (dp - sum_j p dp) over the causal part of each row, zeros above; in place
+    (blocks [t, L] as in causal_softmax_forward)."""
+    cdef Py_ssize_t nb = p.shape[0], t = p.shape[1], o = p.shape[2] - p.shape[1], row, b, i
+    cdef int nt = wse_threads_for(nb * t * (t + o), WSE_GRAIN)
     with nogil:
         for row in prange(nb * t, schedule="static", num_threads=nt):
             b = row // t
             i = row % t
-            dot = 0.0
-            for j in range(i + 1):
-                dot = dot + p[b, i, j] * dp[b, i, j]
-            d = <floating>dot
-            for j in range(i + 1):
-                dp[b, i, j] = sc * p[b, i, j] * (dp[b, i, j] - d)
-            for j in range(i + 1, t):
-                dp[b, i, j] = 0
+            _softmax_backward_row(&p[b, i, 0], &dp[b, i, 0], o + i + 1, t + o, <floating>scale)
+
+
+cdef inline void _softmax_backward_row(const floating* p, floating* dp, Py_ssize_t n, Py_ssize_t width,
+                                       floating sc) noexcept nogil:
+    """dp[:n] := sc p (dp - sum p dp) over a causal row that sees n positions; dp[n:width] := 0."""
+    cdef Py_ssize_t j
+    cdef double dot = 0.0
+    cdef floating d
+    for j in range(n):
+        dot = dot + p[j] * dp[j]
+    d = <floating>dot
+    for j in range(n):
+        dp[j] = sc * p[j] * (dp[j] - d)
+    for j in range(n, width):
+        dp[j] = 0
 
 
 def cross_entropy(floating[:, ::1] logits, const int32_t[::1] labels, const int32_t[::1] mask,
@@ -301,3 +375,155 @@ def embedding_backward(const int32_t[::1] ids, const floating[:, ::1] dy, floati
             for t in range(n):
                 for c in range(c0, c1):
                     dtable[ids[t], c] += dy[t, c]
+
+
+# --- Products through numpy's BLAS (CBLAS, 64-bit integers: numpy's scipy-openblas64 build) --------
+
+cdef enum:
+    ROW_MAJOR = 101
+    NO_TRANS = 111
+    TRANS = 112
+
+ctypedef void (*sgemm_t)(int, int, int, int64_t, int64_t, int64_t, float, const float*, int64_t,
+                         const float*, int64_t, float, float*, int64_t) noexcept nogil
+ctypedef void (*dgemm_t)(int, int, int, int64_t, int64_t, int64_t, double, const double*, int64_t,
+                         const double*, int64_t, double, double*, int64_t) noexcept nogil
+
+cdef sgemm_t _sgemm = NULL
+cdef dgemm_t _dgemm = NULL
+
+
+def set_blas(size_t sgemm, size_t dgemm):
+    """Take the addresses of ``cblas_sgemm`` and ``cblas_dgemm`` (64-bit integer CBLAS)."""
+    global _sgemm, _dgemm
+    _sgemm = <sgemm_t>sgemm
+    _dgemm = <dgemm_t>dgemm
+
+
+cdef inline void _gemm(bint ta, bint tb, Py_ssize_t m, Py_ssize_t n, Py_ssize_t k, const floating* a,
+                       Py_ssize_t lda, const floating* b, Py_ssize_t ldb, floating beta, floating* c,
+                       Py_ssize_t ldc) noexcept nogil:
+    """c := a' b' + beta c (row-major; a' = a or its transpose, likewise b')."""
+    if floating is float:
+        _sgemm(ROW_MAJOR, TRANS if ta else NO_TRANS, TRANS if tb else NO_TRANS, m, n, k, 1.0, a, lda,
+               b, ldb, beta, c, ldc)
+    else:
+        _dgemm(ROW_MAJOR, TRANS if ta else NO_TRANS, TRANS if tb else NO_TRANS, m, n, k, 1.0, a, lda,
+               b, ldb, beta, c, ldc)
+
+
+def gemm_rows(const floating[:, :] a, const floating[:, :] b, floating[:, ::1] out,
+              const Py_ssize_t[:, ::1] bounds, bint ta, Py_ssize_t lda, bint tb, Py_ssize_t ldb, int threads):
+    """out[lo:hi] := a[lo:hi] @ b, one BLAS call per row range (lo, hi) of ``bounds``, the calls
+    shared by ``threads`` threads. a (b) is row-major with leading dimension lda (ldb), or the
+    transpose of such an array when ta (tb)."""
+    cdef Py_ssize_t i, lo, hi, n = b.shape[1], k = a.shape[1], nc = bounds.shape[0]
+    cdef Py_ssize_t step_a = lda if not ta else 1
+    with nogil:
+        for i in prange(nc, schedule="static", num_threads=threads):
+            lo = bounds[i, 0]
+            hi = bounds[i, 1]
+            _gemm(ta, tb, hi - lo, n, k, &a[0, 0] + lo * step_a, lda, &b[0, 0], ldb, 0, &out[lo, 0], n)
+
+
+cdef inline void _attention_forward(const floating* q, Py_ssize_t ldq, const floating* k, Py_ssize_t ldk,
+                                    const floating* v, Py_ssize_t ldv, const floating* mask, floating* out,
+                                    Py_ssize_t ldo, floating* p, floating* used, Py_ssize_t t, Py_ssize_t d,
+                                    Py_ssize_t block, floating sc) noexcept nogil:
+    """One (sample, head): p [t, t] := causal softmax(sc q k^T), block rows at a time over the keys
+    they see; out := (p * mask) v. q, k, v and out are [t, d] with row strides ldq, ldk, ldv, ldo."""
+    cdef Py_ssize_t r0 = 0, r1, i, j
+    while r0 < t:
+        r1 = r0 + block if r0 + block < t else t
+        _gemm(False, True, r1 - r0, r1, d, q + r0 * ldq, ldq, k, ldk, 0, p + r0 * t, t)
+        for i in range(r0, r1):
+            _softmax_row(p + i * t, i + 1, t, sc)
+        if mask == NULL:
+            _gemm(False, False, r1 - r0, d, r1, p + r0 * t, t, v, ldv, 0, out + r0 * ldo, ldo)
+        else:
+            for i in range(r0, r1):
+                for j in range(r1):
+                    used[(i - r0) * t + j] = p[i * t + j] * mask[i * t + j]
+            _gemm(False, False, r1 - r0, d, r1, used, t, v, ldv, 0, out + r0 * ldo, ldo)
+        r0 = r1
+
+
+def attention_forward(const floating[:, :, :, :] q, const floating[:, :, :, :] k,
+                      const floating[:, :, :, :] v, const floating[:, :, :, ::1] mask,
+                      floating[:, :, :, :] out, floating[:, :, :, ::1] probs, double scale, Py_ssize_t block):
+    """Causal attention of each (sample, head) [t, d] of q, k, v [b, heads, t, d] (any strides but a
+    contiguous last axis); probs [b, heads, t, t] gets the probabilities (zeros above the diagonal); mask (empty:
+    none) scales them in the product with v; out [b, heads, t, d] gets the result."""
+    cdef Py_ssize_t nb = q.shape[0], nh = q.shape[1], t = q.shape[2], d = q.shape[3], h, bi, hi
+    cdef Py_ssize_t z = sizeof(floating)
+    cdef Py_ssize_t ldq = q.strides[2] // z, ldk = k.strides[2] // z, ldv = v.strides[2] // z, ldo = out.strides[2] // z
+    cdef bint masked = mask.shape[0] > 0
+    cdef int nt = wse_threads_for(nb * nh * t * t, WSE_GRAIN)
+    cdef floating* used
+    with nogil:
+        for h in prange(nb * nh, schedule="static", num_threads=nt):
+            bi = h // nh
+            hi = h % nh
+            used = <floating*>malloc(block * t * sizeof(floating)) if masked else NULL
+            _attention_forward(&q[bi, hi, 0, 0], ldq, &k[bi, hi, 0, 0], ldk, &v[bi, hi, 0, 0], ldv,
+                               &mask[bi, hi, 0, 0] if masked else NULL, &out[bi, hi, 0, 0], ldo,
+                               &probs[bi, hi, 0, 0], used, t, d, block, <floating>scale)
+            free(used)
+
+
+cdef inline void _attention_backward(const floating* dout, Py_ssize_t ldo, const floating* q, Py_ssize_t ldq,
+                                     const floating* k, Py_ssize_t ldk, const floating* v, Py_ssize_t ldv,
+                                     const floating* p, const floating* mask, floating* dq, Py_ssize_t lddq,
+                                     floating* dk, Py_ssize_t lddk, floating* dv, Py_ssize_t lddv, floating* dp,
+                                     floating* used, Py_ssize_t t, Py_ssize_t d, Py_ssize_t block,
+                                     floating sc) noexcept nogil:
+    """One (sample, head) of attention_backward; dk and dv add the blocks' parts in block order."""
+    cdef Py_ssize_t r0 = 0, r1, i, j
+    while r0 < t:
+        r1 = r0 + block if r0 + block < t else t
+        if mask == NULL:
+            _gemm(True, False, r1, d, r1 - r0, p + r0 * t, t, dout + r0 * ldo, ldo, 1, dv, lddv)
+        else:
+            for i in range(r0, r1):
+                for j in range(r1):
+                    used[(i - r0) * t + j] = p[i * t + j] * mask[i * t + j]
+            _gemm(True, False, r1, d, r1 - r0, used, t, dout + r0 * ldo, ldo, 1, dv, lddv)
+        _gemm(False, True, r1 - r0, r1, d, dout + r0 * ldo, ldo, v, ldv, 0, dp, t)
+        for i in range(r0, r1):
+            if mask != NULL:
+                for j in range(r1):
+                    dp[(i - r0) * t + j] = dp[(i - r0) * t + j] * mask[i * t + j]
+            _softmax_backward_row(p + i * t, dp + (i - r0) * t, i + 1, r1, sc)
+        _gemm(False, False, r1 - r0, d, r1, dp, t, k, ldk, 0, dq + r0 * lddq, lddq)
+        _gemm(True, False, r1, d, r1 - r0, dp, t, q + r0 * ldq, ldq, 1, dk, lddk)
+        r0 = r1
+
+
+def attention_backward(const floating[:, :, :, :] dout, const floating[:, :, :, :] q,
+                       const floating[:, :, :, :] k, const floating[:, :, :, :] v,
+                       const floating[:, :, :, ::1] probs, const floating[:, :, :, ::1] mask,
+                       floating[:, :, :, :] dq, floating[:, :, :, :] dk, floating[:, :, :, :] dv,
+                       double scale, Py_ssize_t block):
+    """Gradients of attention_forward's output with respect to q, k and v, given dout (all [b, heads,
+    t, d], any strides but a contiguous last axis); dk and dv are added to, so the caller zeroes them."""
+    cdef Py_ssize_t nb = q.shape[0], nh = q.shape[1], t = q.shape[2], d = q.shape[3], h, bi, hi
+    cdef Py_ssize_t z = sizeof(floating)
+    cdef Py_ssize_t ldo = dout.strides[2] // z, ldq = q.strides[2] // z, ldk = k.strides[2] // z
+    cdef Py_ssize_t ldv = v.strides[2] // z, lddq = dq.strides[2] // z, lddk = dk.strides[2] // z
+    cdef Py_ssize_t lddv = dv.strides[2] // z
+    cdef bint masked = mask.shape[0] > 0
+    cdef int nt = wse_threads_for(nb * nh * t * t, WSE_GRAIN)
+    cdef floating* dp
+    cdef floating* used
+    with nogil:
+        for h in prange(nb * nh, schedule="static", num_threads=nt):
+            bi = h // nh
+            hi = h % nh
+            dp = <floating*>malloc(block * t * sizeof(floating))
+            used = <floating*>malloc(block * t * sizeof(floating)) if masked else NULL
+            _attention_backward(&dout[bi, hi, 0, 0], ldo, &q[bi, hi, 0, 0], ldq, &k[bi, hi, 0, 0], ldk,
+                                &v[bi, hi, 0, 0], ldv, &probs[bi, hi, 0, 0], &mask[bi, hi, 0, 0] if masked else NULL,
+                                &dq[bi, hi, 0, 0], lddq, &dk[bi, hi, 0, 0], lddk, &dv[bi, hi, 0, 0], lddv,
+                                dp, used, t, d, block, <floating>scale)
+            free(dp)
+            free(used)

@@ -10,6 +10,12 @@ into fixed chunks of ``CHUNK_ROWS`` rows of the left operand, a batched product 
 matrices. The chunking depends only on the shapes, so the result is the same for any number of
 workers; the workers are the kernels' OpenMP thread count.
 
+Where numpy's BLAS is its own OpenBLAS wheel (scipy-openblas, 64-bit integers: numpy's Linux
+wheels), a 2-D product's chunks are BLAS calls made from the kernels' OpenMP threads
+(``_kernels.gemm_rows``), as ``wse_core.nn.attention``'s are; elsewhere numpy makes them from a pool
+of Python threads. Both make one call per chunk; dispatching them in Python cost 10-25% of the
+block's products (docs/benchmarks.md, "Where the block's time goes").
+
 A BLAS's result for one row may depend on how many rows share the call and on the row's place
 among them: OpenBLAS 0.3.31 gives other bits for a row of a 5-row and of a 15-row product
 (SkylakeX kernel: small-matrix code below some size), and its Haswell kernel other bits for rows
@@ -19,17 +25,19 @@ boundaries too: a sample's rows meet BLAS in the same calls at the same places w
 in the batch, and its values do not depend on the batch (docs/design.md section 2). When the
 sample length is a multiple of ``CHUNK_ROWS`` the calls are the ones an uncut product makes.
 """
+import ctypes
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 from threadpoolctl import ThreadpoolController
 
 from wse_core._openmp import openmp_info
+from wse_core.nn import _kernels
 
 #: Rows of the left operand per task of a 2-D product (fixed: it decides the bits).
 CHUNK_ROWS = 128
 
-_state = {"pool": None, "workers": None, "controller": None, "pinned": None}
+_state = {"pool": None, "workers": None, "controller": None, "pinned": None, "blas": None}
 
 
 def _controller():
@@ -42,6 +50,30 @@ def pin_blas():
     """Run BLAS on one thread for the rest of the process (kept: restoring it would change bits)."""
     if _state["pinned"] is None:
         _state["pinned"] = _controller().limit(limits=1, user_api="blas")
+
+
+def blas_in_kernels():
+    """Whether the kernels call numpy's BLAS themselves (found and handed over on first use)."""
+    if _state["blas"] is None:
+        _state["blas"] = _find_blas()
+    return _state["blas"]
+
+
+def _find_blas():
+    blas = np.show_config(mode="dicts").get("Build Dependencies", {}).get("blas", {})
+    if blas.get("name") != "scipy-openblas" or "USE64BITINT" not in blas.get("openblas configuration", ""):
+        return False
+    for lib in _controller().select(internal_api="openblas").lib_controllers:
+        if "numpy" not in lib.filepath:
+            continue
+        dll = ctypes.CDLL(lib.filepath)
+        try:
+            sgemm, dgemm = dll.scipy_cblas_sgemm64_, dll.scipy_cblas_dgemm64_
+        except AttributeError:
+            return False
+        _kernels.set_blas(ctypes.cast(sgemm, ctypes.c_void_p).value, ctypes.cast(dgemm, ctypes.c_void_p).value)
+        return True
+    return False
 
 
 def _pool():
@@ -73,17 +105,51 @@ def _row_chunks(m, sample_rows):
             for lo in range(0, period, CHUNK_ROWS)]
 
 
+def _layout(x):
+    """(transposed, leading dimension) of a 2-D float array BLAS can read in place, else None."""
+    if x.dtype not in (np.float32, np.float64):
+        return None
+    item = x.itemsize
+    if x.strides[1] == item and x.strides[0] >= max(1, x.shape[1]) * item and x.strides[0] % item == 0:
+        return False, x.strides[0] // item
+    if x.strides[0] == item and x.strides[1] >= max(1, x.shape[0]) * item and x.strides[1] % item == 0:
+        return True, x.strides[1] // item
+    return None
+
+
+def _run_chunks(a, b, out, bounds):
+    for lo, hi in bounds:
+        np.matmul(a[lo:hi], b, out=out[lo:hi])
+
+
+def _share(bounds, workers):
+    """``bounds`` cut into at most ``workers`` consecutive runs of about equal rows."""
+    total = bounds[-1][1] - bounds[0][0]
+    parts, start, done = [], 0, 0
+    for i, (lo, hi) in enumerate(bounds):
+        done += hi - lo
+        if done * workers >= total * (len(parts) + 1) or i == len(bounds) - 1:
+            parts.append(bounds[start:i + 1])
+            start = i + 1
+    return parts
+
+
 def _matmul(a, b, sample_rows):
     pool, workers = _pool()
     if a.ndim == 2:
         m = a.shape[0]
         out = np.empty((m, b.shape[-1]), np.result_type(a, b))
         bounds = _row_chunks(m, sample_rows) if m else []
+        lay_a, lay_b = _layout(a), _layout(b)
+        if bounds and a.shape[1] and lay_a and lay_b and a.dtype == b.dtype and blas_in_kernels():
+            _kernels.gemm_rows(a, b, out, np.array(bounds, np.intp), *lay_a, *lay_b, workers)
+            return out
         if pool is None or len(bounds) < 2:
-            for lo, hi in bounds:
-                np.matmul(a[lo:hi], b, out=out[lo:hi])
+            _run_chunks(a, b, out, bounds)
         else:
-            list(pool.map(lambda r: np.matmul(a[r[0]:r[1]], b, out=out[r[0]:r[1]]), bounds))
+            # One task per worker, each a run of whole chunks: which worker makes a call changes no
+            # bits, and a task per chunk cost 10-25% of these products in dispatch (measured).
+            list(pool.map(lambda part: _run_chunks(a, b, out, part), _share(bounds, workers)))
         return out
     # Batched: every matrix of the stack is its own BLAS call, so grouping them changes no bits.
     shape = np.broadcast_shapes(a.shape[:-2], b.shape[:-2])

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from wse_core.nn import attention
 from wse_core.nn import ops as fused_ops
 from wse_core.nn.gemm import matmul
 
@@ -295,16 +296,14 @@ class TransformerBlock(Unit):
         x2 = x.reshape(b * t, c)
         ln1, mu1, rs1 = ops.layernorm_forward(x2, params[p + "ln_1.weight"], params[p + "ln_1.bias"], self.eps)
         qkv = self._lin(ln1, params, "attn.qkv", t)
-        qkv = qkv.reshape(b, t, 3, nh, hd).transpose(2, 0, 3, 1, 4)     # [3, b, nh, t, hd]
-        q, k, v = (np.ascontiguousarray(qkv[i]) for i in range(3))
+        q, k, v = _heads(qkv, b, t, nh, hd)                                      # views [b, nh, t, hd]
         if kv is None:
-            probs = matmul(q, k.transpose(0, 1, 3, 2))                            # [b, nh, t, t]
-            ops.causal_softmax_forward(probs.reshape(b * nh, t, t), scale)
-            used = probs if masks[0] is None else probs * masks[0]                # dropout on the attention weights
-            heads = matmul(used, v)
+            att = np.empty((b * t, c), x.dtype)
+            _, probs = attention.forward(q, k, v, scale, ops, masks[0],         # masks[0]: attention dropout
+                                         out=_heads(att, b, t, nh, hd)[0])
         else:
             probs, heads = None, kv.attend(self.name, q, k, v, scale, ops)
-        att = np.ascontiguousarray(heads.transpose(0, 2, 1, 3)).reshape(b * t, c)
+            att = np.ascontiguousarray(heads.transpose(0, 2, 1, 3)).reshape(b * t, c)
         proj = self._lin(att, params, "attn.proj", t)
         mid = x2 + (proj if masks[1] is None else proj * masks[1])
         ln2, mu2, rs2 = ops.layernorm_forward(mid, params[p + "ln_2.weight"], params[p + "ln_2.bias"], self.eps)
@@ -332,24 +331,21 @@ class TransformerBlock(Unit):
         dmid += dout
         # Attention
         datt = self._lin_back(dmid if masks[1] is None else dmid * masks[1], att, params, "attn.proj", t, g)
-        dy_heads = np.ascontiguousarray(datt.reshape(b, t, nh, hd).transpose(0, 2, 1, 3))
-        dprobs = matmul(dy_heads, v.transpose(0, 1, 3, 2))
-        used = probs if masks[0] is None else probs * masks[0]
-        dv = matmul(used.transpose(0, 1, 3, 2), dy_heads)
-        if masks[0] is not None:
-            dprobs *= masks[0]
-        ops.causal_softmax_backward(probs.reshape(b * nh, t, t), dprobs.reshape(b * nh, t, t), scale)
-        dq = matmul(dprobs, k)
-        dk = matmul(dprobs.transpose(0, 1, 3, 2), q)
-        dqkv = np.empty((b, t, 3, nh, hd), dy.dtype)
-        for i, d in enumerate((dq, dk, dv)):
-            dqkv[:, :, i] = d.transpose(0, 2, 1, 3)
-        dqkv = dqkv.reshape(b * t, 3 * c)
+        dqkv = np.zeros((b * t, 3 * c), dy.dtype)
+        attention.backward(_heads(datt, b, t, nh, hd)[0], q, k, v, probs, scale, ops, masks[0],
+                           grads=_heads(dqkv, b, t, nh, hd))
         dln1 = self._lin_back(dqkv, ln1, params, "attn.qkv", t, g)
         dx, g[p + "ln_1.weight"], g[p + "ln_1.bias"] = ops.layernorm_backward(
             dln1, x2, params[p + "ln_1.weight"], mu1, rs1)
         dx += dmid
         return dx.reshape(b, t, c), g
+
+
+def _heads(x, b, t, nh, hd):
+    """The [b, nh, t, hd] views of each head block of token-major ``x`` [b * t, k * nh * hd] (k of them:
+    q, k and v of the QKV product, or one)."""
+    parts = x.reshape(b, t, -1, nh, hd)
+    return tuple(parts[:, :, i].transpose(0, 2, 1, 3) for i in range(parts.shape[2]))
 
 
 class LMHead(Unit):

@@ -21,6 +21,7 @@ import math
 
 import numpy as np
 
+from wse_core.nn import attention
 from wse_core.nn import ops as fused_ops
 from wse_core.nn.config import LlamaConfig
 from wse_core.nn.gemm import matmul
@@ -159,17 +160,16 @@ class LlamaBlock(Unit):
         if kv is None:
             q, k = self.rotary.apply(q), self.rotary.apply(k)
             kf, vf = np.repeat(k, group, axis=1), np.repeat(v, group, axis=1)   # q head h reads kv head h // group
-            probs = matmul(q, kf.transpose(0, 1, 3, 2))
-            self.ops.causal_softmax_forward(probs.reshape(b * nh, t, t), self.attention_scale)
-            used = probs if masks[0] is None else probs * masks[0]
-            heads = matmul(used, vf)
+            att = np.empty((b * t, c), x.dtype)
+            _, probs = attention.forward(q, kf, vf, self.attention_scale, self.ops, masks[0],
+                                         out=att.reshape(b, t, nh, -1).transpose(0, 2, 1, 3))
         else:
             for i, start in enumerate(kv.starts()):  # each sequence at its own positions
                 self.rotary.apply(q[i], start=start)
                 self.rotary.apply(k[i], start=start)
             kf = vf = probs = None
             heads = kv.attend(self.name, q, k, v, self.attention_scale, self.ops, group)
-        att = np.ascontiguousarray(heads.transpose(0, 2, 1, 3)).reshape(b * t, c)
+            att = np.ascontiguousarray(heads.transpose(0, 2, 1, 3)).reshape(b * t, c)
         proj = matmul(att, params[p + "attn.proj.weight"].T, sample_rows=t)
         mid = x2 + (proj if masks[1] is None else proj * masks[1])
         n2, r2 = rms_norm(mid, params[p + "norm_2.weight"], self.eps)
@@ -204,15 +204,8 @@ class LlamaBlock(Unit):
         dproj = dmid if masks[1] is None else dmid * masks[1]
         g[p + "attn.proj.weight"] = matmul(dproj.T, att)
         datt = self._heads(matmul(dproj, params[p + "attn.proj.weight"], sample_rows=t), b, t, nh)
-        dprobs = matmul(datt, vf.transpose(0, 1, 3, 2))
-        used = probs if masks[0] is None else probs * masks[0]
-        dvf = matmul(used.transpose(0, 1, 3, 2), datt)
-        if masks[0] is not None:
-            dprobs *= masks[0]
-        self.ops.causal_softmax_backward(probs.reshape(b * nh, t, t), dprobs.reshape(b * nh, t, t),
-                                         self.attention_scale)
-        dq = self.rotary.apply(matmul(dprobs, kf), inverse=True)
-        dkf = matmul(dprobs.transpose(0, 1, 3, 2), q)
+        dq, dkf, dvf = attention.backward(datt, q, kf, vf, probs, self.attention_scale, self.ops, masks[0])
+        dq = self.rotary.apply(dq, inverse=True)
         # A kv head's gradient is the sum over the q heads of its group, in head order.
         dk = self.rotary.apply(dkf.reshape(b, self.kv_heads, group, t, -1).sum(axis=2), inverse=True)
         dv = dvf.reshape(b, self.kv_heads, group, t, -1).sum(axis=2)

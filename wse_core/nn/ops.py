@@ -127,7 +127,8 @@ def causal_softmax_forward(scores, scale):
 
 
 def causal_softmax_backward(probs, dprobs, scale):
-    """dprobs := gradient with respect to the unscaled scores, in place; returns dprobs."""
+    """dprobs := gradient with respect to the unscaled scores, in place; returns dprobs (blocks
+    [n, t, L] as in ``causal_softmax_forward``)."""
     _float("probs", probs, 3)
     _same("dprobs", dprobs, "probs", probs)
     _kernels.causal_softmax_backward(probs, dprobs, float(scale))
