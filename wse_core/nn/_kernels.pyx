@@ -15,8 +15,8 @@ from cython cimport floating
 from cython.parallel cimport prange
 from libc.math cimport erf, exp, log, sqrt, tanh
 from libc.stdlib cimport calloc, free, malloc
-from libc.stdint cimport int32_t, int64_t
-from libc.string cimport memset
+from libc.stdint cimport int32_t, int64_t, uint32_t, uint64_t
+from libc.string cimport memcpy
 
 from wse_core._parallel cimport WSE_GRAIN, wse_threads_for
 
@@ -527,3 +527,40 @@ def attention_backward(const floating[:, :, :, :] dout, const floating[:, :, :, 
                                 dp, used, t, d, block, <floating>scale)
             free(dp)
             free(used)
+
+
+# --- 16-bit formats (wse_core.nn.precision) --------------------------------------------------------
+
+cdef extern from "math.h" nogil:
+    double nearbyint(double x) noexcept
+
+
+def round_to_format(const float[::1] x, float[::1] out, int exp_bits, int man_bits, double fmax):
+    """out := the numbers of the format (exp_bits, man_bits; subnormals; ties to even; beyond fmax:
+    +-inf) nearest x, NaN and infinities passed through: ``precision.Format.round``'s arithmetic,
+    element by element (x / quantum is exact in double, quantum a power of two)."""
+    cdef Py_ssize_t i, n = x.shape[0]
+    cdef int bias = (1 << (exp_bits - 1)) - 1
+    cdef int emin = 1 - bias, e
+    cdef uint32_t bits
+    cdef uint64_t qbits
+    cdef double q, r
+    cdef float v
+    cdef int nt = wse_threads_for(n, WSE_GRAIN)
+    with nogil:
+        for i in prange(n, schedule="static", num_threads=nt):
+            v = x[i]
+            memcpy(&bits, &v, 4)
+            e = <int>((bits >> 23) & 0xff)
+            if e == 0xff:  # NaN or +-inf
+                out[i] = v
+                continue
+            e = e - 127 if e > 0 else emin  # a float32 subnormal is below every format's emin
+            if e < emin:
+                e = emin
+            qbits = <uint64_t>(e - man_bits + 1023) << 52
+            memcpy(&q, &qbits, 8)
+            r = nearbyint(<double>v / q) * q
+            if r > fmax or r < -fmax:
+                r = r * 1e300 * 1e300  # +-inf with r's sign
+            out[i] = <float>r

@@ -47,20 +47,18 @@ class Format:
 
     def round(self, x, out=None):
         """float32 array of the format's numbers nearest ``x`` (ties to even; beyond max: +-inf)."""
-        x = np.asarray(x, np.float32)
-        x64 = x.astype(np.float64)
-        with np.errstate(invalid="ignore"):  # NaN and infinities pass through
-            return self._round(x64, out)
+        from wse_core.nn import _kernels
 
-    def _round(self, x64, out):
-        _, e = np.frexp(x64)                       # |x| = f * 2^e with f in [0.5, 1): floor(log2|x|) = e - 1
-        e = np.maximum(e - 1, self.emin)           # subnormals share the smallest normal's quantum
-        quantum = np.ldexp(1.0, e - self.man_bits)
-        r = np.round(x64 / quantum) * quantum      # exact division by a power of two; np.round: ties to even
-        r = np.where(np.abs(r) > self.max, np.copysign(np.inf, r), r)   # NaN and +-inf pass through
+        x = np.ascontiguousarray(x, np.float32)
         if out is None:
-            return r.astype(np.float32)
-        out[...] = r
+            out = np.empty_like(x)
+        elif not (out.flags.c_contiguous and out.dtype == np.float32 and out.shape == x.shape):
+            out[...] = self.round(x)
+            return out
+        # One pass in a kernel: |x| = f 2^e, quantum 2^(max(e, emin) - man_bits), round(x / quantum)
+        # ties to even, times quantum (exact in float64); numpy's seven passes over float64 copies
+        # took 11 ms of a GPT-2 block's 88 in mixed precision.
+        _kernels.round_to_format(x.reshape(-1), out.reshape(-1), self.exp_bits, self.man_bits, self.max)
         return out
 
     def encode(self, x):
