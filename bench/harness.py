@@ -32,8 +32,8 @@ def machine():
     }
 
 
-def median_seconds(fn, repeats, warmup=2):
-    """Median wall time of ``fn()`` over ``repeats`` calls after ``warmup`` untimed calls."""
+def seconds(fn, repeats, warmup=2):
+    """Wall times of ``repeats`` calls of ``fn()`` after ``warmup`` untimed calls."""
     for _ in range(warmup):
         fn()
     times = []
@@ -41,7 +41,12 @@ def median_seconds(fn, repeats, warmup=2):
         t0 = time.perf_counter()
         fn()
         times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    return times
+
+
+def median_seconds(fn, repeats, warmup=2):
+    """Median wall time of ``fn()`` over ``repeats`` calls after ``warmup`` untimed calls."""
+    return statistics.median(seconds(fn, repeats, warmup))
 
 
 def table(rows, headers):

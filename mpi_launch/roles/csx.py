@@ -79,7 +79,7 @@ class CS2(Role):
             if dynamic:  # the coordinator's loss scale for this step (sent when the last step ended)
                 loss_scale = link.recv_object(self.plan.coordinator, tag(CONTROL),
                                               f"the coordinator (loss scale of step {step})")["loss_scale"]
-            accept, waited, t_wait, compute = clock.now, 0.0, 0.0, 0.0
+            accept, waited, t_wait, compute, t_layers = clock.now, 0.0, 0.0, 0.0, 0.0
             sends, keep, pending, losses = [], [], None, []
             for i, (m, kind, u) in enumerate(items):
                 arrive = weights_arrive(i, accept)
@@ -96,7 +96,9 @@ class CS2(Role):
                     _, next_kind, nu = items[i + 1]
                     weights, wreqs = link.irecv_arrays(self.unit_layout(nu), parent, PHASE[next_kind], nu)
                 if kind == "backward":
+                    tc = time.perf_counter()
                     dy, grads = model.unit_backward(u, dy, saved[u], params)
+                    t_layers += time.perf_counter() - tc
                     saved[u] = None
                     ready = clock.advance(cost[u]["backward"])
                     compute += cost[u]["backward"]
@@ -115,14 +117,16 @@ class CS2(Role):
                     batch = model.batch_of(raw[m])
                     drop = DropoutKey(seed, step + 1, self.round_range(m)[0])
                     x, saved = model.first_input(batch, np.float32), [None] * len(units)
+                tc = time.perf_counter()
                 x, saved[u] = model.unit_forward(u, x, params, drop)
                 if u == head:
                     loss_sum, n_tokens, dy = model.loss(x, batch, loss_scale)
                     losses.append((loss_sum, n_tokens))
-                    if m == self.n_micro - 1:  # every round's loss, once the last forward pass is done
-                        sends.append(self.comm.isend(
-                            {"loss_sums": [ls for ls, _ in losses], "tokens": sum(n for _, n in losses),
-                             "t": clock.now}, dest=self.plan.coordinator, tag=tag(REPORT, 0, LOSS)))
+                t_layers += time.perf_counter() - tc
+                if u == head and m == self.n_micro - 1:  # every round's loss, once the last forward is done
+                    sends.append(self.comm.isend(
+                        {"loss_sums": [ls for ls, _ in losses], "tokens": sum(n for _, n in losses),
+                         "t": clock.now}, dest=self.plan.coordinator, tag=tag(REPORT, 0, LOSS)))
             gradients_out(*pending)
             at_backward_end = time.monotonic()
             tg = time.perf_counter()
@@ -130,7 +134,7 @@ class CS2(Role):
             self.comm.send({"compute": compute, "waited": waited}, dest=self.plan.coordinator,
                            tag=tag(REPORT, 0, STEP_TIME))
             t_end = time.perf_counter()
-            self.timing(step, seconds=t_end - t0, data_wait=t_data, weight_wait=t_wait,
+            self.timing(step, seconds=t_end - t0, data_wait=t_data, weight_wait=t_wait, layers=t_layers,
                         compute=tg - t0 - t_data - t_wait, grad_send_wait=t_end - tg, at_backward_end=at_backward_end)
             self.log(f"step {step}: loss_sum {sum(ls for ls, _ in losses):.6f} tokens {sum(n for _, n in losses)} "
                      f"time {t_end - t0:.3f}s waiting {t_wait + t_data + t_end - tg:.3f}s")
