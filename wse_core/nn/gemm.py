@@ -141,7 +141,7 @@ def _matmul(a, b, sample_rows):
         out = np.empty((m, b.shape[-1]), np.result_type(a, b))
         bounds = _row_chunks(m, sample_rows) if m else []
         lay_a, lay_b = _layout(a), _layout(b)
-        if bounds and a.shape[1] and lay_a and lay_b and a.dtype == b.dtype and blas_in_kernels():
+        if bounds and a.shape[1] and b.shape[1] and lay_a and lay_b and a.dtype == b.dtype and blas_in_kernels():
             _kernels.gemm_rows(a, b, out, np.array(bounds, np.intp), *lay_a, *lay_b, workers)
             return out
         if pool is None or len(bounds) < 2:
