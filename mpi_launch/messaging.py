@@ -17,6 +17,8 @@ they were posted, so the receiver posts one receive per chunk into views of its 
 node forwards (``relay``) or sums (``reduce``) chunk c while chunk c+1 is still arriving, so a
 tensor pipelines through the tree instead of being stored and forwarded whole at each level.
 """
+import contextlib
+import threading
 import time
 
 import numpy as np
@@ -33,6 +35,9 @@ _MIN_SLEEP, _MAX_SLEEP = 50e-6, 2e-4
 #: input workers wait most of a step, and waking every 200 us cost each 5% of a core, taken from the
 #: computing CS-2s (measured: 3,200 wake-ups a second each, on 2 cores shared by 7 ranks).
 OFF_PATH_SLEEP = 2e-3
+
+#: How often ``Link.progress``'s helper tests its requests while the rank computes.
+PROGRESS_EVERY = 1e-3
 
 #: Elements per message (1 MiB of float32, 512 KiB of a mixed-precision run's 16-bit values): large
 #: enough that MPI's per-message cost is small against the copy, small enough that a tree of depth d
@@ -116,6 +121,36 @@ class Link:
         else:
             seconds, said = timeout, f"{timeout:g} s"
         poll(test, seconds, lambda: PeerTimeout(f"no answer within {said} while waiting for {what}"), self.max_sleep)
+
+    @contextlib.contextmanager
+    def progress(self, requests):
+        """Drive ``requests`` from a helper thread while the body computes, every ``PROGRESS_EVERY``.
+
+        MPICH moves a large message only while both ends call into MPI: a CS-2 computing a unit
+        made none, so the next unit's weights crossed only once it waited for them. The body must
+        not touch these requests itself (MPI forbids testing one request from two threads at once);
+        an MPI error here is left for the rank's own next wait on them to report.
+        """
+        live = [r for r in requests if r is not None]
+        stop = threading.Event()
+
+        def drive():
+            while not stop.wait(PROGRESS_EVERY):
+                try:
+                    if MPI.Request.Testall(live):
+                        return
+                except Exception:  # noqa: BLE001 - the rank's own wait raises PeerLost for it
+                    return
+
+        helper = threading.Thread(target=drive, name="wse-progress", daemon=True) if live else None
+        if helper is not None:
+            helper.start()
+        try:
+            yield
+        finally:
+            if helper is not None:
+                stop.set()
+                helper.join()
 
     def done(self, requests, what):
         """Whether every request has completed, without waiting (buffers behind them may be let go)."""

@@ -97,7 +97,8 @@ class CS2(Role):
                     weights, wreqs = link.irecv_arrays(self.unit_layout(nu), parent, PHASE[next_kind], nu)
                 if kind == "backward":
                     tc = time.perf_counter()
-                    dy, grads = model.unit_backward(u, dy, saved[u], params)
+                    with link.progress(wreqs + sends):  # the next weights and the last gradients move
+                        dy, grads = model.unit_backward(u, dy, saved[u], params)
                     t_layers += time.perf_counter() - tc
                     saved[u] = None
                     ready = clock.advance(cost[u]["backward"])
@@ -118,10 +119,11 @@ class CS2(Role):
                     drop = DropoutKey(seed, step + 1, self.round_range(m)[0])
                     x, saved = model.first_input(batch, np.float32), [None] * len(units)
                 tc = time.perf_counter()
-                x, saved[u] = model.unit_forward(u, x, params, drop)
-                if u == head:
-                    loss_sum, n_tokens, dy = model.loss(x, batch, loss_scale)
-                    losses.append((loss_sum, n_tokens))
+                with link.progress(wreqs + sends):
+                    x, saved[u] = model.unit_forward(u, x, params, drop)
+                    if u == head:
+                        loss_sum, n_tokens, dy = model.loss(x, batch, loss_scale)
+                        losses.append((loss_sum, n_tokens))
                 t_layers += time.perf_counter() - tc
                 if u == head and m == self.n_micro - 1:  # every round's loss, once the last forward is done
                     sends.append(self.comm.isend(
