@@ -115,35 +115,61 @@ def layernorm_backward(const floating[:, ::1] dy, const floating[:, ::1] x, cons
     """dx := rstd (g - mean(g) - xhat mean(g xhat)) with g = dy gamma; dgamma := sum_rows dy xhat; dbeta := sum_rows dy."""
     cdef Py_ssize_t r, c, b, c0, c1, rows = x.shape[0], cols = x.shape[1]
     cdef Py_ssize_t nblocks = (cols + COLBLOCK - 1) // COLBLOCK
-    cdef double a, bb, g, xh
+    cdef double a, bb
     cdef int nt = wse_threads_for(rows * cols, WSE_GRAIN)
-    cdef double* acc = <double*>calloc(2 * cols + 1, sizeof(double))
-    if acc == NULL:
-        raise MemoryError()
-    try:
-        with nogil:
-            for r in prange(rows, schedule="static", num_threads=nt):
-                _layernorm_backward_sums(&dy[r, 0], &x[r, 0], &gamma[0], mean[r], rstd[r], cols, &a, &bb)
-                a = a / cols
-                bb = bb / cols
-                for c in range(cols):
-                    g = dy[r, c] * gamma[c]
-                    xh = (x[r, c] - mean[r]) * rstd[r]
-                    dx[r, c] = <floating>(rstd[r] * (g - a - xh * bb))
-            for b in prange(nblocks, schedule="static", num_threads=nt):
-                c0 = b * COLBLOCK
-                c1 = c0 + COLBLOCK
-                if c1 > cols:
-                    c1 = cols
-                for r in range(rows):
-                    for c in range(c0, c1):
-                        acc[c] += dy[r, c] * ((x[r, c] - mean[r]) * rstd[r])
-                        acc[cols + c] += dy[r, c]
-                for c in range(c0, c1):
-                    dgamma[c] = <floating>acc[c]
-                    dbeta[c] = <floating>acc[cols + c]
-    finally:
-        free(acc)
+    with nogil:
+        for r in prange(rows, schedule="static", num_threads=nt):
+            _layernorm_backward_sums(&dy[r, 0], &x[r, 0], &gamma[0], mean[r], rstd[r], cols, &a, &bb)
+            _layernorm_backward_row(&dy[r, 0], &x[r, 0], &gamma[0], mean[r], rstd[r], cols, a / cols, bb / cols,
+                                    &dx[r, 0])
+        for b in prange(nblocks, schedule="static", num_threads=nt):
+            c0 = b * COLBLOCK
+            c1 = c0 + COLBLOCK
+            if c1 > cols:
+                c1 = cols
+            _layernorm_param_grads(&dy[0, 0], &x[0, 0], &mean[0], &rstd[0], rows, cols, c0, c1,
+                                   &dgamma[0], &dbeta[0])
+
+
+cdef inline void _layernorm_backward_row(const floating* dy, const floating* x, const floating* gamma,
+                                         floating mean, floating rstd, Py_ssize_t n, double a, double bb,
+                                         floating* dx) noexcept nogil:
+    """dx[:n] := rstd (g - a - xhat bb) (a, bb: the row's means of g and g xhat). Its own function, so
+    that mean and rstd are values gcc need not reload after every store to dx."""
+    cdef Py_ssize_t c
+    cdef double g, xh
+    for c in range(n):
+        g = dy[c] * gamma[c]
+        xh = (x[c] - mean) * rstd
+        dx[c] = <floating>(rstd * (g - a - xh * bb))
+
+
+cdef inline void _layernorm_param_grads(const floating* dy, const floating* x, const floating* mean,
+                                        const floating* rstd, Py_ssize_t rows, Py_ssize_t cols, Py_ssize_t c0,
+                                        Py_ssize_t c1, floating* dgamma, floating* dbeta) noexcept nogil:
+    """dgamma[c0:c1] := sum_rows dy xhat, dbeta[c0:c1] := sum_rows dy, row by row in order. The sums
+    live in arrays of this call's own, which gcc can keep in vector registers (a shared buffer it
+    had to assume the inputs might overlap)."""
+    cdef double sg[COLBLOCK]
+    cdef double sb[COLBLOCK]
+    cdef Py_ssize_t r, c, w = c1 - c0
+    cdef floating m, rs
+    cdef const floating* d
+    cdef const floating* xr
+    for c in range(w):
+        sg[c] = 0.0
+        sb[c] = 0.0
+    for r in range(rows):
+        d = dy + r * cols + c0
+        xr = x + r * cols + c0
+        m = mean[r]
+        rs = rstd[r]
+        for c in range(w):
+            sg[c] += d[c] * ((xr[c] - m) * rs)
+            sb[c] += d[c]
+    for c in range(w):
+        dgamma[c0 + c] = <floating>sg[c]
+        dbeta[c0 + c] = <floating>sb[c]
 
 
 cdef inline void _layernorm_backward_sums(const floating* dy, const floating* x, const floating* gamma,
@@ -177,23 +203,30 @@ def column_sum(const floating[:, ::1] a, floating[::1] out):
     cdef Py_ssize_t r, c, b, c0, c1, rows = a.shape[0], cols = a.shape[1]
     cdef Py_ssize_t nblocks = (cols + COLBLOCK - 1) // COLBLOCK
     cdef int nt = wse_threads_for(rows * cols, WSE_GRAIN)
-    cdef double* acc = <double*>calloc(cols + 1, sizeof(double))
-    if acc == NULL:
-        raise MemoryError()
-    try:
-        with nogil:
-            for b in prange(nblocks, schedule="static", num_threads=nt):
-                c0 = b * COLBLOCK
-                c1 = c0 + COLBLOCK
-                if c1 > cols:
-                    c1 = cols
-                for r in range(rows):
-                    for c in range(c0, c1):
-                        acc[c] += a[r, c]
-                for c in range(c0, c1):
-                    out[c] = <floating>acc[c]
-    finally:
-        free(acc)
+    with nogil:
+        for b in prange(nblocks, schedule="static", num_threads=nt):
+            c0 = b * COLBLOCK
+            c1 = c0 + COLBLOCK
+            if c1 > cols:
+                c1 = cols
+            _column_block_sum(&a[0, 0], rows, cols, c0, c1, &out[0])
+
+
+cdef inline void _column_block_sum(const floating* a, Py_ssize_t rows, Py_ssize_t cols, Py_ssize_t c0,
+                                   Py_ssize_t c1, floating* out) noexcept nogil:
+    """out[c0:c1] := sum over rows of a's columns c0:c1, row by row in order (sums of this call's own:
+    see _layernorm_param_grads)."""
+    cdef double s[COLBLOCK]
+    cdef Py_ssize_t r, c, w = c1 - c0
+    cdef const floating* row
+    for c in range(w):
+        s[c] = 0.0
+    for r in range(rows):
+        row = a + r * cols + c0
+        for c in range(w):
+            s[c] += row[c]
+    for c in range(w):
+        out[c0 + c] = <floating>s[c]
 
 
 cdef inline floating _erf(floating x) noexcept nogil:
