@@ -91,7 +91,9 @@ class CS2(Role):
                 t_wait += time.perf_counter() - tw
                 waited += max(0.0, arrive - clock.now)
                 accept = clock.receive(arrive)  # the next item's weights may come in while this one computes
-                params = dict(zip(self.unit_params[u], map(precision.from_wire, weights)))
+                # A recompute item's weights are taken but not used (the module's docstring).
+                params = None if kind == "recompute" else dict(zip(self.unit_params[u],
+                                                                    map(precision.from_wire, weights)))
                 if i + 1 < len(items):
                     _, next_kind, nu = items[i + 1]
                     weights, wreqs = link.irecv_arrays(self.unit_layout(nu), parent, PHASE[next_kind], nu)

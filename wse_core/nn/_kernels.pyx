@@ -14,7 +14,7 @@ makes it (BLAS is pinned to one thread), and what a call computes is fixed by th
 from cython cimport floating
 from cython.parallel cimport prange
 from libc.math cimport erf, exp, log, sqrt, tanh
-from libc.stdlib cimport calloc, free, malloc
+from libc.stdlib cimport free, malloc
 from libc.stdint cimport int32_t, int64_t, uint32_t, uint64_t
 from libc.string cimport memcpy
 
@@ -113,7 +113,7 @@ def layernorm_backward(const floating[:, ::1] dy, const floating[:, ::1] x, cons
                        const floating[::1] mean, const floating[::1] rstd, floating[:, ::1] dx,
                        floating[::1] dgamma, floating[::1] dbeta):
     """dx := rstd (g - mean(g) - xhat mean(g xhat)) with g = dy gamma; dgamma := sum_rows dy xhat; dbeta := sum_rows dy."""
-    cdef Py_ssize_t r, c, b, c0, c1, rows = x.shape[0], cols = x.shape[1]
+    cdef Py_ssize_t r, b, c0, c1, rows = x.shape[0], cols = x.shape[1]
     cdef Py_ssize_t nblocks = (cols + COLBLOCK - 1) // COLBLOCK
     cdef double a, bb
     cdef int nt = wse_threads_for(rows * cols, WSE_GRAIN)
@@ -200,7 +200,7 @@ cdef inline void _layernorm_backward_sums(const floating* dy, const floating* x,
 
 def column_sum(const floating[:, ::1] a, floating[::1] out):
     """out := sum over rows of a (row order per column, float64 accumulation): a bias gradient."""
-    cdef Py_ssize_t r, c, b, c0, c1, rows = a.shape[0], cols = a.shape[1]
+    cdef Py_ssize_t b, c0, c1, rows = a.shape[0], cols = a.shape[1]
     cdef Py_ssize_t nblocks = (cols + COLBLOCK - 1) // COLBLOCK
     cdef int nt = wse_threads_for(rows * cols, WSE_GRAIN)
     with nogil:
