@@ -106,6 +106,15 @@ class Link:
         """This rank's waits are off the streaming path: they may sleep up to ``OFF_PATH_SLEEP``."""
         self.max_sleep = OFF_PATH_SLEEP
 
+    @contextlib.contextmanager
+    def on_path(self):
+        """Waits inside are on the step's path after all: they sleep at most 200 us again."""
+        off, self.max_sleep = self.max_sleep, _MAX_SLEEP
+        try:
+            yield
+        finally:
+            self.max_sleep = off
+
     def set_timeout(self, seconds, why):
         """Set how long waits last before ``PeerTimeout``, and ``why`` (said in its message)."""
         self.timeout, self.why = float(seconds), why

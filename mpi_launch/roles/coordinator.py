@@ -70,15 +70,20 @@ class Coordinator(Role):
 
         def control(lr, grad_scale, save_step, skip=False, eval_step=None):
             """Send MemoryX the update to apply (or to skip), whether to write a checkpoint after it,
-            and whether to send its weights for an evaluation."""
+            and whether to send its weights for an evaluation. Returns what is left once the step's
+            metrics are out (the update is on the step's critical path; the log is not): taking the
+            checkpoint's shards, starting the evaluation."""
             writer = CheckpointWriter(self.model_dir, save_step).prepare() if save_step is not None else None
             for rank in self.plan.memoryx:
                 self.comm.send({"lr": lr, "grad_scale": grad_scale, "checkpoint": save_step, "t": clock.now,
                                 "skip": skip, "eval": eval_step is not None}, dest=rank, tag=tag(CONTROL))
-            if writer is not None:
-                checkpoint(writer, save_step)
-            if eval_step is not None:
-                evaluations.start(eval_step)
+
+            def finish():
+                if writer is not None:
+                    checkpoint(writer, save_step)
+                if eval_step is not None:
+                    evaluations.start(eval_step)
+            return finish
 
         def checkpoint(writer, save_step):
             tables = [self.link.recv_object(rank, tag(REPORT, 0, SHARD),
@@ -94,7 +99,7 @@ class Coordinator(Role):
         step_to_come = self.start_step
         overflows = []  # (step, scale before, scale after) of the skipped steps in a row, said in one line
         send_loss_scale()
-        control(0.0, 0.0, 0 if initial else None)
+        control(0.0, 0.0, 0 if initial else None)()
         t0, sim_t0 = time.perf_counter(), clock.now
         for step in range(self.start_step, self.max_steps):
             reports = [self.link.recv_object(rank, tag(REPORT, 0, LOSS), f"CS-2 rank {rank} (loss of step {step})")
@@ -107,15 +112,18 @@ class Coordinator(Role):
             n_tokens = sum(x["tokens"] for x in reports)
             if n_tokens < 1:
                 raise ValueError(f"step {step}: the loss mask of the global batch selects no token")
-            sumsq, at, left = {}, 0.0, 0.0
-            for rank in self.plan.memoryx:
-                norms = self.link.recv_object(rank, tag(REPORT, 0, NORMS),
-                                              f"MemoryX rank {rank} (gradient norms of step {step})")
-                sumsq.update(norms["sumsq"])
-                clock.receive(norms["t"] + lat)
-                at, left = max(at, norms["t"]), max(left, norms["left"])
+            # The CS-2s report once their last gradients have left; MemoryX's norms come a few ms
+            # later, and its update waits for the answer to them: that wait is on the step's path.
             times = [self.link.recv_object(rank, tag(REPORT, 0, STEP_TIME), f"CS-2 rank {rank} (step {step})")
                      for rank in self.plan.csx]
+            sumsq, at, left = {}, 0.0, 0.0
+            with self.link.on_path():
+                for rank in self.plan.memoryx:
+                    norms = self.link.recv_object(rank, tag(REPORT, 0, NORMS),
+                                                  f"MemoryX rank {rank} (gradient norms of step {step})")
+                    sumsq.update(norms["sumsq"])
+                    clock.receive(norms["t"] + lat)
+                    at, left = max(at, norms["t"]), max(left, norms["left"])
             total = 0.0
             for n in names:  # parameter order, exactly as global_norm adds them
                 total += sumsq[n]
@@ -138,6 +146,12 @@ class Coordinator(Role):
                       "sim_stream_s": stream_s, "sim_reduce_tail_s": at - left, "sim_optimizer_s": optimizer_s}
             if scaler.dynamic or loss_scale != 1.0:
                 record.update(loss_scale=loss_scale, skipped=skipped)
+            step_to_come = step + 1
+            send_loss_scale()
+            evaluate = bool(r.eval_frequency) and ((step + 1) % r.eval_frequency == 0 or last)
+            finish = control(lr, coef / divisor / loss_scale, step + 1 if save else None, skipped,
+                             step + 1 if evaluate else None)
+            t0, sim_t0 = time.perf_counter(), clock.now
             metrics.write(json.dumps(record) + "\n")
             if board is not None:
                 for key in ("loss", "grad_norm", "lr", "samples_per_s", "sim_step_s", "sim_samples_per_s",
@@ -160,13 +174,8 @@ class Coordinator(Role):
                       f"(simulated: {record['sim_samples_per_s']:.1f})", flush=True)
             if last and overflows:
                 _say_overflows(overflows)
-            step_to_come = step + 1
-            send_loss_scale()
-            evaluate = bool(r.eval_frequency) and ((step + 1) % r.eval_frequency == 0 or last)
-            control(lr, coef / divisor / loss_scale, step + 1 if save else None, skipped,
-                    step + 1 if evaluate else None)
+            finish()
             evaluations.report()
-            t0, sim_t0 = time.perf_counter(), clock.now
             self.step_done(step)
         evaluations.finish()
         metrics.close()
