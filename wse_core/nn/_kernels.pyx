@@ -124,9 +124,7 @@ def layernorm_backward(const floating[:, ::1] dy, const floating[:, ::1] x, cons
                                     &dx[r, 0])
         for b in prange(nblocks, schedule="static", num_threads=nt):
             c0 = b * COLBLOCK
-            c1 = c0 + COLBLOCK
-            if c1 > cols:
-                c1 = cols
+            c1 = min(c0 + COLBLOCK, cols)
             _layernorm_param_grads(&dy[0, 0], &x[0, 0], &mean[0], &rstd[0], rows, cols, c0, c1,
                                    &dgamma[0], &dbeta[0])
 
@@ -206,9 +204,7 @@ def column_sum(const floating[:, ::1] a, floating[::1] out):
     with nogil:
         for b in prange(nblocks, schedule="static", num_threads=nt):
             c0 = b * COLBLOCK
-            c1 = c0 + COLBLOCK
-            if c1 > cols:
-                c1 = cols
+            c1 = min(c0 + COLBLOCK, cols)
             _column_block_sum(&a[0, 0], rows, cols, c0, c1, &out[0])
 
 
@@ -402,9 +398,7 @@ def embedding_backward(const int32_t[::1] ids, const floating[:, ::1] dy, floati
     with nogil:
         for b in prange(nblocks, schedule="static", num_threads=nt):
             c0 = b * COLBLOCK
-            c1 = c0 + COLBLOCK
-            if c1 > cols:
-                c1 = cols
+            c1 = min(c0 + COLBLOCK, cols)
             for t in range(n):
                 for c in range(c0, c1):
                     dtable[ids[t], c] += dy[t, c]

@@ -110,9 +110,7 @@ def sumsq(const floating[::1] x):
     with nogil:
         for b in prange(nblocks, schedule="static", num_threads=nt):
             lo = b * SUMSQ_BLOCK
-            hi = lo + SUMSQ_BLOCK
-            if hi > n:
-                hi = n
+            hi = min(lo + SUMSQ_BLOCK, n)
             s0 = 0.0
             s1 = 0.0
             s2 = 0.0
