@@ -140,13 +140,15 @@ def test_wrappers_reject_bad_arrays():
         ops.cross_entropy(np.zeros((2, 3)), np.zeros(2, np.int64), np.ones(2, np.int32))
 
 
-def test_gradients_same_bits_for_any_thread_count():
-    """A GPT-2 micro-batch gradient is bit-identical with 1 and 2 OpenMP and BLAS threads."""
+@pytest.mark.parametrize("mixed", ["", ", mixed_precision=True, fp16_type='bfloat16'"], ids=["float32", "bfloat16"])
+def test_gradients_same_bits_for_any_thread_count(mixed):
+    """A GPT-2 micro-batch gradient is bit-identical with 1 and 2 OpenMP and BLAS threads (in float32,
+    and in bfloat16 mixed precision, whose products are the kernels' own)."""
     code = """
 import hashlib, numpy as np
 from wse_core.nn import build_model
 m = build_model(dict(name="gpt2", vocab_size=97, hidden_size=64, num_hidden_layers=2, num_heads=4,
-                     max_position_embeddings=128))
+                     max_position_embeddings=128MIXED))
 p = m.init_params(3)
 ids = np.random.default_rng(5).integers(0, 97, (4, 129)).astype(np.int32)
 b = {"input_ids": ids[:, :-1].copy(), "labels": ids[:, 1:].copy(), "loss_mask": np.ones((4, 128), np.int32)}
@@ -160,7 +162,7 @@ print(h.hexdigest())
     digests = set()
     for threads in ("1", "2"):
         env = dict(os.environ, OMP_NUM_THREADS=threads, OPENBLAS_NUM_THREADS=threads)
-        digests.add(subprocess.run([sys.executable, "-c", code], env=env, check=True,
+        digests.add(subprocess.run([sys.executable, "-c", code.replace("MIXED", mixed)], env=env, check=True,
                                    capture_output=True, text=True).stdout.strip())
     assert len(digests) == 1
 
@@ -226,6 +228,70 @@ def test_matmul_through_the_kernels_gives_numpys_bits(rng):
         gemm._state["blas"] = None
     for g, w_ in zip(got, want):
         assert g.tobytes() == w_.tobytes()
+
+
+def _bf16(x):
+    """float64 of x rounded to bfloat16 (nearest, ties to even), as the product kernel reads it."""
+    u = np.ascontiguousarray(x, np.float32).view(np.uint32)
+    return ((u + 0x7FFF + ((u >> 16) & 1)) & 0xFFFF0000).view(np.float32).astype(np.float64)
+
+
+@pytest.mark.parametrize("m,k,n", [(1, 1, 1), (5, 3, 7), (9, 300, 65), (40, 67, 70), (130, 256, 100)])
+def test_bfloat16_products_are_the_instructions_arithmetic_on_every_path(rng, m, k, n):
+    """The bfloat16 product kernel (AVX512-BF16 where the CPU has it) gives the bits of the element-by-
+    element emulation of bf16_gemm.h, for operands in any layout, with NaN, infinities, float32
+    subnormals and overflow among them; with 1 or 2 threads; and a row's bits do not depend on the
+    rows around it. Its values are the float64 products of the rounded operands, to float32's
+    accumulation error."""
+    from wse_core.nn import _kernels
+
+    a = rng.standard_normal((m, k)).astype(np.float32)
+    b = rng.standard_normal((k, n)).astype(np.float32)
+    exact = _bf16(a) @ _bf16(b)
+    tol = 4 * k * np.finfo(np.float32).eps * (np.abs(_bf16(a)) @ np.abs(_bf16(b)))
+    got = np.empty((m, n), np.float32)
+    _kernels.gemm_bf16(a, b, got, 2)
+    assert (np.abs(got - exact) <= tol).all()
+    assert np.abs(got - a.astype(np.float64) @ b).max() > 0 or k < 3  # the operands were rounded
+    a.flat[::11], a.flat[::17], b.flat[::13], b.flat[::19] = np.nan, 3.4e38, 1e-39, -np.inf
+    want = np.empty((m, n), np.float32)
+    _kernels.gemm_bf16(a, b, want, 1, portable=True)
+    for x, y in [(a, b), (np.asfortranarray(a), b), (a, np.asfortranarray(b))]:
+        out = np.empty((m, n), np.float32)
+        for threads in (1, 2):
+            _kernels.gemm_bf16(x, y, out, threads)
+            assert out.tobytes() == want.tobytes()
+    out = np.empty((n, m), np.float32)
+    _kernels.gemm_bf16(b.T, a.T, out, 2)   # the same values; a NaN may take the other operand's sign
+    assert np.array_equal(out.T, want, equal_nan=True)
+    rows = np.empty((m - m // 2, n), np.float32)
+    _kernels.gemm_bf16(a[m // 2:], b, rows, 2)
+    assert rows.tobytes() == want[m // 2:].tobytes()
+
+
+def test_a_bfloat16_model_multiplies_bfloat16_operands(rng):
+    """In a bfloat16 mixed-precision model a unit's products round both operands (activations too, not
+    only the streamed weights) and accumulate in float32: a linear layer's output is the float64
+    product of the rounded operands to float32's error, and not the product of float32 operands."""
+    from wse_core.nn import layers
+    from wse_core.nn.gemm import matmul, products_in
+    from wse_core.nn.precision import Precision
+
+    assert Precision("bfloat16").products == "bfloat16"
+    assert Precision("float16").products is None and Precision(None).products is None
+    x = rng.standard_normal((64, 96)).astype(np.float32)
+    w = rng.standard_normal((48, 96)).astype(np.float32)
+    with products_in("bfloat16"):
+        y = layers.linear_forward(x, w, None)
+        batched = matmul(x.reshape(4, 16, 96), w.T)
+    exact = _bf16(x) @ _bf16(w).T
+    np.testing.assert_allclose(y, exact, rtol=1e-5, atol=1e-4)
+    assert np.abs(y - x.astype(np.float64) @ w.T.astype(np.float64)).max() > 1e-2
+    assert batched.tobytes() == y.reshape(4, 16, 48).tobytes()
+    assert matmul(x, w.T).tobytes() != y.tobytes()   # outside the context: float32 operands
+    with pytest.raises(ValueError, match="float16"):
+        with products_in("float16"):
+            pass
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -453,6 +453,35 @@ def gemm_rows(const floating[:, :] a, const floating[:, :] b, floating[:, ::1] o
             _gemm(ta, tb, hi - lo, n, k, &a[0, 0] + lo * step_a, lda, &b[0, 0], ldb, 0, &out[lo, 0], n)
 
 
+cdef extern from "bf16_gemm.h" nogil:
+    int wse_gemm_bf16(int64_t m, int64_t n, int64_t k, const float* a, int64_t sai, int64_t sak, const float* b,
+                      int64_t sbk, int64_t sbn, float* c, int64_t ldc, int threads, int portable) noexcept
+    int wse_bf16_native() noexcept
+
+
+def bf16_native():
+    """Whether this CPU runs the bfloat16 products' fast path (AVX512-BF16)."""
+    return bool(wse_bf16_native())
+
+
+def gemm_bf16(const float[:, :] a, const float[:, :] b, float[:, ::1] out, int threads, bint portable=False):
+    """out := a @ b with both operands rounded to bfloat16 and float32 accumulation, in the fixed
+    order of bf16_gemm.h (any strides; bits independent of threads and of the rows' place).
+    ``portable`` takes the one-element-at-a-time path whatever the CPU (the fast path's reference)."""
+    cdef int64_t m = a.shape[0], n = b.shape[1], k = a.shape[1], rc
+    if b.shape[0] != k or out.shape[0] != m or out.shape[1] != n:
+        raise ValueError(f"gemm_bf16: shapes [{a.shape[0]}, {k}] @ [{b.shape[0]}, {n}] -> [{out.shape[0]}, {out.shape[1]}]")
+    if m == 0 or n == 0:
+        return
+    cdef const float* pa = &a[0, 0] if k else NULL
+    cdef const float* pb = &b[0, 0] if k else NULL
+    with nogil:
+        rc = wse_gemm_bf16(m, n, k, pa, a.strides[0] // 4, a.strides[1] // 4, pb, b.strides[0] // 4,
+                           b.strides[1] // 4, &out[0, 0], out.strides[0] // 4, threads, portable)
+    if rc:
+        raise MemoryError(f"gemm_bf16: no memory to pack a [{m}, {k}] @ [{k}, {n}] product")
+
+
 cdef inline void _attention_forward(const floating* q, Py_ssize_t ldq, const floating* k, Py_ssize_t ldk,
                                     const floating* v, Py_ssize_t ldv, const floating* mask, floating* out,
                                     Py_ssize_t ldo, floating* p, floating* used, Py_ssize_t t, Py_ssize_t d,

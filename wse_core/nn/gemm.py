@@ -25,6 +25,8 @@ boundaries too: a sample's rows meet BLAS in the same calls at the same places w
 in the batch, and its values do not depend on the batch (docs/design.md section 2). When the
 sample length is a multiple of ``CHUNK_ROWS`` the calls are the ones an uncut product makes.
 """
+import contextlib
+import contextvars
 import ctypes
 from concurrent.futures import ThreadPoolExecutor
 
@@ -38,6 +40,24 @@ from wse_core.nn import _kernels
 CHUNK_ROWS = 128
 
 _state = {"pool": None, "workers": None, "controller": None, "pinned": None, "blas": None}
+
+#: The format float32 products' operands are rounded to inside ``products_in`` (None: float32).
+_products = contextvars.ContextVar("wse_products", default=None)
+
+
+@contextlib.contextmanager
+def products_in(fmt):
+    """Within: ``matmul``'s float32 products take both operands rounded to ``fmt`` and accumulate
+    exact products in float32 (``"bfloat16"``: ``_kernels.gemm_bf16``, AVX512-BF16's arithmetic; None:
+    float32 operands through BLAS). A mixed-precision bfloat16 model computes its units inside one
+    (docs/design.md section 5, "Products in bfloat16")."""
+    if fmt not in (None, "bfloat16"):
+        raise ValueError(f"products_in: no {fmt} products (bfloat16 or None)")
+    token = _products.set(fmt)
+    try:
+        yield
+    finally:
+        _products.reset(token)
 
 
 def _controller():
@@ -90,10 +110,30 @@ def matmul(a, b, sample_rows=None):
     ``sample_rows``: a 2-D ``a`` holds samples of that many rows each (tokens); each sample's rows
     get the same BLAS calls whatever the other samples (see the module's docstring).
     """
+    if _products.get() is not None and a.dtype == np.float32 and b.dtype == np.float32:
+        return _matmul_bf16(a, b)
     if _state["pinned"] is None:
         with _controller().limit(limits=1, user_api="blas"):
             return _matmul(a, b, sample_rows)
     return _matmul(a, b, sample_rows)
+
+
+def _matmul_bf16(a, b):
+    """``matmul`` in bfloat16 products: one kernel call a matrix. Every element is its own fixed
+    chain of additions (bf16_gemm.h), so no chunking is needed for bits independent of threads,
+    rows or batch."""
+    workers = _pool()[1]
+    if a.ndim == 2 and b.ndim == 2:
+        out = np.empty((a.shape[0], b.shape[1]), np.float32)
+        _kernels.gemm_bf16(a, b, out, workers)
+        return out
+    shape = np.broadcast_shapes(a.shape[:-2], b.shape[:-2])
+    a = np.broadcast_to(a, shape + a.shape[-2:])
+    b = np.broadcast_to(b, shape + b.shape[-2:])
+    out = np.empty(shape + (a.shape[-2], b.shape[-1]), np.float32)
+    for i in np.ndindex(*shape):
+        _kernels.gemm_bf16(a[i], b[i], out[i], workers)
+    return out
 
 
 def _row_chunks(m, sample_rows):

@@ -12,6 +12,7 @@ import numpy as np
 
 from wse_core.nn import ops as fused_ops
 from wse_core.nn.init import draw
+from wse_core.nn.gemm import products_in
 from wse_core.nn.precision import Precision
 
 
@@ -191,12 +192,14 @@ class Model:
 
     def unit_forward(self, u, x, params, drop=None):
         """Unit u's forward; its output leaves in the run's precision (docs/design.md section 5)."""
-        y, saved = self.units[u].forward(x, params, drop)
+        with products_in(self.precision.products):
+            y, saved = self.units[u].forward(x, params, drop)
         return self.precision.round_(y), saved
 
     def unit_backward(self, u, dy, saved, params):
         """Unit u's backward; its input gradient and weight gradients in the run's precision."""
-        with np.errstate(over="ignore", invalid="ignore"):  # a loss scale too big overflows: it is detected later
+        # A loss scale too big overflows: it is detected later.
+        with np.errstate(over="ignore", invalid="ignore"), products_in(self.precision.products):
             dx, grads = self.units[u].backward(dy, saved, params)
         for g in grads.values():
             self.precision.round_(g)
@@ -300,7 +303,8 @@ class LanguageModel(Model):
         for u in range(first, end):
             if u == last:  # only the last position's logits are needed
                 x = np.ascontiguousarray(x[:, -1:])
-            x = self.precision.round_(self.units[u].infer(x, params, kv))
+            with products_in(self.precision.products):
+                x = self.precision.round_(self.units[u].infer(x, params, kv))
         kv.end()
         return x
 

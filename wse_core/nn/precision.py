@@ -108,6 +108,12 @@ class Precision:
         return "float32" if self.format is None else self.format.name
 
     @property
+    def products(self):
+        """The format dense products' operands are rounded to (``gemm.products_in``): bfloat16 in a
+        bfloat16 run; None (float32 operands) otherwise, float16 and cbfloat16 included."""
+        return "bfloat16" if self.format is not None and self.format.name == "bfloat16" else None
+
+    @property
     def wire_dtype(self):
         """What weights and gradients cross the fabric as."""
         return np.float32 if self.format is None else np.uint16

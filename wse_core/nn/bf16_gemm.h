@@ -1,0 +1,229 @@
+/* Dense products of bfloat16 operands with float32 accumulation: the products of a mixed-precision
+   run in bfloat16 (docs/design.md section 5, "Products in bfloat16").
+
+   c[i, j] := sum over k of A(i, k) B(k, j), where A(i, k) = a[i*sai + k*sak] and B(k, j) =
+   b[k*sbk + j*sbn] are float32 arrays read through any strides, each operand first rounded to
+   bfloat16 (nearest, ties to even; a NaN stays a NaN). The arithmetic is AVX512-BF16's VDPBF16PS,
+   one instruction per pair of k (measured on this machine's EPYC and emulated exactly by
+   `gemm_bf16_portable`):
+       for k = 0, 2, 4, ...:  acc = ftz(fma(A(i, k+1), B(k+1, j), acc))
+                              acc = ftz(fma(A(i, k),   B(k, j),   acc))
+   with bfloat16 subnormal operands read as zero and float32 subnormal sums flushed to zero (the
+   instruction's DAZ/FTZ), starting from acc = 0 (a missing k+1 when K is odd is a zero term).
+   Every c[i, j] is that one chain, in that order, whatever M, N, the element's place among them or
+   the number of threads: threads share whole blocks of rows, and K is never split. So a sample's
+   rows get the same bits whatever else is in the batch, as a product through `gemm.matmul` does.
+
+   The fast path packs both operands to bfloat16 pairs (A by blocks of MR rows, B by panels of NR
+   columns), then a register-blocked MR x NR kernel runs over blocks of KC pairs of k (the
+   accumulators go through c between blocks: a float32 store and load change no bits). */
+#ifndef WSE_BF16_GEMM_H
+#define WSE_BF16_GEMM_H
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <immintrin.h>
+#include "wse_parallel.h"
+
+#define WSE_BF_MR 8     /* rows of A per kernel call: 16 zmm accumulators */
+#define WSE_BF_NR 32    /* columns of B per kernel call: two zmm of 16 float32 */
+#define WSE_BF_KC 128   /* pairs of k per block: a B panel of 16 KiB stays in L1 */
+
+static inline uint32_t wse_bf16_bits(float x) {
+    uint32_t u;
+    memcpy(&u, &x, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (u >> 16) | 0x40u;   /* NaN: quiet, keep its sign */
+    return (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+}
+
+static inline float wse_bf16_value(uint32_t bits) {  /* with DAZ: a subnormal reads as a signed zero */
+    uint32_t u = (bits & 0x7f80u) ? bits << 16 : (bits & 0x8000u) << 16;
+    float x;
+    memcpy(&x, &u, 4);
+    return x;
+}
+
+static inline float wse_ftz(float x) {
+    return fabsf(x) < 1.17549435e-38f ? copysignf(0.0f, x) : x;
+}
+
+/* The exact arithmetic of the header's comment, one element at a time: the reference the fast path
+   is tested against, and the path of CPUs without AVX512-BF16. */
+static void wse_gemm_bf16_portable(int64_t M, int64_t N, int64_t K, const float* a, int64_t sai, int64_t sak,
+                                   const float* b, int64_t sbk, int64_t sbn, float* c, int64_t ldc, int threads) {
+    int64_t i;
+    #pragma omp parallel for num_threads(threads) schedule(static)
+    for (i = 0; i < M; i++) {
+        for (int64_t j = 0; j < N; j++) {
+            float acc = 0.0f;
+            for (int64_t k = 0; k < K; k += 2) {
+                if (k + 1 < K)
+                    acc = wse_ftz(fmaf(wse_bf16_value(wse_bf16_bits(a[i * sai + (k + 1) * sak])),
+                                       wse_bf16_value(wse_bf16_bits(b[(k + 1) * sbk + j * sbn])), acc));
+                acc = wse_ftz(fmaf(wse_bf16_value(wse_bf16_bits(a[i * sai + k * sak])),
+                                   wse_bf16_value(wse_bf16_bits(b[k * sbk + j * sbn])), acc));
+            }
+            c[i * ldc + j] = acc;
+        }
+    }
+}
+
+#if defined(__GNUC__) && defined(__x86_64__)
+#define WSE_BF16_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16")))
+
+static int wse_bf16_native(void) {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx512bf16");
+}
+
+/* 16 float32 -> their bfloat16 bit patterns in the low halves of 16 lanes (wse_bf16_bits). */
+WSE_BF16_TARGET static inline __m512i wse_bf16_round16(__m512 x) {
+    __m512i u = _mm512_castps_si512(x);
+    __m512i r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)),
+                                                   _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1))), 16);
+    __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff)),
+                                             _mm512_set1_epi32(0x7f800000));
+    return _mm512_mask_or_epi32(r, nan, _mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40));
+}
+
+WSE_BF16_TARGET static inline __m256i wse_bf16_round8(__m256 x) {
+    __m256i u = _mm256_castps_si256(x);
+    __m256i r = _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7fff)),
+                                                   _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1))), 16);
+    __mmask8 nan = _mm256_cmpgt_epu32_mask(_mm256_and_si256(u, _mm256_set1_epi32(0x7fffffff)),
+                                            _mm256_set1_epi32(0x7f800000));
+    return _mm256_mask_or_epi32(r, nan, _mm256_srli_epi32(u, 16), _mm256_set1_epi32(0x40));
+}
+
+/* dst[((i / w) * k2n + p) * w + i % w] := bfloat16 pair (X(i, 2p), X(i, 2p + 1)), low half first,
+   for X(i, k) = src[i*si + k*sk], i < rows padded to a multiple of w (8, 16, 32, ...) with zeros, and
+   k >= K zero. Vectorised where i (si == 1: eight rows at a time over each pair) or k (sk == 1:
+   thirty-two k of a row at a time) runs along memory; else element by element. */
+WSE_BF16_TARGET static void wse_bf16_pack(uint32_t* dst, const float* src, int64_t si, int64_t sk, int64_t rows,
+                                          int64_t K, int64_t w, int threads) {
+    int64_t k2n = (K + 1) / 2, blocks = (rows + w - 1) / w, blk;
+    #pragma omp parallel for num_threads(threads) schedule(static)
+    for (blk = 0; blk < blocks; blk++) {
+        uint32_t* out = dst + blk * k2n * w;
+        int64_t full = rows - blk * w >= w ? w : rows - blk * w, i = 0, p;
+        if (sk == 1) {
+            for (; i < full; i++) {
+                const float* x = src + (blk * w + i) * si;
+                uint32_t pairs[16];
+                for (p = 0; p + 16 <= K / 2; p += 16) {
+                    __m256i lo = _mm512_cvtepi32_epi16(wse_bf16_round16(_mm512_loadu_ps(x + 2 * p)));
+                    __m256i hi = _mm512_cvtepi32_epi16(wse_bf16_round16(_mm512_loadu_ps(x + 2 * p + 16)));
+                    _mm256_storeu_si256((__m256i*)pairs, lo);
+                    _mm256_storeu_si256((__m256i*)(pairs + 8), hi);
+                    for (int q = 0; q < 16; q++) out[(p + q) * w + i] = pairs[q];
+                }
+                for (; p < K / 2; p++)
+                    out[p * w + i] = wse_bf16_bits(x[2 * p]) | (wse_bf16_bits(x[2 * p + 1]) << 16);
+                if (K & 1) out[(k2n - 1) * w + i] = wse_bf16_bits(x[K - 1]);
+            }
+        } else if (si == 1 && w % 8 == 0) {
+            for (; i + 8 <= full; i += 8) {
+                const float* x = src + blk * w + i;
+                for (p = 0; p < K / 2; p++) {
+                    __m256i lo = wse_bf16_round8(_mm256_loadu_ps(x + 2 * p * sk));
+                    __m256i hi = wse_bf16_round8(_mm256_loadu_ps(x + (2 * p + 1) * sk));
+                    _mm256_storeu_si256((__m256i*)(out + p * w + i), _mm256_or_si256(lo, _mm256_slli_epi32(hi, 16)));
+                }
+                if (K & 1)
+                    _mm256_storeu_si256((__m256i*)(out + (k2n - 1) * w + i), wse_bf16_round8(_mm256_loadu_ps(x + (K - 1) * sk)));
+            }
+        }
+        for (; i < full; i++) {   /* what the vector loops left: rows at the end, or other strides */
+            const float* x = src + (blk * w + i) * si;
+            for (p = 0; p < K / 2; p++)
+                out[p * w + i] = wse_bf16_bits(x[2 * p * sk]) | (wse_bf16_bits(x[(2 * p + 1) * sk]) << 16);
+            if (K & 1) out[(k2n - 1) * w + i] = wse_bf16_bits(x[(K - 1) * sk]);
+        }
+        for (; i < w; i++)
+            for (p = 0; p < k2n; p++) out[p * w + i] = 0;
+    }
+}
+
+/* c[rows of block r] over pairs [k0, k1) of every panel; from zero when k0 == 0, else from c. */
+WSE_BF16_TARGET static void wse_bf16_block(const uint32_t* ap, const uint32_t* bp, int64_t k2n, int64_t k0,
+                                           int64_t k1, int64_t rows, int64_t N, float* c, int64_t ldc) {
+    int64_t panels = (N + WSE_BF_NR - 1) / WSE_BF_NR;
+    for (int64_t p = 0; p < panels; p++) {
+        int64_t n0 = p * WSE_BF_NR, w = N - n0;
+        __mmask16 m0 = w >= 16 ? 0xffff : (__mmask16)((1u << w) - 1);
+        __mmask16 m1 = w >= 32 ? 0xffff : (w > 16 ? (__mmask16)((1u << (w - 16)) - 1) : 0);
+        __m512 acc[WSE_BF_MR][2];
+        for (int i = 0; i < WSE_BF_MR; i++) {
+            if (k0 == 0 || i >= rows) {
+                acc[i][0] = _mm512_setzero_ps();
+                acc[i][1] = _mm512_setzero_ps();
+            } else {
+                acc[i][0] = _mm512_maskz_loadu_ps(m0, c + i * ldc + n0);
+                acc[i][1] = _mm512_maskz_loadu_ps(m1, c + i * ldc + n0 + 16);
+            }
+        }
+        const uint32_t* A = ap + k0 * WSE_BF_MR;
+        const uint32_t* B = bp + (p * k2n + k0) * WSE_BF_NR;
+        for (int64_t q = k0; q < k1; q++, A += WSE_BF_MR, B += WSE_BF_NR) {
+            __m512bh b0 = (__m512bh)_mm512_loadu_si512(B), b1 = (__m512bh)_mm512_loadu_si512(B + 16);
+            for (int i = 0; i < WSE_BF_MR; i++) {
+                __m512bh av = (__m512bh)_mm512_set1_epi32((int)A[i]);
+                acc[i][0] = _mm512_dpbf16_ps(acc[i][0], av, b0);
+                acc[i][1] = _mm512_dpbf16_ps(acc[i][1], av, b1);
+            }
+        }
+        for (int64_t i = 0; i < rows; i++) {
+            _mm512_mask_storeu_ps(c + i * ldc + n0, m0, acc[i][0]);
+            _mm512_mask_storeu_ps(c + i * ldc + n0 + 16, m1, acc[i][1]);
+        }
+    }
+}
+
+WSE_BF16_TARGET static void wse_gemm_bf16_native(int64_t M, int64_t N, int64_t K, const uint32_t* ap,
+                                                 const uint32_t* bp, float* c, int64_t ldc, int threads) {
+    int64_t k2n = (K + 1) / 2, blocks = (M + WSE_BF_MR - 1) / WSE_BF_MR, r;
+    #pragma omp parallel for num_threads(threads) schedule(static)
+    for (r = 0; r < blocks; r++) {
+        int64_t rows = M - r * WSE_BF_MR < WSE_BF_MR ? M - r * WSE_BF_MR : WSE_BF_MR;
+        for (int64_t k0 = 0; k0 < k2n; k0 += WSE_BF_KC)
+            wse_bf16_block(ap + r * k2n * WSE_BF_MR, bp, k2n, k0, k0 + WSE_BF_KC < k2n ? k0 + WSE_BF_KC : k2n,
+                           rows, N, c + r * WSE_BF_MR * ldc, ldc);
+    }
+}
+#else
+static int wse_bf16_native(void) { return 0; }
+#endif
+
+/* c := A B in bfloat16 products (see the top of this file); 0, or -1 when out of memory. */
+static int wse_gemm_bf16(int64_t M, int64_t N, int64_t K, const float* a, int64_t sai, int64_t sak,
+                         const float* b, int64_t sbk, int64_t sbn, float* c, int64_t ldc, int threads,
+                         int portable) {
+    if (M <= 0 || N <= 0) return 0;
+    if (K <= 0) {
+        for (int64_t i = 0; i < M; i++) memset(c + i * ldc, 0, (size_t)N * sizeof(float));
+        return 0;
+    }
+#if defined(__GNUC__) && defined(__x86_64__)
+    if (!portable && wse_bf16_native()) {
+        int64_t k2n = (K + 1) / 2;
+        int64_t mp = (M + WSE_BF_MR - 1) / WSE_BF_MR * WSE_BF_MR, np_ = (N + WSE_BF_NR - 1) / WSE_BF_NR * WSE_BF_NR;
+        uint32_t* ap = (uint32_t*)malloc((size_t)(mp * k2n) * 4);
+        uint32_t* bp = (uint32_t*)malloc((size_t)(np_ * k2n) * 4);
+        if (!ap || !bp) {
+            free(ap);
+            free(bp);
+            return -1;
+        }
+        wse_bf16_pack(ap, a, sai, sak, M, K, WSE_BF_MR, threads);
+        wse_bf16_pack(bp, b, sbn, sbk, N, K, WSE_BF_NR, threads);
+        wse_gemm_bf16_native(M, N, K, ap, bp, c, ldc, threads);
+        free(ap);
+        free(bp);
+        return 0;
+    }
+#endif
+    wse_gemm_bf16_portable(M, N, K, a, sai, sak, b, sbk, sbn, c, ldc, threads);
+    return 0;
+}
+#endif
