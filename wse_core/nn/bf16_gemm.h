@@ -48,25 +48,37 @@ static inline float wse_ftz(float x) {
     return fabsf(x) < 1.17549435e-38f ? copysignf(0.0f, x) : x;
 }
 
-/* The exact arithmetic of the header's comment, one element at a time: the reference the fast path
-   is tested against, and the path of CPUs without AVX512-BF16. */
-static void wse_gemm_bf16_portable(int64_t M, int64_t N, int64_t K, const float* a, int64_t sai, int64_t sak,
-                                   const float* b, int64_t sbk, int64_t sbn, float* c, int64_t ldc, int threads) {
-    int64_t i;
-    #pragma omp parallel for num_threads(threads) schedule(static)
-    for (i = 0; i < M; i++) {
-        for (int64_t j = 0; j < N; j++) {
-            float acc = 0.0f;
-            for (int64_t k = 0; k < K; k += 2) {
-                if (k + 1 < K)
-                    acc = wse_ftz(fmaf(wse_bf16_value(wse_bf16_bits(a[i * sai + (k + 1) * sak])),
-                                       wse_bf16_value(wse_bf16_bits(b[(k + 1) * sbk + j * sbn])), acc));
-                acc = wse_ftz(fmaf(wse_bf16_value(wse_bf16_bits(a[i * sai + k * sak])),
-                                   wse_bf16_value(wse_bf16_bits(b[k * sbk + j * sbn])), acc));
-            }
-            c[i * ldc + j] = acc;
+/* The exact arithmetic of the header's comment, row by row: c[i, :] from A's row i and bv, B's
+   bfloat16 values [K][N]. Each c[i, j] is its own chain and the loop over j vectorises; built again
+   for CPUs with FMA (AVX2 era), where fmaf is one instruction (an OpenMP region's body would not be). */
+#if defined(__GNUC__) && defined(__x86_64__)
+__attribute__((target_clones("fma", "default")))
+#endif
+static void wse_bf16_portable_row(const float* a, int64_t sak, const float* bv, int64_t N, int64_t K, float* ci) {
+    for (int64_t j = 0; j < N; j++) ci[j] = 0.0f;
+    for (int64_t kk = 0; kk < K; kk += 2) {
+        for (int64_t q = kk + 1 < K ? kk + 1 : kk; q >= kk; q--) {   /* k + 1 first, then k */
+            float av = wse_bf16_value(wse_bf16_bits(a[q * sak]));
+            const float* row = bv + q * N;
+            for (int64_t j = 0; j < N; j++) ci[j] = wse_ftz(fmaf(av, row[j], ci[j]));
         }
     }
+}
+
+/* The reference the fast path is tested against, and the path of CPUs without AVX512-BF16.
+   0, or -1 when out of memory. */
+static int wse_gemm_bf16_portable(int64_t M, int64_t N, int64_t K, const float* a, int64_t sai, int64_t sak,
+                                  const float* b, int64_t sbk, int64_t sbn, float* c, int64_t ldc, int threads) {
+    float* bv = (float*)malloc((size_t)(K * N) * sizeof(float));
+    if (!bv) return -1;
+    int64_t i, k;
+    #pragma omp parallel for num_threads(threads) schedule(static)
+    for (k = 0; k < K; k++)
+        for (int64_t j = 0; j < N; j++) bv[k * N + j] = wse_bf16_value(wse_bf16_bits(b[k * sbk + j * sbn]));
+    #pragma omp parallel for num_threads(threads) schedule(static)
+    for (i = 0; i < M; i++) wse_bf16_portable_row(a + i * sai, sak, bv, N, K, c + i * ldc);
+    free(bv);
+    return 0;
 }
 
 #if defined(__GNUC__) && defined(__x86_64__)
@@ -223,7 +235,6 @@ static int wse_gemm_bf16(int64_t M, int64_t N, int64_t K, const float* a, int64_
         return 0;
     }
 #endif
-    wse_gemm_bf16_portable(M, N, K, a, sai, sak, b, sbk, sbn, c, ldc, threads);
-    return 0;
+    return wse_gemm_bf16_portable(M, N, K, a, sai, sak, b, sbk, sbn, c, ldc, threads);
 }
 #endif
