@@ -37,6 +37,14 @@ def _openmp():
     return f"enabled, {info['max_threads']} threads per process"
 
 
+def _bf16():
+    from wse_core.nn import _kernels
+
+    if _kernels.bf16_native():
+        return "AVX512-BF16 (bfloat16 mixed precision multiplies at about twice float32's speed)"
+    return "portable path (this CPU has no AVX512-BF16: bfloat16 products about 3x slower than float32's)"
+
+
 def _h5py():
     try:
         import h5py
@@ -79,7 +87,8 @@ def _hello(state):
 def main():
     """Print each check; return 0 if nothing is broken, else 1 after one line naming the first problem."""
     state = {}
-    checks = [("python", _python), ("numpy", _numpy), ("openmp", _openmp), ("h5py", _h5py),
+    checks = [("python", _python), ("numpy", _numpy), ("openmp", _openmp), ("bf16", _bf16),
+              ("h5py", _h5py),
               ("mpi4py", _mpi4py), ("mpiexec", _mpiexec), ("mpi hello", lambda: _hello(state))]
     problems = []
     for label, check in checks:
