@@ -210,6 +210,34 @@ def test_blocked_causal_attention_is_dense_attention_and_both_paths_agree_bit_fo
         assert a.tobytes() == b.tobytes()
 
 
+@pytest.mark.parametrize("dropout", [False, True])
+def test_attention_in_bfloat16_products_has_the_same_bits_on_both_paths(rng, dropout):
+    """In bfloat16 products, the attention kernel's own products give the bits of the same blocks through
+    gemm.matmul (the path where numpy's BLAS is not one the kernels can call), gradients added to dk and
+    dv as matmul's results are; and the values are attention in float64 to bfloat16's error."""
+    from wse_core.nn import attention, gemm
+
+    if not gemm.blas_in_kernels():
+        pytest.skip("numpy's BLAS is not one the kernels call: only the numpy path runs here")
+    q, k, v, dout = (rng.standard_normal((2, 3, 100, 16)).astype(np.float32) for _ in range(4))
+    mask = (rng.random((2, 3, 100, 100)) > 0.2).astype(np.float32) * 1.25 if dropout else None
+    results = []
+    for kernels in (None, False):
+        try:
+            gemm._state["blas"] = kernels
+            with gemm.products_in("bfloat16"):
+                out, probs = attention.forward(q, k, v, 0.3, ops, mask)
+                results.append([out, probs, *attention.backward(dout, q, k, v, probs, 0.3, ops, mask)])
+        finally:
+            gemm._state["blas"] = None
+    for a, b in zip(*results):
+        assert a.tobytes() == b.tobytes()
+    want_out, want_probs, want_grads = _dense_attention(q, k, v, 0.3, mask, dout)
+    for got, want in [(results[0][0], want_out), *zip(results[0][2:], want_grads)]:
+        np.testing.assert_allclose(got, want, rtol=0.05, atol=0.05)
+    assert np.abs(results[0][0] - want_out).max() > 1e-5   # bfloat16 operands, not float32's
+
+
 def test_matmul_through_the_kernels_gives_numpys_bits(rng):
     """A 2-D product's row chunks called from the kernels' threads give the bits of the same calls
     made by numpy (transposed operands and sample boundaries included)."""

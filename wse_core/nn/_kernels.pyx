@@ -457,6 +457,8 @@ cdef extern from "bf16_gemm.h" nogil:
     int wse_gemm_bf16(int64_t m, int64_t n, int64_t k, const float* a, int64_t sai, int64_t sak, const float* b,
                       int64_t sbk, int64_t sbn, float* c, int64_t ldc, int threads, int portable) noexcept
     int wse_bf16_native() noexcept
+    int wse_gemm_bf16_into(int64_t m, int64_t n, int64_t k, const float* a, int64_t sai, int64_t sak,
+                           const float* b, int64_t sbk, int64_t sbn, float* c, int64_t ldc, int add) noexcept
 
 
 def bf16_native():
@@ -482,93 +484,117 @@ def gemm_bf16(const float[:, :] a, const float[:, :] b, float[:, ::1] out, int t
         raise MemoryError(f"gemm_bf16: no memory to pack a [{m}, {k}] @ [{k}, {n}] product")
 
 
-cdef inline void _attention_forward(const floating* q, Py_ssize_t ldq, const floating* k, Py_ssize_t ldk,
-                                    const floating* v, Py_ssize_t ldv, const floating* mask, floating* out,
-                                    Py_ssize_t ldo, floating* p, floating* used, Py_ssize_t t, Py_ssize_t d,
-                                    Py_ssize_t block, floating sc) noexcept nogil:
+cdef inline int _product(bint bf16, bint ta, bint tb, Py_ssize_t m, Py_ssize_t n, Py_ssize_t k,
+                         const floating* a, Py_ssize_t lda, const floating* b, Py_ssize_t ldb, floating beta,
+                         floating* c, Py_ssize_t ldc) noexcept nogil:
+    """``_gemm`` (beta 0 or 1), or with ``bf16`` (float32 only) the bfloat16 product of gemm_bf16 on
+    this thread, added to c afterwards when beta is 1 (gemm.matmul's ``c += a @ b``); -1: no memory."""
+    if floating is float:
+        if bf16:
+            return wse_gemm_bf16_into(m, n, k, a, 1 if ta else lda, lda if ta else 1, b, 1 if tb else ldb,
+                                      ldb if tb else 1, c, ldc, beta != 0)
+    _gemm(ta, tb, m, n, k, a, lda, b, ldb, beta, c, ldc)
+    return 0
+
+
+cdef inline int _attention_forward(const floating* q, Py_ssize_t ldq, const floating* k, Py_ssize_t ldk,
+                                   const floating* v, Py_ssize_t ldv, const floating* mask, floating* out,
+                                   Py_ssize_t ldo, floating* p, floating* used, Py_ssize_t t, Py_ssize_t d,
+                                   Py_ssize_t block, floating sc, bint bf16) noexcept nogil:
     """One (sample, head): p [t, t] := causal softmax(sc q k^T), block rows at a time over the keys
-    they see; out := (p * mask) v. q, k, v and out are [t, d] with row strides ldq, ldk, ldv, ldo."""
+    they see; out := (p * mask) v. q, k, v and out are [t, d] with row strides ldq, ldk, ldv, ldo.
+    ``bf16``: the products in bfloat16 (``_product``). Returns the products that found no memory."""
     cdef Py_ssize_t r0 = 0, r1, i, j
+    cdef int bad = 0
     while r0 < t:
         r1 = r0 + block if r0 + block < t else t
-        _gemm(False, True, r1 - r0, r1, d, q + r0 * ldq, ldq, k, ldk, 0, p + r0 * t, t)
+        bad -= _product(bf16, False, True, r1 - r0, r1, d, q + r0 * ldq, ldq, k, ldk, 0, p + r0 * t, t)
         for i in range(r0, r1):
             _softmax_row(p + i * t, i + 1, t, sc)
         if mask == NULL:
-            _gemm(False, False, r1 - r0, d, r1, p + r0 * t, t, v, ldv, 0, out + r0 * ldo, ldo)
+            bad -= _product(bf16, False, False, r1 - r0, d, r1, p + r0 * t, t, v, ldv, 0, out + r0 * ldo, ldo)
         else:
             for i in range(r0, r1):
                 for j in range(r1):
                     used[(i - r0) * t + j] = p[i * t + j] * mask[i * t + j]
-            _gemm(False, False, r1 - r0, d, r1, used, t, v, ldv, 0, out + r0 * ldo, ldo)
+            bad -= _product(bf16, False, False, r1 - r0, d, r1, used, t, v, ldv, 0, out + r0 * ldo, ldo)
         r0 = r1
+    return bad
 
 
 def attention_forward(const floating[:, :, :, :] q, const floating[:, :, :, :] k,
                       const floating[:, :, :, :] v, const floating[:, :, :, ::1] mask,
-                      floating[:, :, :, :] out, floating[:, :, :, ::1] probs, double scale, Py_ssize_t block):
+                      floating[:, :, :, :] out, floating[:, :, :, ::1] probs, double scale, Py_ssize_t block,
+                      bint bf16=False):
     """Causal attention of each (sample, head) [t, d] of q, k, v [b, heads, t, d] (any strides but a
     contiguous last axis); probs [b, heads, t, t] gets the probabilities (zeros above the diagonal); mask (empty:
-    none) scales them in the product with v; out [b, heads, t, d] gets the result."""
+    none) scales them in the product with v; out [b, heads, t, d] gets the result. ``bf16``: products
+    in bfloat16 (float32 arrays only)."""
     cdef Py_ssize_t nb = q.shape[0], nh = q.shape[1], t = q.shape[2], d = q.shape[3], h, bi, hi
     cdef Py_ssize_t z = sizeof(floating)
     cdef Py_ssize_t ldq = q.strides[2] // z, ldk = k.strides[2] // z, ldv = v.strides[2] // z, ldo = out.strides[2] // z
     cdef bint masked = mask.shape[0] > 0
-    cdef int nt = wse_threads_for(nb * nh * t * t, WSE_GRAIN)
+    cdef int nt = wse_threads_for(nb * nh * t * t, WSE_GRAIN), bad = 0
     cdef floating* used
     with nogil:
         for h in prange(nb * nh, schedule="static", num_threads=nt):
             bi = h // nh
             hi = h % nh
             used = <floating*>malloc(block * t * sizeof(floating)) if masked else NULL
-            _attention_forward(&q[bi, hi, 0, 0], ldq, &k[bi, hi, 0, 0], ldk, &v[bi, hi, 0, 0], ldv,
+            bad += _attention_forward(&q[bi, hi, 0, 0], ldq, &k[bi, hi, 0, 0], ldk, &v[bi, hi, 0, 0], ldv,
                                &mask[bi, hi, 0, 0] if masked else NULL, &out[bi, hi, 0, 0], ldo,
-                               &probs[bi, hi, 0, 0], used, t, d, block, <floating>scale)
+                               &probs[bi, hi, 0, 0], used, t, d, block, <floating>scale, bf16)
             free(used)
+    if bad:
+        raise MemoryError(f"attention_forward: no memory for {bad} bfloat16 products of a [{t}, {d}] head")
 
 
-cdef inline void _attention_backward(const floating* dout, Py_ssize_t ldo, const floating* q, Py_ssize_t ldq,
+cdef inline int _attention_backward(const floating* dout, Py_ssize_t ldo, const floating* q, Py_ssize_t ldq,
                                      const floating* k, Py_ssize_t ldk, const floating* v, Py_ssize_t ldv,
                                      const floating* p, const floating* mask, floating* dq, Py_ssize_t lddq,
                                      floating* dk, Py_ssize_t lddk, floating* dv, Py_ssize_t lddv, floating* dp,
                                      floating* used, Py_ssize_t t, Py_ssize_t d, Py_ssize_t block,
-                                     floating sc) noexcept nogil:
-    """One (sample, head) of attention_backward; dk and dv add the blocks' parts in block order."""
+                                     floating sc, bint bf16) noexcept nogil:
+    """One (sample, head) of attention_backward; dk and dv add the blocks' parts in block order.
+    Returns the products that found no memory."""
     cdef Py_ssize_t r0 = 0, r1, i, j
+    cdef int bad = 0
     while r0 < t:
         r1 = r0 + block if r0 + block < t else t
         if mask == NULL:
-            _gemm(True, False, r1, d, r1 - r0, p + r0 * t, t, dout + r0 * ldo, ldo, 1, dv, lddv)
+            bad -= _product(bf16, True, False, r1, d, r1 - r0, p + r0 * t, t, dout + r0 * ldo, ldo, 1, dv, lddv)
         else:
             for i in range(r0, r1):
                 for j in range(r1):
                     used[(i - r0) * t + j] = p[i * t + j] * mask[i * t + j]
-            _gemm(True, False, r1, d, r1 - r0, used, t, dout + r0 * ldo, ldo, 1, dv, lddv)
-        _gemm(False, True, r1 - r0, r1, d, dout + r0 * ldo, ldo, v, ldv, 0, dp, t)
+            bad -= _product(bf16, True, False, r1, d, r1 - r0, used, t, dout + r0 * ldo, ldo, 1, dv, lddv)
+        bad -= _product(bf16, False, True, r1 - r0, r1, d, dout + r0 * ldo, ldo, v, ldv, 0, dp, t)
         for i in range(r0, r1):
             if mask != NULL:
                 for j in range(r1):
                     dp[(i - r0) * t + j] = dp[(i - r0) * t + j] * mask[i * t + j]
             _softmax_backward_row(p + i * t, dp + (i - r0) * t, i + 1, r1, sc)
-        _gemm(False, False, r1 - r0, d, r1, dp, t, k, ldk, 0, dq + r0 * lddq, lddq)
-        _gemm(True, False, r1, d, r1 - r0, dp, t, q + r0 * ldq, ldq, 1, dk, lddk)
+        bad -= _product(bf16, False, False, r1 - r0, d, r1, dp, t, k, ldk, 0, dq + r0 * lddq, lddq)
+        bad -= _product(bf16, True, False, r1, d, r1 - r0, dp, t, q + r0 * ldq, ldq, 1, dk, lddk)
         r0 = r1
+    return bad
 
 
 def attention_backward(const floating[:, :, :, :] dout, const floating[:, :, :, :] q,
                        const floating[:, :, :, :] k, const floating[:, :, :, :] v,
                        const floating[:, :, :, ::1] probs, const floating[:, :, :, ::1] mask,
                        floating[:, :, :, :] dq, floating[:, :, :, :] dk, floating[:, :, :, :] dv,
-                       double scale, Py_ssize_t block):
+                       double scale, Py_ssize_t block, bint bf16=False):
     """Gradients of attention_forward's output with respect to q, k and v, given dout (all [b, heads,
-    t, d], any strides but a contiguous last axis); dk and dv are added to, so the caller zeroes them."""
+    t, d], any strides but a contiguous last axis); dk and dv are added to, so the caller zeroes them.
+    ``bf16``: products in bfloat16 (float32 arrays only)."""
     cdef Py_ssize_t nb = q.shape[0], nh = q.shape[1], t = q.shape[2], d = q.shape[3], h, bi, hi
     cdef Py_ssize_t z = sizeof(floating)
     cdef Py_ssize_t ldo = dout.strides[2] // z, ldq = q.strides[2] // z, ldk = k.strides[2] // z
     cdef Py_ssize_t ldv = v.strides[2] // z, lddq = dq.strides[2] // z, lddk = dk.strides[2] // z
     cdef Py_ssize_t lddv = dv.strides[2] // z
     cdef bint masked = mask.shape[0] > 0
-    cdef int nt = wse_threads_for(nb * nh * t * t, WSE_GRAIN)
+    cdef int nt = wse_threads_for(nb * nh * t * t, WSE_GRAIN), bad = 0
     cdef floating* dp
     cdef floating* used
     with nogil:
@@ -577,12 +603,14 @@ def attention_backward(const floating[:, :, :, :] dout, const floating[:, :, :, 
             hi = h % nh
             dp = <floating*>malloc(block * t * sizeof(floating))
             used = <floating*>malloc(block * t * sizeof(floating)) if masked else NULL
-            _attention_backward(&dout[bi, hi, 0, 0], ldo, &q[bi, hi, 0, 0], ldq, &k[bi, hi, 0, 0], ldk,
+            bad += _attention_backward(&dout[bi, hi, 0, 0], ldo, &q[bi, hi, 0, 0], ldq, &k[bi, hi, 0, 0], ldk,
                                 &v[bi, hi, 0, 0], ldv, &probs[bi, hi, 0, 0], &mask[bi, hi, 0, 0] if masked else NULL,
                                 &dq[bi, hi, 0, 0], lddq, &dk[bi, hi, 0, 0], lddk, &dv[bi, hi, 0, 0], lddv,
-                                dp, used, t, d, block, <floating>scale)
+                                dp, used, t, d, block, <floating>scale, bf16)
             free(dp)
             free(used)
+    if bad:
+        raise MemoryError(f"attention_backward: no memory for {bad} bfloat16 products of a [{t}, {d}] head")
 
 
 # --- 16-bit formats (wse_core.nn.precision) --------------------------------------------------------

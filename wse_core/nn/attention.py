@@ -18,7 +18,7 @@ softmax and dropout together while they are in cache (``_kernels.attention_forwa
 import numpy as np
 
 from wse_core.nn import _kernels
-from wse_core.nn.gemm import blas_in_kernels, matmul
+from wse_core.nn.gemm import blas_in_kernels, matmul, products
 
 #: Query rows per block (fixed: it decides the bits).
 BLOCK = 64
@@ -33,6 +33,11 @@ def _mask(mask, dtype):
     return np.empty((0, 1, 1, 1), dtype) if mask is None else np.ascontiguousarray(mask, dtype)
 
 
+def _bf16(x):
+    """Whether the kernels' products are bfloat16 ones (``gemm.products_in``), as matmul's would be."""
+    return products() == "bfloat16" and x.dtype == np.float32
+
+
 def forward(q, k, v, scale, ops, mask=None, out=None):
     """softmax(scale q k^T, causal) v for q, k, v [b, heads, t, d] (a head each); ``mask`` [b, heads,
     t, t] scales the probabilities (attention dropout). Writes into ``out`` if given. Returns (out,
@@ -43,7 +48,8 @@ def forward(q, k, v, scale, ops, mask=None, out=None):
     if blas_in_kernels():
         if out.strides[-1] != out.itemsize:
             raise ValueError("out: expected a view whose last axis is contiguous")
-        _kernels.attention_forward(*_rows(q, k, v), _mask(mask, q.dtype), out, probs, float(scale), BLOCK)
+        _kernels.attention_forward(*_rows(q, k, v), _mask(mask, q.dtype), out, probs, float(scale), BLOCK,
+                                   _bf16(q))
         return out, probs
     for r0, r1 in _blocks(t):
         p = matmul(q[:, :, r0:r1], k[:, :, :r1].transpose(0, 1, 3, 2))   # [b, nh, r1 - r0, r1]
@@ -62,7 +68,7 @@ def backward(dout, q, k, v, probs, scale, ops, mask=None, grads=None):
         if any(g.strides[-1] != g.itemsize for g in (dq, dk, dv)):
             raise ValueError("grads: expected views whose last axis is contiguous")
         _kernels.attention_backward(*_rows(dout, q, k, v), probs, _mask(mask, q.dtype), dq, dk, dv,
-                                    float(scale), BLOCK)
+                                    float(scale), BLOCK, _bf16(q))
         return dq, dk, dv
     for r0, r1 in _blocks(t):
         p = np.ascontiguousarray(probs[:, :, r0:r1, :r1])

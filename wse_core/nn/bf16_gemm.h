@@ -237,4 +237,19 @@ static int wse_gemm_bf16(int64_t M, int64_t N, int64_t K, const float* a, int64_
 #endif
     return wse_gemm_bf16_portable(M, N, K, a, sai, sak, b, sbk, sbn, c, ldc, threads);
 }
+/* c := c + A B (add) or A B, for a caller that is itself one of the threads: c + A B adds the
+   float32 product to c afterwards, as `c += a @ b` does through numpy. */
+static int wse_gemm_bf16_into(int64_t M, int64_t N, int64_t K, const float* a, int64_t sai, int64_t sak,
+                              const float* b, int64_t sbk, int64_t sbn, float* c, int64_t ldc, int add) {
+    if (!add) return wse_gemm_bf16(M, N, K, a, sai, sak, b, sbk, sbn, c, ldc, 1, 0);
+    float* t = (float*)malloc((size_t)(M * N) * sizeof(float));
+    if (!t || wse_gemm_bf16(M, N, K, a, sai, sak, b, sbk, sbn, t, N, 1, 0)) {
+        free(t);
+        return -1;
+    }
+    for (int64_t i = 0; i < M; i++)
+        for (int64_t j = 0; j < N; j++) c[i * ldc + j] += t[i * N + j];
+    free(t);
+    return 0;
+}
 #endif

@@ -66,6 +66,11 @@ def _controller():
     return _state["controller"]
 
 
+def products():
+    """The format of the products' operands here and now (``products_in``): "bfloat16" or None."""
+    return _products.get()
+
+
 def pin_blas():
     """Run BLAS on one thread for the rest of the process (kept: restoring it would change bits)."""
     if _state["pinned"] is None:
