@@ -24,6 +24,10 @@ tokens of samples is told the rows per sample (``sample_rows``) and is cut at th
 boundaries too: a sample's rows meet BLAS in the same calls at the same places whatever else is
 in the batch, and its values do not depend on the batch (docs/design.md section 2). When the
 sample length is a multiple of ``CHUNK_ROWS`` the calls are the ones an uncut product makes.
+
+Inside ``products_in("bfloat16")`` (a bfloat16 mixed-precision unit) the products are the kernels'
+own instead: bfloat16 operands, float32 accumulation, each element one fixed chain whatever the
+rows or threads (``_kernels.gemm_bf16``, ``bf16_gemm.h``), so none of the above chunking is needed.
 """
 import contextlib
 import contextvars
@@ -50,7 +54,7 @@ def products_in(fmt):
     """Within: ``matmul``'s float32 products take both operands rounded to ``fmt`` and accumulate
     exact products in float32 (``"bfloat16"``: ``_kernels.gemm_bf16``, AVX512-BF16's arithmetic; None:
     float32 operands through BLAS). A mixed-precision bfloat16 model computes its units inside one
-    (docs/design.md section 5, "Products in bfloat16")."""
+    (docs/design.md section 2, "Products in bfloat16")."""
     if fmt not in (None, "bfloat16"):
         raise ValueError(f"products_in: no {fmt} products (bfloat16 or None)")
     token = _products.set(fmt)
