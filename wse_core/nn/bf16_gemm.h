@@ -108,42 +108,72 @@ WSE_BF16_TARGET static inline __m256i wse_bf16_round8(__m256 x) {
     return _mm256_mask_or_epi32(r, nan, _mm256_srli_epi32(u, 16), _mm256_set1_epi32(0x40));
 }
 
+/* r[q][j] := r[j][q]: an 8 x 8 transpose of 32-bit lanes. */
+WSE_BF16_TARGET static inline void wse_transpose8(__m256i r[8]) {
+    __m256i t[8], u[8];
+    for (int q = 0; q < 8; q += 2) {
+        t[q] = _mm256_unpacklo_epi32(r[q], r[q + 1]);
+        t[q + 1] = _mm256_unpackhi_epi32(r[q], r[q + 1]);
+    }
+    for (int q = 0; q < 8; q += 4) {
+        u[q] = _mm256_unpacklo_epi64(t[q], t[q + 2]);
+        u[q + 1] = _mm256_unpackhi_epi64(t[q], t[q + 2]);
+        u[q + 2] = _mm256_unpacklo_epi64(t[q + 1], t[q + 3]);
+        u[q + 3] = _mm256_unpackhi_epi64(t[q + 1], t[q + 3]);
+    }
+    for (int q = 0; q < 4; q++) {
+        r[q] = _mm256_permute2x128_si256(u[q], u[q + 4], 0x20);
+        r[q + 4] = _mm256_permute2x128_si256(u[q], u[q + 4], 0x31);
+    }
+}
+
 /* dst[((i / w) * k2n + p) * w + i % w] := bfloat16 pair (X(i, 2p), X(i, 2p + 1)), low half first,
    for X(i, k) = src[i*si + k*sk], i < rows padded to a multiple of w (8, 16, 32, ...) with zeros, and
-   k >= K zero. Vectorised where i (si == 1: eight rows at a time over each pair) or k (sk == 1:
-   thirty-two k of a row at a time) runs along memory; else element by element. */
+   k >= K zero. Vectorised where i (si == 1: eight rows at a time over each pair, threads sharing
+   the pairs) or k (sk == 1: eight rows of sixteen k, transposed in registers) runs along memory;
+   else element by element. */
 WSE_BF16_TARGET static void wse_bf16_pack(uint32_t* dst, const float* src, int64_t si, int64_t sk, int64_t rows,
                                           int64_t K, int64_t w, int threads) {
-    int64_t k2n = (K + 1) / 2, blocks = (rows + w - 1) / w, blk;
+    int64_t k2n = (K + 1) / 2, blocks = (rows + w - 1) / w, blk, p0;
+    if (si == 1 && w % 8 == 0) {
+        /* Threads share the pairs: each reads rows 2p and 2p + 1 of the source whole, once. */
+        #pragma omp parallel for num_threads(threads) schedule(static)
+        for (p0 = 0; p0 < k2n; p0++) {
+            const float* x0 = src + 2 * p0 * sk;
+            int has1 = 2 * p0 + 1 < K;
+            int64_t i = 0;
+            for (; i + 8 <= rows; i += 8) {
+                __m256i lo = wse_bf16_round8(_mm256_loadu_ps(x0 + i));
+                __m256i hi = has1 ? wse_bf16_round8(_mm256_loadu_ps(x0 + sk + i)) : _mm256_setzero_si256();
+                _mm256_storeu_si256((__m256i*)(dst + ((i / w) * k2n + p0) * w + i % w),
+                                    _mm256_or_si256(lo, _mm256_slli_epi32(hi, 16)));
+            }
+            for (; i < rows; i++)
+                dst[((i / w) * k2n + p0) * w + i % w] = wse_bf16_bits(x0[i]) | (has1 ? wse_bf16_bits(x0[sk + i]) << 16 : 0);
+            for (; i < blocks * w; i++) dst[((i / w) * k2n + p0) * w + i % w] = 0;
+        }
+        return;
+    }
     #pragma omp parallel for num_threads(threads) schedule(static)
     for (blk = 0; blk < blocks; blk++) {
         uint32_t* out = dst + blk * k2n * w;
         int64_t full = rows - blk * w >= w ? w : rows - blk * w, i = 0, p;
-        if (sk == 1) {
-            for (; i < full; i++) {
-                const float* x = src + (blk * w + i) * si;
-                uint32_t pairs[16];
-                for (p = 0; p + 16 <= K / 2; p += 16) {
-                    __m256i lo = _mm512_cvtepi32_epi16(wse_bf16_round16(_mm512_loadu_ps(x + 2 * p)));
-                    __m256i hi = _mm512_cvtepi32_epi16(wse_bf16_round16(_mm512_loadu_ps(x + 2 * p + 16)));
-                    _mm256_storeu_si256((__m256i*)pairs, lo);
-                    _mm256_storeu_si256((__m256i*)(pairs + 8), hi);
-                    for (int q = 0; q < 16; q++) out[(p + q) * w + i] = pairs[q];
-                }
-                for (; p < K / 2; p++)
-                    out[p * w + i] = wse_bf16_bits(x[2 * p]) | (wse_bf16_bits(x[2 * p + 1]) << 16);
-                if (K & 1) out[(k2n - 1) * w + i] = wse_bf16_bits(x[K - 1]);
-            }
-        } else if (si == 1 && w % 8 == 0) {
+        if (sk == 1 && w % 8 == 0) {
             for (; i + 8 <= full; i += 8) {
-                const float* x = src + blk * w + i;
-                for (p = 0; p < K / 2; p++) {
-                    __m256i lo = wse_bf16_round8(_mm256_loadu_ps(x + 2 * p * sk));
-                    __m256i hi = wse_bf16_round8(_mm256_loadu_ps(x + (2 * p + 1) * sk));
-                    _mm256_storeu_si256((__m256i*)(out + p * w + i), _mm256_or_si256(lo, _mm256_slli_epi32(hi, 16)));
+                const float* x = src + (blk * w + i) * si;
+                for (p = 0; p + 8 <= K / 2; p += 8) {   /* 8 rows x 8 pairs, transposed in registers */
+                    __m256i r[8];
+                    for (int q = 0; q < 8; q++)
+                        r[q] = _mm512_cvtepi32_epi16(wse_bf16_round16(_mm512_loadu_ps(x + q * si + 2 * p)));
+                    wse_transpose8(r);
+                    for (int q = 0; q < 8; q++) _mm256_storeu_si256((__m256i*)(out + (p + q) * w + i), r[q]);
                 }
-                if (K & 1)
-                    _mm256_storeu_si256((__m256i*)(out + (k2n - 1) * w + i), wse_bf16_round8(_mm256_loadu_ps(x + (K - 1) * sk)));
+                for (int q = 0; q < 8; q++) {
+                    const float* xq = x + q * si;
+                    for (int64_t pp = p; pp < K / 2; pp++)
+                        out[pp * w + i + q] = wse_bf16_bits(xq[2 * pp]) | (wse_bf16_bits(xq[2 * pp + 1]) << 16);
+                    if (K & 1) out[(k2n - 1) * w + i + q] = wse_bf16_bits(xq[K - 1]);
+                }
             }
         }
         for (; i < full; i++) {   /* what the vector loops left: rows at the end, or other strides */
