@@ -66,6 +66,39 @@ def _mixed_fwd_bwd(model, x, weights, dy):
     return y
 
 
+def _products(repeats):
+    """(bfloat16 kernel, BLAS path) seconds for the block's twelve dense products, in the layouts the
+    layers use (x @ w.T forward; dy @ w and dy.T @ x backward), or None where the CPU has no
+    AVX512-BF16 (the portable path is not what a bfloat16 run on this machine would be compared by)."""
+    from wse_core.nn import _kernels
+    from wse_core.nn.gemm import matmul
+
+    if not _kernels.bf16_native():
+        return None
+    from wse_core import openmp_info
+
+    rng = np.random.default_rng(1)
+    n, c = BLOCK["batch"] * BLOCK["seq"], BLOCK["hidden"]
+    cases = []
+    for k, out in [(c, 3 * c), (c, c), (c, 4 * c), (4 * c, c)]:
+        x = rng.standard_normal((n, k), dtype=np.float32)
+        w = rng.standard_normal((out, k), dtype=np.float32)
+        dy = rng.standard_normal((n, out), dtype=np.float32)
+        cases += [(x, w.T), (dy, w), (dy.T, x)]
+    outs = [np.empty((a.shape[0], b.shape[1]), np.float32) for a, b in cases]
+    threads = openmp_info()["max_threads"]
+
+    def bf16():
+        for (a, b), o in zip(cases, outs):
+            _kernels.gemm_bf16(a, b, o, threads)
+
+    def blas():
+        for a, b in cases:
+            matmul(a, b)
+
+    return median_seconds(bf16, repeats), median_seconds(blas, repeats)
+
+
 def _profile(fn, repeats, top=12):
     """[(function, ms per call)] of ``fn``'s own time per function, the largest ``top`` and the rest."""
     import cProfile
@@ -156,6 +189,9 @@ def run(args):
         "block_tokens_per_s": b * t / t_fused,
         "model_tokens_per_s": b * t / m_fused,
     }
+    products = _products(args.repeats)
+    if products is not None:
+        result["median_seconds"]["products_bf16"], result["median_seconds"]["products_blas"] = products
     if profile:
         result["profile"] = {"wse_core": _profile(lambda: _block_fwd_bwd(fused, x, params, dy), args.repeats)}
     if torch_result is not None:
@@ -182,6 +218,10 @@ def report(result):
     if "block_torch_bf16" in t:
         rows.append(["GPT-2 block, PyTorch autocast bfloat16", f"{t['block_torch_bf16'] * 1e3:.1f}",
                      f"{t['block_torch_bf16'] / t['block_fused_bf16']:.2f}"])
+    if "products_bf16" in t:
+        rows += [["the block's 12 products, float32 through BLAS", f"{t['products_blas'] * 1e3:.1f}", "1.00"],
+                 ["the block's 12 products, bfloat16 kernel (AVX512-BF16)", f"{t['products_bf16'] * 1e3:.1f}",
+                  f"{t['products_bf16'] / t['products_blas']:.2f}"]]
     mdl = result["model"]
     rows += [[f"GPT-2 {mdl['num_hidden_layers']} layers ({mdl['params'] / 1e6:.1f}M), fused",
               f"{t['model_fused'] * 1e3:.1f}", "1.00"],

@@ -215,6 +215,9 @@ def test_bench_nn_writes_json(tmp_path):
     assert result["block"]["hidden"] == 256 and result["block"]["seq"] == 256
     assert result["block_speedup_vs_numpy"] > 0 and result["model_speedup_vs_numpy"] > 0
     assert result["median_seconds"]["block_fused_bf16"] > 0
+    from wse_core.nn import _kernels
+    if _kernels.bf16_native():  # the block's products in both ways
+        assert result["median_seconds"]["products_bf16"] > 0 and result["median_seconds"]["products_blas"] > 0
     if "torch" in result:  # the PyTorch block computes the same function as ours
         assert result["block_max_abs_diff_vs_torch"] < 1e-3
         assert result["block_bf16_speedup_vs_torch"] > 0
