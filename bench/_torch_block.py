@@ -4,7 +4,8 @@
 parameters (``blocks.0.*``), ``x`` and ``dy``; OUT gets ``seconds`` (median forward + backward),
 ``seconds_bf16`` (the same under ``torch.autocast`` in bfloat16, PyTorch's CPU mixed precision) and
 ``y``; with ``profile``, also ``ops`` and ``ms``: the operators' self CPU time per forward +
-backward (``torch.profiler``), the largest twelve and the rest.
+backward (``torch.profiler``), the largest twelve and the rest (``ops_bf16``, ``ms_bf16``: the same
+under autocast).
 It imports nothing of wse_core, so the OpenMP and malloc settings that wse_core makes for its
 own kernels do not slow PyTorch down.
 """
@@ -48,13 +49,14 @@ def main(src, dst, repeats, threads, profile=False):
     out = {"seconds": median_seconds(step, repeats), "seconds_bf16": median_seconds(lambda: step(True), repeats),
            "y": y, "version": torch.__version__}
     if profile:
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
-            for _ in range(repeats):
-                step()
-        rows = sorted(((e.key, e.self_cpu_time_total / 1e3 / repeats) for e in prof.key_averages()),
-                      key=lambda kv: -kv[1])
-        rows = rows[:12] + [("everything else", sum(ms for _, ms in rows[12:]))]
-        out.update(ops=np.array([k for k, _ in rows]), ms=np.array([ms for _, ms in rows]))
+        for suffix, autocast in (("", False), ("_bf16", True)):
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+                for _ in range(repeats):
+                    step(autocast)
+            rows = sorted(((e.key, e.self_cpu_time_total / 1e3 / repeats) for e in prof.key_averages()),
+                          key=lambda kv: -kv[1])
+            rows = rows[:12] + [("everything else", sum(ms for _, ms in rows[12:]))]
+            out.update({f"ops{suffix}": np.array([k for k, _ in rows]), f"ms{suffix}": np.array([ms for _, ms in rows])})
     np.savez(dst, **out)
 
 

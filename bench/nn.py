@@ -18,8 +18,9 @@ product on bfloat16 operands with float32 accumulation; docs/design.md sections 
 
 ``--profile`` also says where the block's time goes: ours by function (cProfile's own time of
 each, in the timing thread: ``gemm.matmul``'s BLAS calls show as its own time, or as a wait for its
-worker threads where numpy's BLAS is not one the kernels call), PyTorch's by operator (``torch.profiler``'s self CPU time, over its threads), per forward
-+ backward, over the same repeats.
+worker threads where numpy's BLAS is not one the kernels call), PyTorch's by operator
+(``torch.profiler``'s self CPU time, over its threads), per forward + backward, over the same
+repeats; in float32, and in mixed precision against autocast.
 """
 import importlib.util
 import os
@@ -114,6 +115,8 @@ def _profile(fn, repeats, top=12):
         # not one the kernels can call, in worker threads while the timing thread waits on a lock.
         if key == "gemm._matmul" or "acquire' of '_thread.lock" in key:
             key = "GEMMs (gemm.matmul)"
+        elif key == "gemm._matmul_bf16":
+            key = "GEMMs (gemm.matmul, bfloat16 kernel)"
         per[key] = per.get(key, 0.0) + tottime
     rows = sorted(per.items(), key=lambda kv: -kv[1])
     rest = sum(v for _, v in rows[top:])
@@ -135,7 +138,8 @@ def _torch_block(params, x, dy, threads, repeats, profile=False):
             last = (proc.stderr.strip().splitlines() or ["no output"])[-1]
             raise RuntimeError(f"the PyTorch block failed: {last}")
         out = np.load(dst)
-        rows = [(str(n), float(ms)) for n, ms in zip(out["ops"], out["ms"])] if profile else None
+        rows = {key: [(str(n), float(ms)) for n, ms in zip(out[f"ops{sfx}"], out[f"ms{sfx}"])]
+                for key, sfx in (("torch", ""), ("torch autocast bfloat16", "_bf16"))} if profile else None
         return float(out["seconds"]), float(out["seconds_bf16"]), out["y"], str(out["version"]), rows
 
 
@@ -193,11 +197,13 @@ def run(args):
     if products is not None:
         result["median_seconds"]["products_bf16"], result["median_seconds"]["products_blas"] = products
     if profile:
-        result["profile"] = {"wse_core": _profile(lambda: _block_fwd_bwd(fused, x, params, dy), args.repeats)}
+        result["profile"] = {"wse_core": _profile(lambda: _block_fwd_bwd(fused, x, params, dy), args.repeats),
+                             "wse_core bfloat16": _profile(lambda: _mixed_fwd_bwd(mixed, x, weights16, dy),
+                                                           args.repeats)}
     if torch_result is not None:
         t_torch, t_torch_bf16, y_torch, result["torch"], torch_rows = torch_result
         if profile:
-            result["profile"]["torch"] = torch_rows
+            result["profile"].update(torch_rows)
         result["median_seconds"]["block_torch"] = t_torch
         result["median_seconds"]["block_torch_bf16"] = t_torch_bf16
         result["block_speedup_vs_torch"] = t_torch / t_fused
@@ -242,6 +248,6 @@ def report(result):
                      f"precision: {result['block_bf16_speedup_vs_torch']:.2f}x")
     for who, rows in result.get("profile", {}).items():
         lines.append(f"\nwhere the block's forward + backward goes, {who} (ms per call, own time):")
-        lines.append(table([[name, f"{ms:.1f}"] for name, ms in rows], ["function" if who == "wse_core" else "operator",
-                                                                         "ms"]))
+        lines.append(table([[name, f"{ms:.1f}"] for name, ms in rows],
+                           ["function" if who.startswith("wse_core") else "operator", "ms"]))
     return "\n".join(lines)
