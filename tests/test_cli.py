@@ -207,9 +207,9 @@ def test_bench_numpy_baseline_is_the_same_update(rng):
 
 
 def test_bench_nn_writes_json(tmp_path):
-    """One repetition has every reported key and positive figures (no timing is asserted)."""
+    """One repetition, profiled, has every reported key and positive figures (no timing is asserted)."""
     out = tmp_path / "nn.json"
-    proc = wse("bench", "nn", "--repeats", "1", "--json", str(out), timeout=300)
+    proc = wse("bench", "nn", "--repeats", "1", "--profile", "--json", str(out), timeout=300)
     assert proc.returncode == 0, proc.stderr
     result = json.loads(out.read_text())
     assert result["block"]["hidden"] == 256 and result["block"]["seq"] == 256
@@ -218,9 +218,13 @@ def test_bench_nn_writes_json(tmp_path):
     from wse_core.nn import _kernels
     if _kernels.bf16_native():  # the block's products in both ways
         assert result["median_seconds"]["products_bf16"] > 0 and result["median_seconds"]["products_blas"] > 0
+    assert {"wse_core", "wse_core bfloat16"} <= set(result["profile"])
     if "torch" in result:  # the PyTorch block computes the same function as ours
         assert result["block_max_abs_diff_vs_torch"] < 1e-3
         assert result["block_bf16_speedup_vs_torch"] > 0
+        assert {"torch", "torch autocast bfloat16"} <= set(result["profile"])
+    for rows in result["profile"].values():
+        assert rows[-1][0] == "everything else" and all(ms >= 0 for _, ms in rows)
 
 
 def test_bench_input_on_a_given_dataset(tmp_path):
