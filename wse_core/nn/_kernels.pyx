@@ -542,19 +542,19 @@ def attention_forward(const floating[:, :, :, :] q, const floating[:, :, :, :] k
             hi = h % nh
             used = <floating*>malloc(block * t * sizeof(floating)) if masked else NULL
             bad += _attention_forward(&q[bi, hi, 0, 0], ldq, &k[bi, hi, 0, 0], ldk, &v[bi, hi, 0, 0], ldv,
-                               &mask[bi, hi, 0, 0] if masked else NULL, &out[bi, hi, 0, 0], ldo,
-                               &probs[bi, hi, 0, 0], used, t, d, block, <floating>scale, bf16)
+                                      &mask[bi, hi, 0, 0] if masked else NULL, &out[bi, hi, 0, 0], ldo,
+                                      &probs[bi, hi, 0, 0], used, t, d, block, <floating>scale, bf16)
             free(used)
     if bad:
         raise MemoryError(f"attention_forward: no memory for {bad} bfloat16 products of a [{t}, {d}] head")
 
 
 cdef inline int _attention_backward(const floating* dout, Py_ssize_t ldo, const floating* q, Py_ssize_t ldq,
-                                     const floating* k, Py_ssize_t ldk, const floating* v, Py_ssize_t ldv,
-                                     const floating* p, const floating* mask, floating* dq, Py_ssize_t lddq,
-                                     floating* dk, Py_ssize_t lddk, floating* dv, Py_ssize_t lddv, floating* dp,
-                                     floating* used, Py_ssize_t t, Py_ssize_t d, Py_ssize_t block,
-                                     floating sc, bint bf16) noexcept nogil:
+                                    const floating* k, Py_ssize_t ldk, const floating* v, Py_ssize_t ldv,
+                                    const floating* p, const floating* mask, floating* dq, Py_ssize_t lddq,
+                                    floating* dk, Py_ssize_t lddk, floating* dv, Py_ssize_t lddv, floating* dp,
+                                    floating* used, Py_ssize_t t, Py_ssize_t d, Py_ssize_t block,
+                                    floating sc, bint bf16) noexcept nogil:
     """One (sample, head) of attention_backward; dk and dv add the blocks' parts in block order.
     Returns the products that found no memory."""
     cdef Py_ssize_t r0 = 0, r1, i, j
@@ -604,9 +604,10 @@ def attention_backward(const floating[:, :, :, :] dout, const floating[:, :, :, 
             dp = <floating*>malloc(block * t * sizeof(floating))
             used = <floating*>malloc(block * t * sizeof(floating)) if masked else NULL
             bad += _attention_backward(&dout[bi, hi, 0, 0], ldo, &q[bi, hi, 0, 0], ldq, &k[bi, hi, 0, 0], ldk,
-                                &v[bi, hi, 0, 0], ldv, &probs[bi, hi, 0, 0], &mask[bi, hi, 0, 0] if masked else NULL,
-                                &dq[bi, hi, 0, 0], lddq, &dk[bi, hi, 0, 0], lddk, &dv[bi, hi, 0, 0], lddv,
-                                dp, used, t, d, block, <floating>scale, bf16)
+                                       &v[bi, hi, 0, 0], ldv, &probs[bi, hi, 0, 0],
+                                       &mask[bi, hi, 0, 0] if masked else NULL, &dq[bi, hi, 0, 0], lddq,
+                                       &dk[bi, hi, 0, 0], lddk, &dv[bi, hi, 0, 0], lddv, dp, used, t, d, block,
+                                       <floating>scale, bf16)
             free(dp)
             free(used)
     if bad:
