@@ -99,13 +99,9 @@ WSE_BF16_TARGET static inline __m512i wse_bf16_round16(__m512 x) {
     return _mm512_mask_or_epi32(r, nan, _mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40));
 }
 
+/* The same for 8 float32 (the low half of wse_bf16_round16). */
 WSE_BF16_TARGET static inline __m256i wse_bf16_round8(__m256 x) {
-    __m256i u = _mm256_castps_si256(x);
-    __m256i r = _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7fff)),
-                                                   _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1))), 16);
-    __mmask8 nan = _mm256_cmpgt_epu32_mask(_mm256_and_si256(u, _mm256_set1_epi32(0x7fffffff)),
-                                            _mm256_set1_epi32(0x7f800000));
-    return _mm256_mask_or_epi32(r, nan, _mm256_srli_epi32(u, 16), _mm256_set1_epi32(0x40));
+    return _mm512_castsi512_si256(wse_bf16_round16(_mm512_zextps256_ps512(x)));
 }
 
 /* r[q][j] := r[j][q]: an 8 x 8 transpose of 32-bit lanes. */
