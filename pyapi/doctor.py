@@ -87,8 +87,7 @@ def _hello(state):
 def main():
     """Print each check; return 0 if nothing is broken, else 1 after one line naming the first problem."""
     state = {}
-    checks = [("python", _python), ("numpy", _numpy), ("openmp", _openmp), ("bf16", _bf16),
-              ("h5py", _h5py),
+    checks = [("python", _python), ("numpy", _numpy), ("openmp", _openmp), ("bf16", _bf16), ("h5py", _h5py),
               ("mpi4py", _mpi4py), ("mpiexec", _mpiexec), ("mpi hello", lambda: _hello(state))]
     problems = []
     for label, check in checks:
