@@ -29,7 +29,7 @@ def main(argv):
     num_csx, fanout, repeats = int(argv[0]), int(argv[1]), int(argv[2])
     sizes = [float(x) for x in argv[3:]]
     comm = MPI.COMM_WORLD
-    link = msg.Link(comm, Layout())
+    link = msg.Link(comm, Layout(), bells=msg.Bells.open(comm))  # as a training job's ranks wait
     plan = make_plan(num_csx=num_csx, num_wgt_servers=1, num_workers_per_csx=1, swarmx_fanout=fanout,
                      unit_bytes=[1])
     shift = plan.memoryx[0]  # plan rank -> world rank (no coordinator here)

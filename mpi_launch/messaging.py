@@ -4,9 +4,15 @@ it waits for a peer), waits that never spin, chunked relay and reduce, and the h
 Never spin (docs/design.md section 3): MPICH's blocking ``Wait``/``Recv`` busy-poll, and on an
 oversubscribed machine (8 ranks on 2 cores) a waiting rank then steals the core from the rank that
 computes. Every wait goes through ``poll``, the one backoff loop: it tests and sleeps between tests
-(50 us doubling up to 200 us, both the sleep and the deadline restarted on progress), so a rank that
-waits costs almost nothing; past the timeout it raises ``PeerTimeout`` naming what it was waiting
-for. The timeout follows the job's pace: a peer may be computing a whole step while this rank waits
+(50 us doubling up to a ceiling, both the sleep and the deadline restarted on progress), so a rank
+that waits costs almost nothing; past the timeout it raises ``PeerTimeout`` naming what it was
+waiting for. A test that finds nothing calls into MPI ``DRAIN`` times more before the rank sleeps
+(``Link.drain``): MPICH takes one message a call off a rank's shared-memory queue, so a header
+behind a burst of other messages waited a sleep per message. When all the job's ranks share one
+machine each has a doorbell (``Bells``): a sender rings its receiver, a receiver that took a
+message rings its sender, and a waiting rank sleeps on its bell, so the ceiling (2 ms, 20 ms off the
+streaming path) only bounds what no bell announces. Without doorbells it is 200 us (2 ms off the
+path). The timeout follows the job's pace: a peer may be computing a whole step while this rank waits
 for it (``Role.step_done`` sets it on the rank's link). Bulk tensors move as numpy buffers
 (upper-case calls), cut into chunks of ``CHUNK_FLOATS`` elements; small control messages as
 pickled objects.
@@ -18,6 +24,10 @@ node forwards (``relay``) or sums (``reduce``) chunk c while chunk c+1 is still 
 tensor pipelines through the tree instead of being stored and forwarded whole at each level.
 """
 import contextlib
+import os
+import select
+import shutil
+import tempfile
 import threading
 import time
 
@@ -36,8 +46,18 @@ _MIN_SLEEP, _MAX_SLEEP = 50e-6, 2e-4
 #: computing CS-2s (measured: 3,200 wake-ups a second each, on 2 cores shared by 7 ranks).
 OFF_PATH_SLEEP = 2e-3
 
-#: How often ``Link.progress``'s helper tests its requests while the rank computes.
+#: How often ``Link.progress``'s helper tests its requests while the rank computes (without doorbells).
 PROGRESS_EVERY = 1e-3
+
+#: The longest sleep of a rank with a doorbell (``Bells``), on the streaming path and off it: a
+#: message rings the rank awake, so these bound only what no bell announces. ``wse bench peers``'
+#: GPT-2 on 2 CS-2s (7 ranks, 2 cores): MemoryX and SwarmX woke 3,300 times a second each at 200 us,
+#: 600-700 with bells; a step took 400-420 ms, 358-372 with bells and ``DRAIN``, 403-408 with
+#: ``DRAIN`` alone.
+BELL_SLEEP, BELL_OFF_PATH_SLEEP = 2e-3, 20e-3
+
+#: Calls into MPI after a test that found nothing, before the rank sleeps (``Link.drain``).
+DRAIN = 32
 
 #: Elements per message (1 MiB of float32, 512 KiB of a mixed-precision run's 16-bit values): large
 #: enough that MPI's per-message cost is small against the copy, small enough that a tree of depth d
@@ -56,13 +76,15 @@ class PeerLost(RuntimeError):
     """An exchange with a peer failed in MPI: usually the echo of that peer's death."""
 
 
-def poll(test, seconds, expired, max_sleep=_MAX_SLEEP):
+def poll(test, seconds, expired, max_sleep=_MAX_SLEEP, sleep=time.sleep):
     """Call ``test()`` until it returns ``DONE``, sleeping between calls that return ``IDLE``. Never spins.
 
     The sleep starts at 50 us and doubles up to ``max_sleep`` (200 us); after ``MOVED`` (something completed) the
     test runs again at once and both the sleep and the deadline restart: a rank whose transfers
     keep moving polls often (MPICH moves a large message only while both sides call into MPI) and
-    is never taken for a silent peer. Past ``seconds`` without progress it raises ``expired()``.
+    is never taken for a silent peer. ``sleep`` may end early and say so (``Bells.wait``, rung):
+    the message that rang may take a moment to land, so the sleep starts again at 50 us. Past
+    ``seconds`` without progress it raises ``expired()``.
     """
     deadline, pause = time.monotonic() + seconds, _MIN_SLEEP
     while True:
@@ -74,8 +96,8 @@ def poll(test, seconds, expired, max_sleep=_MAX_SLEEP):
             continue
         if time.monotonic() > deadline:
             raise expired()
-        time.sleep(pause)
-        pause = min(pause * 2, max_sleep)
+        rung = sleep(pause)
+        pause = _MIN_SLEEP if rung else min(pause * 2, max_sleep)
 
 
 def _mpi(call, what):
@@ -92,24 +114,96 @@ def chunks(a):
     return [flat[i:i + CHUNK_FLOATS] for i in range(0, max(flat.size, 1), CHUNK_FLOATS)]
 
 
+class Bells:
+    """A doorbell for every rank of a job on one machine: a named pipe each rank sleeps on
+    (``wait``) and any peer writes a byte to (``ring``) after posting it a message, or after
+    taking one from it. A waiting rank then wakes when something is there for it, not hundreds
+    of times a second to look (docs/design.md section 3). A bell only wakes: nothing depends on it
+    being rung, a rank still tests at least every ``BELL_SLEEP``."""
+
+    def __init__(self, me, read_fd, write_fds):
+        self.me, self._read, self._write = me, read_fd, write_fds
+
+    @classmethod
+    def open(cls, comm):
+        """Every rank's bell (collective), or None when the ranks are not all on this machine."""
+        from mpi4py import MPI
+
+        node = comm.Split_type(MPI.COMM_TYPE_SHARED)
+        alone = node.Get_size() == comm.Get_size()
+        node.Free()
+        if not alone:
+            return None
+        where = None
+        if comm.rank == 0:
+            shm = "/dev/shm" if os.access("/dev/shm", os.W_OK) else None
+            where = tempfile.mkdtemp(prefix="wse-bells-", dir=shm)
+        where = comm.bcast(where, root=0)
+        fds = []
+        try:
+            path = os.path.join(where, str(comm.rank))
+            os.mkfifo(path, 0o600)
+            fds.append(os.open(path, os.O_RDONLY | os.O_NONBLOCK))
+            fds.append(os.open(path, os.O_WRONLY | os.O_NONBLOCK))  # its own: never an end of file
+            ok = fds[0] < 1024  # select's limit (poll and epoll would round a sleep up to 1 ms)
+        except OSError:
+            ok = False
+        ok = comm.allreduce(ok, op=MPI.LAND)
+        write = {}
+        if ok:
+            try:
+                for r in range(comm.size):
+                    write[r] = fds[1] if r == comm.rank else os.open(os.path.join(where, str(r)),
+                                                                        os.O_WRONLY | os.O_NONBLOCK)
+            except OSError:
+                ok = False
+            ok = comm.allreduce(ok, op=MPI.LAND)
+        if comm.rank == 0:
+            shutil.rmtree(where, ignore_errors=True)  # the open pipes live on without their names
+        if not ok:
+            for fd in set(fds) | set(write.values()):
+                os.close(fd)
+            return None
+        return cls(comm.rank, fds[0], write)
+
+    def ring(self, rank):
+        """Wake ``rank`` (if it sleeps in ``wait``); a full pipe already holds a wake-up."""
+        try:
+            os.write(self._write[rank], b"\1")
+        except (BlockingIOError, BrokenPipeError):
+            pass
+
+    def wait(self, seconds):
+        """Sleep until a peer rings (True) or ``seconds`` pass (False); the bell is quiet again after."""
+        if not select.select([self._read], [], [], seconds)[0]:
+            return False
+        try:
+            while os.read(self._read, 4096):
+                pass
+        except BlockingIOError:
+            pass
+        return True
+
+
 class Link:
     """A rank's end of the job's messaging: ``comm``, the job's tag ``layout`` (``protocol.Layout``)
     and how long a wait lasts before ``PeerTimeout`` (``timeout`` seconds, and ``why`` that long,
     said in its message). One per rank, held by its role; nothing of it is process-wide."""
 
-    def __init__(self, comm, layout=None, timeout=300.0, why="the default"):
-        self.comm, self.layout = comm, layout or Layout()
-        self.max_sleep = _MAX_SLEEP
+    def __init__(self, comm, layout=None, timeout=300.0, why="the default", bells=None):
+        self.comm, self.layout, self.bells = comm, layout or Layout(), bells
+        self.max_sleep = _MAX_SLEEP if bells is None else BELL_SLEEP
         self.set_timeout(timeout, why)
 
     def off_path(self):
-        """This rank's waits are off the streaming path: they may sleep up to ``OFF_PATH_SLEEP``."""
-        self.max_sleep = OFF_PATH_SLEEP
+        """This rank's waits are off the streaming path: they may sleep longer (``OFF_PATH_SLEEP``,
+        ``BELL_OFF_PATH_SLEEP`` with a doorbell)."""
+        self.max_sleep = OFF_PATH_SLEEP if self.bells is None else BELL_OFF_PATH_SLEEP
 
     @contextlib.contextmanager
     def on_path(self):
-        """Waits inside are on the step's path after all: they sleep at most 200 us again."""
-        off, self.max_sleep = self.max_sleep, _MAX_SLEEP
+        """Waits inside are on the step's path after all: they sleep as little as the streaming ranks'."""
+        off, self.max_sleep = self.max_sleep, _MAX_SLEEP if self.bells is None else BELL_SLEEP
         try:
             yield
         finally:
@@ -129,11 +223,33 @@ class Link:
             seconds, said = self.timeout, f"{self.timeout:.1f} s ({self.why})"
         else:
             seconds, said = timeout, f"{timeout:g} s"
-        poll(test, seconds, lambda: PeerTimeout(f"no answer within {said} while waiting for {what}"), self.max_sleep)
+
+        def drained():  # what was queued behind the first message is taken before the rank sleeps
+            state = test()
+            if state == IDLE:
+                self.drain()
+                state = test()
+            return state
+
+        poll(drained, seconds, lambda: PeerTimeout(f"no answer within {said} while waiting for {what}"), self.max_sleep,
+             time.sleep if self.bells is None else self.bells.wait)
+
+    def drain(self):
+        """Call into MPI ``DRAIN`` times: MPICH takes one message a call from a rank's shared-memory queue."""
+        probe, me = self.comm.Iprobe, self.comm.rank
+        for _ in range(DRAIN):
+            probe(source=me, tag=MPI.ANY_TAG)
+
+    def ring(self, *ranks):
+        """Wake ``ranks`` to a message just posted to them, or taken from them (``Bells``)."""
+        if self.bells is not None:
+            for r in ranks:
+                self.bells.ring(r)
 
     @contextlib.contextmanager
     def progress(self, requests):
-        """Drive ``requests`` from a helper thread while the body computes, every ``PROGRESS_EVERY``.
+        """Drive ``requests`` from a helper thread while the body computes: every ``PROGRESS_EVERY``,
+        or, with a doorbell, whenever it rings (at least every ``BELL_SLEEP``).
 
         MPICH moves a large message only while both ends call into MPI: a CS-2 computing a unit
         made none, so the next unit's weights crossed only once it waited for them. The body must
@@ -142,14 +258,21 @@ class Link:
         """
         live = [r for r in requests if r is not None]
         stop = threading.Event()
+        wait, every = (stop.wait, PROGRESS_EVERY) if self.bells is None else (self.bells.wait, BELL_SLEEP)
 
         def drive():
-            while not stop.wait(PROGRESS_EVERY):
+            pause = every
+            while True:
+                rung = wait(pause)
+                if stop.is_set():
+                    return
                 try:
                     if MPI.Request.Testall(live):
                         return
+                    self.drain()
                 except Exception:  # noqa: BLE001 - the rank's own wait raises PeerLost for it
                     return
+                pause = _MIN_SLEEP if rung else min(pause * 2, every)
 
         helper = threading.Thread(target=drive, name="wse-progress", daemon=True) if live else None
         if helper is not None:
@@ -159,6 +282,7 @@ class Link:
         finally:
             if helper is not None:
                 stop.set()
+                self.ring(self.comm.rank)  # the helper may sleep on this rank's bell
                 helper.join()
 
     def done(self, requests, what):
@@ -169,15 +293,18 @@ class Link:
     def wait_all(self, requests, what, timeout=None):
         """Wait for every request (``timeout`` seconds without progress, or the job's). Never spins."""
         pending = [r for r in requests if r is not None]
+        statuses = [MPI.Status() for _ in pending] if self.bells is not None else None
 
         def test():
             if not pending:
                 return DONE
-            done = _mpi(lambda: MPI.Request.Testsome(pending), what)
+            done = _mpi(lambda: MPI.Request.Testsome(pending, statuses), what)
             if done is None:  # every request was already complete (MPI_UNDEFINED)
                 return DONE
             if not done:
                 return IDLE
+            if statuses is not None:  # a receive's sender may be waiting for its send to complete
+                self.ring(*{st.Get_source() for st in statuses[:len(done)]} - {MPI.ANY_SOURCE, MPI.PROC_NULL})
             finished = set(done)
             pending[:] = [r for i, r in enumerate(pending) if i not in finished]
             return MOVED
@@ -199,10 +326,21 @@ class Link:
         self._poll(test, what, timeout)
         return got[0]
 
+    def send_object(self, obj, dest, tag_):
+        """Send a pickled object (a report, a control message) and ring ``dest``."""
+        self.comm.send(obj, dest=dest, tag=tag_)
+        self.ring(dest)
+
+    def isend_object(self, obj, dest, tag_):
+        """Post a pickled object and ring ``dest``; returns the request."""
+        req = self.comm.isend(obj, dest=dest, tag=tag_)
+        self.ring(dest)
+        return req
+
     def send_header(self, dest, phase, unit, header, **extra):
         """Post the header of a tensor (``(first, last)`` plus any extra times); returns the request."""
         first, last = header
-        return self.comm.isend({"first": first, "last": last, **extra}, dest=dest, tag=self.tag(HEADER, unit, phase))
+        return self.isend_object({"first": first, "last": last, **extra}, dest, self.tag(HEADER, unit, phase))
 
     def recv_header(self, source, phase, unit, what):
         """The header of a tensor from ``source`` (waits without spinning)."""
@@ -213,8 +351,10 @@ class Link:
 
         Array j travels under ``tag(phase, unit, index + j)``.
         """
-        return [self.comm.Isend(c, dest=dest, tag=self.tag(phase, unit, index + j))
+        reqs = [self.comm.Isend(c, dest=dest, tag=self.tag(phase, unit, index + j))
                 for j, a in enumerate(arrays) for c in chunks(np.ascontiguousarray(a))]
+        self.ring(dest)
+        return reqs
 
     def irecv_into(self, arrays, source, phase, unit, index=0):
         """Post chunked non-blocking receives into ``arrays`` (the mirror of ``isend_arrays``); return the requests."""
@@ -254,8 +394,14 @@ class Link:
         sends, items = [], []
         for i, (a, src) in enumerate(zip(arrays, sources)):
             t = self.tag(phase, unit, i)
-            items += [([comm.Irecv(c, source=src, tag=t)], (c, t)) for c in chunks(a)]
-        self._in_order(items, lambda ct: sends.extend(comm.Isend(ct[0], dest=d, tag=ct[1]) for d in dests), what)
+            items += [([comm.Irecv(c, source=src, tag=t)], (c, t, src)) for c in chunks(a)]
+
+        def forward(item):
+            c, t, src = item
+            sends.extend(comm.Isend(c, dest=d, tag=t) for d in dests)
+            self.ring(src, *dests)  # the source's send is done, the children have a chunk
+
+        self._in_order(items, forward, what)
         return arrays, sends
 
     def reduce(self, shapes_dtypes, kids, dests, phase, unit, what, combine=None):
@@ -284,6 +430,7 @@ class Link:
             out, pieces, dest, t = item
             out[...] = combine(pieces)
             sends.append(comm.Isend(out, dest=dest, tag=t))
+            self.ring(dest, *kids)  # the sum is on its way, the children's sends are done
 
         self._in_order(items, add_and_send, what)
         return sums, sends

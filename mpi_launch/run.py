@@ -52,10 +52,14 @@ def main(argv=None):
 
             params = RunSpec.from_dict(run["params"])
             plan, _ = plan_for(params)
-            make = lambda role, index: ROLES[role](comm, plan, params, run, index)  # noqa: E731
+            make = lambda role, index: ROLES[role](comm, plan, params, run, index, bells)  # noqa: E731
         if comm.size != plan.world_size:
             raise RuntimeError(f"started with {comm.size} ranks, the plan needs {plan.world_size}")
         role, index = plan.role_of(comm.rank)
+        from mpi_launch.messaging import Bells
+
+        # Collective: every rank, before any role's own work. An inference job's roles poll without.
+        bells = None if "inference" in run else Bells.open(comm)
         job = make(role, index)
         supervisor.report("ready")
         job.run()

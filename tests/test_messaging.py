@@ -1,6 +1,8 @@
 """Messaging: chunked relay and reduce through a SwarmX tree, and waits that give up on a silent peer."""
 import json
+import os
 import sys
+import tempfile
 import time
 
 import numpy as np
@@ -56,6 +58,68 @@ def test_a_wait_for_a_silent_peer_times_out_naming_it():
         link.wait_all([req], "SwarmX rank 7")
     req.Cancel()
     req.Wait()
+
+
+def test_a_rung_sleep_starts_the_backoff_again():
+    """A doorbell ends a sleep early and says so: the message that rang may still be landing, so
+    the next sleep is the shortest again; a sleep that ran out doubles, up to the ceiling."""
+    pauses, rings = [], {2, 6}
+    state = iter([msg.IDLE] * 8 + [msg.DONE])
+
+    def sleep(seconds):
+        pauses.append(seconds)
+        return len(pauses) in rings
+
+    msg.poll(lambda: next(state), 60, AssertionError, max_sleep=2e-4, sleep=sleep)
+    assert pauses == pytest.approx([5e-5, 1e-4, 5e-5, 1e-4, 2e-4, 2e-4, 5e-5, 1e-4])
+
+
+_BELLS = """
+import os, sys, numpy as np
+from mpi4py import MPI
+from mpi_launch import messaging as msg
+from mpi_launch.protocol import GRADS, Layout
+comm = MPI.COMM_WORLD
+bells = msg.Bells.open(comm)
+assert bells is not None  # every rank on this machine
+link = msg.Link(comm, Layout(), timeout=120, bells=bells)
+if comm.rank == 0:
+    assert bells.wait(0) is False  # nothing rang
+comm.Barrier()
+if comm.rank == 1:
+    bells.ring(0)
+    bells.ring(0)
+if comm.rank == 0:
+    assert bells.wait(120) is True  # rung (only a hang takes the 120 s)
+    assert bells.wait(0) is False   # both rings were taken by that one wake-up
+comm.Barrier()
+# A link with bells: a header and a tensor from rank 2 reach rank 0, which rings rank 2 back.
+if comm.rank == 2:
+    h = link.send_header(0, GRADS, 3, (1.5, 2.5))
+    sends = link.isend_arrays([np.arange(5, dtype=np.float32)], 0, GRADS, 3)
+    link.wait_all([h, *sends], "rank 0")
+if comm.rank == 0:
+    assert link.recv_header(2, GRADS, 3, "rank 2") == {"first": 1.5, "last": 2.5}
+    got = np.empty(5, np.float32)
+    link.wait_all(link.irecv_into([got], 2, GRADS, 3), "rank 2")
+    assert np.array_equal(got, np.arange(5, dtype=np.float32))
+done = comm.gather(comm.rank)
+if comm.rank == 0:
+    print(done, flush=True)
+"""
+
+
+def test_doorbells_wake_their_rank_and_leave_no_files():
+    """Every rank of a job on one machine gets a doorbell; a ring wakes the rank's wait, which says
+    it was rung; a link with doorbells carries headers and tensors; the pipes' names are gone."""
+    from pathlib import Path
+
+    shm = Path("/dev/shm") if os.access("/dev/shm", os.W_OK) else Path(tempfile.gettempdir())
+    before = set(shm.glob("wse-bells-*"))
+    proc = run_mpi(3, [sys.executable, "-c", _BELLS], timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "[0, 1, 2]"
+    assert set(shm.glob("wse-bells-*")) <= before
 
 
 def test_the_tag_layout_is_sized_for_the_job_and_refuses_what_it_cannot_name():

@@ -18,7 +18,7 @@ SAVE_BYTES_PER_S = 50e6
 
 
 class Role:
-    def __init__(self, comm, plan, params, run, index):
+    def __init__(self, comm, plan, params, run, index, bells=None):
         from wse_core.nn import build_model
         from wse_core.perf import Hardware
         from wse_core.perf.clock import Clock
@@ -61,7 +61,7 @@ class Role:
         self._step_began, self._longest_step, self._uncounted = time.monotonic(), 0.0, self.UNCOUNTED_STEPS
         self.link = msg.Link(comm, layout, r.startup_timeout + r.peer_timeout + self._save_s,
                              f"runconfig.startup_timeout {r.startup_timeout:g} s + peer_timeout {r.peer_timeout:g} s"
-                             f"{self._for_a_checkpoint()}, the first steps' allowance")
+                             f"{self._for_a_checkpoint()}, the first steps' allowance", bells)
 
     def round_range(self, m, csx=None):
         """(first, end) samples, in the step's global batch, of the micro-batch CS-2 ``csx`` (this

@@ -66,7 +66,7 @@ class Coordinator(Role):
             """Dynamic loss scaling: the CS-2s learn the next step's scale as soon as it is known."""
             if scaler.dynamic and step_to_come < self.max_steps:
                 for rank in self.plan.csx:
-                    self.comm.send({"loss_scale": scaler.scale}, dest=rank, tag=tag(CONTROL))
+                    self.link.send_object({"loss_scale": scaler.scale}, rank, tag(CONTROL))
 
         def control(lr, grad_scale, save_step, skip=False, eval_step=None):
             """Send MemoryX the update to apply (or to skip), whether to write a checkpoint after it,
@@ -75,8 +75,8 @@ class Coordinator(Role):
             checkpoint's shards, starting the evaluation."""
             writer = CheckpointWriter(self.model_dir, save_step).prepare() if save_step is not None else None
             for rank in self.plan.memoryx:
-                self.comm.send({"lr": lr, "grad_scale": grad_scale, "checkpoint": save_step, "t": clock.now,
-                                "skip": skip, "eval": eval_step is not None}, dest=rank, tag=tag(CONTROL))
+                self.link.send_object({"lr": lr, "grad_scale": grad_scale, "checkpoint": save_step, "t": clock.now,
+                                       "skip": skip, "eval": eval_step is not None}, rank, tag(CONTROL))
 
             def finish():
                 if writer is not None:

@@ -128,15 +128,14 @@ class CS2(Role):
                         losses.append((loss_sum, n_tokens))
                 t_layers += time.perf_counter() - tc
                 if u == head and m == self.n_micro - 1:  # every round's loss, once the last forward is done
-                    sends.append(self.comm.isend(
+                    sends.append(link.isend_object(
                         {"loss_sums": [ls for ls, _ in losses], "tokens": sum(n for _, n in losses),
-                         "t": clock.now}, dest=self.plan.coordinator, tag=tag(REPORT, 0, LOSS)))
+                         "t": clock.now}, self.plan.coordinator, tag(REPORT, 0, LOSS)))
             gradients_out(*pending)
             at_backward_end = time.monotonic()
             tg = time.perf_counter()
             link.wait_all(sends, f"SwarmX rank {parent} (gradients of step {step})")
-            self.comm.send({"compute": compute, "waited": waited}, dest=self.plan.coordinator,
-                           tag=tag(REPORT, 0, STEP_TIME))
+            link.send_object({"compute": compute, "waited": waited}, self.plan.coordinator, tag(REPORT, 0, STEP_TIME))
             t_end = time.perf_counter()
             self.timing(step, seconds=t_end - t0, data_wait=t_data, weight_wait=t_wait, layers=t_layers,
                         compute=tg - t0 - t_data - t_wait, grad_send_wait=t_end - tg, at_backward_end=at_backward_end)

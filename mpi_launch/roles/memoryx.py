@@ -77,8 +77,7 @@ class MemoryX(Role):
                     grads.setdefault(n, []).append(sums[u, i].total())
                 total = {n: (gs[0] if len(gs) == 1 else precision.add(gs[0], gs[1])) for n, gs in grads.items()}
                 sumsq = [(n, sum_of_squares(total[n])) for n in owned]
-                self.comm.send({"sumsq": sumsq, "t": clock.now, "left": left},
-                               dest=coordinator, tag=tag(REPORT, 0, NORMS))
+                link.send_object({"sumsq": sumsq, "t": clock.now, "left": left}, coordinator, tag(REPORT, 0, NORMS))
             control = link.recv_object(coordinator, tag(CONTROL), f"the coordinator (step {step})")
             clock.receive(control["t"] + lat)
             if step >= self.start_step:
@@ -130,7 +129,7 @@ class MemoryX(Role):
         if control["checkpoint"] is not None:
             writer = CheckpointWriter(self.model_dir, control["checkpoint"])
             table = writer.write_shard(self.index, self.weights, self.state, sparse=self.sparse)
-            self.comm.send(table, dest=coordinator, tag=self.link.tag(REPORT, 0, SHARD))
+            self.link.send_object(table, coordinator, self.link.tag(REPORT, 0, SHARD))
         if control.get("eval"):  # the coordinator evaluates the weights of this step on eval_input
-            self.comm.send({n: self.weights[n] for n in self.owned}, dest=coordinator,
-                           tag=self.link.tag(REPORT, 0, EVAL_WEIGHTS))
+            self.link.send_object({n: self.weights[n] for n in self.owned}, coordinator,
+                                  self.link.tag(REPORT, 0, EVAL_WEIGHTS))

@@ -57,11 +57,11 @@ class PipelinedCS2(MemoryX):
                     dropout=(self.params.runconfig.seed, step + 1), loss_scale=loss_scale)
                 grads = self.model.combine_unit_grads(unit_grads)
                 clock.advance(compute_s)
-                self.comm.send({"loss_sums": [loss_sum], "tokens": n_tokens, "t": clock.now}, dest=coordinator,
-                               tag=tag(REPORT, 0, LOSS))
-                self.comm.send({"sumsq": [(n, sum_of_squares(grads[n])) for n in self.owned], "t": clock.now,
-                                "left": clock.now}, dest=coordinator, tag=tag(REPORT, 0, NORMS))
-                self.comm.send({"compute": compute_s, "waited": 0.0}, dest=coordinator, tag=tag(REPORT, 0, STEP_TIME))
+                send = self.link.send_object
+                send({"loss_sums": [loss_sum], "tokens": n_tokens, "t": clock.now}, coordinator, tag(REPORT, 0, LOSS))
+                send({"sumsq": [(n, sum_of_squares(grads[n])) for n in self.owned], "t": clock.now,
+                      "left": clock.now}, coordinator, tag(REPORT, 0, NORMS))
+                send({"compute": compute_s, "waited": 0.0}, coordinator, tag(REPORT, 0, STEP_TIME))
                 t_compute = time.perf_counter() - t0 - t_data
             control = self._control("lr", step)
             clock.receive(control["t"] + lat)

@@ -55,6 +55,7 @@ class InputWorker(Role):
                     parts = [batch] if isinstance(batch, np.ndarray) else list(batch)
                     keep.append(parts)
                     reqs += [self.comm.Issend(a, dest=dest, tag=self.link.tag(DATA, m, i)) for i, a in enumerate(parts)]
+                self.link.ring(dest)
                 sent.append((step, reqs, keep))
                 if len(sent) >= AHEAD_STEPS:
                     taken()
