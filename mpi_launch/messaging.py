@@ -9,8 +9,8 @@ that waits costs almost nothing; past the timeout it raises ``PeerTimeout`` nami
 waiting for. A test that finds nothing calls into MPI ``DRAIN`` times more before the rank sleeps
 (``Link.drain``): MPICH takes one message a call off a rank's shared-memory queue, so a header
 behind a burst of other messages waited a sleep per message. When all the job's ranks share one
-machine each has a doorbell (``Bells``): a sender rings its receiver, a receiver that took a
-message rings its sender, and a waiting rank sleeps on its bell, so the ceiling (2 ms, 20 ms off the
+machine each has a doorbell (``Bells``): a sender rings its receiver, a SwarmX node that took a
+tensor rings its senders, and a waiting rank sleeps on its bell, so the ceiling (2 ms, 20 ms off the
 streaming path) only bounds what no bell announces. Without doorbells it is 200 us (2 ms off the
 path). The timeout follows the job's pace: a peer may be computing a whole step while this rank waits
 for it (``Role.step_done`` sets it on the rank's link). Bulk tensors move as numpy buffers
@@ -116,8 +116,8 @@ def chunks(a):
 
 class Bells:
     """A doorbell for every rank of a job on one machine: a named pipe each rank sleeps on
-    (``wait``) and any peer writes a byte to (``ring``) after posting it a message, or after
-    taking one from it. A waiting rank then wakes when something is there for it, not hundreds
+    (``wait``) and any peer writes a byte to (``ring``) after posting it a message (a SwarmX node
+    also after taking a tensor from it). A waiting rank then wakes when something is there for it, not hundreds
     of times a second to look (docs/design.md section 3). A bell only wakes: nothing depends on it
     being rung, a rank still tests at least every ``BELL_SLEEP``."""
 
@@ -293,18 +293,15 @@ class Link:
     def wait_all(self, requests, what, timeout=None):
         """Wait for every request (``timeout`` seconds without progress, or the job's). Never spins."""
         pending = [r for r in requests if r is not None]
-        statuses = [MPI.Status() for _ in pending] if self.bells is not None else None
 
         def test():
             if not pending:
                 return DONE
-            done = _mpi(lambda: MPI.Request.Testsome(pending, statuses), what)
+            done = _mpi(lambda: MPI.Request.Testsome(pending), what)
             if done is None:  # every request was already complete (MPI_UNDEFINED)
                 return DONE
             if not done:
                 return IDLE
-            if statuses is not None:  # a receive's sender may be waiting for its send to complete
-                self.ring(*{st.Get_source() for st in statuses[:len(done)]} - {MPI.ANY_SOURCE, MPI.PROC_NULL})
             finished = set(done)
             pending[:] = [r for i, r in enumerate(pending) if i not in finished]
             return MOVED
@@ -394,14 +391,15 @@ class Link:
         sends, items = [], []
         for i, (a, src) in enumerate(zip(arrays, sources)):
             t = self.tag(phase, unit, i)
-            items += [([comm.Irecv(c, source=src, tag=t)], (c, t, src)) for c in chunks(a)]
+            items += [([comm.Irecv(c, source=src, tag=t)], (c, t)) for c in chunks(a)]
 
         def forward(item):
-            c, t, src = item
+            c, t = item
             sends.extend(comm.Isend(c, dest=d, tag=t) for d in dests)
-            self.ring(src, *dests)  # the source's send is done, the children have a chunk
+            self.ring(*dests)
 
         self._in_order(items, forward, what)
+        self.ring(*set(sources))  # their sends are done
         return arrays, sends
 
     def reduce(self, shapes_dtypes, kids, dests, phase, unit, what, combine=None):
@@ -430,7 +428,8 @@ class Link:
             out, pieces, dest, t = item
             out[...] = combine(pieces)
             sends.append(comm.Isend(out, dest=dest, tag=t))
-            self.ring(dest, *kids)  # the sum is on its way, the children's sends are done
+            self.ring(dest)
 
         self._in_order(items, add_and_send, what)
+        self.ring(*kids)  # their sends are done
         return sums, sends
