@@ -52,7 +52,7 @@ PROGRESS_EVERY = 1e-3
 #: The longest sleep of a rank with a doorbell (``Bells``), on the streaming path and off it: a
 #: message rings the rank awake, so these bound only what no bell announces. ``wse bench peers``'
 #: GPT-2 on 2 CS-2s (7 ranks, 2 cores): MemoryX and SwarmX woke 3,300 times a second each at 200 us,
-#: 600-700 with bells; a step took 400-420 ms, 358-372 with bells and ``DRAIN``, 403-408 with
+#: 600-700 with bells; a step took 400-420 ms, 336-359 with bells and ``DRAIN``, 406-417 with
 #: ``DRAIN`` alone.
 BELL_SLEEP, BELL_OFF_PATH_SLEEP = 2e-3, 20e-3
 
