@@ -117,28 +117,32 @@ def chunks(a):
 class Bells:
     """A doorbell for every rank of a job on one machine: a named pipe each rank sleeps on
     (``wait``) and any peer writes a byte to (``ring``) after posting it a message (a SwarmX node
-    also after taking a tensor from it). A waiting rank then wakes when something is there for it, not hundreds
-    of times a second to look (docs/design.md section 3). A bell only wakes: nothing depends on it
-    being rung, a rank still tests at least every ``BELL_SLEEP``."""
+    also after taking a tensor from it). A waiting rank then wakes when something is there for it,
+    not hundreds of times a second to look (docs/design.md section 3). A bell only wakes: nothing
+    depends on it being rung, a rank still tests at least every ``BELL_SLEEP``."""
 
-    def __init__(self, me, read_fd, write_fds):
-        self.me, self._read, self._write = me, read_fd, write_fds
+    def __init__(self, read_fd, write_fds):
+        self._read, self._write = read_fd, write_fds
 
     @classmethod
     def open(cls, comm):
-        """Every rank's bell (collective), or None when the ranks are not all on this machine."""
-        from mpi4py import MPI
-
+        """Every rank's bell (collective), or None when the ranks are not all on this machine (or
+        the pipes cannot be made: the ranks then wake to look, as without)."""
         node = comm.Split_type(MPI.COMM_TYPE_SHARED)
-        alone = node.Get_size() == comm.Get_size()
+        one_machine = node.Get_size() == comm.Get_size()
         node.Free()
-        if not alone:
+        if not one_machine:
             return None
         where = None
         if comm.rank == 0:
-            shm = "/dev/shm" if os.access("/dev/shm", os.W_OK) else None
-            where = tempfile.mkdtemp(prefix="wse-bells-", dir=shm)
+            shm = "/dev/shm" if os.access("/dev/shm", os.W_OK) else None  # memory, not a disk
+            try:
+                where = tempfile.mkdtemp(prefix="wse-bells-", dir=shm)
+            except OSError:
+                pass
         where = comm.bcast(where, root=0)
+        if where is None:
+            return None
         fds = []
         try:
             path = os.path.join(where, str(comm.rank))
@@ -164,7 +168,7 @@ class Bells:
             for fd in set(fds) | set(write.values()):
                 os.close(fd)
             return None
-        return cls(comm.rank, fds[0], write)
+        return cls(fds[0], write)
 
     def ring(self, rank):
         """Wake ``rank`` (if it sleeps in ``wait``); a full pipe already holds a wake-up."""
