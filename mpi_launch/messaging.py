@@ -17,6 +17,10 @@ for it (``Role.step_done`` sets it on the rank's link). Bulk tensors move as num
 (upper-case calls), cut into chunks of ``CHUNK_FLOATS`` elements; small control messages as
 pickled objects.
 
+A rank with several things to wait for at once runs them as lanes (``Lanes``): generators that
+yield what they wait for next, moved by one poll loop, so one slow peer holds up only the lane
+that needs it.
+
 Tags come from the link's ``protocol.Layout``; the messages of a step are ``protocol.STEP``. Chunks
 of one tensor share one tag: MPI matches messages between two ranks with the same tag in the order
 they were posted, so the receiver posts one receive per chunk into views of its buffer. A SwarmX
@@ -187,6 +191,70 @@ class Bells:
         except BlockingIOError:
             pass
         return True
+
+
+class Lanes:
+    """Waits a rank runs side by side (docs/design.md section 3). A lane is a generator that yields
+    ``(test, what)`` for what it waits for next: ``test()`` returns None until that has come, then
+    a value, which is sent back into the lane. ``advance`` takes whatever has come without waiting;
+    ``wait`` polls (never spinning) until one lane has ended, the others moving meanwhile."""
+
+    def __init__(self, link, *lanes):
+        self.link, self._lanes, self._ended = link, [], {}
+        for lane in lanes:
+            self.add(lane)
+
+    def add(self, lane):
+        """Start running ``lane`` too; returns it."""
+        self._lanes.append([lane, None, None])  # the generator, its test and what it waits for
+        return lane
+
+    def advance(self):
+        """Move every lane as far as what has come lets it; whether anything moved."""
+        moved = False
+        for state in self._lanes:
+            lane, test, what = state
+            while True:
+                if test is None:
+                    value = None  # a lane not started yet
+                else:
+                    value = test()
+                    if value is None:
+                        break
+                moved = True
+                try:
+                    test, what = lane.send(value)
+                except StopIteration as end:
+                    self._ended[lane] = end.value
+                    break
+            state[1], state[2] = test, what
+        self._lanes = [s for s in self._lanes if s[0] not in self._ended]
+        return moved
+
+    def waiting_for(self):
+        """What the lanes wait for, for an error message."""
+        return "; ".join(w for _, t, w in self._lanes if t is not None) or "nothing"
+
+    def wait(self, lane, timeout=None):
+        """Poll until ``lane`` has ended, moving every lane; returns the lane's value."""
+        def test():
+            moved = self.advance()
+            if lane in self._ended:
+                return DONE
+            return MOVED if moved else IDLE
+
+        self.link._poll(test, _Said(self.waiting_for), timeout)
+        return self._ended.pop(lane)
+
+
+class _Said:
+    """A description computed when it is said (a timeout names what the lanes wait for then)."""
+
+    def __init__(self, say):
+        self.say = say
+
+    def __str__(self):
+        return self.say()
 
 
 class Link:
@@ -367,44 +435,50 @@ class Link:
         arrays = [np.empty(s, d) for s, d in shapes_dtypes]
         return arrays, self.irecv_into(arrays, source, phase, unit)
 
-    def _in_order(self, items, on_done, what):
-        """Call ``on_done(payload)`` for each (requests, payload) in order as its requests complete;
-        the wait restarts whenever an item completes (a long transfer that keeps moving is not a silent peer)."""
-        items = list(items)
-        at = [0]
+    def arrived(self, requests, what):
+        """A lane's test (``Lanes``): True once every request has completed."""
+        return lambda: True if _mpi(lambda: MPI.Request.Testall(requests), what) else None
+
+    def completing(self, requests, what):
+        """A lane's wait for every request to complete (``yield from``)."""
+        yield self.arrived(requests, what), what
+
+    def header(self, source, phase, unit, what):
+        """A lane's wait for the header of a tensor from ``source`` (``yield from``); returns it."""
+        tag_, what = self.tag(HEADER, unit, phase), f"{what} (its header)"
 
         def test():
-            if at[0] == len(items):
-                return DONE
-            reqs, payload = items[at[0]]
-            if not _mpi(lambda: MPI.Request.Testall(reqs), what):
-                return IDLE
-            on_done(payload)
-            at[0] += 1
-            return MOVED
+            message = _mpi(lambda: self.comm.improbe(source=source, tag=tag_), what)
+            return None if message is None else _mpi(message.recv, what)
 
-        self._poll(test, what)
+        return (yield test, what)
+
+    def run(self, lane):
+        """Run one lane (``Lanes``) to its end; returns its value."""
+        return Lanes(self, lane).wait(lane)
 
     def relay(self, shapes_dtypes, sources, dests, phase, unit, what):
         """Receive array i from ``sources[i]`` and forward each chunk to every rank of ``dests`` as it lands.
 
         Returns (arrays, send requests); the arrays back the sends, so keep them until those complete.
         """
+        sends = []
+        return self.run(self.relaying(shapes_dtypes, sources, dests, phase, unit, what, sends)), sends
+
+    def relaying(self, shapes_dtypes, sources, dests, phase, unit, what, sends):
+        """``relay`` as a lane (``Lanes``): its sends go to ``sends``; returns the arrays."""
         comm = self.comm
         arrays = [np.empty(s, d) for s, d in shapes_dtypes]
-        sends, items = [], []
+        items = []
         for i, (a, src) in enumerate(zip(arrays, sources)):
             t = self.tag(phase, unit, i)
-            items += [([comm.Irecv(c, source=src, tag=t)], (c, t)) for c in chunks(a)]
-
-        def forward(item):
-            c, t = item
+            items += [(comm.Irecv(c, source=src, tag=t), c, t) for c in chunks(a)]
+        for req, c, t in items:
+            yield self.arrived([req], what), what
             sends.extend(comm.Isend(c, dest=d, tag=t) for d in dests)
             self.ring(*dests)
-
-        self._in_order(items, forward, what)
         self.ring(*set(sources))  # their sends are done
-        return arrays, sends
+        return arrays
 
     def reduce(self, shapes_dtypes, kids, dests, phase, unit, what, combine=None):
         """Sum array i over ``kids`` (``tree_sum`` in child order, chunk by chunk) and send it to ``dests[i]``.
@@ -413,27 +487,29 @@ class Link:
         elementwise, so chunking never changes its bits. ``combine`` (default: ``tree_sum``) sums the
         children's chunks (``Precision.wire_sum`` for 16-bit gradients). Returns (sums, send requests).
         """
+        sends = []
+        return self.run(self.reducing(shapes_dtypes, kids, dests, phase, unit, what, sends, combine)), sends
+
+    def reducing(self, shapes_dtypes, kids, dests, phase, unit, what, sends, combine=None):
+        """``reduce`` as a lane (``Lanes``): its sends go to ``sends``; returns the sums."""
         from wse_core.tree import tree_sum
 
         comm = self.comm
         combine = combine or tree_sum
         sums = [np.empty(s, d) for s, d in shapes_dtypes]
         parts = [[np.empty(s, d) for s, d in shapes_dtypes] for _ in kids]
-        sends, items = [], []
+        items = []
         for i, total in enumerate(sums):
             t = self.tag(phase, unit, i)
             kid_chunks = [chunks(p[i]) for p in parts]
             for c, out in enumerate(chunks(total)):
                 pieces = [kc[c] for kc in kid_chunks]
                 reqs = [comm.Irecv(x, source=k, tag=t) for x, k in zip(pieces, kids)]
-                items.append((reqs, (out, pieces, dests[i], t)))
-
-        def add_and_send(item):
-            out, pieces, dest, t = item
+                items.append((reqs, out, pieces, dests[i], t))
+        for reqs, out, pieces, dest, t in items:
+            yield self.arrived(reqs, what), what
             out[...] = combine(pieces)
             sends.append(comm.Isend(out, dest=dest, tag=t))
             self.ring(dest)
-
-        self._in_order(items, add_and_send, what)
         self.ring(*kids)  # their sends are done
-        return sums, sends
+        return sums

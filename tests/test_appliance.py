@@ -368,7 +368,8 @@ def test_stop_interrupts_running_jobs_and_the_next_start_resumes_them(tmp_path, 
     """`wse appliance stop` ends a running job's ranks cleanly and keeps it queued; started again,
     the service resumes it from its checkpoint to the bits of an uninterrupted run."""
     a = appliance(2)
-    job_id = a.submit(params_file(tmp_path / "p.yaml", data, tmp_path / "m", max_steps=30))
+    # Long enough that `stop` finds it running: this job takes about 30 ms a step here.
+    job_id = a.submit(params_file(tmp_path / "p.yaml", data, tmp_path / "m", max_steps=120))
     until(lambda: a.client.job(job_id)["step"] >= 4, "step 4")
     r = a.wse("appliance", "stop")
     assert r.returncode == 0, r.stderr
@@ -377,7 +378,7 @@ def test_stop_interrupts_running_jobs_and_the_next_start_resumes_them(tmp_path, 
     rec = a.wait(job_id)
     assert rec["state"] == "done" and rec["restarts"] == 0, rec
     assert "resuming from checkpoint_" in a.wse("logs", job_id).stdout
-    assert weights(tmp_path / "m") == direct_fit(jobs, tmp_path, data, max_steps=30)
+    assert weights(tmp_path / "m") == direct_fit(jobs, tmp_path, data, max_steps=120)
 
 
 def _cmdlines():

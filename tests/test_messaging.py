@@ -74,6 +74,32 @@ def test_a_rung_sleep_starts_the_backoff_again():
     assert pauses == pytest.approx([5e-5, 1e-4, 5e-5, 1e-4, 2e-4, 2e-4, 5e-5, 1e-4])
 
 
+def test_lanes_move_side_by_side_and_a_timeout_names_what_each_waits_for():
+    """Lanes (a rank's waits run side by side) take what has come in each, hand each its value,
+    return a lane's result once it ends, and a wait that times out names what every lane waits for."""
+    link = msg.Link(MPI.COMM_SELF, Layout())
+    ready, got = set(), []
+
+    def lane(name, n):
+        for k in range(n):
+            value = yield (lambda: (name, k) if name in ready else None), f"{name} {k}"
+            got.append(value)
+        return name.upper()
+
+    a, b = lane("a", 2), lane("b", 1)
+    lanes = msg.Lanes(link, a, b)
+    assert lanes.advance() is True and got == []  # started: both wait
+    assert lanes.advance() is False and lanes.waiting_for() == "a 0; b 0"
+    ready.add("b")
+    assert lanes.wait(b) == "B" and got == [("b", 0)]
+    ready.add("a")
+    assert lanes.wait(a) == "A" and got == [("b", 0), ("a", 0), ("a", 1)]
+    c = lane("c", 1)
+    with pytest.raises(msg.PeerTimeout, match=r"^no answer within 0.2 s while waiting for c 0; d 0$"):
+        lanes = msg.Lanes(link, c, lane("d", 1))
+        lanes.wait(c, timeout=0.2)
+
+
 _BELLS = """
 import os, sys, numpy as np
 from mpi4py import MPI

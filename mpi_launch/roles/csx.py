@@ -16,7 +16,11 @@ for them (a CS-2 holds two units: from the moment the item before starts computi
 waits for them, computing advances it by the model's cost (``wse_core.perf.unit_seconds``; a
 recompute costs the unit's forward), and a backward item's gradients cross the port as it ends,
 after the next item's weights (the order the walk in ``wse_core.perf.step`` follows; the
-gradient's header is sent once that next item's header is in, so no wall time is lost to it).
+gradient's header is sent once that next item's header is in). The clock is a lane
+(``messaging.Lanes``) that takes the headers as they come, behind the computing: an item waits
+for its weights' data only, so a CS-2 ahead of another is held back by it once a step, at the
+step's end, not at every segment (SwarmX sends a header once both CS-2s' gradients before it
+are in; docs/design.md section 3).
 
 Its messages (``mpi_launch.protocol``): it receives STEP["data"], STEP["forward weights"],
 STEP["loss scale"], STEP["recompute weights"] and STEP["backward weights"], and sends STEP["loss"],
@@ -26,6 +30,7 @@ import time
 
 import numpy as np
 
+from mpi_launch.messaging import Lanes
 from mpi_launch.protocol import BWD_WEIGHTS, CONTROL, DATA, FWD_WEIGHTS, GRADS, LOSS, RCP_WEIGHTS, REPORT, STEP_TIME
 from mpi_launch.roles.base import Role
 
@@ -54,16 +59,41 @@ class CS2(Role):
         head = len(units) - 1
         seed = self.params.runconfig.seed
 
-        def weights_arrive(i, accept):
-            """Carry item i's weights across this CS-2's port: when their last byte is in."""
-            _, kind, u = items[i]
-            h = link.recv_header(parent, PHASE[kind], u, f"SwarmX rank {parent} ({kind} weights of {units[u].name})")
-            return io.carry(nbytes[u], (h["first"], h["last"]), accept)[1]
-
         def gradients_out(u, ready):
             """Unit u's gradients, ready at ``ready``, cross the port: their header goes up."""
             header, left = io.carry(nbytes[u], (ready, None))
             sends.append(link.send_header(parent, GRADS, u, header, left=left))
+
+        def report_loss():
+            """Every round's loss, once the last forward is computed and the clock has reached it."""
+            if tally["t_loss"] is not None and len(losses) == self.n_micro and not tally["reported"]:
+                tally["reported"] = True
+                sends.append(link.isend_object(
+                    {"loss_sums": [ls for ls, _ in losses], "tokens": sum(n for _, n in losses),
+                     "t": tally["t_loss"]}, self.plan.coordinator, tag(REPORT, 0, LOSS)))
+
+        def clock_lane():
+            """The step in simulated time, item after item as their weights' headers come (a lane:
+            ``messaging.Lanes``, behind the computing, which never waits for it before the step's end)."""
+            accept, pending = clock.now, None
+            for m, kind, u in items:
+                h = yield from link.header(parent, PHASE[kind], u,
+                                           f"SwarmX rank {parent} ({kind} weights of {units[u].name})")
+                arrive = io.carry(nbytes[u], (h["first"], h["last"]), accept)[1]  # their last byte is in
+                if pending is not None:  # the last gradients cross the port after this item's weights
+                    gradients_out(*pending)
+                    pending = None
+                tally["waited"] += max(0.0, arrive - clock.now)
+                accept = clock.receive(arrive)  # the next item's weights may come in while this one computes
+                seconds = cost[u]["backward" if kind == "backward" else "forward"]  # a recompute: a forward
+                done = clock.advance(seconds)
+                tally["compute"] += seconds
+                if kind == "backward":
+                    pending = (u, done)
+                elif kind == "forward" and u == head and m == self.n_micro - 1:
+                    tally["t_loss"] = clock.now
+                    report_loss()
+            gradients_out(*pending)
 
         for step in range(self.start_step, self.max_steps):
             t0 = time.perf_counter()
@@ -79,18 +109,16 @@ class CS2(Role):
             if dynamic:  # the coordinator's loss scale for this step (sent when the last step ended)
                 loss_scale = link.recv_object(self.plan.coordinator, tag(CONTROL),
                                               f"the coordinator (loss scale of step {step})")["loss_scale"]
-            accept, waited, t_wait, compute, t_layers = clock.now, 0.0, 0.0, 0.0, 0.0
-            sends, keep, pending, losses = [], [], None, []
+            t_wait, t_layers = 0.0, 0.0
+            sends, keep, losses = [], [], []
+            tally = {"waited": 0.0, "compute": 0.0, "t_loss": None, "reported": False}
+            clock_of_step = clock_lane()
+            lanes = Lanes(link, clock_of_step)
             for i, (m, kind, u) in enumerate(items):
-                arrive = weights_arrive(i, accept)
-                if pending is not None:  # the last gradients cross the port after this item's weights
-                    gradients_out(*pending)
-                    pending = None
                 tw = time.perf_counter()
-                link.wait_all(wreqs, f"SwarmX rank {parent} ({kind} weights of {units[u].name})")
+                what = f"SwarmX rank {parent} ({kind} weights of {units[u].name})"
+                lanes.wait(lanes.add(link.completing(wreqs, what)))  # the clock takes the headers meanwhile
                 t_wait += time.perf_counter() - tw
-                waited += max(0.0, arrive - clock.now)
-                accept = clock.receive(arrive)  # the next item's weights may come in while this one computes
                 # A recompute item's weights are taken but not used (the module's docstring).
                 params = None if kind == "recompute" else dict(zip(self.unit_params[u],
                                                                     map(precision.from_wire, weights)))
@@ -103,15 +131,11 @@ class CS2(Role):
                         dy, grads = model.unit_backward(u, dy, saved[u], params)
                     t_layers += time.perf_counter() - tc
                     saved[u] = None
-                    ready = clock.advance(cost[u]["backward"])
-                    compute += cost[u]["backward"]
                     arrays = [precision.to_wire(grads[n]) for n in self.unit_params[u]]
                     keep.append(arrays)
                     sends += link.isend_arrays(arrays, parent, GRADS, u)
-                    pending = (u, ready)
+                    lanes.advance()
                     continue
-                clock.advance(cost[u]["forward"])
-                compute += cost[u]["forward"]
                 if kind == "recompute":  # the values are kept: see the module's docstring
                     continue
                 if u == 0:  # a new micro-batch
@@ -127,15 +151,15 @@ class CS2(Role):
                         loss_sum, n_tokens, dy = model.loss(x, batch, loss_scale)
                         losses.append((loss_sum, n_tokens))
                 t_layers += time.perf_counter() - tc
-                if u == head and m == self.n_micro - 1:  # every round's loss, once the last forward is done
-                    sends.append(link.isend_object(
-                        {"loss_sums": [ls for ls, _ in losses], "tokens": sum(n for _, n in losses),
-                         "t": clock.now}, self.plan.coordinator, tag(REPORT, 0, LOSS)))
-            gradients_out(*pending)
+                if u == head and m == self.n_micro - 1:
+                    report_loss()
+                lanes.advance()
             at_backward_end = time.monotonic()
             tg = time.perf_counter()
+            lanes.wait(clock_of_step)  # the headers still to come: the CS-2s' drift is paid here, once a step
             link.wait_all(sends, f"SwarmX rank {parent} (gradients of step {step})")
-            link.send_object({"compute": compute, "waited": waited}, self.plan.coordinator, tag(REPORT, 0, STEP_TIME))
+            link.send_object({"compute": tally["compute"], "waited": tally["waited"]}, self.plan.coordinator,
+                             tag(REPORT, 0, STEP_TIME))
             t_end = time.perf_counter()
             self.timing(step, seconds=t_end - t0, data_wait=t_data, weight_wait=t_wait, layers=t_layers,
                         compute=tg - t0 - t_data - t_wait, grad_send_wait=t_end - tg, at_backward_end=at_backward_end)
