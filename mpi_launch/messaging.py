@@ -4,15 +4,14 @@ it waits for a peer), waits that never spin, chunked relay and reduce, and the h
 Never spin (docs/design.md section 3): MPICH's blocking ``Wait``/``Recv`` busy-poll, and on an
 oversubscribed machine (8 ranks on 2 cores) a waiting rank then steals the core from the rank that
 computes. Every wait goes through ``poll``, the one backoff loop: it tests and sleeps between tests
-(50 us doubling up to a ceiling, both the sleep and the deadline restarted on progress), so a rank
+(50 us growing fourfold up to a ceiling, both the sleep and the deadline restarted on progress), so a rank
 that waits costs almost nothing; past the timeout it raises ``PeerTimeout`` naming what it was
 waiting for. A test that finds nothing calls into MPI ``DRAIN`` times more before the rank sleeps
 (``Link.drain``): MPICH takes one message a call off a rank's shared-memory queue, so a header
 behind a burst of other messages waited a sleep per message. When all the job's ranks share one
 machine each has a doorbell (``Bells``): a sender rings its receiver, a SwarmX node that took a
-tensor rings its senders, and a waiting rank sleeps on its bell, so the ceiling (2 ms, 20 ms off the
-streaming path) only bounds what no bell announces. Without doorbells it is 200 us (2 ms off the
-path). The timeout follows the job's pace: a peer may be computing a whole step while this rank waits
+tensor rings its senders, and a waiting rank sleeps on its bell, so the ceiling (20 ms) only bounds
+what no bell announces. Without doorbells it is 200 us (2 ms off the path). The timeout follows the job's pace: a peer may be computing a whole step while this rank waits
 for it (``Role.step_done`` sets it on the rank's link). Bulk tensors move as numpy buffers
 (upper-case calls), cut into chunks of ``CHUNK_FLOATS`` elements; small control messages as
 pickled objects.
@@ -45,6 +44,11 @@ from mpi_launch.protocol import HEADER, Layout
 #: took 0.57 s on 2 cores, with 200 us 0.18 s, for the same CPU time (2.9 s for 12 steps).
 _MIN_SLEEP, _MAX_SLEEP = 50e-6, 2e-4
 
+#: How much a sleep that ran out grows: after a message, a rank looks again 50 us, 200 us, 800 us
+#: ... later. Fourfold, not twofold: with doorbells MemoryX and SwarmX woke 370 times a second, 300
+#: and 245 (``wse bench peers``' GPT-2 on 2 CS-2s; steps 320-321 ms, 316-319 fourfold).
+_GROWTH = 4
+
 #: The longest sleep of a rank off the streaming path (``Link.off_path``): the coordinator and the
 #: input workers wait most of a step, and waking every 200 us cost each 5% of a core, taken from the
 #: computing CS-2s (measured: 3,200 wake-ups a second each, on 2 cores shared by 7 ranks).
@@ -53,12 +57,13 @@ OFF_PATH_SLEEP = 2e-3
 #: How often ``Link.progress``'s helper tests its requests while the rank computes (without doorbells).
 PROGRESS_EVERY = 1e-3
 
-#: The longest sleep of a rank with a doorbell (``Bells``), on the streaming path and off it: a
-#: message rings the rank awake, so these bound only what no bell announces. ``wse bench peers``'
-#: GPT-2 on 2 CS-2s (7 ranks, 2 cores): MemoryX and SwarmX woke 3,300 times a second each at 200 us,
-#: 600-700 with bells; a step took 400-420 ms, 336-359 with bells and ``DRAIN``, 406-417 with
-#: ``DRAIN`` alone.
-BELL_SLEEP, BELL_OFF_PATH_SLEEP = 2e-3, 20e-3
+#: The longest sleep of a rank with a doorbell (``Bells``), on the streaming path or off it: every
+#: message a role waits for rings it awake, so this bounds only what no bell announces.
+#: ``wse bench peers``' GPT-2 on 2 CS-2s (7 ranks, 2 cores): MemoryX and SwarmX woke 3,300 times a
+#: second each at 200 us, 600-700 with bells and 2 ms, 360-370 with 20 ms; a step took 400-420 ms,
+#: 336-359 with bells (2 ms) and ``DRAIN``, 406-417 with ``DRAIN`` alone; 2 ms against 20 ms,
+#: alternated: 339/332, 334/328, 333/329 ms.
+BELL_SLEEP = 20e-3
 
 #: Calls into MPI after a test that found nothing, before the rank sleeps (``Link.drain``).
 DRAIN = 32
@@ -83,7 +88,7 @@ class PeerLost(RuntimeError):
 def poll(test, seconds, expired, max_sleep=_MAX_SLEEP, sleep=time.sleep):
     """Call ``test()`` until it returns ``DONE``, sleeping between calls that return ``IDLE``. Never spins.
 
-    The sleep starts at 50 us and doubles up to ``max_sleep`` (200 us); after ``MOVED`` (something completed) the
+    The sleep starts at 50 us and grows fourfold up to ``max_sleep`` (200 us); after ``MOVED`` (something completed) the
     test runs again at once and both the sleep and the deadline restart: a rank whose transfers
     keep moving polls often (MPICH moves a large message only while both sides call into MPI) and
     is never taken for a silent peer. ``sleep`` may end early and say so (``Bells.wait``, rung):
@@ -101,7 +106,7 @@ def poll(test, seconds, expired, max_sleep=_MAX_SLEEP, sleep=time.sleep):
         if time.monotonic() > deadline:
             raise expired()
         rung = sleep(pause)
-        pause = _MIN_SLEEP if rung else min(pause * 2, max_sleep)
+        pause = _MIN_SLEEP if rung else min(pause * _GROWTH, max_sleep)
 
 
 def _mpi(call, what):
@@ -268,9 +273,10 @@ class Link:
         self.set_timeout(timeout, why)
 
     def off_path(self):
-        """This rank's waits are off the streaming path: they may sleep longer (``OFF_PATH_SLEEP``,
-        ``BELL_OFF_PATH_SLEEP`` with a doorbell)."""
-        self.max_sleep = OFF_PATH_SLEEP if self.bells is None else BELL_OFF_PATH_SLEEP
+        """This rank's waits are off the streaming path: without a doorbell they may sleep longer
+        (``OFF_PATH_SLEEP``); with one, every rank sleeps up to ``BELL_SLEEP``."""
+        if self.bells is None:
+            self.max_sleep = OFF_PATH_SLEEP
 
     @contextlib.contextmanager
     def on_path(self):
@@ -344,7 +350,7 @@ class Link:
                     self.drain()
                 except Exception:  # noqa: BLE001 - the rank's own wait raises PeerLost for it
                     return
-                pause = _MIN_SLEEP if rung else min(pause * 2, every)
+                pause = _MIN_SLEEP if rung else min(pause * _GROWTH, every)
 
         helper = threading.Thread(target=drive, name="wse-progress", daemon=True) if live else None
         if helper is not None:

@@ -62,16 +62,16 @@ def test_a_wait_for_a_silent_peer_times_out_naming_it():
 
 def test_a_rung_sleep_starts_the_backoff_again():
     """A doorbell ends a sleep early and says so: the message that rang may still be landing, so
-    the next sleep is the shortest again; a sleep that ran out doubles, up to the ceiling."""
-    pauses, rings = [], {2, 6}
-    state = iter([msg.IDLE] * 8 + [msg.DONE])
+    the next sleep is the shortest again; a sleep that ran out grows fourfold, up to the ceiling."""
+    pauses, rings = [], {2, 7}
+    state = iter([msg.IDLE] * 9 + [msg.DONE])
 
     def sleep(seconds):
         pauses.append(seconds)
         return len(pauses) in rings
 
-    msg.poll(lambda: next(state), 60, AssertionError, max_sleep=2e-4, sleep=sleep)
-    assert pauses == pytest.approx([5e-5, 1e-4, 5e-5, 1e-4, 2e-4, 2e-4, 5e-5, 1e-4])
+    msg.poll(lambda: next(state), 60, AssertionError, max_sleep=2e-3, sleep=sleep)
+    assert pauses == pytest.approx([5e-5, 2e-4, 5e-5, 2e-4, 8e-4, 2e-3, 2e-3, 5e-5, 2e-4])
 
 
 def test_lanes_move_side_by_side_and_a_timeout_names_what_each_waits_for():

@@ -67,7 +67,9 @@ class PipelinedCS2(MemoryX):
             clock.receive(control["t"] + lat)
             if step >= self.start_step:
                 t_opt = time.perf_counter()
-                self.apply(control, grads, step, update_s)
+                self.apply(control, grads, step, self.owned)
+                if not control["skip"]:
+                    clock.advance(update_s)
                 self.timing(step, seconds=time.perf_counter() - t0, data_wait=t_data, compute=t_compute,
                             optimizer=time.perf_counter() - t_opt)
                 self.log(f"step {step}: loss_sum {loss_sum:.6f} tokens {n_tokens}")
