@@ -13,7 +13,8 @@ Breakdown of a step, from the ranks' ``logs/timing_rank_*.jsonl`` (monotonic clo
 ``broadcast`` the time a CS-2's compute waited for streamed weights (mean over CS-2s); ``compute`` the
 CS-2's forward, loss and backward (mean); ``reduce`` from the last CS-2's end of backward until the
 MemoryX has every gradient sum (the part of the reduce not hidden behind the backward pass);
-``optimizer`` the MemoryX update; ``waiting`` the rest of the step (input, losses and norms to the
+``optimizer`` the part of the MemoryX update the step's first weights wait for (the rest runs behind the
+CS-2s' compute, ``roles.memoryx``); ``waiting`` the rest of the step (input, losses and norms to the
 coordinator, its control message). Every run's weights are also checked bit-identical across num_csx.
 Beside the wall clock: the simulated step of the emulated hardware, from the ranks' own simulated
 clocks in metrics.jsonl (wse_core.perf; docs/design.md section 8).
