@@ -258,6 +258,27 @@ def test_matmul_through_the_kernels_gives_numpys_bits(rng):
         assert g.tobytes() == w_.tobytes()
 
 
+def test_a_product_merged_into_fewer_calls_keeps_its_canonical_bits(rng):
+    """Where the kernels call BLAS, a 2-D product's canonical calls (a sample's chunks of CHUNK_ROWS
+    rows) are merged into one run a worker only if a trial of that shape and layout gave every bit
+    the same (remembered); either way the result is that of the canonical calls, sample by sample."""
+    from wse_core.nn import _kernels, gemm
+
+    if not gemm.blas_in_kernels():
+        pytest.skip("numpy's BLAS is not one the kernels call")
+    x = rng.standard_normal((8 * 128, 96)).astype(np.float32)
+    w = rng.standard_normal((160, 96)).astype(np.float32)
+    got = gemm.matmul(x, w.T, sample_rows=128)
+    canonical = np.empty_like(got)
+    bounds = np.array(gemm._row_chunks(x.shape[0], 128), np.intp)
+    _kernels.gemm_rows(x, w.T, canonical, bounds, *gemm._layout(x), *gemm._layout(w.T), 1)
+    assert got.tobytes() == canonical.tobytes()
+    for s in range(8):  # and each sample alone, as a batch of one
+        alone = gemm.matmul(x[s * 128:(s + 1) * 128], w.T, sample_rows=128)
+        assert alone.tobytes() == got[s * 128:(s + 1) * 128].tobytes()
+    assert any(key[1] == x.shape and key[2] == (96, 160) for key in gemm._state["merges"])
+
+
 def _bf16(x):
     """float64 of x rounded to bfloat16 (nearest, ties to even), as the product kernel reads it."""
     u = np.ascontiguousarray(x, np.float32).view(np.uint32)

@@ -25,6 +25,18 @@ boundaries too: a sample's rows meet BLAS in the same calls at the same places w
 in the batch, and its values do not depend on the batch (docs/design.md section 2). When the
 sample length is a multiple of ``CHUNK_ROWS`` the calls are the ones an uncut product makes.
 
+Those chunks are the product's canonical calls, and its bits are theirs. Each call packs the
+whole right operand (a layer's weights) again, which cost a CS-2 rank 11% of its time (perf, the
+peers GPT-2: OpenBLAS's ``sgemm_itcopy`` and ``incopy``). So where the kernels call BLAS, a product
+whose canonical calls can be merged into fewer without changing a bit is: the first product of each
+shape and layout (rows, columns, inner size, transposes, leading dimensions, samples, workers) is
+made both ways on random operands of that shape and layout, and merged calls, one run of whole
+chunks a worker, are used for that shape if every bit agrees (``_merges``). A BLAS's order of
+operations for a call depends on its shape, layout and threads, never on the values, so the check
+on random values stands for every product of the shape; where it fails (a small-matrix path for
+the chunks, say), the canonical calls are made. Forward products of the peers GPT-2's block ran
+15-20% faster merged, backward 4-9% (docs/benchmarks.md).
+
 Inside ``products_in("bfloat16")`` (a bfloat16 mixed-precision unit) the products are the kernels'
 own instead: bfloat16 operands, float32 accumulation, each element one fixed chain whatever the
 rows or threads (``_kernels.gemm_bf16``, ``bf16_gemm.h``), so none of the above chunking is needed.
@@ -43,7 +55,7 @@ from wse_core.nn import _kernels
 #: Rows of the left operand per task of a 2-D product (fixed: it decides the bits).
 CHUNK_ROWS = 128
 
-_state = {"pool": None, "workers": None, "controller": None, "pinned": None, "blas": None}
+_state = {"pool": None, "workers": None, "controller": None, "pinned": None, "blas": None, "merges": {}}
 
 #: The format float32 products' operands are rounded to inside ``products_in`` (None: float32).
 _products = contextvars.ContextVar("wse_products", default=None)
@@ -166,6 +178,30 @@ def _layout(x):
     return None
 
 
+def _like(x, lay, rng):
+    """Random values in an array of ``x``'s shape, dtype and layout (transposed, leading dimension)."""
+    transposed, ld = lay
+    rows, cols = x.shape[::-1] if transposed else x.shape
+    y = rng.standard_normal((rows, ld)).astype(x.dtype)[:, :cols]
+    return y.T if transposed else y
+
+
+def _merges(a, b, lay_a, lay_b, bounds, runs, workers):
+    """Whether BLAS gives a product of this shape and layout the same bits in the calls ``runs`` as
+    in its canonical calls ``bounds`` (the module's docstring): tried once per shape, on random
+    operands, and remembered."""
+    key = (a.dtype.str, a.shape, b.shape, lay_a, lay_b, tuple(bounds), workers)
+    merges = _state["merges"]
+    if key not in merges:
+        rng = np.random.default_rng(0)
+        x, y = _like(a, lay_a, rng), _like(b, lay_b, rng)
+        outs = [np.empty((a.shape[0], b.shape[1]), a.dtype) for _ in range(2)]
+        for calls, o in zip((bounds, runs), outs):
+            _kernels.gemm_rows(x, y, o, np.array(calls, np.intp), *lay_a, *lay_b, workers)
+        merges[key] = outs[0].tobytes() == outs[1].tobytes()
+    return merges[key]
+
+
 def _run_chunks(a, b, out, bounds):
     for lo, hi in bounds:
         np.matmul(a[lo:hi], b, out=out[lo:hi])
@@ -191,6 +227,9 @@ def _matmul(a, b, sample_rows):
         bounds = _row_chunks(m, sample_rows) if m else []
         lay_a, lay_b = _layout(a), _layout(b)
         if bounds and a.shape[1] and b.shape[1] and lay_a and lay_b and a.dtype == b.dtype and blas_in_kernels():
+            runs = [(part[0][0], part[-1][1]) for part in _share(bounds, workers)]
+            if len(runs) < len(bounds) and _merges(a, b, lay_a, lay_b, bounds, runs, workers):
+                bounds = runs
             _kernels.gemm_rows(a, b, out, np.array(bounds, np.intp), *lay_a, *lay_b, workers)
             return out
         if pool is None or len(bounds) < 2:
