@@ -32,8 +32,9 @@ whose canonical calls can be merged into fewer without changing a bit is: the fi
 shape and layout (rows, columns, inner size, transposes, leading dimensions, samples, workers) is
 made both ways on random operands of that shape and layout, and merged calls, one run of whole
 chunks a worker, are used for that shape if every bit agrees (``_merges``). A BLAS's order of
-operations for a call depends on its shape, layout and threads, never on the values, so the check
-on random values stands for every product of the shape; where it fails (a small-matrix path for
+operations for a call depends on its shape, layout and threads, not on the values (an assumption:
+OpenBLAS's kernels branch on sizes, never on data), so the check on random values stands for every
+product of the shape; where it fails (a small-matrix path for
 the chunks, say), the canonical calls are made. Forward products of the peers GPT-2's block ran
 15-20% faster merged, backward 4-9% (docs/benchmarks.md).
 
