@@ -69,9 +69,10 @@ STEP = MappingProxyType({m.name: m for m in (
             "{loss_sums: one per round, tokens, t}",
             "t: the CS-2's clock after its last round's forward pass; the coordinator receives it one hop later"),
     Message("recompute weights", "MemoryX owning unit u", "SwarmX root, relayed down the tree to every CS-2",
-            "(RCP_WEIGHTS, u, i), after its header",
-            "unit u's weights again, for the forward of its segment recomputed from the checkpoint",
-            "as forward weights"),
+            "(HEADER, u, RCP_WEIGHTS): the header alone",
+            "none: the CS-2 rank keeps the segment's activations, so the weights of its recomputed "
+            "forward would not be read (roles.csx)",
+            "as forward weights: the header carries the weights across each port, as if they came"),
     Message("backward weights", "MemoryX owning unit u", "SwarmX root, relayed down the tree to every CS-2",
             "(BWD_WEIGHTS, u, i), after its header", "unit u's weights again, units in reverse order",
             "as forward weights; a CS-2 carries the next item's weights across its port before this "

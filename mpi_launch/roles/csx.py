@@ -6,10 +6,12 @@ What the emulated CS-2 keeps of a micro-batch from its forward pass to its backw
 section 8, "Micro-batching"): the input of every segment's first unit (the checkpoint) and the
 activations of the last segment; the other segments' are recomputed from their checkpoints, with
 their weights streamed again, before their backward. This rank's host keeps the whole micro-batch's
-activations instead (what its planned memory counts), so a recompute item takes its weights across
-the port and costs the clock a forward, but computes nothing: its values would be the forward's
+activations instead (what its planned memory counts), so a recompute item costs the clock its
+weights across the port and a forward, but computes nothing: its values would be the forward's
 bits (the same inputs, weights and dropout keys), and computing them again took a sixth to a
-third of the rank's step.
+third of the rank's step. Nor do its weights travel: they would not be used, so MemoryX sends its
+header alone and SwarmX relays the header (a fifth of a step's weight bytes for the GPT-2 of
+``wse bench peers``, copied at every hop).
 
 Simulated time: this rank keeps its CS-2's I/O port. An item's weights cross it once there is room
 for them (a CS-2 holds two units: from the moment the item before starts computing), the clock
@@ -119,12 +121,13 @@ class CS2(Role):
                 what = f"SwarmX rank {parent} ({kind} weights of {units[u].name})"
                 lanes.wait(lanes.add(link.completing(wreqs, what)))  # the clock takes the headers meanwhile
                 t_wait += time.perf_counter() - tw
-                # A recompute item's weights are taken but not used (the module's docstring).
+                # A recompute item has no weights to take, its header alone (the module's docstring).
                 params = None if kind == "recompute" else dict(zip(self.unit_params[u],
                                                                     map(precision.from_wire, weights)))
                 if i + 1 < len(items):
                     _, next_kind, nu = items[i + 1]
-                    weights, wreqs = link.irecv_arrays(self.unit_layout(nu), parent, PHASE[next_kind], nu)
+                    weights, wreqs = (([], []) if next_kind == "recompute" else
+                                      link.irecv_arrays(self.unit_layout(nu), parent, PHASE[next_kind], nu))
                 if kind == "backward":
                     tc = time.perf_counter()
                     with link.progress(wreqs + sends):  # the next weights and the last gradients move

@@ -72,8 +72,9 @@ class MemoryX(Role):
                                 wire[n] = precision.to_wire(self.weights[n])
                         if u in my_units:  # the unit's owner sends its header
                             sends.append(link.send_header(root, PHASE[kind], u, (clock.now, None)))
-                        sends += [r for i, n in unit_uses[u]
-                                  for r in link.isend_arrays([wire[n]], root, PHASE[kind], u, index=i)]
+                        if kind != "recompute":  # a recompute item is its header alone (roles.csx)
+                            sends += [r for i, n in unit_uses[u]
+                                      for r in link.isend_arrays([wire[n]], root, PHASE[kind], u, index=i)]
                 later = None
                 sums = {(u, i): TreeAccumulator(self.n_micro, precision.add) for u, i, _ in uses}
                 last = left = 0.0
@@ -117,7 +118,7 @@ class MemoryX(Role):
                     later = (control, total, step)
                 nbytes = {u: sum(wire[n].nbytes for _, n in unit_uses[u]) for _, u in schedule}
                 self.timing(step, optimizer=t_opt[0], optimizer_behind=t_opt[1], at_grads_in=at_grads_in,
-                            bytes_out=self.n_micro * sum(nbytes[u] for _, u in schedule),
+                            bytes_out=self.n_micro * sum(nbytes[u] for kind, u in schedule if kind != "recompute"),
                             bytes_in=self.n_micro * sum(nbytes[u] for kind, u in schedule if kind == "backward"))
             self.after_update(control)
             if step >= self.start_step:

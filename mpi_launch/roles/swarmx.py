@@ -89,7 +89,9 @@ class SwarmX(Role):
         return sends, keep
 
     def _relay(self, kind, u, sends):
-        """Every item's weights, down as they come."""
+        """Every item's weights, down as they come (a recompute item has none: its header alone)."""
+        if kind == "recompute":
+            return None
         sources = self._sources(u)
         return (yield from self.link.relaying(self.unit_layout(u), sources, self._kids, PHASE[kind], u,
                                               f"weights of {self.units[u].name} from rank(s) {sorted(set(sources))}",
