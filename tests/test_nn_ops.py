@@ -211,16 +211,20 @@ def test_blocked_causal_attention_is_dense_attention_and_both_paths_agree_bit_fo
 
 
 @pytest.mark.parametrize("dropout", [False, True])
-def test_attention_in_bfloat16_products_has_the_same_bits_on_both_paths(rng, dropout):
+@pytest.mark.parametrize("t, block", [(100, None), (650, 300)])
+def test_attention_in_bfloat16_products_has_the_same_bits_on_both_paths(rng, monkeypatch, dropout, t, block):
     """In bfloat16 products, the attention kernel's own products give the bits of the same blocks through
     gemm.matmul (the path where numpy's BLAS is not one the kernels can call), gradients added to dk and
-    dv as matmul's results are; and the values are attention in float64 to bfloat16's error."""
+    dv as matmul's results are (also blocks of more than 256 rows, whose added products go through a
+    temporary); and the values are attention in float64 to bfloat16's error."""
     from wse_core.nn import attention, gemm
 
     if not gemm.blas_in_kernels():
         pytest.skip("numpy's BLAS is not one the kernels call: only the numpy path runs here")
-    q, k, v, dout = (rng.standard_normal((2, 3, 100, 16)).astype(np.float32) for _ in range(4))
-    mask = (rng.random((2, 3, 100, 100)) > 0.2).astype(np.float32) * 1.25 if dropout else None
+    if block is not None:
+        monkeypatch.setattr(attention, "BLOCK", block)
+    q, k, v, dout = (rng.standard_normal((2, 3, t, 16)).astype(np.float32) for _ in range(4))
+    mask = (rng.random((2, 3, t, t)) > 0.2).astype(np.float32) * 1.25 if dropout else None
     results = []
     for kernels in (None, False):
         try:

@@ -124,34 +124,35 @@ WSE_BF16_TARGET static inline void wse_transpose8(__m256i r[8]) {
 }
 
 /* dst[((i / w) * k2n + p) * w + i % w] := bfloat16 pair (X(i, 2p), X(i, 2p + 1)), low half first,
-   for X(i, k) = src[i*si + k*sk], i < rows padded to a multiple of w (8, 16, 32, ...) with zeros, and
-   k >= K zero. Vectorised where i (si == 1: eight rows at a time over each pair, threads sharing
-   the pairs) or k (sk == 1: eight rows of sixteen k, transposed in registers) runs along memory;
-   else element by element. */
-WSE_BF16_TARGET static void wse_bf16_pack(uint32_t* dst, const float* src, int64_t si, int64_t sk, int64_t rows,
-                                          int64_t K, int64_t w, int threads) {
-    int64_t k2n = (K + 1) / 2, blocks = (rows + w - 1) / w, blk, p0;
-    if (si == 1 && w % 8 == 0) {
-        /* Threads share the pairs: each reads rows 2p and 2p + 1 of the source whole, once. */
-        #pragma omp parallel for num_threads(threads) schedule(static)
-        for (p0 = 0; p0 < k2n; p0++) {
-            const float* x0 = src + 2 * p0 * sk;
-            int has1 = 2 * p0 + 1 < K;
-            int64_t i = 0;
-            for (; i + 8 <= rows; i += 8) {
-                __m256i lo = wse_bf16_round8(_mm256_loadu_ps(x0 + i));
-                __m256i hi = has1 ? wse_bf16_round8(_mm256_loadu_ps(x0 + sk + i)) : _mm256_setzero_si256();
-                _mm256_storeu_si256((__m256i*)(dst + ((i / w) * k2n + p0) * w + i % w),
-                                    _mm256_or_si256(lo, _mm256_slli_epi32(hi, 16)));
-            }
-            for (; i < rows; i++)
-                dst[((i / w) * k2n + p0) * w + i % w] = wse_bf16_bits(x0[i]) | (has1 ? wse_bf16_bits(x0[sk + i]) << 16 : 0);
-            for (; i < blocks * w; i++) dst[((i / w) * k2n + p0) * w + i % w] = 0;
+   for X(i, k) = x[i + k*sk] (i runs along memory), of the pairs p in [p0, p1): eight rows of a pair
+   at a time, rows 2p and 2p + 1 of the source read whole; i < rows padded to a multiple of w (8, 16,
+   32, ...) with zeros, k >= K zero. */
+WSE_BF16_TARGET static void wse_bf16_pack_pairs(uint32_t* dst, const float* x, int64_t sk, int64_t rows, int64_t K,
+                                                int64_t w, int64_t p0, int64_t p1) {
+    int64_t k2n = (K + 1) / 2, blocks = (rows + w - 1) / w;
+    for (int64_t p = p0; p < p1; p++) {
+        const float* x0 = x + 2 * p * sk;
+        int has1 = 2 * p + 1 < K;
+        int64_t i = 0;
+        for (; i + 8 <= rows; i += 8) {
+            __m256i lo = wse_bf16_round8(_mm256_loadu_ps(x0 + i));
+            __m256i hi = has1 ? wse_bf16_round8(_mm256_loadu_ps(x0 + sk + i)) : _mm256_setzero_si256();
+            _mm256_storeu_si256((__m256i*)(dst + ((i / w) * k2n + p) * w + i % w),
+                                _mm256_or_si256(lo, _mm256_slli_epi32(hi, 16)));
         }
-        return;
+        for (; i < rows; i++)
+            dst[((i / w) * k2n + p) * w + i % w] = wse_bf16_bits(x0[i]) | (has1 ? wse_bf16_bits(x0[sk + i]) << 16 : 0);
+        for (; i < blocks * w; i++) dst[((i / w) * k2n + p) * w + i % w] = 0;
     }
-    #pragma omp parallel for num_threads(threads) schedule(static)
-    for (blk = 0; blk < blocks; blk++) {
+}
+
+/* The same layout for X(i, k) = src[i*si + k*sk] in any layout, of the blocks of w rows in [b0,
+   b1): vectorised where k runs along memory (sk == 1: eight rows of sixteen k, transposed in
+   registers), else element by element. */
+WSE_BF16_TARGET static void wse_bf16_pack_blocks(uint32_t* dst, const float* src, int64_t si, int64_t sk,
+                                                 int64_t rows, int64_t K, int64_t w, int64_t b0, int64_t b1) {
+    int64_t k2n = (K + 1) / 2;
+    for (int64_t blk = b0; blk < b1; blk++) {
         uint32_t* out = dst + blk * k2n * w;
         int64_t full = rows - blk * w >= w ? w : rows - blk * w, i = 0, p;
         if (sk == 1 && w % 8 == 0) {
@@ -183,9 +184,33 @@ WSE_BF16_TARGET static void wse_bf16_pack(uint32_t* dst, const float* src, int64
     }
 }
 
-/* c[rows of block r] over pairs [k0, k1) of every panel; from zero when k0 == 0, else from c. */
+/* dst := X packed in blocks of w rows (wse_bf16_pack_pairs' layout), rows < `rows`, on `threads`
+   threads (1: on the calling thread, no parallel region): where i runs along memory the threads
+   share the pairs, each reading two rows of the source whole, else the blocks. */
+WSE_BF16_TARGET static void wse_bf16_pack(uint32_t* dst, const float* src, int64_t si, int64_t sk, int64_t rows,
+                                          int64_t K, int64_t w, int threads) {
+    int64_t k2n = (K + 1) / 2, blocks = (rows + w - 1) / w, j;
+    int pairs = si == 1 && w % 8 == 0;
+    if (threads <= 1) {
+        if (pairs)
+            wse_bf16_pack_pairs(dst, src, sk, rows, K, w, 0, k2n);
+        else
+            wse_bf16_pack_blocks(dst, src, si, sk, rows, K, w, 0, blocks);
+        return;
+    }
+    #pragma omp parallel for num_threads(threads) schedule(static)
+    for (j = 0; j < (pairs ? k2n : blocks); j++) {
+        if (pairs)
+            wse_bf16_pack_pairs(dst, src, sk, rows, K, w, j, j + 1);
+        else
+            wse_bf16_pack_blocks(dst, src, si, sk, rows, K, w, j, j + 1);
+    }
+}
+
+/* c[rows of block r] over pairs [k0, k1) of every panel; from zero when k0 == 0, else from c. With
+   `add` (k0 == 0 and k1 == k2n only) c := c + the float32 sums, as `c += a @ b` adds them. */
 WSE_BF16_TARGET static void wse_bf16_block(const uint32_t* ap, const uint32_t* bp, int64_t k2n, int64_t k0,
-                                           int64_t k1, int64_t rows, int64_t N, float* c, int64_t ldc) {
+                                           int64_t k1, int64_t rows, int64_t N, float* c, int64_t ldc, int add) {
     int64_t panels = (N + WSE_BF_NR - 1) / WSE_BF_NR;
     for (int64_t p = 0; p < panels; p++) {
         int64_t n0 = p * WSE_BF_NR, w = N - n0;
@@ -212,22 +237,49 @@ WSE_BF16_TARGET static void wse_bf16_block(const uint32_t* ap, const uint32_t* b
             }
         }
         for (int64_t i = 0; i < rows; i++) {
+            if (add) {
+                acc[i][0] = _mm512_add_ps(_mm512_maskz_loadu_ps(m0, c + i * ldc + n0), acc[i][0]);
+                acc[i][1] = _mm512_add_ps(_mm512_maskz_loadu_ps(m1, c + i * ldc + n0 + 16), acc[i][1]);
+            }
             _mm512_mask_storeu_ps(c + i * ldc + n0, m0, acc[i][0]);
             _mm512_mask_storeu_ps(c + i * ldc + n0 + 16, m1, acc[i][1]);
         }
     }
 }
 
+/* Rows [r MR, r MR + MR) of c := A B (or c + A B: `add`, for one block of k only) over every block of k. */
+WSE_BF16_TARGET static inline void wse_bf16_rows(const uint32_t* ap, const uint32_t* bp, int64_t k2n, int64_t r,
+                                                 int64_t M, int64_t N, float* c, int64_t ldc, int add) {
+    int64_t rows = M - r * WSE_BF_MR < WSE_BF_MR ? M - r * WSE_BF_MR : WSE_BF_MR;
+    for (int64_t k0 = 0; k0 < k2n; k0 += WSE_BF_KC)
+        wse_bf16_block(ap + r * k2n * WSE_BF_MR, bp, k2n, k0, k0 + WSE_BF_KC < k2n ? k0 + WSE_BF_KC : k2n, rows, N,
+                       c + r * WSE_BF_MR * ldc, ldc, add);
+}
+
 WSE_BF16_TARGET static void wse_gemm_bf16_native(int64_t M, int64_t N, int64_t K, const uint32_t* ap,
                                                  const uint32_t* bp, float* c, int64_t ldc, int threads) {
     int64_t k2n = (K + 1) / 2, blocks = (M + WSE_BF_MR - 1) / WSE_BF_MR, r;
     #pragma omp parallel for num_threads(threads) schedule(static)
-    for (r = 0; r < blocks; r++) {
-        int64_t rows = M - r * WSE_BF_MR < WSE_BF_MR ? M - r * WSE_BF_MR : WSE_BF_MR;
-        for (int64_t k0 = 0; k0 < k2n; k0 += WSE_BF_KC)
-            wse_bf16_block(ap + r * k2n * WSE_BF_MR, bp, k2n, k0, k0 + WSE_BF_KC < k2n ? k0 + WSE_BF_KC : k2n,
-                           rows, N, c + r * WSE_BF_MR * ldc, ldc);
-    }
+    for (r = 0; r < blocks; r++) wse_bf16_rows(ap, bp, k2n, r, M, N, c, ldc, 0);
+}
+
+/* c := A B, or c + A B (add), on the calling thread, A and B packed into `scratch`
+   (wse_bf16_scratch(M, N, K, add) values; a product too long for one block of k adds through it). */
+WSE_BF16_TARGET static void wse_gemm_bf16_serial(int64_t M, int64_t N, int64_t K, const float* a, int64_t sai,
+                                                 int64_t sak, const float* b, int64_t sbk, int64_t sbn, float* c,
+                                                 int64_t ldc, int add, uint32_t* scratch) {
+    int64_t k2n = (K + 1) / 2, blocks = (M + WSE_BF_MR - 1) / WSE_BF_MR;
+    uint32_t* ap = scratch;
+    uint32_t* bp = scratch + blocks * WSE_BF_MR * k2n;
+    wse_bf16_pack(ap, a, sai, sak, M, K, WSE_BF_MR, 1);
+    wse_bf16_pack(bp, b, sbn, sbk, N, K, WSE_BF_NR, 1);
+    int direct = !add || k2n <= WSE_BF_KC;
+    float* t = direct ? c : (float*)(bp + (N + WSE_BF_NR - 1) / WSE_BF_NR * WSE_BF_NR * k2n);
+    int64_t ldt = direct ? ldc : N;
+    for (int64_t r = 0; r < blocks; r++) wse_bf16_rows(ap, bp, k2n, r, M, N, t, ldt, add && direct);
+    if (!direct)
+        for (int64_t i = 0; i < M; i++)
+            for (int64_t j = 0; j < N; j++) c[i * ldc + j] += t[i * N + j];
 }
 #else
 static int wse_bf16_native(void) { return 0; }
@@ -263,13 +315,30 @@ static int wse_gemm_bf16(int64_t M, int64_t N, int64_t K, const float* a, int64_
 #endif
     return wse_gemm_bf16_portable(M, N, K, a, sai, sak, b, sbk, sbn, c, ldc, threads);
 }
+/* The uint32 values of scratch wse_gemm_bf16_into needs for an [M, K] x [K, N] product. */
+static inline int64_t wse_bf16_scratch(int64_t M, int64_t N, int64_t K, int add) {
+    int64_t k2n = (K + 1) / 2;
+    return ((M + WSE_BF_MR - 1) / WSE_BF_MR * WSE_BF_MR + (N + WSE_BF_NR - 1) / WSE_BF_NR * WSE_BF_NR) * k2n
+           + (add && k2n > WSE_BF_KC ? M * N : 0);
+}
+
 /* c := c + A B (add) or A B, for a caller that is itself one of the threads: c + A B adds the
-   float32 product to c afterwards, as `c += a @ b` does through numpy. */
+   float32 product to c afterwards, as `c += a @ b` does through numpy. The fast path packs into
+   `scratch` (wse_bf16_scratch values: no allocation, no parallel region, many small products a
+   thread); the portable one allocates. 0, or -1 when out of memory. */
 static int wse_gemm_bf16_into(int64_t M, int64_t N, int64_t K, const float* a, int64_t sai, int64_t sak,
-                              const float* b, int64_t sbk, int64_t sbn, float* c, int64_t ldc, int add) {
+                              const float* b, int64_t sbk, int64_t sbn, float* c, int64_t ldc, int add,
+                              uint32_t* scratch) {
+    if (M <= 0 || N <= 0) return 0;
+#if defined(__GNUC__) && defined(__x86_64__)
+    if (K > 0 && wse_bf16_native()) {
+        wse_gemm_bf16_serial(M, N, K, a, sai, sak, b, sbk, sbn, c, ldc, add, scratch);
+        return 0;
+    }
+#endif
     if (!add) return wse_gemm_bf16(M, N, K, a, sai, sak, b, sbk, sbn, c, ldc, 1, 0);
     float* t = (float*)malloc((size_t)(M * N) * sizeof(float));
-    if (!t || wse_gemm_bf16(M, N, K, a, sai, sak, b, sbk, sbn, t, N, 1, 0)) {
+    if (!t || wse_gemm_bf16(M, N, K, a, sai, sak, b, sbk, sbn, t, N, 1, 1)) {
         free(t);
         return -1;
     }
