@@ -364,10 +364,12 @@ def cross_entropy(floating[:, ::1] logits, const int32_t[::1] labels, const int3
                   floating[:, ::1] dlogits, double[::1] losses):
     """losses[r] := mask[r] (logsumexp(logits[r]) - logits[r, labels[r]]); dlogits[r] := mask[r] (softmax(logits[r]) - onehot).
 
-    ``dlogits`` may be ``logits`` itself (each row is read before it is written).
+    ``dlogits`` may be ``logits`` itself (each row is read before it is written). The exponentials
+    are computed once, into dlogits, in a loop gcc vectorises, and summed in order after (as
+    ``_softmax_row``: the same bits as one loop that did both).
     """
     cdef Py_ssize_t rows = logits.shape[0], v = logits.shape[1], r, j
-    cdef floating m, inv
+    cdef floating m, inv, label
     cdef double total, lse
     cdef int nt = wse_threads_for(rows * v, WSE_GRAIN)
     with nogil:
@@ -381,14 +383,17 @@ def cross_entropy(floating[:, ::1] logits, const int32_t[::1] labels, const int3
                 for j in range(1, v):
                     if logits[r, j] > m:
                         m = logits[r, j]
+                label = logits[r, labels[r]]
+                for j in range(v):
+                    dlogits[r, j] = _exp(logits[r, j] - m)
                 total = 0.0
                 for j in range(v):
-                    total = total + _exp(logits[r, j] - m)
+                    total = total + dlogits[r, j]
                 lse = m + log(total)
-                losses[r] = lse - logits[r, labels[r]]
+                losses[r] = lse - label
                 inv = <floating>(1.0 / total)
                 for j in range(v):
-                    dlogits[r, j] = _exp(logits[r, j] - m) * inv
+                    dlogits[r, j] = dlogits[r, j] * inv
                 dlogits[r, labels[r]] = dlogits[r, labels[r]] - 1
 
 
