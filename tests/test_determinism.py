@@ -1,10 +1,14 @@
-"""The determinism contract (docs/design.md section 2): batch composition and the numerics environment.
+"""The determinism contract (docs/design.md section 2): batch composition, the numerics environment,
+and the kernels' parallel loops keeping each thread's variables its own.
 
 The contract's other claims are tested where their machinery is: num_csx in test_cluster.py and
 test_modelzoo.py (the reference step's bits on 1, 2, 4 CS-2s), thread counts in test_nn_ops.py,
 test_clip.py, test_sparse.py and test_optim.py, resume in test_cluster.py, the appliance in
 test_appliance.py.
 """
+import re
+from pathlib import Path
+
 import numpy as np
 import pytest
 
@@ -89,3 +93,31 @@ def test_a_resume_in_the_same_numerics_environment_or_from_an_unrecorded_one_goe
     assert RunDir(tmp_path / "model").prepare(_checkpointed_run(tmp_path, same))["numerics_changed"] == []
     params = _checkpointed_run(tmp_path / "old", None)
     assert RunDir(tmp_path / "old" / "model").prepare(params)["start_step"] == 2
+
+
+def _prange_bodies(source):
+    """(line, body) of every ``prange`` loop of a Cython source: the lines indented below it."""
+    lines = source.splitlines()
+    for i, line in enumerate(lines):
+        if "prange(" in line and line.lstrip().startswith("for "):
+            indent, body = len(line) - len(line.lstrip()), []
+            for nxt in lines[i + 1:]:
+                if nxt.strip() and len(nxt) - len(nxt.lstrip()) <= indent:
+                    break
+                body.append(nxt)
+            yield i + 1, "\n".join(body)
+
+
+def test_no_parallel_loop_writes_a_variable_only_through_its_address():
+    """Cython makes a variable of a ``prange`` body private to each thread only when the body assigns
+    it; one written only through its address (``f(&a)``, ``memcpy(&bits, ...)``) is shared by the
+    threads, a race whose bits change from run to run (a LayerNorm backward's row sums and a 16-bit
+    rounding's bits once were). Every address a body takes of a plain variable, it also assigns."""
+    root = Path(__file__).resolve().parents[1] / "wse_core"
+    bad = []
+    for path in sorted(root.rglob("*.pyx")):
+        for line, body in _prange_bodies(path.read_text()):
+            taken = set(re.findall(r"&([A-Za-z_]\w*)\b(?!\s*\[)", body))
+            assigned = set(re.findall(r"^\s*([A-Za-z_]\w*)\s*[-+*/|&^]?=(?!=)", body, re.M))
+            bad += [f"{path.relative_to(root.parent)}:{line}: {name}" for name in sorted(taken - assigned)]
+    assert not bad, "written through its address in a prange body, so shared by its threads: " + ", ".join(bad)

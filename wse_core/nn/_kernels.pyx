@@ -115,13 +115,15 @@ def layernorm_backward(const floating[:, ::1] dy, const floating[:, ::1] x, cons
     """dx := rstd (g - mean(g) - xhat mean(g xhat)) with g = dy gamma; dgamma := sum_rows dy xhat; dbeta := sum_rows dy."""
     cdef Py_ssize_t r, b, c0, c1, rows = x.shape[0], cols = x.shape[1]
     cdef Py_ssize_t nblocks = (cols + COLBLOCK - 1) // COLBLOCK
-    cdef double a, bb
+    cdef _Sums sums
     cdef int nt = wse_threads_for(rows * cols, WSE_GRAIN)
     with nogil:
         for r in prange(rows, schedule="static", num_threads=nt):
-            _layernorm_backward_sums(&dy[r, 0], &x[r, 0], &gamma[0], mean[r], rstd[r], cols, &a, &bb)
-            _layernorm_backward_row(&dy[r, 0], &x[r, 0], &gamma[0], mean[r], rstd[r], cols, a / cols, bb / cols,
-                                    &dx[r, 0])
+            # Assigned, not written through a pointer: Cython makes a variable of a prange body private
+            # to each thread only when the body assigns it (tests/test_determinism.py holds every body to it).
+            sums = _layernorm_backward_sums(&dy[r, 0], &x[r, 0], &gamma[0], mean[r], rstd[r], cols)
+            _layernorm_backward_row(&dy[r, 0], &x[r, 0], &gamma[0], mean[r], rstd[r], cols, sums.a / cols,
+                                    sums.b / cols, &dx[r, 0])
         for b in prange(nblocks, schedule="static", num_threads=nt):
             c0 = b * COLBLOCK
             c1 = min(c0 + COLBLOCK, cols)
@@ -170,10 +172,14 @@ cdef inline void _layernorm_param_grads(const floating* dy, const floating* x, c
         dbeta[c0 + c] = <floating>sb[c]
 
 
-cdef inline void _layernorm_backward_sums(const floating* dy, const floating* x, const floating* gamma,
-                                          floating mean, floating rstd, Py_ssize_t n, double* a,
-                                          double* bb) noexcept nogil:
-    """a := sum g, bb := sum g xhat over a row (g = dy gamma, xhat = (x - mean) rstd), in LANES partial sums."""
+cdef struct _Sums:
+    double a
+    double b
+
+
+cdef inline _Sums _layernorm_backward_sums(const floating* dy, const floating* x, const floating* gamma,
+                                           floating mean, floating rstd, Py_ssize_t n) noexcept nogil:
+    """(sum g, sum g xhat) over a row (g = dy gamma, xhat = (x - mean) rstd), in LANES partial sums."""
     cdef double sa[LANES]
     cdef double sb[LANES]
     cdef double g, xh
@@ -192,8 +198,10 @@ cdef inline void _layernorm_backward_sums(const floating* dy, const floating* x,
         xh = (x[c] - mean) * rstd
         sa[c - n8] += g
         sb[c - n8] += g * xh
-    a[0] = _lanes_total(sa)
-    bb[0] = _lanes_total(sb)
+    cdef _Sums out
+    out.a = _lanes_total(sa)
+    out.b = _lanes_total(sb)
+    return out
 
 
 def column_sum(const floating[:, ::1] a, floating[::1] out):
@@ -656,6 +664,12 @@ cdef extern from "math.h" nogil:
     double nearbyint(double x) noexcept
 
 
+cdef inline double _double_of(uint64_t bits) noexcept nogil:
+    cdef double x
+    memcpy(&x, &bits, 8)
+    return x
+
+
 def round_to_format(const float[::1] x, float[::1] out, int exp_bits, int man_bits, double fmax):
     """out := the numbers of the format (exp_bits, man_bits; subnormals; ties to even; beyond fmax:
     +-inf) nearest x, NaN and infinities passed through: ``precision.Format.round``'s arithmetic,
@@ -682,7 +696,7 @@ def round_to_format(const float[::1] x, float[::1] out, int exp_bits, int man_bi
     with nogil:
         for i in prange(n, schedule="static", num_threads=nt):
             v = x[i]
-            memcpy(&bits, &v, 4)
+            bits = xb[i]  # assigned, so private to each thread (not through memcpy: see layernorm_backward)
             e = <int>((bits >> 23) & 0xff)
             if e == 0xff:  # NaN or +-inf
                 out[i] = v
@@ -691,7 +705,7 @@ def round_to_format(const float[::1] x, float[::1] out, int exp_bits, int man_bi
             if e < emin:
                 e = emin
             qbits = <uint64_t>(e - man_bits + 1023) << 52
-            memcpy(&q, &qbits, 8)
+            q = _double_of(qbits)
             r = nearbyint(<double>v / q) * q
             if r > fmax or r < -fmax:
                 r = r * 1e300 * 1e300  # +-inf with r's sign
