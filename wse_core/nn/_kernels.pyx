@@ -16,7 +16,7 @@ from cython.parallel cimport prange
 from libc.math cimport erf, exp, log, sqrt, tanh
 from libc.stdlib cimport free, malloc
 from libc.stdint cimport int32_t, int64_t, uint32_t, uint64_t
-from libc.string cimport memcpy
+from libc.string cimport memcpy, memset
 
 from wse_core._parallel cimport WSE_GRAIN, wse_threads_for
 
@@ -624,9 +624,10 @@ def attention_backward(const floating[:, :, :, :] dout, const floating[:, :, :, 
                        floating[:, :, :, :] dq, floating[:, :, :, :] dk, floating[:, :, :, :] dv,
                        double scale, Py_ssize_t block, bint bf16=False):
     """Gradients of attention_forward's output with respect to q, k and v, given dout (all [b, heads,
-    t, d], any strides but a contiguous last axis); dk and dv are added to, so the caller zeroes them.
-    ``bf16``: products in bfloat16 (float32 arrays only)."""
-    cdef Py_ssize_t nb = q.shape[0], nh = q.shape[1], t = q.shape[2], d = q.shape[3], h, bi, hi
+    t, d], any strides but a contiguous last axis), written whatever dq, dk and dv held (each head's
+    dk and dv are zeroed, in cache, before the blocks' parts are added). ``bf16``: products in
+    bfloat16 (float32 arrays only)."""
+    cdef Py_ssize_t nb = q.shape[0], nh = q.shape[1], t = q.shape[2], d = q.shape[3], h, bi, hi, i
     cdef Py_ssize_t z = sizeof(floating)
     cdef Py_ssize_t ldo = dout.strides[2] // z, ldq = q.strides[2] // z, ldk = k.strides[2] // z
     cdef Py_ssize_t ldv = v.strides[2] // z, lddq = dq.strides[2] // z, lddk = dk.strides[2] // z
@@ -643,6 +644,9 @@ def attention_backward(const floating[:, :, :, :] dout, const floating[:, :, :, 
             dp = <floating*>malloc(block * t * sizeof(floating))
             used = <floating*>malloc(block * t * sizeof(floating)) if masked else NULL
             scratch = _attention_scratch(bf16, t, d, block)
+            for i in range(t):
+                memset(&dk[bi, hi, i, 0], 0, d * z)
+                memset(&dv[bi, hi, i, 0], 0, d * z)
             if bf16 and scratch == NULL:
                 bad += 1
             else:

@@ -44,13 +44,14 @@ def forward(q, k, v, scale, ops, mask=None, out=None):
     probs [b, heads, t, t]) for ``backward``."""
     b, nh, t, _ = q.shape
     out = np.empty_like(q) if out is None else out
-    probs = np.zeros((b, nh, t, t), q.dtype)
-    if blas_in_kernels():
+    if blas_in_kernels():  # the kernel writes every probability, the zeros above the diagonal too
+        probs = np.empty((b, nh, t, t), q.dtype)
         if out.strides[-1] != out.itemsize:
             raise ValueError("out: expected a view whose last axis is contiguous")
         _kernels.attention_forward(*_rows(q, k, v), _mask(mask, q.dtype), out, probs, float(scale), BLOCK,
                                    _bf16(q))
         return out, probs
+    probs = np.zeros((b, nh, t, t), q.dtype)
     for r0, r1 in _blocks(t):
         p = matmul(q[:, :, r0:r1], k[:, :, :r1].transpose(0, 1, 3, 2))   # [b, nh, r1 - r0, r1]
         ops.causal_softmax_forward(p.reshape(b * nh, r1 - r0, r1), scale)
@@ -61,15 +62,17 @@ def forward(q, k, v, scale, ops, mask=None, out=None):
 
 def backward(dout, q, k, v, probs, scale, ops, mask=None, grads=None):
     """Gradients (dq, dk, dv) of ``forward``'s output, given ``dout`` [b, heads, t, d]; written into
-    ``grads`` (three zeroed views) if given."""
+    ``grads`` (three views, whatever they hold) if given."""
     b, nh, t, _ = q.shape
-    dq, dk, dv = (np.zeros_like(q), np.zeros_like(k), np.zeros_like(v)) if grads is None else grads
-    if blas_in_kernels():
+    dq, dk, dv = (np.empty_like(q), np.empty_like(k), np.empty_like(v)) if grads is None else grads
+    if blas_in_kernels():  # the kernel zeroes a head's dk and dv before it adds the blocks' parts
         if any(g.strides[-1] != g.itemsize for g in (dq, dk, dv)):
             raise ValueError("grads: expected views whose last axis is contiguous")
         _kernels.attention_backward(*_rows(dout, q, k, v), probs, _mask(mask, q.dtype), dq, dk, dv,
                                     float(scale), BLOCK, _bf16(q))
         return dq, dk, dv
+    dk[...] = 0
+    dv[...] = 0
     for r0, r1 in _blocks(t):
         p = np.ascontiguousarray(probs[:, :, r0:r1, :r1])
         dh = dout[:, :, r0:r1]

@@ -331,7 +331,7 @@ class TransformerBlock(Unit):
         dmid += dout
         # Attention
         datt = self._lin_back(dmid if masks[1] is None else dmid * masks[1], att, params, "attn.proj", t, g)
-        dqkv = np.zeros((b * t, 3 * c), dy.dtype)
+        dqkv = np.empty((b * t, 3 * c), dy.dtype)  # attention.backward writes every gradient
         attention.backward(_heads(datt, b, t, nh, hd)[0], q, k, v, probs, scale, ops, masks[0],
                            grads=_heads(dqkv, b, t, nh, hd))
         dln1 = self._lin_back(dqkv, ln1, params, "attn.qkv", t, g)
