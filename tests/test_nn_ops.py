@@ -262,6 +262,34 @@ def test_matmul_through_the_kernels_gives_numpys_bits(rng):
         assert g.tobytes() == w_.tobytes()
 
 
+@pytest.mark.parametrize("products", [None, "bfloat16"])
+def test_a_bias_added_by_the_product_has_the_bits_of_adding_it_after(rng, products):
+    """matmul(a, b, bias=...) is ``out = matmul(a, b); out += bias`` bit for bit, whether the kernels'
+    threads add it after their calls, numpy's pool does, or the bfloat16 kernel adds it in its store
+    (and its portable emulation after a row); a bias of another dtype is numpy's add."""
+    from wse_core.nn import _kernels, gemm
+
+    a = rng.standard_normal((300, 70)).astype(np.float32)
+    w = rng.standard_normal((90, 70)).astype(np.float32)
+    bias = rng.standard_normal(90).astype(np.float32)
+    with gemm.products_in(products):
+        want = gemm.matmul(a, w.T, 150)
+        want += bias
+        for blas in (None, False):
+            try:
+                gemm._state["blas"] = blas
+                assert gemm.matmul(a, w.T, 150, bias=bias).tobytes() == want.tobytes()
+            finally:
+                gemm._state["blas"] = None
+        wide = gemm.matmul(a, w.T, 150)
+        wide += bias.astype(np.float64)
+        assert gemm.matmul(a, w.T, 150, bias=bias.astype(np.float64)).tobytes() == wide.tobytes()
+    if products:
+        got = np.empty_like(want)
+        _kernels.gemm_bf16(a, w.T, got, 1, portable=True, bias=bias)
+        assert got.tobytes() == want.tobytes()
+
+
 def test_a_product_merged_into_fewer_calls_keeps_its_canonical_bits(rng):
     """Where the kernels call BLAS, a 2-D product's canonical calls (a sample's chunks of CHUNK_ROWS
     rows) are merged into one run a worker only if a trial of that shape and layout gave every bit

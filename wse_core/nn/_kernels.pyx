@@ -455,22 +455,37 @@ cdef inline void _gemm(bint ta, bint tb, Py_ssize_t m, Py_ssize_t n, Py_ssize_t 
 
 
 def gemm_rows(const floating[:, :] a, const floating[:, :] b, floating[:, ::1] out,
-              const Py_ssize_t[:, ::1] bounds, bint ta, Py_ssize_t lda, bint tb, Py_ssize_t ldb, int threads):
+              const Py_ssize_t[:, ::1] bounds, bint ta, Py_ssize_t lda, bint tb, Py_ssize_t ldb, int threads,
+              const floating[::1] bias=None):
     """out[lo:hi] := a[lo:hi] @ b, one BLAS call per row range (lo, hi) of ``bounds``, the calls
     shared by ``threads`` threads. a (b) is row-major with leading dimension lda (ldb), or the
-    transpose of such an array when ta (tb)."""
-    cdef Py_ssize_t i, lo, hi, n = b.shape[1], k = a.shape[1], nc = bounds.shape[0]
+    transpose of such an array when ta (tb). ``bias`` (if given) is then added to each row by the
+    thread that made its call, as ``out += bias`` would add it."""
+    cdef Py_ssize_t i, r, lo, hi, n = b.shape[1], k = a.shape[1], nc = bounds.shape[0]
     cdef Py_ssize_t step_a = lda if not ta else 1
+    if bias is not None and bias.shape[0] != n:
+        raise ValueError(f"gemm_rows: a bias of {bias.shape[0]} for {n} columns")
+    cdef const floating* pbias = &bias[0] if bias is not None and n else NULL
     with nogil:
         for i in prange(nc, schedule="static", num_threads=threads):
             lo = bounds[i, 0]
             hi = bounds[i, 1]
             _gemm(ta, tb, hi - lo, n, k, &a[0, 0] + lo * step_a, lda, &b[0, 0], ldb, 0, &out[lo, 0], n)
+            if pbias != NULL:
+                for r in range(lo, hi):
+                    _add_row(&out[r, 0], pbias, n)
+
+
+cdef inline void _add_row(floating* row, const floating* x, Py_ssize_t n) noexcept nogil:
+    cdef Py_ssize_t c
+    for c in range(n):
+        row[c] = row[c] + x[c]
 
 
 cdef extern from "bf16_gemm.h" nogil:
     int wse_gemm_bf16(int64_t m, int64_t n, int64_t k, const float* a, int64_t sai, int64_t sak, const float* b,
-                      int64_t sbk, int64_t sbn, float* c, int64_t ldc, int threads, int portable) noexcept
+                      int64_t sbk, int64_t sbn, float* c, int64_t ldc, const float* bias, int threads,
+                      int portable) noexcept
     int wse_bf16_native() noexcept
     int wse_gemm_bf16_into(int64_t m, int64_t n, int64_t k, const float* a, int64_t sai, int64_t sak,
                            const float* b, int64_t sbk, int64_t sbn, float* c, int64_t ldc, int add,
@@ -483,10 +498,12 @@ def bf16_native():
     return bool(wse_bf16_native())
 
 
-def gemm_bf16(const float[:, :] a, const float[:, :] b, float[:, ::1] out, int threads, bint portable=False):
+def gemm_bf16(const float[:, :] a, const float[:, :] b, float[:, ::1] out, int threads, bint portable=False,
+              const float[::1] bias=None):
     """out := a @ b with both operands rounded to bfloat16 and float32 accumulation, in the fixed
-    order of bf16_gemm.h (any strides; bits independent of threads and of the rows' place).
-    ``portable`` takes the one-element-at-a-time path whatever the CPU (the fast path's reference)."""
+    order of bf16_gemm.h (any strides; bits independent of threads and of the rows' place), + bias
+    on every row if given (as ``out += bias``). ``portable`` takes the one-element-at-a-time path
+    whatever the CPU (the fast path's reference)."""
     cdef int64_t m = a.shape[0], n = b.shape[1], k = a.shape[1], rc
     if b.shape[0] != k or out.shape[0] != m or out.shape[1] != n:
         raise ValueError(f"gemm_bf16: shapes [{a.shape[0]}, {k}] @ [{b.shape[0]}, {n}] -> [{out.shape[0]}, {out.shape[1]}]")
@@ -494,9 +511,12 @@ def gemm_bf16(const float[:, :] a, const float[:, :] b, float[:, ::1] out, int t
         return
     cdef const float* pa = &a[0, 0] if k else NULL
     cdef const float* pb = &b[0, 0] if k else NULL
+    if bias is not None and bias.shape[0] != n:
+        raise ValueError(f"gemm_bf16: a bias of {bias.shape[0]} for {n} columns")
+    cdef const float* pbias = &bias[0] if bias is not None else NULL
     with nogil:
         rc = wse_gemm_bf16(m, n, k, pa, a.strides[0] // 4, a.strides[1] // 4, pb, b.strides[0] // 4,
-                           b.strides[1] // 4, &out[0, 0], out.strides[0] // 4, threads, portable)
+                           b.strides[1] // 4, &out[0, 0], out.strides[0] // 4, pbias, threads, portable)
     if rc:
         raise MemoryError(f"gemm_bf16: no memory to pack a [{m}, {k}] @ [{k}, {n}] product")
 

@@ -68,7 +68,8 @@ static void wse_bf16_portable_row(const float* a, int64_t sak, const float* bv, 
 /* The reference the fast path is tested against, and the path of CPUs without AVX512-BF16.
    0, or -1 when out of memory. */
 static int wse_gemm_bf16_portable(int64_t M, int64_t N, int64_t K, const float* a, int64_t sai, int64_t sak,
-                                  const float* b, int64_t sbk, int64_t sbn, float* c, int64_t ldc, int threads) {
+                                  const float* b, int64_t sbk, int64_t sbn, float* c, int64_t ldc,
+                                  const float* bias, int threads) {
     float* bv = (float*)malloc((size_t)(K * N) * sizeof(float));
     if (!bv) return -1;
     int64_t i, k;
@@ -76,7 +77,11 @@ static int wse_gemm_bf16_portable(int64_t M, int64_t N, int64_t K, const float* 
     for (k = 0; k < K; k++)
         for (int64_t j = 0; j < N; j++) bv[k * N + j] = wse_bf16_value(wse_bf16_bits(b[k * sbk + j * sbn]));
     #pragma omp parallel for num_threads(threads) schedule(static)
-    for (i = 0; i < M; i++) wse_bf16_portable_row(a + i * sai, sak, bv, N, K, c + i * ldc);
+    for (i = 0; i < M; i++) {
+        wse_bf16_portable_row(a + i * sai, sak, bv, N, K, c + i * ldc);
+        if (bias)
+            for (int64_t j = 0; j < N; j++) c[i * ldc + j] += bias[j];
+    }
     free(bv);
     return 0;
 }
@@ -208,9 +213,11 @@ WSE_BF16_TARGET static void wse_bf16_pack(uint32_t* dst, const float* src, int64
 }
 
 /* c[rows of block r] over pairs [k0, k1) of every panel; from zero when k0 == 0, else from c. With
-   `add` (k0 == 0 and k1 == k2n only) c := c + the float32 sums, as `c += a @ b` adds them. */
+   `add` (k0 == 0 and k1 == k2n only) c := c + the float32 sums, as `c += a @ b` adds them; with
+   `bias` (non-NULL: at the last block of k) the sums + bias, as `c = a @ b; c += bias` gives them. */
 WSE_BF16_TARGET static void wse_bf16_block(const uint32_t* ap, const uint32_t* bp, int64_t k2n, int64_t k0,
-                                           int64_t k1, int64_t rows, int64_t N, float* c, int64_t ldc, int add) {
+                                           int64_t k1, int64_t rows, int64_t N, float* c, int64_t ldc, int add,
+                                           const float* bias) {
     int64_t panels = (N + WSE_BF_NR - 1) / WSE_BF_NR;
     for (int64_t p = 0; p < panels; p++) {
         int64_t n0 = p * WSE_BF_NR, w = N - n0;
@@ -236,7 +243,16 @@ WSE_BF16_TARGET static void wse_bf16_block(const uint32_t* ap, const uint32_t* b
                 acc[i][1] = _mm512_dpbf16_ps(acc[i][1], av, b1);
             }
         }
+        __m512 b0 = _mm512_setzero_ps(), b1 = _mm512_setzero_ps();
+        if (bias && k1 == k2n) {
+            b0 = _mm512_maskz_loadu_ps(m0, bias + n0);
+            b1 = _mm512_maskz_loadu_ps(m1, bias + n0 + 16);
+        }
         for (int64_t i = 0; i < rows; i++) {
+            if (bias && k1 == k2n) {
+                acc[i][0] = _mm512_add_ps(acc[i][0], b0);
+                acc[i][1] = _mm512_add_ps(acc[i][1], b1);
+            }
             if (add) {
                 acc[i][0] = _mm512_add_ps(_mm512_maskz_loadu_ps(m0, c + i * ldc + n0), acc[i][0]);
                 acc[i][1] = _mm512_add_ps(_mm512_maskz_loadu_ps(m1, c + i * ldc + n0 + 16), acc[i][1]);
@@ -247,20 +263,23 @@ WSE_BF16_TARGET static void wse_bf16_block(const uint32_t* ap, const uint32_t* b
     }
 }
 
-/* Rows [r MR, r MR + MR) of c := A B (or c + A B: `add`, for one block of k only) over every block of k. */
+/* Rows [r MR, r MR + MR) of c := A B (+ bias; or c + A B: `add`, for one block of k only) over every
+   block of k. */
 WSE_BF16_TARGET static inline void wse_bf16_rows(const uint32_t* ap, const uint32_t* bp, int64_t k2n, int64_t r,
-                                                 int64_t M, int64_t N, float* c, int64_t ldc, int add) {
+                                                 int64_t M, int64_t N, float* c, int64_t ldc, int add,
+                                                 const float* bias) {
     int64_t rows = M - r * WSE_BF_MR < WSE_BF_MR ? M - r * WSE_BF_MR : WSE_BF_MR;
     for (int64_t k0 = 0; k0 < k2n; k0 += WSE_BF_KC)
         wse_bf16_block(ap + r * k2n * WSE_BF_MR, bp, k2n, k0, k0 + WSE_BF_KC < k2n ? k0 + WSE_BF_KC : k2n, rows, N,
-                       c + r * WSE_BF_MR * ldc, ldc, add);
+                       c + r * WSE_BF_MR * ldc, ldc, add, bias);
 }
 
 WSE_BF16_TARGET static void wse_gemm_bf16_native(int64_t M, int64_t N, int64_t K, const uint32_t* ap,
-                                                 const uint32_t* bp, float* c, int64_t ldc, int threads) {
+                                                 const uint32_t* bp, float* c, int64_t ldc, const float* bias,
+                                                 int threads) {
     int64_t k2n = (K + 1) / 2, blocks = (M + WSE_BF_MR - 1) / WSE_BF_MR, r;
     #pragma omp parallel for num_threads(threads) schedule(static)
-    for (r = 0; r < blocks; r++) wse_bf16_rows(ap, bp, k2n, r, M, N, c, ldc, 0);
+    for (r = 0; r < blocks; r++) wse_bf16_rows(ap, bp, k2n, r, M, N, c, ldc, 0, bias);
 }
 
 /* c := A B, or c + A B (add), on the calling thread, A and B packed into `scratch`
@@ -276,7 +295,7 @@ WSE_BF16_TARGET static void wse_gemm_bf16_serial(int64_t M, int64_t N, int64_t K
     int direct = !add || k2n <= WSE_BF_KC;
     float* t = direct ? c : (float*)(bp + (N + WSE_BF_NR - 1) / WSE_BF_NR * WSE_BF_NR * k2n);
     int64_t ldt = direct ? ldc : N;
-    for (int64_t r = 0; r < blocks; r++) wse_bf16_rows(ap, bp, k2n, r, M, N, t, ldt, add && direct);
+    for (int64_t r = 0; r < blocks; r++) wse_bf16_rows(ap, bp, k2n, r, M, N, t, ldt, add && direct, NULL);
     if (!direct)
         for (int64_t i = 0; i < M; i++)
             for (int64_t j = 0; j < N; j++) c[i * ldc + j] += t[i * N + j];
@@ -285,13 +304,18 @@ WSE_BF16_TARGET static void wse_gemm_bf16_serial(int64_t M, int64_t N, int64_t K
 static int wse_bf16_native(void) { return 0; }
 #endif
 
-/* c := A B in bfloat16 products (see the top of this file); 0, or -1 when out of memory. */
+/* c := A B in bfloat16 products (see the top of this file), + bias[j] on every row when bias is not
+   NULL (added to the float32 sums, as `c = a @ b; c += bias`); 0, or -1 when out of memory. */
 static int wse_gemm_bf16(int64_t M, int64_t N, int64_t K, const float* a, int64_t sai, int64_t sak,
-                         const float* b, int64_t sbk, int64_t sbn, float* c, int64_t ldc, int threads,
-                         int portable) {
+                         const float* b, int64_t sbk, int64_t sbn, float* c, int64_t ldc, const float* bias,
+                         int threads, int portable) {
     if (M <= 0 || N <= 0) return 0;
     if (K <= 0) {
-        for (int64_t i = 0; i < M; i++) memset(c + i * ldc, 0, (size_t)N * sizeof(float));
+        for (int64_t i = 0; i < M; i++) {
+            memset(c + i * ldc, 0, (size_t)N * sizeof(float));
+            if (bias)
+                for (int64_t j = 0; j < N; j++) c[i * ldc + j] += bias[j];
+        }
         return 0;
     }
 #if defined(__GNUC__) && defined(__x86_64__)
@@ -307,13 +331,13 @@ static int wse_gemm_bf16(int64_t M, int64_t N, int64_t K, const float* a, int64_
         }
         wse_bf16_pack(ap, a, sai, sak, M, K, WSE_BF_MR, threads);
         wse_bf16_pack(bp, b, sbn, sbk, N, K, WSE_BF_NR, threads);
-        wse_gemm_bf16_native(M, N, K, ap, bp, c, ldc, threads);
+        wse_gemm_bf16_native(M, N, K, ap, bp, c, ldc, bias, threads);
         free(ap);
         free(bp);
         return 0;
     }
 #endif
-    return wse_gemm_bf16_portable(M, N, K, a, sai, sak, b, sbk, sbn, c, ldc, threads);
+    return wse_gemm_bf16_portable(M, N, K, a, sai, sak, b, sbk, sbn, c, ldc, bias, threads);
 }
 /* The uint32 values of scratch wse_gemm_bf16_into needs for an [M, K] x [K, N] product. */
 static inline int64_t wse_bf16_scratch(int64_t M, int64_t N, int64_t K, int add) {
@@ -336,9 +360,9 @@ static int wse_gemm_bf16_into(int64_t M, int64_t N, int64_t K, const float* a, i
         return 0;
     }
 #endif
-    if (!add) return wse_gemm_bf16(M, N, K, a, sai, sak, b, sbk, sbn, c, ldc, 1, 0);
+    if (!add) return wse_gemm_bf16(M, N, K, a, sai, sak, b, sbk, sbn, c, ldc, NULL, 1, 0);
     float* t = (float*)malloc((size_t)(M * N) * sizeof(float));
-    if (!t || wse_gemm_bf16(M, N, K, a, sai, sak, b, sbk, sbn, t, N, 1, 1)) {
+    if (!t || wse_gemm_bf16(M, N, K, a, sai, sak, b, sbk, sbn, t, N, NULL, 1, 1)) {
         free(t);
         return -1;
     }

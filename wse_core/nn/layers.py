@@ -98,26 +98,26 @@ def weight_spec(name, out_features, in_features, init, density=1.0, seed=0, lr_g
     return ParamSpec((structure.nnz,), init, structure, lr_group=lr_group)
 
 
-def matmul_wt(x, w, structure=None, sample_rows=None):
-    """x @ w.T for x [N, in] and w [out, in]; for a sparse w (its values and structure) through spmm.
-    ``sample_rows``: x's rows are samples of that many tokens each (``gemm.matmul``).
+def matmul_wt(x, w, structure=None, sample_rows=None, bias=None):
+    """x @ w.T (+ bias) for x [N, in] and w [out, in]; for a sparse w (its values and structure) through
+    spmm. ``sample_rows``: x's rows are samples of that many tokens each (``gemm.matmul``).
 
     Sparse: y^T = W x^T with W in CSR, so the transposes of x and y are formed (O(N (in + out)),
     small next to the O(N nnz) product once in and out are a few hundred).
     """
     if structure is None:
-        return matmul(x, w.T, sample_rows)
+        return matmul(x, w.T, sample_rows, bias)
     from wse_core.sparse import spmm
 
-    return np.ascontiguousarray(spmm(structure.with_data(w), np.ascontiguousarray(x.T)).T)
+    y = np.ascontiguousarray(spmm(structure.with_data(w), np.ascontiguousarray(x.T)).T)
+    if bias is not None:
+        y += bias
+    return y
 
 
 def linear_forward(x, w, b, structure=None, sample_rows=None):
     """y := x @ w.T + b for 2-D x and w [out, in] (dense, or sparse values with their structure)."""
-    y = matmul_wt(x, w, structure, sample_rows)
-    if b is not None:
-        y += b
-    return y
+    return matmul_wt(x, w, structure, sample_rows, b)
 
 
 def linear_backward(dy, x, w, ops, structure=None, sample_rows=None):
