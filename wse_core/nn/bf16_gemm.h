@@ -339,6 +339,7 @@ static int wse_gemm_bf16(int64_t M, int64_t N, int64_t K, const float* a, int64_
 #endif
     return wse_gemm_bf16_portable(M, N, K, a, sai, sak, b, sbk, sbn, c, ldc, bias, threads);
 }
+
 /* The uint32 values of scratch wse_gemm_bf16_into needs for an [M, K] x [K, N] product. */
 static inline int64_t wse_bf16_scratch(int64_t M, int64_t N, int64_t K, int add) {
     int64_t k2n = (K + 1) / 2;

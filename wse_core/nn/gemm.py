@@ -249,8 +249,6 @@ def _matmul(a, b, sample_rows, bias=None):
             # One task per worker, each a run of whole chunks: which worker makes a call changes no
             # bits, and a task per chunk cost 10-25% of these products in dispatch (measured).
             list(pool.map(lambda part: _run_chunks(a, b, out, part, bias), _share(bounds, workers)))
-        if not bounds and bias is not None:
-            out += bias
         return out
     # Batched: every matrix of the stack is its own BLAS call, so grouping them changes no bits.
     shape = np.broadcast_shapes(a.shape[:-2], b.shape[:-2])
