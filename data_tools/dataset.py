@@ -27,7 +27,7 @@ import numpy as np
 
 from data_tools.errors import DataError
 from data_tools.lmdata import (DATA_PARAMS, array_data, chunk_rows, dataset_format, h5_files, lm_data, open_h5,
-                               read_examples, read_meta)
+                               read_examples, read_meta, tensor_columns, tensor_data)
 from wse_core.data import chunk_ok
 
 WINDOW_CHUNKS = 64  # chunks shuffled together (64 MiB of examples): see docs/design.md section 10
@@ -67,6 +67,10 @@ class Dataset:
             self.files += files
             self.counts += counts
         self.format = formats[0]
+        self.columns = _columns(self.format, self.example_shape, metas[0])
+        for d, meta in zip(dirs[1:], metas[1:]):
+            if _columns(self.format, self.example_shape, meta) != self.columns:
+                raise DataError(f"{d}: its columns differ from those of {dirs[0]}")
         self.params = dict(metas[0])
         if len(dirs) > 1:  # what describes the whole: the largest vocabulary; counts are the files'
             self.params.pop("n_examples", None)
@@ -74,10 +78,12 @@ class Dataset:
             if vocab:
                 self.params["vocab_size"] = max(vocab)
         self.offsets = np.concatenate([[0], np.cumsum(self.counts)]).astype(np.int64)
-        self._files = _Files(self.files, self.counts, self.example_shape, self.format)
+        self._files = _Files(self.files, self.counts, self.columns, self.format)
 
     def _open_all(self, files, fmt):
         """Counts and example shape of files with no listing: every file's layout (metadata only)."""
+        if fmt == "tensors":
+            raise DataError(f"{files[0].parent}: a tensor dataset needs the {DATA_PARAMS} that lists its files")
         counts, shape = [], None
         for path in files:
             with open_h5(path) as f:
@@ -94,15 +100,14 @@ class Dataset:
     def n_examples(self):
         return int(self.offsets[-1])
 
-    @property
-    def dtype(self):
-        return np.int32 if self.format == "lm" else np.float32
+    def empty(self, n):
+        """Arrays for ``n`` examples, one a column."""
+        return [np.empty((n, *shape), dtype) for _, dtype, shape in self.columns]
 
     def read(self, start, stop):
-        """Examples [start, stop) of the whole dataset, in sorted-file order: the raw arrays."""
-        cols = [np.empty((stop - start, *self.example_shape), self.dtype)]
-        if self.format == "arrays":
-            cols.append(np.empty(stop - start, np.int32))
+        """Examples [start, stop) of the whole dataset, in sorted-file order: the raw arrays (LM data
+        as one array, the other layouts as a tuple of columns)."""
+        cols = self.empty(stop - start)
         for i in range(len(self.files)):
             lo, hi = max(start, self.offsets[i]), min(stop, self.offsets[i + 1])
             if lo < hi:
@@ -112,6 +117,15 @@ class Dataset:
 
     def close(self):
         self._files.close()
+
+
+def _columns(fmt, example_shape, meta):
+    """[(name, dtype, example shape)] of a dataset: the layout's, or a tensor dataset's own."""
+    if fmt == "lm":
+        return [("data", np.dtype(np.int32), tuple(example_shape))]
+    if fmt == "arrays":
+        return [("features", np.dtype(np.float32), tuple(example_shape)), ("labels", np.dtype(np.int32), ())]
+    return tensor_columns(meta)
 
 
 def _listed(meta, files):
@@ -127,6 +141,8 @@ def _listed(meta, files):
         shape = (3, int(meta["max_seq_length"]))
     elif meta.get("format") == "arrays" and "feature_shape" in meta:
         shape = tuple(int(x) for x in meta["feature_shape"])
+    elif meta.get("format") == "tensors":
+        shape = tensor_columns(meta)[0][2]
     else:
         return None, None
     return [by_name[f.name] for f in files], shape
@@ -136,9 +152,10 @@ class _Files:
     """A dataset's files, opened when first read and kept open with their datasets (looking a
     dataset up costs as much as a small read); each checked against what the dataset expects."""
 
-    def __init__(self, files, counts, example_shape, fmt):
+    def __init__(self, files, counts, columns, fmt):
         # What the dataset expects, not the dataset itself: no cycle keeps closed-over files open.
-        self.files, self.counts, self.example_shape, self.format = files, counts, example_shape, fmt
+        self.files, self.counts, self.columns, self.format = files, counts, columns, fmt
+        self.example_shape = columns[0][2]
         self.handles, self.raw = {}, {}
 
     def _columns(self, fi):
@@ -149,7 +166,8 @@ class _Files:
             except OSError as exc:
                 raise DataError(f"{path}: not a readable HDF5 file ({str(exc).splitlines()[0]})") from None
             try:
-                cols = [lm_data(path, f)] if self.format == "lm" else list(array_data(path, f))
+                cols = ([lm_data(path, f)] if self.format == "lm" else tensor_data(path, f, self.columns)
+                        if self.format == "tensors" else list(array_data(path, f)))
                 d = cols[0]
                 if tuple(d.shape[1:]) != self.example_shape:
                     raise DataError(f"{path}: dataset '{d.name.lstrip('/')}' examples have shape {d.shape[1:]}, "
@@ -276,7 +294,7 @@ class _Sequence:
             flat = spare[:size] if spare is not None and spare.size >= size else np.empty(size, np.uint8)
             cols = [flat[:-4].view(np.int32).reshape(m, *self.ds.example_shape)]
         else:
-            cols = [np.empty((m, *self.ds.example_shape), self.ds.dtype), np.empty(m, np.int32)]
+            cols = self.ds.empty(m)
         # The window's chunks in file order, each file's run of them read at once where it can be
         # (the shuffle below makes the order of the reads irrelevant to the stream, but it is fixed).
         blocks = blocks[np.lexsort((self.block_lo[blocks], self.block_file[blocks]))]
@@ -326,7 +344,7 @@ class GlobalStream:
             if ds.n_examples == 0:
                 raise DataError(f"{src}: the dataset holds no examples")
             first = self.datasets[0]
-            if (ds.format, ds.example_shape) != (first.format, first.example_shape):
+            if (ds.format, ds.columns) != (first.format, first.columns):
                 raise DataError(f"mixture: {src} holds {ds.format} examples of shape {ds.example_shape}, "
                                 f"{sources[0]} {first.format} of shape {first.example_shape}")
         self.dataset = self.datasets[0]
@@ -353,9 +371,7 @@ class GlobalStream:
         if lo <= start and start + count <= hi:  # the common case, kept lean: a batch inside the current window
             cols = _serve(window, start - lo, count)
             return cols[0] if self.format == "lm" else tuple(cols)
-        cols = [np.empty((count, *self.example_shape), self.dataset.dtype)]
-        if self.format == "arrays":
-            cols.append(np.empty(count, np.int32))
+        cols = self.dataset.empty(count)
         if len(self._seqs) == 1:
             self._fill(0, start, count, cols)
         else:
@@ -452,8 +468,11 @@ def inspect_dataset(data_dir):
     info = {"dir": str(data_dir), "format": ds.format, "files": [str(f.name) for f in ds.files],
             "examples_per_file": [int(c) for c in ds.counts], "n_examples": ds.n_examples,
             "example_shape": list(ds.example_shape)}
-    if ds.format == "arrays":
-        info["num_classes"] = p.get("num_classes")
+    if ds.format != "lm":
+        if ds.format == "arrays":
+            info["num_classes"] = p.get("num_classes")
+        else:
+            info["columns"] = [f"{name}: {dtype} {list(shape)}" for name, dtype, shape in ds.columns]
         ds.close()
         return info
     first = ds.read(0, min(1, ds.n_examples))

@@ -2,7 +2,9 @@
 
 LM files hold one int32 dataset ``data`` of shape ``[n_examples, 3, max_seq_length]`` (rows:
 input_ids, loss mask, labels) with attribute ``n_examples``. Array files hold ``features``
-(float32 ``[n, ...]``) and ``labels`` (int32 ``[n]``). A directory of either has
+(float32 ``[n, ...]``) and ``labels`` (int32 ``[n]``). Tensor files (a PyTorch script's batches,
+``pyapi.cstorch``) hold columns ``t0``, ``t1``, ... of any numeric dtype, each ``[n, ...]``, listed
+with their dtypes and shapes in ``data_params.json`` (``columns``). A directory of any has
 ``data_params.json`` beside the ``*.h5`` files: ours is flat (``n_examples``, ``vocab_size``,
 ``files`` with each file's count, ...); Model Zoo's is nested (``processing``, ``post-process``,
 ``setup``) and ``read_meta`` reads both as one flat dict. We write chunks of about
@@ -175,6 +177,38 @@ def write_array_file(path, features, labels, compression=DEFAULT_COMPRESSION):
         f.attrs["n_examples"] = n
 
 
+def write_tensors_file(path, columns, compression=DEFAULT_COMPRESSION):
+    """Write a tensor dataset file: ``columns`` (arrays of one length) as ``t0``, ``t1``, ..."""
+    n = len(columns[0])
+    with h5py.File(path, "w") as f:
+        for i, a in enumerate(columns):
+            f.create_dataset(f"t{i}", data=a, chunks=(max(1, min(n, chunk_rows(a.shape[1:], a.itemsize))), *a.shape[1:]),
+                             **h5_filters(compression))
+        f.attrs["n_examples"] = n
+
+
+def tensor_columns(meta):
+    """[(name, dtype, example shape)] of a tensor dataset, from its data_params.json."""
+    try:
+        return [(f"t{i}", np.dtype(c["dtype"]), tuple(int(x) for x in c["shape"])) for i, c in enumerate(meta["columns"])]
+    except (KeyError, TypeError, ValueError) as exc:
+        raise DataError(f"{DATA_PARAMS}: a tensor dataset's columns are not readable ({exc})") from None
+
+
+def tensor_data(path, f, columns):
+    """The datasets of an open tensor file, checked against the dataset's ``columns``."""
+    out = []
+    for name, dtype, shape in columns:
+        d = _dataset(path, f, name)
+        if d.dtype != dtype or tuple(d.shape[1:]) != shape:
+            raise DataError(f"{path}: dataset '{name}' is {d.dtype} {list(d.shape[1:])} an example, expected "
+                            f"{dtype} {list(shape)}")
+        if out and d.shape[0] != out[0].shape[0]:
+            raise DataError(f"{path}: dataset '{name}' has {d.shape[0]} examples, 't0' {out[0].shape[0]}")
+        out.append(d)
+    return out
+
+
 def read_examples(path, dset, sel):
     """``dset[sel]``; a damaged file is named, with the examples that could not be read."""
     try:
@@ -289,8 +323,18 @@ def check_array_file(path, *, num_classes=None):
         return n
 
 
+def check_tensors_file(path, columns):
+    """Check one tensor-dataset file entirely; return its number of examples."""
+    with open_h5(path) as f:
+        ds = tensor_data(path, f, columns)
+        for d in ds:
+            for lo, hi, rows in _blocks(d):
+                _read_checked(path, d, lo, hi, rows)
+        return ds[0].shape[0]
+
+
 def dataset_format(data_dir):
-    """"lm" or "arrays", from data_params.json or, for other tools' files, from the first file."""
+    """"lm", "arrays" or "tensors", from data_params.json or, for other tools' files, from the first file."""
     params = read_meta(data_dir)
     if "format" in params:
         return params["format"]
@@ -305,7 +349,9 @@ def verify_dataset(data_dir):
     fmt = dataset_format(data_dir)
     counts = []
     for path in files:
-        if fmt == "arrays":
+        if fmt == "tensors":
+            counts.append(check_tensors_file(path, tensor_columns(params)))
+        elif fmt == "arrays":
             counts.append(check_array_file(path, num_classes=params.get("num_classes")))
         else:
             counts.append(check_lm_file(path, vocab_size=params.get("vocab_size"),

@@ -203,14 +203,15 @@ class Job:
         if section == "train_input":
             ds = GlobalStream(t.data_dir, mixture=mixture)
             ds.close()
-            fmt, shape, n, vocab = ds.format, ds.example_shape, ds.n, ds.vocab_size
+            fmt, shape, n, vocab, columns = ds.format, ds.example_shape, ds.n, ds.vocab_size, ds.dataset.columns
         else:
             ds = Dataset(t.data_dir)
             fmt, shape, n, vocab = ds.format, ds.example_shape, ds.n_examples, ds.params.get("vocab_size")
+            columns = ds.columns
         if n == 0:
             raise params_mod.ParamsError(f"{where} holds no examples")
         try:
-            build_model(self.params.model).check_dataset(fmt, shape, vocab, where)
+            build_model(self.params.model).check_dataset(fmt, shape, vocab, where, columns=columns)
         except ValueError as exc:
             raise params_mod.ParamsError(str(exc)) from None
         return ds

@@ -378,7 +378,7 @@ def test_a_compiled_model_in_mixed_precision_streams_and_hands_on_16_bit_values(
         seen += [v.numpy() for dy in dys for v in dy.values()] + [a for gs in g for a in gs.values()]
     assert len(seen) > 100 and all(np.array_equal(fmt.round(a), a) for a in seen)
     for j, (b, d) in enumerate(zip(batches, drops)):  # a micro-batch's forward and backward in turn: the same bits
-        loss_sum, n, unit_grads = m.forward_backward(weights, b, d, 1024.0)
+        loss_sum, n, unit_grads, _ = m.forward_backward(weights, b, d, 1024.0)
         assert (loss_sum, n) == losses[j][:2]
         assert all(np.array_equal(unit_grads[u][p], grads[-1 - u][j][p]) for u in range(len(m.units))
                    for p in unit_grads[u])

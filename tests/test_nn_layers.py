@@ -183,7 +183,7 @@ def check_model(model, batch, rng, samples=3):
     params = model.init_params(seed=1, dtype=np.float64)
     for p in params.values():
         p += rng.standard_normal(p.shape) * 0.1
-    loss, n, unit_grads = model.forward_backward(params, batch)
+    loss, n, unit_grads, _ = model.forward_backward(params, batch)
     grads = model.combine_unit_grads(unit_grads)
     assert set(grads) == set(model.param_names)
     fd_check(lambda: model.forward_backward(params, batch)[0], params, grads, rng, samples)

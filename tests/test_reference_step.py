@@ -85,7 +85,7 @@ def test_tied_embedding_gradient_is_the_sum():
     model = build_model(dict(TINY_GPT2, num_hidden_layers=1))
     params = model.init_params(seed=4)
     batch = next(lm_batches(stdlib_tokens(), 2, 32))
-    _, _, unit_grads = model.forward_backward(params, batch)
+    _, _, unit_grads, _ = model.forward_backward(params, batch)
     grads = model.combine_unit_grads(unit_grads)
     np.testing.assert_array_equal(grads["wte.weight"], unit_grads[0]["wte.weight"] + unit_grads[-1]["wte.weight"])
 
@@ -102,7 +102,7 @@ def test_a_batch_is_dealt_to_its_micro_batches_as_evenly_as_it_goes():
             micro_batch_ranges(*args)
     model = build_model(TINY_GPT2)
     batch = next(lm_batches(stdlib_tokens(), 6, 32))
-    loss, tokens, _ = accumulate(model, model.init_params(0), batch, micro_batch_size=4)
+    loss, tokens, _, _ = accumulate(model, model.init_params(0), batch, micro_batch_size=4)
     assert tokens == 6 * 32 and loss > 0
 
 
@@ -161,7 +161,7 @@ def test_loss_scaling_batch_size_with_loss_weight():
     masked["loss_mask"][:, 20:] = 0
     model = build_model(dict(TINY_GPT2, loss_scaling="batch_size", loss_weight=0.5))
     params = model.init_params(0)
-    loss_sum, n_tokens, _ = accumulate(model, params, masked, 2)
+    loss_sum, n_tokens, _, _ = accumulate(model, params, masked, 2)
     opt = AdamW(lr=0.0)
     state = {k: opt.init_state(v) for k, v in params.items()}
     r = reference_step(model, params, state, opt, masked, micro_batch_size=2, step=1)

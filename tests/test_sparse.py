@@ -158,8 +158,8 @@ def test_sparse_model_equals_the_dense_model_with_masked_weights(cfg):
         batch = {"input_ids": ids, "labels": np.roll(ids, -1, 1).astype(np.int32), "loss_mask": np.ones_like(ids)}
     else:
         batch = {"features": rng.standard_normal((7, 20)), "labels": rng.integers(0, 5, 7).astype(np.int32)}
-    ls, _, ug = sparse.forward_backward(p, batch)
-    lsd, _, ugd = dense.forward_backward(pd, batch)
+    ls, _, ug, _ = sparse.forward_backward(p, batch)
+    lsd, _, ugd, _ = dense.forward_backward(pd, batch)
     g, gd = sparse.combine_unit_grads(ug), dense.combine_unit_grads(ugd)
     assert abs(ls - lsd) < 1e-12 * abs(lsd)
     for k in dense.param_names:

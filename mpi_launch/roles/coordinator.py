@@ -146,6 +146,11 @@ class Coordinator(Role):
                       "sim_stream_s": stream_s, "sim_reduce_tail_s": at - left, "sim_optimizer_s": optimizer_s}
             if scaler.dynamic or loss_scale != 1.0:
                 record.update(loss_scale=loss_scale, skipped=skipped)
+            # What else a compiled model's step hands its script, each micro-batch's in the global
+            # batch's order (as the loss sums), combined by the model (``Model.combine_values``).
+            parts = [x["values"][r] for r in range(len(reports[0].get("values", []))) for x in reports]
+            if any(v is not None for v in parts):
+                record["values"] = [v.tolist() for v in self.model.combine_values(parts)]
             step_to_come = step + 1
             send_loss_scale()
             evaluate = bool(r.eval_frequency) and ((step + 1) % r.eval_frequency == 0 or last)

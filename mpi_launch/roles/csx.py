@@ -72,7 +72,7 @@ class CS2(Role):
                 tally["reported"] = True
                 sends.append(link.isend_object(
                     {"loss_sums": [ls for ls, _ in losses], "tokens": sum(n for _, n in losses),
-                     "t": tally["t_loss"]}, self.plan.coordinator, tag(REPORT, 0, LOSS)))
+                     "values": values, "t": tally["t_loss"]}, self.plan.coordinator, tag(REPORT, 0, LOSS)))
 
         def clock_lane():
             """The step in simulated time, item after item as their weights' headers come (a lane:
@@ -112,7 +112,7 @@ class CS2(Role):
                 loss_scale = link.recv_object(self.plan.coordinator, tag(CONTROL),
                                               f"the coordinator (loss scale of step {step})")["loss_scale"]
             t_wait, t_layers = 0.0, 0.0
-            sends, keep, losses = [], [], []
+            sends, keep, losses, values = [], [], [], []
             tally = {"waited": 0.0, "compute": 0.0, "t_loss": None, "reported": False}
             clock_of_step = clock_lane()
             lanes = Lanes(link, clock_of_step)
@@ -151,6 +151,7 @@ class CS2(Role):
                 with link.progress(wreqs + sends):
                     x, saved[u] = model.unit_forward(u, x, params, drop)
                     if u == head:
+                        values.append(model.step_values(x, batch))  # before the loss, which may overwrite x
                         loss_sum, n_tokens, dy = model.loss(x, batch, loss_scale)
                         losses.append((loss_sum, n_tokens))
                 t_layers += time.perf_counter() - tc

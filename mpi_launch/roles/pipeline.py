@@ -52,13 +52,15 @@ class PipelinedCS2(MemoryX):
                 batch = self.model.batch_of([np.concatenate([r[i] for r in raw]) for i in range(len(raw[0]))])
                 if scaler.dynamic:
                     loss_scale = self._control("loss_scale", step)["loss_scale"]
-                loss_sum, n_tokens, unit_grads = accumulate(
+                loss_sum, n_tokens, unit_grads, values = accumulate(
                     self.model, self.model.compute_weights(self.weights), batch, self.mbs,
                     dropout=(self.params.runconfig.seed, step + 1), loss_scale=loss_scale)
                 grads = self.model.combine_unit_grads(unit_grads)
                 clock.advance(compute_s)
                 send = self.link.send_object
-                send({"loss_sums": [loss_sum], "tokens": n_tokens, "t": clock.now}, coordinator, tag(REPORT, 0, LOSS))
+                # the micro-batches' values each (the coordinator combines them as the CS-2s' in their order)
+                send({"loss_sums": [loss_sum], "tokens": n_tokens, "values": values, "t": clock.now}, coordinator,
+                     tag(REPORT, 0, LOSS))
                 send({"sumsq": [(n, sum_of_squares(grads[n])) for n in self.owned], "t": clock.now,
                       "left": clock.now}, coordinator, tag(REPORT, 0, NORMS))
                 send({"compute": compute_s, "waited": 0.0}, coordinator, tag(REPORT, 0, STEP_TIME))

@@ -27,14 +27,27 @@ try:
 except ImportError:
     raise ImportError("pyapi.cstorch needs PyTorch: pip install -e '.[torch]'") from None
 
-from pyapi.cstorch import amp, optim, utils  # noqa: E402
-from pyapi.cstorch.backend import Backend, ClusterConfig, backend, compile, current_backend, use_cs  # noqa: E402
-from pyapi.cstorch.step import checkpoint_closure, step_closure, summarize_scalar, trace  # noqa: E402
+from pyapi.cstorch import alias  # noqa: E402  (cerebras.pytorch and cerebras_pytorch name this package)
+from pyapi.cstorch import amp, distributed, optim, utils  # noqa: E402
+from pyapi.cstorch.backend import (Backend, ClusterConfig, backend, compile, current_backend,  # noqa: E402
+                                   current_torch_device, use_cs)
+from pyapi.cstorch.step import (checkpoint_closure, current_executor, step_closure, summarize_scalar,  # noqa: E402
+                                summarize_tensor, trace)
 from pyapi.cstorch.errors import NotBuilt  # noqa: E402
 from pyapi.cstorch.storage import load, save  # noqa: E402
 
-__all__ = ["Backend", "ClusterConfig", "amp", "backend", "checkpoint_closure", "compile", "current_backend", "load",
-           "optim", "save", "step_closure", "summarize_scalar", "trace", "use_cs", "utils"]
+#: The release of Cerebras' API whose surface this package follows (docs/user-guide.md's table).
+__version__ = "2.3.1"
+
+__all__ = ["Backend", "ClusterConfig", "amp", "backend", "checkpoint_closure", "compile", "current_backend",
+           "current_executor", "current_torch_device", "distributed", "load", "manual_seed", "optim", "save",
+           "step_closure", "summarize_scalar", "summarize_tensor", "trace", "use_cs", "utils"]
+
+
+def manual_seed(seed):
+    """Cerebras' 2.0-era seed: torch's generator, as ``torch.manual_seed`` (the model's initial
+    weights; dropout on the cluster is keyed by the run's seed and the step)."""
+    torch.manual_seed(seed)
 
 
 class _NotBuiltAttribute(NotBuilt, AttributeError):
@@ -43,12 +56,12 @@ class _NotBuiltAttribute(NotBuilt, AttributeError):
 
 
 def __getattr__(name):
-    """Cerebras' other modules and functions (metrics, sparse, distributed, ...): one line naming them.
-    A submodule of this package not imported yet is imported (``from pyapi.cstorch import run``)."""
-    import importlib.util
+    """Cerebras' other modules and functions (sparse, ...): one line naming them. A submodule of this
+    package not imported yet is imported (``from pyapi.cstorch import run``)."""
+    import importlib.machinery
 
     if name.startswith("_"):
         raise AttributeError(name)
-    if importlib.util.find_spec(f"{__name__}.{name}") is not None:
+    if importlib.machinery.PathFinder.find_spec(f"{__name__}.{name}", __path__) is not None:
         return importlib.import_module(f"{__name__}.{name}")
     raise _NotBuiltAttribute(f"cstorch.{name}: not built in wse-cluster (built: {', '.join(__all__)})")

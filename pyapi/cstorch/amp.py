@@ -105,3 +105,27 @@ def autocast(dtype=None):
     if rec is not None:
         rec.fp16_type = rec.fp16_type or fmt or "float16"
     yield None
+
+
+def optimizer_step(loss, optimizer, grad_scaler, max_gradient_norm=None, max_gradient_value=None):
+    """Cerebras' whole update in one call, inside the traced step: the scaled loss's backward, the
+    clipping (``max_gradient_norm``: the global L2 norm), the scaler's step and update; as
+    Cerebras' own, it calls ``backward()`` itself."""
+    import torch
+
+    if not isinstance(loss, torch.Tensor):
+        raise ValueError(f"cstorch.amp.optimizer_step: loss: expected a tensor, got {type(loss).__name__}")
+    if not isinstance(grad_scaler, GradScaler):
+        raise TypeError(f"cstorch.amp.optimizer_step: grad_scaler: expected a cstorch.amp.GradScaler, got "
+                        f"{type(grad_scaler).__name__}")
+    if max_gradient_value is not None:
+        raise not_built("optimizer_step(max_gradient_value=...)", "max_gradient_norm: the global L2 norm")
+    grad_scaler.scale(loss).backward()
+    grad_scaler.unscale_(optimizer)
+    if max_gradient_norm is not None:
+        if max_gradient_norm < 0:
+            raise ValueError(f"cstorch.amp.optimizer_step: max_gradient_norm: expected >= 0, got {max_gradient_norm}")
+        recording().settings["max_gradient_norm"] = float(max_gradient_norm)
+    grad_scaler.step(optimizer)
+    grad_scaler.update()
+    optimizer.zero_grad()

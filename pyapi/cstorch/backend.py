@@ -1,19 +1,12 @@
 """``cstorch.backend`` and ``cstorch.compile``: where the steps run, and the model they train."""
-from dataclasses import asdict, dataclass
+import sys
+from dataclasses import asdict
 from pathlib import Path
 
+from pyapi.cstorch.distributed import ClusterConfig
 from pyapi.cstorch.errors import not_built
 
 _current = None
-
-
-@dataclass
-class ClusterConfig:
-    """Cerebras' cluster settings (``cstorch.distributed.ClusterConfig``), those this emulator has."""
-
-    num_csx: int = 1
-    max_wgt_servers: int = 1
-    num_workers_per_csx: int = 1
 
 
 class Backend:
@@ -33,25 +26,59 @@ class Backend:
     def is_csx(self):
         return self.backend_type == "CSX"
 
+    @property
+    def is_cpu(self):
+        return self.backend_type == "CPU"
+
+    @property
+    def is_gpu(self):
+        return False
+
+    @property
+    def device(self):
+        """Where the script's tensors live: this process's CPU (the cluster's ranks take the weights
+        and batches from it). A ``torch.device``, so ``with backend.device:`` and ``.to(backend.device)``
+        work as on a real system."""
+        return current_torch_device()
+
+    torch_device = device
+
+    def take_cs_config(self, cs_config):
+        """A 2.0-era ``cstorch.utils.CSConfig`` given to the DataExecutor: its cluster settings."""
+        from pyapi.cstorch.utils import CSConfig
+
+        if not isinstance(cs_config, CSConfig):
+            raise TypeError(f"DataExecutor: cs_config: expected a cstorch.utils.CSConfig, got {type(cs_config).__name__}")
+        c = cs_config
+        self.cluster_config = ClusterConfig(num_csx=c.num_csx or 1, max_wgt_servers=c.max_wgt_servers or 1,
+                                            num_workers_per_csx=c.num_workers_per_csx or 0, mount_dirs=c.mount_dirs or [],
+                                            python_paths=c.python_paths or [], job_labels=c.job_labels or [])
+        _say_ignored(self.cluster_config, "cstorch.utils.CSConfig")
+
     def run_config(self):
         """The ``runconfig`` keys this backend sets."""
         c = self.cluster_config
         return {**self.runconfig, "num_csx": c.num_csx, "num_wgt_servers": c.max_wgt_servers,
-                "num_workers_per_csx": c.num_workers_per_csx}
+                "num_workers_per_csx": c.workers}
 
     def __repr__(self):
         return f"cstorch.backend({self.backend_type!r}, cluster_config={asdict(self.cluster_config)})"
 
 
 def backend(backend_type=None, *, artifact_dir=None, cluster_config=None, num_csx=None, micro_batch_size=None,
-            appliance=None, compile_dir=None, compile_only=False, validate_only=False, **runconfig):
+            appliance=None, compile_dir=None, compile_only=False, validate_only=False, drop_data=None,
+            log_initialization=None, max_checkpoints=None, use_cs_grad_accum=None, retrace_every_iteration=False,
+            mixed_precision=None, **runconfig):
     """The backend the steps run on: ``"CSX"`` or ``"CPU"``. ``cluster_config`` (a ClusterConfig) or
     ``num_csx`` size the cluster; ``micro_batch_size`` splits each CS-2's share of the batch (default:
     all of it); ``artifact_dir`` (default ./cerebras_logs) holds the program, the data and the run;
     ``appliance`` queues the job on a running appliance (its socket, or True for the default one:
     ``$WSE_APPLIANCE_SOCKET``, this user's, the machine's) instead of starting the ranks here;
     other keywords are this project's ``runconfig`` keys (``swarmx_fanout``, ``execution_strategy``, ...).
-    Without arguments: the current backend."""
+    Without arguments: the current backend. Cerebras' other keywords of 2.0-2.3 are taken: those that
+    tune a real compile or its logging (``compile_dir``, ``drop_data``, ``log_initialization``,
+    ``max_checkpoints``, ``use_cs_grad_accum``) with one line saying they mean nothing here;
+    ``mixed_precision=True`` as ``cstorch.amp.set_half_dtype`` of float16."""
     global _current
     if backend_type is None:
         if _current is None:
@@ -62,15 +89,46 @@ def backend(backend_type=None, *, artifact_dir=None, cluster_config=None, num_cs
         raise not_built(f"cstorch.backend({backend_type!r})", "backends CSX and CPU")
     if compile_only or validate_only:
         raise not_built("compile_only/validate_only", "use `wse compile` on the run's params.yaml")
+    if retrace_every_iteration:
+        raise not_built("retrace_every_iteration=True", "one graph, captured on the first step")
+    tuning = [k for k, v in (("compile_dir", compile_dir), ("drop_data", drop_data),
+                             ("log_initialization", log_initialization), ("max_checkpoints", max_checkpoints),
+                             ("use_cs_grad_accum", use_cs_grad_accum)) if v is not None]
+    if tuning:
+        print(f"cstorch.backend: {', '.join(tuning)}: taken, and meaningless on the emulated cluster (nothing is "
+              "compiled for a wafer)", file=sys.stderr)
+    if mixed_precision:
+        from pyapi.cstorch import amp
+
+        amp.set_half_dtype(amp.get_half_dtype())
     if cluster_config is None:
         cluster_config = ClusterConfig(num_csx=1 if num_csx is None else num_csx)  # the params check the value
+    elif not isinstance(cluster_config, ClusterConfig):
+        raise TypeError(f"cstorch.backend: cluster_config: expected a cstorch.distributed.ClusterConfig, got "
+                        f"{type(cluster_config).__name__}")
     elif num_csx is not None and num_csx != cluster_config.num_csx:
         raise ValueError(f"cstorch.backend: num_csx {num_csx} beside cluster_config.num_csx "
                          f"{cluster_config.num_csx}; give one")
     if kind == "CPU" and (cluster_config.num_csx != 1 or appliance):
         raise ValueError("cstorch.backend(\"CPU\"): one process, no CS-2s; give num_csx and appliance to \"CSX\"")
     _current = Backend(kind, artifact_dir or "cerebras_logs", cluster_config, runconfig, micro_batch_size, appliance)
+    _say_ignored(cluster_config, "cstorch.distributed.ClusterConfig")
     return _current
+
+
+def _say_ignored(config, who):
+    """One line naming the settings of a real cluster that mean nothing on the emulated one."""
+    ignored = config.ignored()
+    if ignored:
+        print(f"{who}: {', '.join(ignored)}: taken, and meaningless on the emulated cluster (its ranks run on this "
+              "machine, in this Python)", file=sys.stderr)
+
+
+def current_torch_device():
+    """The torch device of the script's tensors: the CPU (the emulated CS-2s take them from there)."""
+    import torch
+
+    return torch.device("cpu")
 
 
 _backend = backend  # compile's own parameter is called backend, as Cerebras' is

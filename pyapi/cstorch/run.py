@@ -28,15 +28,17 @@ import numpy as np
 import yaml
 
 from pyapi.cstorch.errors import not_built
-from pyapi.cstorch.step import names_closures, ops_of, record, run_closures
+from pyapi.cstorch.step import handed, names_closures, ops_of, record, recording, run_closures, with_values
 
 #: Seconds between looks at the job's metrics while a step is awaited (a sleep, not a spin: the
 #: ranks need the cores).
 POLL_S = 0.05
 
 
-def _traced_module(fn, model):
-    """The module whose forward is the user's traced step (its class made here: torch is imported late)."""
+def _traced_module(fn, model, call):
+    """The module whose forward is the user's traced step on the batch's tensors it reads (``call``:
+    ``Call``), returning (its loss, the tensors it hands to Python) (its class made here: torch is
+    imported late)."""
     import torch
 
     class TracedStep(torch.nn.Module):
@@ -44,10 +46,69 @@ def _traced_module(fn, model):
             super().__init__()
             self.model = model  # its parameters become the graph's ("model.<name>")
 
-        def forward(self, *batch):
-            return fn(*batch)
+        def forward(self, *inputs):
+            args, kwargs = call.arguments(inputs)
+            out = fn(*args, **kwargs)
+            rec = recording()
+            values = ([] if rec.loss is None else [rec.loss]) + handed(rec, out)
+            if not values:
+                raise not_built(f"{fn.__name__}: a traced step that returns no tensor and calls no backward()",
+                                "a step that trains a loss or returns the values it computes")
+            return tuple(values)
 
     return TracedStep()
+
+
+class Call:
+    """How a traced step's arguments are made of its step's batch: each tensor among them one of the
+    batch's tensors (``slots``: its index among ``Batch.leaves``), every other value a constant of
+    the graph; ``inputs``: the indices the graph takes, in order."""
+
+    def __init__(self, name, args, kwargs, batch):
+        import torch
+        from torch.utils._pytree import keystr, tree_flatten_with_path
+
+        pairs, self.spec = tree_flatten_with_path((args, kwargs))
+        self.name, self.slots, self.constants = name, [], []
+        by_id = {id(t): i for i, t in enumerate(batch.leaves)}
+        for path, leaf in pairs:
+            if isinstance(leaf, torch.Tensor):
+                if id(leaf) not in by_id:
+                    raise not_built(f"{name}: its argument {_argument(keystr(path))} is a tensor made outside the "
+                                    "step, not one of the executor's batch", "the batch's tensors as the loop gets "
+                                    "them: transform them inside the traced step (or in the loader)")
+                self.slots.append(by_id[id(leaf)])
+            else:
+                self.slots.append(None)
+                self.constants.append(leaf)
+        self.inputs = sorted({k for k in self.slots if k is not None})
+
+    def arguments(self, inputs):
+        """(args, kwargs) of the step with the graph's ``inputs`` in their places."""
+        from torch.utils._pytree import tree_unflatten
+
+        of = dict(zip(self.inputs, inputs))
+        constants = iter(self.constants)
+        return tree_unflatten([of[k] if k is not None else next(constants) for k in self.slots], self.spec)
+
+    def check(self, args, kwargs, batch, step):
+        """The same arguments at ``step``: the batch's tensors in the same places, the same constants."""
+        other = Call(self.name, args, kwargs, batch)
+        if other.spec != self.spec or other.slots != self.slots:
+            raise not_built(f"{self.name}: called at step {step} with other arguments than at step 1",
+                            "the same arguments on every step (the batch's tensors in the same places)")
+        for a, b in zip(other.constants, self.constants):
+            if a is not b and a != b:
+                raise not_built(f"{self.name}: its argument {a!r} at step {step} is {b!r} at step 1",
+                                "Python values that are the same on every step (they are constants of the graph)")
+
+
+def _argument(path):
+    """``args[0]['input_ids']`` for a key path ``[0][0]['input_ids']`` of (args, kwargs)."""
+    if path.startswith("[0]"):
+        rest = path[3:]
+        return "args" + rest if rest else "args"
+    return "kwargs" + path[3:]
 
 
 class Run:
@@ -73,54 +134,70 @@ class Run:
 
     # -- the first call: capture, data, params, start ---------------------------------------------
 
-    def step(self, fn, args, step):
+    def step(self, fn, args, kwargs, step):
+        batch = self.batches[step - 1]
         if not self.started:
-            self._start(fn, args)
+            self.call = Call(fn.__name__, args, kwargs, batch)
+            self._start(fn)
             self.fn = fn
-            self.ops, calls, returned = ops_of(fn, args)
+            self.ops, rec, out = ops_of(fn, args, kwargs)
+            self.template = rec, out
             # its closures take each step's Python values, on whichever steps it calls them
-            self.every_step = bool(calls) or names_closures(fn)
+            self.every_step = bool(rec.closures) or names_closures(fn)
         elif fn is not self.fn:
             raise not_built(f"{fn.__name__}: a second traced function in one DataExecutor loop",
                             f"one traced step, {self.fn.__name__}")
-        elif self.every_step or (step - 1) & (step - 2) == 0 or step == self.executor.num_steps:
-            # steps 2, 3, 5, 9, 17, ... and the last; every step when the step calls closures
-            calls, returned = self._check_same_graph(fn, args, step)
         else:
-            calls, returned = [], None
-        loss = self._loss(self.start + step)
-        run_closures(calls, returned, loss)
-        return loss
+            self.call.check(args, kwargs, batch, step)
+            if self.every_step or (step - 1) & (step - 2) == 0 or step == self.executor.num_steps:
+                # steps 2, 3, 5, 9, 17, ... and the last; every step when the step calls closures
+                rec, out = self._check_same_graph(fn, args, kwargs, step)
+            else:
+                rec, out = self.template
+        loss, values = self._values(self.start + step)
+        tensors = handed(rec, out)
+        if len(tensors) != len(values):
+            raise not_built(f"{fn.__name__}: at step {step} it hands Python {len(tensors)} tensors (returned, or given to "
+                            f"step closures and summaries), at step 1 {len(values)}",
+                            "the same tensors on every step: return them, and give closures what it returns")
+        import torch
 
-    def _check_same_graph(self, fn, args, step):
+        real = {id(t): torch.as_tensor(v, dtype=t.dtype) for t, v in zip(tensors, values)}
+        if rec.loss is not None:
+            real[id(rec.loss)] = torch.tensor(loss, dtype=torch.float32)
+        if self.executor.on_activation_step:  # the steps whose values are fetched
+            run_closures(rec.closures, real)
+        return with_values(out, real)
+
+    def _check_same_graph(self, fn, args, kwargs, step):
         """The step's Python runs the ops it ran when captured (its graph is the cluster's on every
         step): a step that takes another path (a Python decision on the step count, a flag) is one
         line. Checked on fake tensors, at steps 2, 3, 5, 9, ... (2^k + 1) and the last: a check costs
-        about a tenth of an eager forward pass. Returns the step closures it called and its return value."""
-        ops, calls, returned = ops_of(fn, args)
+        about a tenth of an eager forward pass. Returns its recording (its closures, its loss) and
+        its return value."""
+        ops, rec, out = ops_of(fn, args, kwargs)
         if ops != self.ops:
             i = next((i for i, (a, b) in enumerate(zip(ops, self.ops)) if a != b), min(len(ops), len(self.ops)))
             now = f"{ops[i][0]} {list(ops[i][1])}" if i < len(ops) else "the end"
             was = f"{self.ops[i][0]} {list(self.ops[i][1])}" if i < len(self.ops) else "the end"
             raise not_built(f"{fn.__name__}: the step's graph changed at step {step} (its op {i + 1} is {now}; "
                             f"captured: {was})", "a step that runs the same ops on every step")
-        return calls, returned
+        return rec, out
 
-    def _start(self, fn, args):
-        import torch
-
+    def _start(self, fn):
         from wse_core.compiler import CompileError, capture, partition
         from wse_core.compiler.model import save_program
 
         if not self.backend.models:
             raise RuntimeError("cstorch.compile(model, backend) first: the traced step trains the compiled model")
         model = self.backend.models[0]
-        batch = tuple(args)
-        if len(batch) != 2 or not all(isinstance(t, torch.Tensor) for t in batch):
-            raise not_built(f"a traced step of {len(batch)} arguments", "a traced step of (inputs, targets) tensors")
+        inputs = tuple(self.batches[0].leaves[k] for k in self.call.inputs)
+        if not inputs:
+            raise not_built(f"{fn.__name__}: a traced step given none of the batch's tensors",
+                            "a step of the executor's batch")
         with record(fn) as rec:
             try:
-                graph = capture(_traced_module(fn, model), batch)
+                graph = capture(_traced_module(fn, model, self.call), inputs)
             except CompileError as exc:  # its module paths start at the traced step: "model.model.net.1"
                 raise CompileError(str(exc).replace("model.model.", "model.").replace("model.model:", "model:")) \
                     from None
@@ -132,15 +209,18 @@ class Run:
         if len(rec.optimizers) != 1:
             raise ValueError(f"the traced step called optimizer.step() on {len(rec.optimizers)} optimizers; "
                              "it trains with one")
+        if rec.loss is None:
+            raise ValueError(f"{fn.__name__}: calls optimizer.step() but no loss.backward() (or "
+                             "cstorch.amp.optimizer_step): nothing to train")
         optimizer = rec.optimizers[0]
         _check_trained(model, optimizer)
         program = self.dir / "program.pt2"
         by_tensor = optimizer.groups()
-        layout = save_program(graph, partition(graph), program,
-                              groups={name: by_tensor[id(p)] for name, p in graph.params.items()})
+        save_program(graph, partition(graph), program, layout="tensors",
+                     groups={name: by_tensor[id(p)] for name, p in graph.params.items()})
         self.optimizer, self.param_of = optimizer, dict(graph.params)
         self.start = _resumed_step(optimizer, self.executor.checkpoint_steps)
-        self.params = self._params(str(program), layout, rec)
+        self.params = self._params(str(program), rec)
         (self.dir / "params.yaml").write_text(yaml.safe_dump(self.params, sort_keys=False))
         self.started = True
         resumed = self._resumed_state() if self.start else None
@@ -151,7 +231,7 @@ class Run:
         else:
             self.cpu = _InProcess(self.params, self.start, resumed)
 
-    def _params(self, program, layout, rec):
+    def _params(self, program, rec):
         optimizer = rec.optimizers[0].spec()
         optimizer.update(rec.settings)
         model = {"name": "torch", "program": program}
@@ -163,8 +243,8 @@ class Run:
         data = self.dir / "data"
         data.mkdir()
         k = self.start % len(self.batches)  # rotated: position (start + i) x batch holds the i-th batch
-        _write_dataset(data / "data-00000.h5", self.batches[-k:] + self.batches[:-k] if k else self.batches, layout)
-        b = len(self.batches[0][0])
+        _write_dataset(data, self.batches[-k:] + self.batches[:-k] if k else self.batches, self.call.inputs)
+        b = len(self.batches[0].leaves[0])
         mbs = self.executor.micro_batch_size or self.backend.micro_batch_size
         runconfig = {"max_steps": self.start + self.executor.num_steps, "model_dir": str(self.model_dir),
                      "checkpoint_steps": self.executor.checkpoint_steps or 0, **self.backend.run_config()}
@@ -203,15 +283,16 @@ class Run:
 
     def _start_eval(self, graph):
         """An evaluation loop: the program of the model as it is now (its weights, its mode: call
-        ``eval()`` first, as for eager PyTorch), each step's loss its forward pass over the step's
-        batch in this process, as the cluster's own evaluations run on the host (``Job.validate``,
-        the coordinator's ``Evaluations``): the same units, the same numerics."""
+        ``eval()`` first, as for eager PyTorch), each step's values (its loss, its metrics) its
+        forward pass over the step's batch in this process, as the cluster's own evaluations run on
+        the host (``Job.validate``, the coordinator's ``Evaluations``): the same units, the same
+        numerics."""
         from wse_core.compiler import partition
         from wse_core.compiler.model import save_program
         from wse_core.nn import build_model
 
         program = self.dir / "program.pt2"
-        save_program(graph, partition(graph), program)
+        save_program(graph, partition(graph, training=False), program, layout="tensors")
         model = {"name": "torch", "program": str(program)}
         if self._fp16_type is not None:  # the run's precision, as for training
             model.update(mixed_precision=True, fp16_type=self._fp16_type)
@@ -222,34 +303,34 @@ class Run:
 
     # -- each step ------------------------------------------------------------------------------
 
-    def _loss(self, step):
-        import torch
-
+    def _values(self, step):
+        """(the loss, or None for an evaluation; the values of the tensors the step hands Python) of
+        global step ``step``, once the cluster (or this process) has computed them."""
         if self.evaluator is not None:
-            self._evaluate(step)
-        elif self.cpu is not None:
+            return None, self._evaluate(step)
+        if self.cpu is not None:
             self._advance_cpu(step)
         else:
             self._await(lambda: step in self._read_losses(), f"step {step}")
-        return torch.tensor(self.losses[step], dtype=torch.float32)
+        return self.losses[step]
 
     def _evaluate(self, step):
-        """Step ``step``'s evaluation loss: the forward pass over its whole batch (one micro-batch, as
-        eager PyTorch's), written to the run's ``metrics.jsonl`` as ``eval_loss``."""
-        if step not in self.losses:
-            m = self.evaluator
-            batch = m.batch_of([t.detach().cpu().numpy() for t in self.batches[step - 1]]) if not m.is_lm else \
-                m.batch_of(_lm_examples(*self.batches[step - 1]))
-            self.losses[step] = m.evaluation_loss(m.initial, batch)
-            with open(self.model_dir / "metrics.jsonl", "a") as f:
-                f.write(json.dumps({"step": step, "eval_loss": self.losses[step]}) + "\n")
+        """Step ``step``'s values: the forward pass over its whole batch (one micro-batch, as eager
+        PyTorch's) in this process; a scalar among them is written to the run's ``metrics.jsonl``."""
+        m = self.evaluator
+        batch = m.batch_of([self.batches[step - 1].leaves[k].detach().cpu().numpy() for k in self.call.inputs])
+        values = m.evaluation_values(m.initial, batch)
+        scalars = [float(v) for v in values if np.ndim(v) == 0]
+        with open(self.model_dir / "metrics.jsonl", "a") as f:
+            f.write(json.dumps({"step": step, "eval_values": scalars}) + "\n")
+        return values
 
     def _read_losses(self):
         from mpi_launch.rundir import RunDir
 
         for r in RunDir(self.model_dir).read_metrics():  # a line being written is skipped, read next time
             if "loss" in r:
-                self.losses[r["step"]] = r["loss"]
+                self.losses[r["step"]] = r["loss"], r.get("values", [])
         return self.losses
 
     def _await(self, ready, what):
@@ -263,8 +344,8 @@ class Run:
 
     def _advance_cpu(self, step):
         while self.cpu.step < step:
-            loss = self.cpu.advance()
-            self.losses[self.cpu.step] = loss
+            r = self.cpu.advance()
+            self.losses[self.cpu.step] = r.loss, r.values
 
     def sync_weights(self, step):
         """The user's model holds the weights of the executor's ``step`` (a checkpoint step, or the
@@ -400,27 +481,25 @@ def _load_into(model, weights):
             own[name[len("model."):]].copy_(torch.from_numpy(np.asarray(w)))
 
 
-def _write_dataset(path, batches, layout):
-    """The executor's batches, in order, as one file of the project's ``arrays`` or ``lm`` layout."""
-    from data_tools.lmdata import write_array_file, write_lm_file
+def _write_dataset(data, batches, inputs):
+    """The batches' tensors the step reads (indices ``inputs`` of ``Batch.leaves``), in order, as one
+    file of the project's ``tensors`` layout, with its data_params.json."""
+    from data_tools.lmdata import DATA_PARAMS, write_tensors_file
 
-    xs = np.concatenate([b[0].detach().cpu().numpy() for b in batches])
-    ys = np.concatenate([b[1].detach().cpu().numpy() for b in batches])
-    if layout == "arrays":
-        if xs.dtype.kind in "iu" and xs.size and np.abs(xs).max() >= 2 ** 24:
-            raise ValueError(f"DataLoader: integer inputs up to {np.abs(xs).max()} do not survive the array "
-                             "dataset's float32 features (exact below 2^24)")
-        write_array_file(path, xs.astype(np.float32), ys.astype(np.int32))
-    else:
-        write_lm_file(path, _lm_examples(xs, ys))
+    import torch
 
-
-def _lm_examples(xs, ys):
-    """Token ids and targets [n, T] as the ``lm`` layout's [n, 3, T] (ids, loss mask, labels): a target
-    of -100 (ignore_index) is masked out."""
-    xs, ys = (np.asarray(t.detach().cpu().numpy() if hasattr(t, "detach") else t) for t in (xs, ys))
-    mask = ys != -100
-    return np.stack([xs, mask, np.where(mask, ys, 0)], axis=1).astype(np.int32)
+    columns = []
+    for k in inputs:
+        t = batches[0].leaves[k]
+        if t.dtype == torch.bfloat16:
+            raise not_built(f"DataLoader: the batch's {batches[0].paths[k]} is bfloat16",
+                            "batches of float32, float16 and integer tensors (cast in the traced step)")
+        columns.append(np.concatenate([b.leaves[k].detach().cpu().numpy() for b in batches]))
+    write_tensors_file(data / "data-00000.h5", columns)
+    n = len(columns[0])
+    meta = {"format": "tensors", "n_examples": n, "files": [{"name": "data-00000.h5", "n_examples": n}],
+            "columns": [{"dtype": c.dtype.str, "shape": list(c.shape[1:])} for c in columns]}
+    (data / DATA_PARAMS).write_text(json.dumps(meta))
 
 
 class _InProcess:
@@ -459,4 +538,4 @@ class _InProcess:
                            max_gradient_norm=o.max_gradient_norm, seed=self.seed, scaler=self.scaler,
                            lr_factors=self.model.lr_factors(o.adjust_learning_rate))
         self.step += 1
-        return r.loss
+        return r

@@ -27,12 +27,20 @@ class Recording:
     def __init__(self, fp16_type=None):
         self.optimizers, self.settings, self.fp16_type = [], {}, fp16_type
         self.backward = False  # loss.backward() was called: a training step (an evaluation step calls none)
+        self.loss = None  # the tensor it was called on
         self.closures = []  # (closure, args, kwargs) the step called: run once the step is done
 
 
 _recording = None
 half_dtype = None  # the 16-bit format cstorch.amp.set_half_dtype set, or None (float32)
 _executor = None  # the DataExecutor being iterated (utils.data sets it)
+
+
+def current_executor():
+    """The DataExecutor being iterated."""
+    if _executor is None:
+        raise RuntimeError("cstorch.current_executor(): no DataExecutor is being iterated")
+    return _executor
 
 
 def recording():
@@ -55,7 +63,9 @@ def record(fn):
     aliases = [name for name, value in getattr(fn, "__globals__", {}).items() if value is original]
 
     def backward(tensor, *args, **kwargs):
-        rec.backward = True  # the captured graph is differentiated unit by unit on the CS-2s
+        if rec.loss is not None and tensor is not rec.loss:
+            raise not_built("a traced step that calls backward() on two tensors", "one loss's backward()")
+        rec.backward, rec.loss = True, tensor  # the captured graph is differentiated unit by unit on the CS-2s
 
     def clip_grad_norm_(parameters, max_norm, norm_type=2.0, *args, **kwargs):
         if norm_type != 2.0:
@@ -88,10 +98,11 @@ def record(fn):
         _recording = None
 
 
-def ops_of(fn, args):
+def ops_of(fn, args, kwargs):
     """Run the traced step ``fn``'s Python on ``args`` as fake tensors (no arithmetic, torch's generator
     untouched): (the aten ops it runs, name and output shape in order: what a graph captured from it
-    holds; the step closures it called, with their arguments; what it returned)."""
+    holds; its recording: the step closures it called, with their arguments, and its loss; what it
+    returned)."""
     import torch
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.utils._python_dispatch import TorchDispatchMode
@@ -108,8 +119,22 @@ def ops_of(fn, args):
 
     with record(fn) as rec, torch.random.fork_rng(devices=()), FakeTensorMode(allow_non_fake_inputs=True), \
             Ops() as ops:
-        out = fn(*args)
-    return ops.seen, rec.closures, out
+        out = fn(*args, **kwargs)
+    return ops.seen, rec, out
+
+
+def handed(rec, out):
+    """The tensors a run of the traced step hands to Python, in order: those its step closures and
+    summaries were given, then those it returned; each once, the loss (``rec.loss``) left out."""
+    import torch
+    from torch.utils._pytree import tree_leaves
+
+    seen, found = {id(rec.loss)} if rec.loss is not None else set(), []
+    for leaf in [x for _, args, kwargs in rec.closures for x in tree_leaves((args, kwargs))] + tree_leaves(out):
+        if isinstance(leaf, torch.Tensor) and id(leaf) not in seen:
+            seen.add(id(leaf))
+            found.append(leaf)
+    return found
 
 
 def names_closures(fn):
@@ -123,36 +148,34 @@ def names_closures(fn):
         return False
     cells = dict(zip(code.co_freevars, (c.cell_contents for c in fn.__closure__ or ())))
     scope = {**getattr(fn, "__globals__", {}), **cells}
-    return "summarize_scalar" in code.co_names or any(
+    return {"summarize_scalar", "summarize_tensor"} & set(code.co_names) or any(
         getattr(scope.get(name), "_cstorch_closure", False) for name in (*code.co_names, *code.co_freevars))
 
 
-def run_closures(calls, returned, value):
-    """The step closures a step called, in order, on its values: the tensor the step returned is
-    ``value`` (the step's loss from the cluster); a closure given another of its tensors is one line."""
+def with_values(value, values):
+    """``value`` (a nest) with each tensor replaced by its step's value: ``values`` maps id(tensor)
+    to it (the loss's and the handed tensors' of the run that made ``value``)."""
     import torch
+    from torch.utils._pytree import tree_map
 
-    def real(x, closure):
-        if x is returned:
-            return value
-        if isinstance(x, torch.Tensor):
-            raise not_built(f"{closure.__name__}: a step closure given a tensor other than the traced step's "
-                            "return value", "closures on the returned loss and on Python values")
-        return x
+    return tree_map(lambda x: values[id(x)] if isinstance(x, torch.Tensor) else x, value)
 
+
+def run_closures(calls, values):
+    """The step closures a step called, in order, on its values (``with_values``)."""
     for closure, args, kwargs in calls:
-        closure(*(real(a, closure) for a in args), **{k: real(v, closure) for k, v in kwargs.items()})
+        closure(*with_values(args, values), **with_values(kwargs, values))
 
 
 def trace(fn):
     """The training step: captured on its first call, the cluster's on every call."""
 
     @functools.wraps(fn)
-    def traced(*args):
+    def traced(*args, **kwargs):
         if _executor is None:
             raise RuntimeError(f"{fn.__name__}: a traced step runs inside a DataExecutor loop "
                                "(for batch in cstorch.utils.data.DataExecutor(...))")
-        return _executor.run.step(fn, args, _executor.step)
+        return _executor.run.step(fn, args, kwargs, _executor.step)
 
     return traced
 
@@ -193,10 +216,25 @@ def checkpoint_closure(fn):
 
 def summarize_scalar(name, value):
     """The value, with its step, in TensorBoard (the run's model_dir/train, beside the cluster's own
-    scalars) and in the run's ``summaries.jsonl``."""
+    scalars, and the DataExecutor's writer when given one) and in the run's ``summaries.jsonl``."""
     if _recording is not None:  # inside the traced step: once the step is done, on its value
         _recording.closures.append((summarize_scalar, (name, value), {}))
         return
     if _executor is None:
         raise RuntimeError("summarize_scalar: outside a DataExecutor loop (it writes the value with its step)")
     _executor.run.summarize(name, float(value), _executor.run.start + _executor.step)  # the run's global step
+    if _executor.writer is not None:
+        _executor.writer.add_scalar(name, float(value), _executor.writer.base_step + _executor.step - 1)
+
+
+def summarize_tensor(name, tensor):
+    """The tensor, with its step, kept by the DataExecutor's writer (``SummaryWriter.add_tensor``)."""
+    if _recording is not None:
+        _recording.closures.append((summarize_tensor, (name, tensor), {}))
+        return
+    if _executor is None:
+        raise RuntimeError("summarize_tensor: outside a DataExecutor loop (it writes the tensor with its step)")
+    if _executor.writer is None:
+        raise ValueError("summarize_tensor: the DataExecutor has no writer to keep it "
+                         "(DataExecutor(..., writer=cstorch.utils.tensorboard.SummaryWriter(log_dir)))")
+    _executor.writer.add_tensor(name, tensor, _executor.writer.base_step + _executor.step - 1)

@@ -33,7 +33,8 @@ class Step(nn.Module):
 
     With ``loss_fn`` the last positional input is the target: ``loss_fn(model(*inputs), target)``;
     an output with ``.logits`` (Hugging Face's) gives its logits. Without ``loss_fn`` the model
-    returns the loss itself (a tensor, or an output with ``.loss``)."""
+    returns the loss itself (a tensor, or an output with ``.loss``), or a tuple of tensors, the
+    loss first (a traced step's values, ``pyapi.cstorch``)."""
 
     def __init__(self, model, loss_fn=None):
         super().__init__()
@@ -48,7 +49,8 @@ class Step(nn.Module):
 
 
 def _tensor_of(out, field):
-    if isinstance(out, torch.Tensor):
+    if isinstance(out, torch.Tensor) or (isinstance(out, tuple) and out
+                                         and all(isinstance(t, torch.Tensor) for t in out)):
         return out
     if isinstance(getattr(out, field, None), torch.Tensor):
         return getattr(out, field)

@@ -1,17 +1,30 @@
 """How micro-batch losses make the step's: the loss's reduction over the batch, read from the graph.
 
-A mean-reduced loss (``CrossEntropyLoss``'s default) of micro-batch j is a mean over its n_j terms,
-and the step's loss is the mean over the global batch's N = n_1 + ... + n_M terms, so micro-batch j
-weighs w_j = n_j / N: the step's loss is sum_j w_j * loss_j, and its gradients likewise (the
-runner seeds micro-batch j's backward with w_j instead of 1). n_j is the micro-batch's sample
-count (every sample has the same number of terms), or for a class-target loss with an
-``ignore_index`` the number of its targets that are not ignored. Those are counted by the part of
-the graph that makes the loss's targets from the inputs (HF's losses shift and pad the labels
-first), run on the micro-batch before its forward, as the coordinator will count them from the
-global batch. A sum-reduced loss weighs 1. Anything else is refused: the runner could not tell
-how to combine micro-batches.
+A mean-reduced loss of micro-batch j is its sum over its terms divided by their number n_j, and
+the step's loss is the global batch's sum divided by N = n_1 + ... + n_M, so micro-batch j weighs
+w_j = n_j / N: the step's loss is sum_j w_j * loss_j, and its gradients likewise (the runner seeds
+micro-batch j's backward with w_j instead of 1). A sum-reduced loss weighs 1.
+
+The reduction is read off the graph's last ops, as users write losses (casts such as a trailing
+``.to(dtype)`` are looked through):
+
+- ``mean()`` over every dimension, or a loss op reduced by ``"mean"`` (``CrossEntropyLoss``'s
+  default): n_j is the micro-batch's sample count (every sample has the same number of terms), or
+  for a class-target loss with an ``ignore_index`` the number of its targets that are not ignored;
+- ``sum()``, or a loss op reduced by ``"sum"``: a sum;
+- a sum divided by a value made from the inputs alone (``loss.sum() / (B * T)`` with ``B =
+  x.shape[0]``, a masked mean ``(l * mask).sum() / mask.sum()``, ``F.cross_entropy(...,
+  reduction="sum") / labels.ne(-100).sum()``): a mean whose n_j is that divisor on micro-batch j,
+  which must add up over the samples (checked on the captured example);
+- a mean or sum divided by, or multiplied by, a constant (``loss.sum() / 64``): the same reduction,
+  scaled.
+
+The divisor n_j is counted by the part of the graph that makes it from the inputs (HF's losses
+shift and pad the labels first), run on the micro-batch before its forward, as the coordinator
+will count them from the global batch. Anything else is refused in one line: the runner could
+not tell how to combine micro-batches.
 """
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch import fx
@@ -28,52 +41,185 @@ _NONE, _MEAN, _SUM = 0, 1, 2
 @dataclass(frozen=True)
 class Loss:
     """The step's loss: ``reduction`` "mean" or "sum" over the batch, by op ``op``; ``counter`` counts
-    a micro-batch's terms not ignored (from its inputs), or is None: they are its samples."""
+    a micro-batch's terms (from its inputs: the divisor of its mean), or is None: they are its samples."""
 
     reduction: str
     op: str
     counter: fx.GraphModule | None = None
+    value: str = ""  # the name of the graph's value that is the loss
+
+    def count(self, inputs):
+        """n_j of a micro-batch of ``inputs`` (a tuple of tensors): its terms, an integer."""
+        if self.counter is None:
+            return len(inputs[0])
+        value = self.counter(*inputs)
+        value = float(value.detach()) if isinstance(value, torch.Tensor) else float(value)
+        if value != int(value):
+            raise ValueError(f"{self.op}: the loss's divisor is {value} on a micro-batch, not a count of terms")
+        return int(value)
 
     def weights(self, batch, ranges):
         """w_j of each micro-batch [lo, hi) of the global ``batch`` (a tuple of tensors)."""
         if self.reduction == "sum":
             return [1.0] * len(ranges)
-        counts = [hi - lo if self.counter is None else int(self.counter(*(t[lo:hi] for t in batch)))
-                  for lo, hi in ranges]
+        counts = [self.count(tuple(t[lo:hi] for t in batch)) for lo, hi in ranges]
         total = sum(counts)
         if total == 0:
-            raise ValueError("batch: every target is the loss's ignore_index, so the loss is undefined")
+            raise ValueError("batch: the loss counts no term in the whole batch (every target ignored, or a mask "
+                             "of zeros), so the loss is undefined")
         return [count / total for count in counts]
 
+    def check_additive(self, example, where):
+        """The divisor adds up over the samples: on the captured ``example``, that of the whole is the
+        sum of its halves' (a divisor that does not, a maximum or a clamped count, cannot weigh
+        micro-batches). CompileError otherwise."""
+        n = len(example[0])
+        if self.counter is None or n < 2:
+            return
+        halves = [self.count(tuple(t[lo:hi] for t in example)) for lo, hi in ((0, n // 2), (n // 2, n))]
+        whole = self.count(example)
+        if whole != sum(halves):
+            raise CompileError(f"{where}: its divisor is {whole} on the example batch but {halves[0]} + {halves[1]} "
+                               "on its halves, so it is not a count of terms the cluster can add over micro-batches "
+                               "(divide by a count: a mask's sum, the samples times the length)")
 
-def analyse(program):
-    """The ``Loss`` of a captured step's program; CompileError if its reduction is not known."""
-    output = next(n for n in program.graph.nodes if n.op == "output")
-    (node,) = output.args[0]  # the Step returns the loss alone
-    where = f"{module_of(node)[0]}: the loss ({op_name(node)})"
+
+#: Ops a loss may end in after its reduction that change no value the runner weighs: casts and copies.
+_THROUGH = {aten._to_copy.default, aten.to.dtype, aten.to.dtype_layout, aten.clone.default, aten.alias.default,
+            aten.squeeze.default, aten.view.default, aten.reshape.default, aten.detach.default}
+_DIVIDE = {aten.div.Tensor, aten.div.Scalar}
+_MULTIPLY = {aten.mul.Tensor, aten.mul.Scalar}
+
+
+def analyse(program, node=None, what="the loss", example=None):
+    """The ``Loss`` of ``node`` of a captured step's program (default: its first output, the loss);
+    CompileError in one line if its reduction over the batch is not known. ``example``: the captured
+    batch, on which a divisor made from the inputs is checked to add up over the samples."""
+    if node is None:
+        output = next(n for n in program.graph.nodes if n.op == "output")
+        node = output.args[0][0]
+    where = f"{module_of(node)[0]}: {what} ({op_name(node)})"
     val = node.meta.get("val")
     if not isinstance(val, torch.Tensor) or val.dim() != 0:
         shape = ([d if isinstance(d, int) else "B" for d in val.shape] if isinstance(val, torch.Tensor)
                  else type(val).__name__)  # a symbolic size is the batch's
         raise CompileError(f"{where} is {shape}, not a scalar: reduce it over the batch (mean or sum)")
-    if node.target is aten.mean.default:
-        return Loss("mean", op_name(node))
-    if node.target is aten.sum.default:
-        return Loss("sum", op_name(node))
+    found = replace(_reduction(program, node, where), value=node.name)
+    if example is not None:
+        found.check_additive(example, where)
+    return found
+
+
+def combination(program, node, example):
+    """How the value ``node`` a training step hands Python (beside its loss) is made of its
+    micro-batches' values, as a ``Loss`` whose ``reduction`` says it: "mean" or "sum" over the batch
+    (read as a loss's is), "concat" (a value per sample: the micro-batches' in order), or "same" (a
+    value the batch does not enter: any micro-batch's). CompileError in one line otherwise."""
+    val = node.meta.get("val")
+    where = f"{module_of(node)[0]}: a value the step hands Python ({op_name(node)})"
+    if not isinstance(val, torch.Tensor):
+        raise CompileError(f"{where} is a {type(val).__name__}, not a tensor")
+    if not _reads_batch(program, node):
+        return Loss("same", op_name(node), value=node.name)
+    if val.dim() == 0:
+        found = replace(_reduction(program, node, where), value=node.name)
+        found.check_additive(example, where)
+        return found
+    if not isinstance(val.shape[0], int):  # a symbolic size: the batch's
+        return Loss("concat", op_name(node), value=node.name)
+    raise CompileError(f"{where} is {list(val.shape)}, made from the batch but not batch-first: the cluster cannot "
+                       "combine it over micro-batches (hand Python means, sums, or a value per sample)")
+
+
+def _reads_batch(program, node):
+    """Whether ``node`` depends on the step's inputs (not only on weights and constants)."""
+    inputs = {s.arg.name for s in program.graph_signature.input_specs if s.kind == InputKind.USER_INPUT}
+    seen, todo = set(), [node]
+    while todo:
+        n = todo.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        if n.op == "placeholder" and n.name in inputs:
+            return True
+        todo.extend(n.all_input_nodes)
+    return False
+
+
+def _through(node):
+    while isinstance(node, fx.Node) and node.target in _THROUGH:
+        node = node.args[0]
+    return node
+
+
+def _reduction(program, node, where):
+    node = _through(node)
+    name = op_name(node)
+    target = node.target
+    if target is aten.mean.default or (target is aten.mean.dim and _all_dims(node)):
+        return Loss("mean", name)
+    if target is aten.sum.default or (target is aten.sum.dim_IntList and _all_dims(node)):
+        return Loss("sum", name)
+    if target in _DIVIDE or target in _MULTIPLY:
+        value, by = node.args[:2]
+        if isinstance(value, (int, float)):
+            value, by = by, value  # 2 * loss
+        if _constant(program, by):  # a scale: the reduction of what it scales
+            return _reduction(program, value, where)
+        inner = _reduction(program, value, where)
+        if target in _MULTIPLY or inner.reduction != "sum":
+            raise CompileError(f"{where} {'multiplies' if target in _MULTIPLY else 'divides'} a "
+                               f"{inner.reduction} by a value computed in the step; the runner weighs a sum "
+                               "divided by a count made from the inputs (a mask's sum, the samples)")
+        return Loss("mean", name, _subgraph(program, by, where, lambda graph, value: value))
     args = _arguments(node)
     reduction = args.get("reduction")
     if reduction == _SUM:
-        return Loss("sum", op_name(node))
+        return Loss("sum", name)
     if reduction != _MEAN:
         raise CompileError(f"{where} does not end in a mean or sum over the batch; the runner needs one to "
                            f"weigh micro-batches (end the loss with a reduction, or .mean() / .sum())")
     target = args.get("target")
     if "ignore_index" not in args or not isinstance(target, fx.Node) or target.meta["val"].is_floating_point():
-        return Loss("mean", op_name(node))
+        return Loss("mean", name)
     if args.get("weight") is not None:
         raise CompileError(f"{where} is a class-weighted mean, not supported: its divisor is a sum of "
                            f"class weights over the global batch (use reduction='sum', or no weight)")
-    return Loss("mean", op_name(node), _counter(program, target, args["ignore_index"], where))
+    ignore = args["ignore_index"]
+
+    def kept(graph, value):
+        return graph.call_function(aten.sum.default, (graph.call_function(aten.ne.Scalar, (value, ignore)),))
+
+    return Loss("mean", name, _subgraph(program, target, where, kept))
+
+
+def _all_dims(node):
+    """Whether a reduction node's ``dim`` covers every dimension of its input."""
+    dims = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim")
+    rank = node.args[0].meta["val"].dim()
+    return dims is None or sorted(d % rank for d in dims) == list(range(rank))
+
+
+def _constant(program, value):
+    """Whether ``value`` (a node or a Python number) is the same for every batch: a number, or a node
+    reading no placeholder but lifted constants."""
+    if not isinstance(value, fx.Node):
+        return True
+    kinds = _input_kinds(program)
+    seen, todo = set(), [value]
+    while todo:
+        node = todo.pop()
+        if node in seen:
+            continue
+        seen.add(node)
+        if node.op == "placeholder" and kinds.get(node.name) != InputKind.CONSTANT_TENSOR:
+            return False
+        todo.extend(node.all_input_nodes)
+    return True
+
+
+def _input_kinds(program):
+    return {s.arg.name: s.kind for s in program.graph_signature.input_specs}
 
 
 def _arguments(node):
@@ -85,9 +231,10 @@ def _arguments(node):
             for i, a in enumerate(schema.arguments)}
 
 
-def _counter(program, target, ignore_index, where):
-    """An fx module: the step's inputs -> how many entries of the loss's ``target`` are not ``ignore_index``."""
-    needed, todo = set(), [target]
+def _subgraph(program, value, where, finish):
+    """An fx module: the step's inputs -> ``finish(graph, value)``, ``value`` being a node of the
+    program computed from the inputs alone (CompileError if it reads a parameter or buffer)."""
+    needed, todo = set(), [value]
     while todo:
         node = todo.pop()
         if node not in needed:
@@ -96,8 +243,8 @@ def _counter(program, target, ignore_index, where):
     inputs = [s.arg.name for s in program.graph_signature.input_specs if s.kind == InputKind.USER_INPUT]
     made_of = sorted(n.name for n in needed if n.op == "placeholder" and n.name not in inputs)
     if made_of:
-        raise CompileError(f"{where}: its targets are computed from {made_of[0]}, not from the inputs alone, "
-                           f"so the terms its ignore_index leaves cannot be counted before the step")
+        raise CompileError(f"{where}: its divisor is computed from {made_of[0]}, not from the inputs alone, "
+                           "so the terms of a micro-batch cannot be counted before the step")
     graph, env = fx.Graph(), {}
     by_name = {n.name: n for n in program.graph.nodes if n.op == "placeholder"}
     for name in inputs:
@@ -105,6 +252,5 @@ def _counter(program, target, ignore_index, where):
     for node in program.graph.nodes:
         if node in needed and node.op != "placeholder":
             env[node] = graph.node_copy(node, env.__getitem__)
-    kept = graph.call_function(aten.ne.Scalar, (env[target], ignore_index))
-    graph.output(graph.call_function(aten.sum.default, (kept,)))
+    graph.output(finish(graph, env[value]))
     return fx.GraphModule(program.graph_module, graph)

@@ -25,10 +25,12 @@ reference step, checkpoints and the simulated clock run it unchanged:
   give other bits on other thread counts, and a rank, the CPU backend's process and a test must
   agree whatever their own settings (docs/design.md section 2, property (b)).
 
-Batches come from the project's datasets, in one of their two layouts: ``arrays`` (``features``
-``[n, ...]``, ``labels`` int32 ``[n]``) for a model of one input and a class target, ``lm``
-(int32 ``[n, 3, T]``: ids, loss mask, labels) for a model of token ids and per-token targets,
-masked-out labels becoming the loss's ``ignore_index``. The file is a pickle (``torch.save``):
+Batches come from the project's datasets, in one of their layouts: ``tensors`` (a column per
+input of the step, of its dtype and shape: what a ``pyapi.cstorch`` script's loader made), or for
+a program trained on the project's own data, ``arrays`` (``features`` ``[n, ...]``, ``labels``
+int32 ``[n]``) for a model of one input and a class target, ``lm`` (int32 ``[n, 3, T]``: ids, loss
+mask, labels) for a model of token ids and per-token targets, masked-out labels becoming the
+loss's ``ignore_index``. The file is a pickle (``torch.save``):
 load only programs you made.
 """
 import contextlib
@@ -47,22 +49,24 @@ from wse_core.nn.model import Model
 from wse_core.perf.model import UnitWork
 
 #: The program file's format: a file of another format is refused by name, not misread.
-FORMAT = 1
+FORMAT = 2
 #: The targets of masked-out tokens of an ``lm`` dataset (torch's losses ignore -100 by default).
 IGNORE_INDEX = -100
 
 
-def save_program(graph, units, path, groups=None):
+def save_program(graph, units, path, groups=None, layout=None):
     """Write ``units`` (``partition(graph)``) and ``graph``'s inputs and initial weights to ``path``;
-    return the dataset layout the program reads ("arrays" or "lm"). ``groups``: {parameter name:
-    (lr factor, takes weight decay)} of the optimizer's parameter groups (default: 1 and yes for all)."""
-    layout = _layout(graph.inputs)
+    return the dataset layout the program reads: ``layout`` ("tensors"), or the project's "arrays"
+    or "lm" that fits the inputs. ``groups``: {parameter name: (lr factor, takes weight decay)} of the
+    optimizer's parameter groups (default: 1 and yes for all)."""
+    layout = layout or _layout(graph.inputs)
     # Shapes and work are read off the graphs' metadata now: an fx module's pickle drops it.
     shapes = {p: tuple(t.shape) for p, t in graph.params.items()}
     random = any(_draws(node) for u in units for node in u.module.graph.nodes)
     costs = [{"shapes": {p: shapes[p] for p in u.params}, "handed_bytes": u.boundary_bytes, **_work(u, shapes)}
              for u in units]
-    torch.save({"format": FORMAT, "layout": layout, "inputs": graph.inputs, "units": units, "costs": costs,
+    torch.save({"format": FORMAT, "layout": layout, "inputs": graph.inputs, "outputs": graph.outputs, "units": units,
+                "costs": costs,
                 "random": random,
                 "groups": {n: (float(f), bool(d)) for n, (f, d) in (groups or {}).items()},
                 "example_samples": len(graph.example[0]),
@@ -109,6 +113,11 @@ def _layout(inputs):
                        "[T], token targets [T]); give the step those two")
 
 
+def _numpy_dtype(dtype):
+    """The numpy dtype of a torch dtype (the datasets' and the wire's)."""
+    return torch.empty(0, dtype=dtype).numpy().dtype
+
+
 @contextlib.contextmanager
 def one_thread():
     """torch on one thread for the block (its own setting given back after)."""
@@ -132,7 +141,9 @@ class TorchModel(Model):
         self.torch_units = program["units"]
         self.layout = program["layout"]
         self.is_lm = self.layout == "lm"
-        self.loss_spec: Loss = self.torch_units[-1].loss
+        self.columns = [(f"t{i}", _numpy_dtype(d), tuple(shape)) for i, (d, shape) in enumerate(program["inputs"])]
+        self.loss_spec: Loss = self.torch_units[-1].loss  # None: an evaluation's program
+        self.step_outputs = set(program["outputs"])
         weights = program["weights"]
         self.groups = program.get("groups", {})
         super().__init__(config, [_Streamed(u.name, cost, program["example_samples"], self.groups)
@@ -155,12 +166,16 @@ class TorchModel(Model):
     # -- batches ------------------------------------------------------------------------------
 
     def example_layout(self, n, seq_len=None):
+        if self.layout == "tensors":
+            return [((n, *shape), dtype) for _, dtype, shape in self.columns]
         (_, x_shape), _ = self.program["inputs"]
         if self.is_lm:
             return [((n, 3, seq_len or x_shape[0]), np.int32)]
         return [((n, *x_shape), np.float32), ((n,), np.int32)]
 
     def batch_of(self, arrays):
+        if self.layout == "tensors":
+            return {name: a for (name, _, _), a in zip(self.columns, arrays)}
         if self.is_lm:
             a = arrays[0] if isinstance(arrays, (list, tuple)) else arrays
             return {"ids": np.ascontiguousarray(a[:, 0]), "mask": np.ascontiguousarray(a[:, 1]),
@@ -169,21 +184,30 @@ class TorchModel(Model):
 
     def check_batch(self, batch):
         layout = self.example_layout(1)
-        keys = ("ids", "mask", "labels") if self.is_lm else ("features", "labels")
+        keys = (("ids", "mask", "labels") if self.is_lm else ("features", "labels") if self.layout == "arrays"
+                else [name for name, _, _ in self.columns])
         for key in keys:
             if not isinstance(batch.get(key), np.ndarray):
                 raise TypeError(f"batch[{key!r}]: expected an array, got {type(batch.get(key)).__name__}")
-        if not self.is_lm and batch["features"].shape[1:] != layout[0][0][1:]:
+        if self.layout == "arrays" and batch["features"].shape[1:] != layout[0][0][1:]:
             raise ValueError(f"batch['features']: expected [batch, {', '.join(map(str, layout[0][0][1:]))}], "
                              f"got {list(batch['features'].shape)}")
         return len(batch[keys[0]])
 
-    def check_dataset(self, fmt, example_shape, vocab_size, where):
+    def check_dataset(self, fmt, example_shape, vocab_size, where, columns=None):
         """The dataset's layout is the program's, its examples the shape the graph was captured on
-        (its shapes are fixed but for the batch)."""
+        (its shapes are fixed but for the batch); a tensor dataset's columns are the step's inputs."""
+        words = {"lm": "LM", "arrays": "array", "tensors": "tensor"}
         if fmt != self.layout:
-            raise ValueError(f"{where} is {'LM' if fmt == 'lm' else 'array'} data; this compiled model reads "
-                             f"{'LM' if self.is_lm else 'array'} data (its step takes {self._inputs_text()})")
+            raise ValueError(f"{where} is {words[fmt]} data; this compiled model reads {words[self.layout]} data "
+                             f"(its step takes {self._inputs_text()})")
+        if self.layout == "tensors":
+            got = [(dtype, shape) for _, dtype, shape in columns or []]
+            if got != [(dtype, shape) for _, dtype, shape in self.columns]:
+                shown = ", ".join(f"{d} {list(s)}" for d, s in got)
+                raise ValueError(f"{where}: examples of {shown}; this compiled model was captured on "
+                                 f"{self._inputs_text()} a sample")
+            return
         want = self.example_layout(1)[0][0][1:]
         if tuple(example_shape) != tuple(want):
             raise ValueError(f"{where}: examples of shape {list(example_shape)}; this compiled model was captured "
@@ -194,6 +218,8 @@ class TorchModel(Model):
 
     def tensors(self, batch):
         """The step's inputs as the captured graph takes them (dtypes of its example)."""
+        if self.layout == "tensors":
+            return tuple(torch.from_numpy(np.asarray(batch[name])) for name, _, _ in self.columns)
         (x_dtype, _), (y_dtype, _) = self.program["inputs"]
         if self.is_lm:
             labels = np.where(batch["mask"] != 0, batch["labels"], IGNORE_INDEX)
@@ -219,11 +245,11 @@ class TorchModel(Model):
             self.check_evaluable()
         return super().forward(params, batch, drop)
 
-    def evaluation_loss(self, params, batch):
-        """The loss of ``batch`` in one forward pass: the captured step's own value (a mean, or a sum)."""
+    def evaluation_values(self, params, batch):
+        """The step's outputs on ``batch`` in one forward pass, in order (arrays)."""
         with torch.no_grad():
             y, _ = self.forward(params, batch)
-        return float(y[self.torch_units[-1].outputs[0]])
+        return [y[name].detach().numpy() for name in self.program["outputs"]]
 
     def unit_forward(self, u, x, params, drop=None):
         unit = self.torch_units[u]
@@ -234,10 +260,10 @@ class TorchModel(Model):
         with one_thread():
             outputs, saved = runner.unit_forward(unit, weights, x, x["input"], seed)
         handed = dict(zip(unit.outputs, outputs))
-        loss = self.torch_units[-1].outputs[0] if u == len(self.torch_units) - 1 else None
         # What later units read leaves in the run's precision (rounded copies: autograd keeps the
-        # unit's own outputs in ``saved``); the loss is not handed on: it stays float32.
-        return {**x, **{n: v if n == loss else self._rounded(v) for n, v in handed.items()}}, saved
+        # unit's own outputs in ``saved``); the step's outputs (its loss, the values it hands to
+        # Python) are read by no unit: they stay float32.
+        return {**x, **{n: v if n in self.step_outputs else self._rounded(v) for n, v in handed.items()}}, saved
 
     def _rounded(self, value):
         """A floating-point tensor in the run's precision: a rounded copy, needing a gradient as the
@@ -260,7 +286,7 @@ class TorchModel(Model):
     def loss(self, y, batch, loss_scale=1.0):
         """(loss_sum, n, dy): the micro-batch's loss times its n terms (a mean's) and n; dy seeds the
         tail's backward with n times the loss scale (the gradient of the sum, scaled)."""
-        value = y[self.torch_units[-1].outputs[0]]
+        value = y[self.loss_spec.value]
         if self.loss_spec.reduction == "sum":
             n, factor = self.check_batch(batch), 1.0
         else:
@@ -273,10 +299,48 @@ class TorchModel(Model):
     def loss_divisor(self, n_tokens, batch_size):
         return 1.0 if self.loss_spec.reduction == "sum" else n_tokens
 
+    def step_values(self, y, batch):
+        """The values the step hands Python beside its loss, of one micro-batch: (value times its
+        weight, weight) each, the weight the terms of a mean (``loss.combination``)."""
+        rules = self.torch_units[-1].values
+        if not rules:
+            return None
+        inputs = self.tensors(batch)
+        out = []
+        for rule in rules:
+            v = y[rule.value].detach().numpy()
+            if rule.reduction == "mean":
+                n = rule.count(inputs)
+                out.append((v * np.asarray(n, v.dtype), n))
+            else:
+                out.append((v, 1))
+        return out
+
+    def combine_values(self, parts):
+        """The step's values from its micro-batches' (``step_values``, in the global batch's order):
+        a mean is the tree sum of the weighted values over that of the weights, a sum their tree
+        sum, a value per sample theirs in order, a value the batch does not enter the first's."""
+        from wse_core.tree import tree_sum
+
+        out = []
+        for i, rule in enumerate(self.torch_units[-1].values):
+            got = [p[i] for p in parts]
+            if rule.reduction == "mean":
+                total = sum(n for _, n in got)
+                out.append(tree_sum([v for v, _ in got]) / np.asarray(total, got[0][0].dtype) if total else
+                           np.full_like(got[0][0], np.nan))
+            elif rule.reduction == "sum":
+                out.append(tree_sum([v for v, _ in got]))
+            elif rule.reduction == "concat":
+                out.append(np.concatenate([v for v, _ in got]))
+            else:
+                out.append(got[0][0])
+        return out
+
     def _count(self, batch):
         if self.loss_spec.counter is None:
             return self.check_batch(batch)
-        return int(self.loss_spec.counter(*self.tensors(batch)))
+        return self.loss_spec.count(self.tensors(batch))
 
     def unit_backward(self, u, dy, saved, params):
         """Unit u's backward: the gradients waiting for earlier units' values, and its weight gradients,
@@ -284,7 +348,7 @@ class TorchModel(Model):
         rounded, each sum, as every gradient sum is (``Model.add_grads``)."""
         unit, waiting = self.torch_units[u], dict(dy)
         if "seed" in waiting:  # the loss's (float32, times the loss scale): the tail's output
-            waiting[unit.outputs[0]] = waiting.pop("seed")
+            waiting[self.loss_spec.value] = waiting.pop("seed")
         mine = {n: waiting.pop(n) for n in unit.outputs if n in waiting}
         with one_thread():
             grads = runner.unit_backward(unit, saved, mine)  # mine: now the gradients of what it read

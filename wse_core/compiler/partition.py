@@ -37,21 +37,27 @@ class Unit:
     inputs: tuple  # per placeholder: ("param", owner) | ("input", index in the batch) | ("value", name)
     outputs: tuple  # names of the values it hands on; the tail's is the loss
     loss: "loss.Loss | None" = None  # the tail's: how micro-batch losses make the step's
+    values: tuple = ()  # the tail's: how each other output (a value for Python) combines over micro-batches
     flops_forward: int = 0
     flops_backward: int = 0
     param_bytes: int = 0  # of the parameters it reads (a tied one counts in each unit that streams it)
     boundary_bytes: int = 0  # of the tensors it hands on
 
 
-def partition(graph, units=None):
+def partition(graph, units=None, training=True):
     """The streaming units of a captured ``graph`` (``capture.Graph``), in running order, their costs
-    measured on the graph's example micro-batch. ``units``: classes whose instances are the units."""
+    measured on the graph's example micro-batch. ``units``: classes whose instances are the units.
+    ``training``: the graph's first output is a loss (its reduction analysed, the backward measured);
+    otherwise every output is a value an evaluation reads."""
     nodes = [n for n in graph.program.graph.nodes if n.op not in ("placeholder", "output")]
     blocks = _blocks(graph.step, units)
     unit_of, names = _assign(nodes, blocks, graph)
     built = _build(graph, nodes, unit_of, names)
-    built[-1] = replace(built[-1], loss=loss.analyse(graph.program))
-    return _measure(built, graph)
+    if training:
+        output = next(n for n in graph.program.graph.nodes if n.op == "output").args[0]
+        built[-1] = replace(built[-1], loss=loss.analyse(graph.program, example=graph.example),
+                            values=tuple(loss.combination(graph.program, node, graph.example) for node in output[1:]))
+    return _measure(built, graph, training)
 
 
 def _blocks(step, classes):
@@ -184,8 +190,11 @@ class _Meter:
         self.handed[unit] = sum(v.numel() * v.element_size() for v in values if isinstance(v, torch.Tensor))
 
 
-def _measure(units, graph):
+def _measure(units, graph, training):
     meter = _Meter(len(units))
-    runner.forward_backward(units, graph.params, graph.example, 1.0, [0] * len(units), meter)
+    if training:
+        runner.forward_backward(units, graph.params, graph.example, 1.0, [0] * len(units), meter)
+    else:
+        runner.forward(units, graph.params, graph.example, [0] * len(units), meter)
     return [replace(u, flops_forward=f["forward"], flops_backward=f["backward"], boundary_bytes=b)
             for u, f, b in zip(units, meter.flops, meter.handed)]

@@ -81,9 +81,10 @@ def combine(unit_grads, params):
     return {p: grads[p] for p in params if p in grads}
 
 
-def forward_backward(units, params, inputs, weight, seeds, meter=None):
-    """One micro-batch: (weight * loss, per-unit gradients of weight * loss); ``seeds[u]`` seeds unit u's
-    forward. ``meter`` (partition's) is given each phase and the values each unit hands on."""
+def forward(units, params, inputs, seeds, meter=None):
+    """One micro-batch's forward: (every value the units hand on, by name; what each unit saved for
+    its backward); ``seeds[u]`` seeds unit u's forward. ``meter`` (partition's) is given each phase
+    and the values each unit hands on."""
     values, ran = {}, []
     for u, unit in enumerate(units):
         with _phase(meter, u, "forward"):
@@ -92,9 +93,17 @@ def forward_backward(units, params, inputs, weight, seeds, meter=None):
         if meter is not None:
             meter.hand_on(u, outputs)
         ran.append(saved)
-    loss = values[units[-1].outputs[0]]
+    return values, ran
+
+
+def forward_backward(units, params, inputs, weight, seeds, meter=None):
+    """One micro-batch: (weight * loss, per-unit gradients of weight * loss); ``seeds[u]`` seeds unit u's
+    forward. ``meter`` (partition's) is given each phase and the values each unit hands on."""
+    values, ran = forward(units, params, inputs, seeds, meter)
+    name = units[-1].loss.value
+    loss = values[name]
     seed_grad = torch.full_like(loss, weight)
-    waiting = {units[-1].outputs[0]: seed_grad}
+    waiting = {name: seed_grad}
     unit_grads = [None] * len(units)
     for u in reversed(range(len(units))):
         with _phase(meter, u, "backward"):

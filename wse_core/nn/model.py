@@ -129,11 +129,13 @@ class Model:
         """Raise a ValueError/TypeError naming the key if ``batch`` does not fit this model; return its size."""
         raise NotImplementedError
 
-    def check_dataset(self, fmt, example_shape, vocab_size, where):
-        """Raise a ValueError (one line, naming ``where``) if a dataset of format ``fmt`` ("lm" or
-        "arrays"), examples of ``example_shape`` and ``vocab_size`` (or None) cannot feed this model."""
+    def check_dataset(self, fmt, example_shape, vocab_size, where, columns=None):
+        """Raise a ValueError (one line, naming ``where``) if a dataset of format ``fmt`` ("lm",
+        "arrays" or "tensors"), examples of ``example_shape`` and ``vocab_size`` (or None) cannot feed
+        this model; ``columns``: the dataset's [(name, dtype, example shape)]."""
         if fmt != "arrays":
-            raise ValueError(f"{where} is LM data; {self.config['name']} needs an array dataset")
+            raise ValueError(f"{where} is {'LM' if fmt == 'lm' else 'tensor'} data; {self.config['name']} needs an "
+                             "array dataset")
 
     def batch_of(self, arrays):
         """The batch dict of examples as ``example_layout`` lays them out."""
@@ -171,6 +173,15 @@ class Model:
             dy *= np.float32(loss_scale)
         return loss_sum, n, self.precision.round_(dy)
 
+    def step_values(self, y, batch):
+        """What else a micro-batch's step hands its script, from its forward's ``y`` (before
+        ``loss``), as ``combine_values`` takes them: None (a compiled model's hands values)."""
+        return None
+
+    def combine_values(self, parts):
+        """The step's values from its micro-batches' ``step_values``, in the global batch's order."""
+        return []
+
     # -- one micro-batch ------------------------------------------------------------------------
 
     def forward(self, params, batch, drop=None):
@@ -206,15 +217,16 @@ class Model:
         return (dx if dx is None else self.precision.round_(dx)), grads
 
     def forward_backward(self, params, batch, drop=None, loss_scale=1.0):
-        """(loss_sum, n_tokens, unit_grads) for one micro-batch; unit_grads[i] holds unit i's gradients
-        (of the loss times ``loss_scale``)."""
+        """(loss_sum, n_tokens, unit_grads, [step_values]) for one micro-batch; unit_grads[i] holds
+        unit i's gradients (of the loss times ``loss_scale``)."""
         y, saved = self.forward(params, batch, drop)
+        values = self.step_values(y, batch)
         loss_sum, n_tokens, dy = self.loss(y, batch, loss_scale)
         unit_grads = [None] * len(self.units)
         for i in reversed(range(len(self.units))):
             dy, unit_grads[i] = self.unit_backward(i, dy, saved[i], params)
             saved[i] = None  # free activations as soon as the unit is done
-        return loss_sum, n_tokens, unit_grads
+        return loss_sum, n_tokens, unit_grads, [values]
 
     def add_grads(self, a, b):
         """{name: a + b} of two gradient dicts, each sum in the run's precision (every partial sum of
@@ -257,10 +269,11 @@ class LanguageModel(Model):
                              f"got {ids.min()}..{ids.max()}")
         return ids.shape[0]
 
-    def check_dataset(self, fmt, example_shape, vocab_size, where):
+    def check_dataset(self, fmt, example_shape, vocab_size, where, columns=None):
         c = self.config
         if fmt != "lm":
-            raise ValueError(f"{where} is an array dataset; {c['name']} needs LM data")
+            raise ValueError(f"{where} is {'an array' if fmt == 'arrays' else 'a tensor'} dataset; {c['name']} needs "
+                             "LM data")
         if example_shape[-1] > c["max_position_embeddings"]:
             raise ValueError(f"model.max_position_embeddings: {c['max_position_embeddings']} is shorter than the "
                              f"max_seq_length {example_shape[-1]} of {where}")

@@ -15,7 +15,7 @@ One step on a global batch of B samples split into micro-batches of ``micro_batc
 5. the optimizer updates each parameter in place, in ``Model.param_names`` order; biases and norm
    weights take no weight decay (``ParamSpec.decay``), as in Model Zoo.
 """
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import math
 
@@ -27,7 +27,8 @@ from wse_core.tree import tree_reduce, tree_sum
 @dataclass
 class StepResult:
     """What one step reports: mean loss, tokens counted, gradient norm before clipping, lr used;
-    with loss scaling, the scale the step used and whether it was skipped (its gradients overflowed)."""
+    with loss scaling, the scale the step used and whether it was skipped (its gradients overflowed);
+    ``values``: what else the step hands its script (a compiled model's), in order."""
 
     loss: float
     n_tokens: int
@@ -35,6 +36,7 @@ class StepResult:
     lr: float
     loss_scale: float = 1.0
     skipped: bool = False
+    values: list = field(default_factory=list)
 
 
 def micro_batch_ranges(batch_size, micro_batch_size, num_csx=1):
@@ -69,7 +71,7 @@ def micro_batch_sizes(batch_size, num_csx=1):
 
 def accumulate(model, params, batch, micro_batch_size, lo=0, hi=None, *, num_csx=1, dropout=None, loss_scale=1.0):
     """Tree sum of micro-batches [lo, hi) of ``batch`` (``micro_batch_ranges`` for ``num_csx`` CS-2s):
-    (loss_sum, n_tokens, unit_grads).
+    (loss_sum, n_tokens, unit_grads, each micro-batch's ``Model.step_values`` in order).
 
     ``dropout``: (seed, step) of the dropout masks (training), or None (no dropout); the gradients
     are of the loss times ``loss_scale``, each partial sum in the model's precision."""
@@ -81,7 +83,7 @@ def accumulate(model, params, batch, micro_batch_size, lo=0, hi=None, *, num_csx
         return model.forward_backward(params, model.slice_batch(batch, *ranges[i]), drop, loss_scale)
 
     def add(a, b):
-        return a[0] + b[0], a[1] + b[1], [model.add_grads(ga, gb) for ga, gb in zip(a[2], b[2])]
+        return a[0] + b[0], a[1] + b[1], [model.add_grads(ga, gb) for ga, gb in zip(a[2], b[2])], a[3] + b[3]
 
     return tree_reduce(lo, hi, leaf, add)
 
@@ -106,8 +108,8 @@ def reference_step(model, params, opt_state, optimizer, batch, *, micro_batch_si
     (``Model.lr_factors``: Model Zoo's ``adjust_learning_rate``). ``num_csx``: the CS-2s the batch is
     laid out for (``micro_batch_ranges``), when it does not divide evenly."""
     loss_scale = 1.0 if scaler is None else scaler.scale
-    loss_sum, n_tokens, unit_grads = accumulate(model, model.compute_weights(params), batch, micro_batch_size,
-                                                num_csx=num_csx, dropout=(seed, step), loss_scale=loss_scale)
+    loss_sum, n_tokens, unit_grads, values = accumulate(model, model.compute_weights(params), batch, micro_batch_size,
+                                                        num_csx=num_csx, dropout=(seed, step), loss_scale=loss_scale)
     if n_tokens < 1:
         raise ValueError("batch: the loss mask selects no token, so the loss is undefined")
     grads = model.combine_unit_grads(unit_grads)
@@ -120,7 +122,7 @@ def reference_step(model, params, opt_state, optimizer, batch, *, micro_batch_si
         apply_update(model, params, opt_state, optimizer, grads, coef / divisor / loss_scale, step=step, lr=lr,
                      lr_factors=lr_factors)
     return StepResult(loss=loss_sum / divisor, n_tokens=n_tokens, grad_norm=norm, lr=lr, loss_scale=loss_scale,
-                      skipped=skipped)
+                      skipped=skipped, values=model.combine_values(values))
 
 
 def evaluate(model, weights, dataset, micro_batch_size, n_examples=None):

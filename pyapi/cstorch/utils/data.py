@@ -1,9 +1,18 @@
-"""``cstorch.utils.data``: ``DataLoader`` (a function making the user's loader) and ``DataExecutor``.
+"""``cstorch.utils.data``: ``DataLoader`` (a function making the user's loader), ``DataExecutor`` and
+``compute_num_steps``.
 
 The executor consumes the loader as one global stream, in the order it yields (one loader, not one
 per worker: the micro-batches are then the same for any number of CS-2s), restarting it when it is
-exhausted, for ``num_steps`` batches; the run (``pyapi.cstorch.run``) writes them as the job's dataset.
+exhausted, for ``num_steps`` batches; the run (``pyapi.cstorch.run``) writes them as the job's
+dataset. A batch is any nest of tuples, lists and dicts whose leaves are tensors of one batch size
+(``(inputs, targets)``, ``{"input_ids": ..., "attention_mask": ..., "labels": ...}``). A loader
+whose input function asks the streamer API (``cstorch.distributed``) is made once more per
+streamer, as the appliance's input workers make it, and step t's global batch is the CS-2s'
+shares in CS-2 order, each from the streamer of that CS-2 whose turn it is (worker t mod
+``num_workers_per_csx``).
 """
+import time
+
 from pyapi.cstorch import step as step_mod
 from pyapi.cstorch.errors import not_built
 
@@ -16,16 +25,19 @@ class DataLoader:
             raise TypeError(f"DataLoader: expected a function that makes the loader, got {type(input_fn).__name__}")
         self.input_fn, self.args, self.kwargs = input_fn, args, kwargs
 
-    def batches(self, n):
-        """The first ``n`` batches of the stream (the loader made again when exhausted)."""
-        out = []
+    def batches(self, n, start=0, every=1):
+        """Batches ``start``, ``start + every``, ... of the stream (the loader made again when
+        exhausted), ``n`` of them."""
+        out, i = [], 0
         while len(out) < n:
-            before = len(out)
+            before = i
             for batch in self.input_fn(*self.args, **self.kwargs):
-                out.append(batch)
-                if len(out) == n:
-                    break
-            if len(out) == before:
+                if i >= start and (i - start) % every == 0:
+                    out.append(batch)
+                    if len(out) == n:
+                        break
+                i += 1
+            if i == before and len(out) < n:
                 raise ValueError(f"DataLoader: {getattr(self.input_fn, '__name__', 'input_fn')}() made a loader "
                                  "that yields no batch")
         return out
@@ -34,25 +46,111 @@ class DataLoader:
         return len(self.input_fn(*self.args, **self.kwargs))
 
 
+def compute_num_steps(dataloader, initial_step=0, num_steps=None, max_steps=None, num_epochs=None,
+                      steps_per_epoch=None, grad_accum_steps=1):
+    """The steps a run takes, as Cerebras computes them: ``num_steps``; or ``max_steps`` less the
+    ``initial_step``; or ``num_epochs`` of ``steps_per_epoch`` (default: the loader's length)."""
+    given = [k for k, v in (("num_steps", num_steps), ("max_steps", max_steps), ("num_epochs", num_epochs))
+             if v is not None]
+    if len(given) != 1:
+        raise ValueError(f"compute_num_steps: give one of num_steps, max_steps and num_epochs (got "
+                         f"{', '.join(given) or 'none'})")
+    if grad_accum_steps != 1:
+        raise not_built("compute_num_steps(grad_accum_steps=...)", "micro-batches: cstorch.backend(..., "
+                        "micro_batch_size=...)")
+    if num_steps is not None:
+        total = num_steps
+    elif max_steps is not None:
+        total = max_steps - initial_step
+    else:
+        per_epoch = steps_per_epoch if steps_per_epoch is not None else len(dataloader)
+        total = num_epochs * per_epoch - initial_step
+    if not isinstance(total, int) or total < 1:
+        raise ValueError(f"compute_num_steps: {total!r} steps left to run (initial_step {initial_step})")
+    return total
+
+
+class RateTracker:
+    """Samples a second as the appliance logs them: ``rate()`` over the last steps (a smoothed
+    rate), ``global_rate()`` since the first step; ``total_samples``, ``total_time``."""
+
+    def __init__(self):
+        self.total_samples, self.start, self.last, self.smoothed = 0, None, None, None
+
+    def add(self, samples):
+        now = time.monotonic()
+        if self.start is None:
+            self.start = self.last = now
+        else:
+            step_rate = samples / max(now - self.last, 1e-9)
+            # the appliance's smoothing: an exponential average of step rates (an assumption: 0.9 kept)
+            self.smoothed = step_rate if self.smoothed is None else 0.9 * self.smoothed + 0.1 * step_rate
+            self.last = now
+        self.total_samples += samples
+
+    @property
+    def total_time(self):
+        return 0.0 if self.start is None else self.last - self.start
+
+    def rate(self):
+        return self.smoothed or 0.0
+
+    def global_rate(self):
+        return self.total_samples / self.total_time if self.total_time > 0 else 0.0
+
+
+class Profiler:
+    """``executor.profiler``: its ``rate_tracker`` counts the samples of each step as the loop takes it."""
+
+    def __init__(self):
+        self.rate_tracker = RateTracker()
+
+    def rate(self):
+        return self.rate_tracker.rate()
+
+    def global_rate(self):
+        return self.rate_tracker.global_rate()
+
+
 class DataExecutor:
     """Iterating it yields ``num_steps`` batches; the traced step called on each returns that step's
-    loss from the cluster. ``checkpoint_steps=k``: checkpoints at steps k, 2k, ... and the last."""
+    values from the cluster. ``checkpoint_steps=k``: checkpoints at steps k, 2k, ... and the last.
+    ``activation_steps=k``: step closures given the step's tensors run on steps k, 2k, ... and the
+    last (the steps whose values are fetched). The 2.0-era keywords are taken: ``cs_config`` (a
+    ``cstorch.utils.CSConfig``: the backend's cluster), ``writer`` (summaries go to it),
+    ``micro_batch_size``."""
 
-    def __init__(self, dataloader, num_steps=None, checkpoint_steps=None, cs_config=None, writer=None,
-                 micro_batch_size=None, **kwargs):
-        if kwargs:
-            raise not_built(f"DataExecutor({next(iter(kwargs))}=...)", "num_steps, checkpoint_steps")
-        if cs_config is not None or writer is not None:
-            raise not_built("DataExecutor(cs_config/writer)", "give the cluster to cstorch.backend")
+    def __init__(self, dataloader, num_steps=None, checkpoint_steps=None, activation_steps=None, cs_config=None,
+                 writer=None, profiler_activities=None, listeners=None, micro_batch_size=None):
         if not isinstance(dataloader, DataLoader):
-            raise TypeError("DataExecutor: expected a cstorch.utils.data.DataLoader")
+            raise TypeError("DataExecutor: expected a cstorch.utils.data.DataLoader, got "
+                            f"{type(dataloader).__name__} (wrap the loader: DataLoader(input_fn, ...))")
+        if listeners is not None:
+            raise not_built("DataExecutor(listeners=...)", "step closures on the step's tensors")
+        if profiler_activities is not None:
+            raise not_built("DataExecutor(profiler_activities=...)", "the profiler's rate tracker")
         self.dataloader = dataloader
         self.num_steps = num_steps if num_steps is not None else len(dataloader)
-        if isinstance(self.num_steps, bool) or not isinstance(self.num_steps, int) or self.num_steps < 1:
-            raise ValueError(f"DataExecutor: num_steps: expected an integer >= 1, got {self.num_steps!r}")
+        for name, value, least in (("num_steps", self.num_steps, 1), ("checkpoint_steps", checkpoint_steps, 0),
+                                   ("activation_steps", activation_steps, 1)):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < least):
+                raise ValueError(f"DataExecutor: {name}: expected an integer >= {least}, got {value!r}")
         self.checkpoint_steps = checkpoint_steps
+        self.activation_steps = activation_steps or 1
+        self.cs_config, self.writer = cs_config, writer
         self.micro_batch_size = micro_batch_size
         self.step, self.run = 0, None
+        self.profiler = Profiler()
+
+    @property
+    def iteration(self):
+        """The current step, counted from 0."""
+        return self.step - 1
+
+    @property
+    def user_iteration(self):
+        """The current step, counted from 1."""
+        return self.step
 
     @property
     def on_checkpoint_step(self):
@@ -60,8 +158,15 @@ class DataExecutor:
         return bool(k) and (self.step % k == 0 or self.step == self.num_steps)
 
     @property
+    def on_activation_step(self):
+        return self.step % self.activation_steps == 0 or self.step == self.num_steps
+
+    @property
     def on_final_iteration(self):
         return self.step == self.num_steps
+
+    def __len__(self):
+        return self.num_steps
 
     def __iter__(self):
         from pyapi.cstorch.backend import backend
@@ -69,36 +174,120 @@ class DataExecutor:
 
         if step_mod._executor is not None:
             raise RuntimeError("DataExecutor: another executor is being iterated")
-        import torch
-
-        batches = self.dataloader.batches(self.num_steps)
-        for i, batch in enumerate(batches, 1):
-            if not (isinstance(batch, (tuple, list)) and len(batch) == 2
-                    and all(isinstance(t, torch.Tensor) and t.dim() >= 1 for t in batch)):
-                raise not_built(f"DataLoader: batch {i} is {type(batch).__name__}", "batches of (inputs, targets) "
-                                "tensors")
-        first = len(batches[0][0])
-        kinds = [(t.dtype, tuple(t.shape[1:])) for t in batches[0]]
-        for i, batch in enumerate(batches, 1):
-            if len(batch[0]) != first:  # a graph captured once runs one batch size
-                raise ValueError(f"DataLoader: batch {i} has {len(batch[0])} samples, batch 1 has {first}: the "
-                                 "captured step takes one batch size (drop_last=True)")
-            for j, (t, (dtype, shape)) in enumerate(zip(batch, kinds)):
-                if (t.dtype, tuple(t.shape[1:])) != (dtype, shape):  # ... and one shape: its graph's
-                    raise ValueError(f"DataLoader: batch {i}'s {('inputs', 'targets')[j]} are {_kind(t)}, batch 1's "
-                                     f"{_kind(batches[0][j])}: the captured step takes one shape and dtype (pad "
-                                     "to one length)")
-        self.run = Run(backend(), self, batches)
+        current = backend()
+        if self.cs_config is not None:
+            current.take_cs_config(self.cs_config)
+        batches = self._batches(current)
+        self.run = Run(current, self, batches)
         step_mod._executor = self
+        samples = len(batches[0].leaves[0])
         try:
             for self.step, batch in enumerate(batches, 1):
-                yield batch
+                yield batch.value
+                self.profiler.rate_tracker.add(samples)
                 if self.step == 1 and not self.run.started:
                     raise RuntimeError("DataExecutor: the loop's first step called no @cstorch.trace function")
             self.run.finish()
         finally:
             step_mod._executor = None
             self.run.close()
+
+    def _batches(self, current):
+        """The run's global batches: the loader's as the user node makes them, or, for a loader that
+        asks the streamer API on a CSX backend, the streamers' shares put together."""
+        from pyapi.cstorch import distributed
+
+        with distributed.watching() as asked:
+            made = self.dataloader.batches(self.num_steps)
+        batches = [Batch(b, i) for i, b in enumerate(made, 1)]
+        check_batches(batches)
+        if asked() and current.is_csx:
+            batches = self._streamed(current.cluster_config, len(batches[0].leaves[0]))
+            check_batches(batches)
+        return batches
+
+    def _streamed(self, config, size):
+        """Step t's batch: each CS-2's share of ``size`` samples, from its worker t mod W (streamer c W + w)."""
+        from pyapi.cstorch import distributed
+
+        n, w_count = config.num_csx, config.workers
+        if size < n:
+            raise ValueError(f"DataLoader: batches of {size} samples cannot feed {n} CS-2s")
+        shares = [size // n + (c < size % n) for c in range(n)]
+        parts = {}
+        for c in range(n):
+            for w in range(w_count):
+                rank = c * w_count + w
+                steps = len(range(w, self.num_steps, w_count))
+                if not steps:
+                    continue
+                with distributed.streamer(rank, n * w_count, shares[c]):
+                    made = self.dataloader.batches(steps)
+                for k, b in enumerate(made):
+                    got = Batch(b, w + k * w_count + 1, f"streamer {rank}'s")
+                    if len(got.leaves[0]) != shares[c]:
+                        raise ValueError(f"DataLoader: streamer {rank} (CS-2 {c}) made a batch of "
+                                         f"{len(got.leaves[0])} samples; its share of the batch is {shares[c]} "
+                                         "(cstorch.distributed.get_streaming_batch_size)")
+                    parts[c, w + k * w_count] = got
+        return [Batch.joined([parts[c, t] for c in range(n)], t + 1) for t in range(self.num_steps)]
+
+
+class Batch:
+    """One step's batch as the loader made it (``value``) and its tensors in order (``leaves``, with
+    their key paths: ``[0]``, ``['input_ids']``), which the run writes and the graph takes."""
+
+    def __init__(self, value, number, whose="batch"):
+        import torch
+        from torch.utils._pytree import keystr, tree_flatten_with_path
+
+        self.value, self.number = value, number
+        pairs, self.spec = tree_flatten_with_path(value)
+        self.paths = [keystr(path) or "the batch" for path, _ in pairs]
+        self.leaves = [leaf for _, leaf in pairs]
+        for path, leaf in zip(self.paths, self.leaves):
+            if not isinstance(leaf, torch.Tensor) or leaf.dim() < 1:
+                kind = type(leaf).__name__ if not isinstance(leaf, torch.Tensor) else "a 0-dimensional tensor"
+                raise not_built(f"DataLoader: {whose} {number}'s {path} is {kind}",
+                                "batches whose leaves are tensors, batch first")
+        if not self.leaves:
+            raise ValueError(f"DataLoader: {whose} {number} holds no tensor")
+        sizes = {len(t) for t in self.leaves}
+        if len(sizes) > 1:
+            raise ValueError(f"DataLoader: {whose} {number}'s tensors have batch sizes "
+                             f"{', '.join(f'{p} {len(t)}' for p, t in zip(self.paths, self.leaves))}: a batch's "
+                             "tensors share their first dimension")
+
+    @classmethod
+    def joined(cls, parts, number):
+        """The CS-2s' shares of one step, in CS-2 order, as one batch."""
+        import torch
+        from torch.utils._pytree import tree_unflatten
+
+        first = parts[0]
+        for p in parts[1:]:
+            if p.spec != first.spec:
+                raise ValueError(f"DataLoader: the streamers' batches of step {number} differ in structure")
+        leaves = [torch.cat([p.leaves[i] for p in parts]) for i in range(len(first.leaves))]
+        return cls(tree_unflatten(leaves, first.spec), number)
+
+
+def check_batches(batches):
+    """Every batch has the first's structure, batch size, and each tensor its dtype and shape: a graph
+    captured once runs them all."""
+    first = batches[0]
+    for b in batches[1:]:
+        if b.spec != first.spec:
+            raise ValueError(f"DataLoader: batch {b.number} holds {', '.join(b.paths)}, batch 1 "
+                             f"{', '.join(first.paths)}: the captured step takes one structure")
+        if len(b.leaves[0]) != len(first.leaves[0]):  # a graph captured once runs one batch size
+            raise ValueError(f"DataLoader: batch {b.number} has {len(b.leaves[0])} samples, batch 1 has "
+                             f"{len(first.leaves[0])}: the captured step takes one batch size (drop_last=True)")
+        for path, t, t1 in zip(b.paths, b.leaves, first.leaves):
+            if (t.dtype, t.shape[1:]) != (t1.dtype, t1.shape[1:]):  # ... and one shape: its graph's
+                what = "" if path == "the batch" else f"'s {path}"
+                raise ValueError(f"DataLoader: batch {b.number}{what} is {_kind(t)}, batch 1{what} {_kind(t1)}: "
+                                 "the captured step takes one shape and dtype (pad to one length)")
 
 
 def _kind(t):

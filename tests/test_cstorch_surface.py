@@ -1,0 +1,226 @@
+"""Cerebras' PyTorch API as real scripts use it: batches of any structure, steps of one batch
+argument, losses as users write them, evaluation under ``torch.no_grad()``, the streamer API,
+Cerebras' package names, and one line for the modules not built."""
+import subprocess
+import sys
+
+import pytest
+
+torch = pytest.importorskip("torch")
+F = torch.nn.functional
+
+
+class _Head(torch.nn.Module):
+    def __init__(self, form):
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 5)
+        self.form = form
+
+    def forward(self, x, y, mask):
+        logits = self.lin(x)
+        b, t = x.shape[0], x.shape[1]
+        per_token = F.cross_entropy(logits.view(-1, 5), y.view(-1), reduction="none").view(b, -1)
+        if self.form == "sum over B*T":
+            return per_token.sum() / (b * t)
+        if self.form == "masked mean":
+            return (per_token * mask).sum() / mask.sum()
+        if self.form == "sum divided later, cast":
+            return (F.cross_entropy(logits.view(-1, 5), y.view(-1), reduction="sum") / logits.shape[0]).to(torch.float32)
+        if self.form == "sum over a constant":
+            return per_token.sum() / 64
+        if self.form == "ignore_index":
+            return F.cross_entropy(logits.view(-1, 5), torch.where(mask > 0, y, -100).view(-1), ignore_index=-100)
+        return per_token.sum() / mask.sum().clamp(max=3)  # "a divisor that does not add up"
+
+
+@pytest.mark.parametrize("form", ["sum over B*T", "masked mean", "sum divided later, cast", "sum over a constant",
+                                  "ignore_index"])
+def test_losses_as_users_write_them_weigh_micro_batches_as_eager_pytorch_weighs_the_batch(form):
+    """Micro-batches of 2 of a batch of 8 give eager PyTorch's loss and gradients on the whole batch."""
+    from wse_core.compiler import capture, partition, run_step
+
+    torch.manual_seed(0)
+    x, y = torch.randn(8, 3, 8), torch.randint(0, 5, (8, 3))
+    mask = (torch.rand(8, 3) > 0.3).float()
+    model = _Head(form)
+    units = partition(capture(model, (x, y, mask)))
+    params = {k: v.detach() for k, v in model.named_parameters()}
+    loss, grads = run_step(units, params, (x, y, mask), micro_batch_size=2, step=1, seed=0)
+    eager = model(x, y, mask)
+    eager.backward()
+    assert float(loss) == pytest.approx(float(eager), rel=1e-6)
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(grads[name], p.grad, rtol=1e-5, atol=1e-7)
+
+
+def test_a_loss_whose_divisor_does_not_add_up_over_samples_is_one_line():
+    from wse_core.compiler import CompileError, capture, partition
+
+    x, y, mask = torch.randn(8, 3, 8), torch.randint(0, 5, (8, 3)), torch.ones(8, 3)
+    with pytest.raises(CompileError, match=r"its divisor is 3 on the example batch but 3 \+ 3 on its halves"):
+        partition(capture(_Head("clamped"), (x, y, mask)))
+
+
+LM_SCRIPT = '''
+import sys
+import torch
+import torch.nn.functional as F
+import cerebras.pytorch as cstorch
+
+V, T = 50, 16
+
+
+class LM(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = torch.nn.Embedding(V, 32)
+        self.blocks = torch.nn.ModuleList([torch.nn.TransformerEncoderLayer(32, 2, 64, dropout=0.0, batch_first=True)
+                                           for _ in range(2)])
+        self.head = torch.nn.Linear(32, V)
+
+    def forward(self, ids, mask):
+        h = self.emb(ids)
+        for b in self.blocks:
+            h = b(h, src_key_padding_mask=mask == 0)
+        return self.head(h)
+
+
+def input_fn(batch_size):
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, V, (256, T), generator=g)
+    mask = torch.ones(256, T, dtype=torch.int32)
+    mask[:, -3:] = 0
+    labels = torch.where(mask == 1, torch.roll(ids, -1, 1), -100)
+    return [{"input_ids": ids[i:i + batch_size], "attention_mask": mask[i:i + batch_size],
+             "labels": labels[i:i + batch_size]} for i in range(0, 256, batch_size)]
+
+
+torch.manual_seed(0)
+backend = cstorch.backend(sys.argv[1], num_csx=int(sys.argv[2]), micro_batch_size=4)
+model = LM()
+compiled = cstorch.compile(model, backend)
+optimizer = cstorch.optim.AdamW(model.parameters(), lr=1e-3)
+
+
+@cstorch.trace
+def training_step(batch):
+    logits = compiled(batch["input_ids"], batch["attention_mask"])
+    loss = F.cross_entropy(logits.view(-1, V), batch["labels"].view(-1), ignore_index=-100,
+                           reduction="sum") / (batch["labels"] != -100).sum()
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    kept = batch["labels"] != -100
+    accuracy = ((logits.argmax(-1) == batch["labels"]) & kept).float().sum() / kept.sum()
+    return {"loss": loss.to(torch.float32), "accuracy": accuracy}
+
+
+@cstorch.step_closure
+def show(out, step):
+    print(f"step {step}: {out['accuracy'].item()!r} loss {out['loss'].item()!r}")
+
+
+executor = cstorch.utils.data.DataExecutor(cstorch.utils.data.DataLoader(input_fn, 16), num_steps=4)
+for step, batch in enumerate(executor, 1):
+    show(training_step(batch), step)
+
+compiled.eval()
+
+
+@cstorch.trace
+@torch.no_grad()
+def eval_step(batch):
+    logits = compiled(batch["input_ids"], batch["attention_mask"])
+    loss = F.cross_entropy(logits.view(-1, V), batch["labels"].view(-1), ignore_index=-100)
+    correct = (logits.argmax(-1) == batch["labels"]).float().sum()
+    return {"loss": loss, "correct": correct}
+
+
+executor = cstorch.utils.data.DataExecutor(cstorch.utils.data.DataLoader(input_fn, 16), num_steps=2)
+for batch in executor:
+    out = eval_step(batch)
+    print(f"eval {out['loss'].item()!r} {out['correct'].item()!r}")
+'''
+
+
+def test_a_script_of_dict_batches_and_a_one_argument_step_trains_and_evaluates_as_eager_pytorch(tmp_path):
+    """Run unchanged (``python -m pyapi.cstorch``, its ``import cerebras.pytorch`` as written): a batch
+    dict with an attention mask, a loss summed and divided by its tokens, a cast, a step returning a
+    dict with a masked accuracy, and an evaluation step under ``torch.no_grad()`` returning a dict:
+    the same bits on the CPU backend and on 2 CS-2s, eager PyTorch's numbers."""
+    (tmp_path / "train.py").write_text(LM_SCRIPT)
+    outputs = []
+    for kind, n in (("CPU", 1), ("CSX", 2)):
+        proc = subprocess.run([sys.executable, "-m", "pyapi.cstorch", "train.py", kind, str(n)], capture_output=True,
+                              text=True, cwd=tmp_path, timeout=600)  # a bound only a hang reaches
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        outputs.append(proc.stdout)
+    assert outputs[0] == outputs[1]
+    lines = outputs[0].splitlines()
+    steps = [(float(line.split()[2]), float(line.split()[-1])) for line in lines if line.startswith("step ")]
+    evals = [tuple(map(float, line.split()[1:])) for line in lines if line.startswith("eval ")]
+    user = {}
+    exec(LM_SCRIPT.split("torch.manual_seed(0)")[0].replace("import cerebras.pytorch as cstorch", ""), user)
+    torch.manual_seed(0)
+    model = user["LM"]()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, eps=1e-6, weight_decay=0.0)
+    batches = user["input_fn"](16)
+    for step, batch in enumerate(batches[:4]):
+        logits = model(batch["input_ids"], batch["attention_mask"])
+        loss = F.cross_entropy(logits.view(-1, 50), batch["labels"].view(-1), ignore_index=-100,
+                               reduction="sum") / (batch["labels"] != -100).sum()
+        kept = batch["labels"] != -100
+        accuracy = ((logits.argmax(-1) == batch["labels"]) & kept).float().sum() / kept.sum()
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        assert steps[step][1] == pytest.approx(loss.item(), rel=1e-5), step
+        assert steps[step][0] == pytest.approx(accuracy.item(), rel=1e-6), step
+    model.eval()
+    with torch.no_grad():
+        for (loss, correct), batch in zip(evals, batches[:2]):
+            logits = model(batch["input_ids"], batch["attention_mask"])
+            assert loss == pytest.approx(F.cross_entropy(logits.view(-1, 50), batch["labels"].view(-1)).item(),
+                                         rel=1e-5)
+            assert correct == (logits.argmax(-1) == batch["labels"]).float().sum().item()
+    assert len(evals) == 2 and len(steps) == 4
+
+
+def test_cerebras_names_import_this_package_and_modules_not_built_are_one_line(tmp_path):
+    (tmp_path / "model.py").write_text("import cerebras.pytorch as cstorch\n")
+    (tmp_path / "train.py").write_text(
+        "import cerebras_pytorch as cstorch\nimport model\nassert model.cstorch is cstorch\n"
+        "from cerebras.pytorch.utils.tensorboard import SummaryWriter\n"
+        "import cerebras.pytorch.distributed as dist\n"
+        "print(dist.is_streamer(), dist.num_streamers(), dist.get_streaming_batch_size(8))\n"
+        "import cerebras.pytorch.sparse\n")
+    proc = subprocess.run([sys.executable, "-m", "pyapi.cstorch", "train.py"], capture_output=True, text=True,
+                          cwd=tmp_path, timeout=300)
+    assert proc.stdout.split() == ["False", "0", "8"], proc.stderr[-2000:]
+    assert proc.stderr.strip().splitlines()[-1] == ("pyapi.cstorch.alias.NotBuiltModule: cerebras.pytorch.sparse: "
+                                                    "not built in wse-cluster (docs/user-guide.md lists what is)")
+
+
+def test_a_loader_that_asks_the_streamer_api_is_made_per_streamer_and_dealt_to_the_cs2s(tmp_path):
+    """On 2 CS-2s of 2 workers each, step t's batch is CS-2 0's share then CS-2 1's, each from that
+    CS-2's worker t mod 2 (streamer 2 c + w), of the size get_streaming_batch_size gives it."""
+    import pyapi.cstorch as cstorch
+    from pyapi.cstorch import distributed
+
+    def input_fn(batch_size):
+        size = distributed.get_streaming_batch_size(batch_size)
+        rank = distributed.get_streaming_rank() if distributed.is_streamer() else -1
+        return [torch.full((size, 1), 100 * rank + i) for i in range(4)]
+
+    cstorch.backend("CSX", cluster_config=distributed.ClusterConfig(num_csx=2, num_workers_per_csx=2),
+                    artifact_dir=tmp_path)
+    executor = cstorch.utils.data.DataExecutor(cstorch.utils.data.DataLoader(input_fn, 5), num_steps=4)
+    batches = executor._batches(cstorch.backend())
+    got = [b.value[:, 0].tolist() for b in batches]
+    # CS-2 0 takes 3 of 5 samples, CS-2 1 takes 2; worker w of CS-2 c is streamer 2c + w and serves
+    # steps w, w + 2, ... from its own loader's batches 0, 1, ...
+    assert got == [[0, 0, 0, 200, 200], [100, 100, 100, 300, 300], [1, 1, 1, 201, 201], [101, 101, 101, 301, 301]]
+    cstorch.backend("CPU", artifact_dir=tmp_path)  # the user node: one global stream
+    batches = cstorch.utils.data.DataExecutor(cstorch.utils.data.DataLoader(input_fn, 5), num_steps=2)._batches(
+        cstorch.backend())
+    assert [b.value[:, 0].tolist() for b in batches] == [[-100] * 5, [-99] * 5]
