@@ -150,7 +150,7 @@ def test_ignored_targets_are_counted_over_the_global_batch():
     torch.testing.assert_close(loss, want_loss, rtol=1e-5, atol=0)
     for k in want:
         torch.testing.assert_close(grads[k], want[k], rtol=1e-5, atol=1e-6 * want[k].abs().max().item(), msg=k)
-    with pytest.raises(ValueError, match="every target is the loss's ignore_index"):
+    with pytest.raises(ValueError, match="the loss counts no term in the whole batch"):
         run_step(compiled("gpt2"), params_of("gpt2"), (ids, torch.full_like(targets, -100)), 2, step=1, seed=0)
 
 

@@ -151,6 +151,7 @@ class Coordinator(Role):
             parts = [x["values"][r] for r in range(len(reports[0].get("values", []))) for x in reports]
             if any(v is not None for v in parts):
                 record["values"] = [v.tolist() for v in self.model.combine_values(parts)]
+                record["micro_batches"] = len(parts)
             step_to_come = step + 1
             send_loss_scale()
             evaluate = bool(r.eval_frequency) and ((step + 1) % r.eval_frequency == 0 or last)

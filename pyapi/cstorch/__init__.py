@@ -28,7 +28,8 @@ except ImportError:
     raise ImportError("pyapi.cstorch needs PyTorch: pip install -e '.[torch]'") from None
 
 from pyapi.cstorch import alias  # noqa: E402  (cerebras.pytorch and cerebras_pytorch name this package)
-from pyapi.cstorch import amp, distributed, optim, utils  # noqa: E402
+from pyapi.cstorch import amp, distributed, metrics, optim, utils  # noqa: E402
+from pyapi.cstorch.backends import backends  # noqa: E402  (the flags object, as Cerebras' cstorch.backends)
 from pyapi.cstorch.backend import (Backend, ClusterConfig, backend, compile, current_backend,  # noqa: E402
                                    current_torch_device, use_cs)
 from pyapi.cstorch.step import (checkpoint_closure, current_executor, step_closure, summarize_scalar,  # noqa: E402
@@ -39,8 +40,8 @@ from pyapi.cstorch.storage import load, save  # noqa: E402
 #: The release of Cerebras' API whose surface this package follows (docs/user-guide.md's table).
 __version__ = "2.3.1"
 
-__all__ = ["Backend", "ClusterConfig", "amp", "backend", "checkpoint_closure", "compile", "current_backend",
-           "current_executor", "current_torch_device", "distributed", "load", "manual_seed", "optim", "save",
+__all__ = ["Backend", "ClusterConfig", "amp", "backend", "backends", "checkpoint_closure", "compile", "current_backend",
+           "current_executor", "current_torch_device", "distributed", "load", "manual_seed", "metrics", "optim", "save",
            "step_closure", "summarize_scalar", "summarize_tensor", "trace", "use_cs", "utils"]
 
 

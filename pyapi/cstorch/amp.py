@@ -38,6 +38,8 @@ class GradScaler:
             "loss_scaling_factor": loss_scale, "initial_loss_scale": init_scale, "steps_per_increase": steps_per_increase,
             "min_loss_scale": min_loss_scale, "max_loss_scale": max_loss_scale,
             "max_gradient_norm": max_gradient_norm}.items() if v is not None}
+        self.cluster_state = None  # the cluster's loss scaler's state, when the model was last given weights
+        self.loaded = None  # a state_dict() loaded to resume from
 
     def scale(self, loss):
         return loss
@@ -46,8 +48,38 @@ class GradScaler:
         """Nothing to do: MemoryX unscales the gradients it is sent."""
 
     def step(self, optimizer, *args, **kwargs):
-        recording().settings.update(self.spec)
+        rec = recording()
+        rec.settings.update(self.spec)
+        rec.scaler = self
         optimizer.step()
+
+    def get_scale(self):
+        """The loss scale of the last step the model was given (its initial one before any)."""
+        return self.state_dict().get("loss_scale", self.spec.get("initial_loss_scale", 1.0))
+
+    def state_dict(self, destination=None):
+        """Cerebras' layout of the scaler's state at the last step the model was given (a checkpoint
+        closure's, or the loop's end): ``loss_scale``, and for a dynamic scale the clean steps since
+        it last changed (``steps_since_rescale``) and ``overflows_since_rescale``."""
+        st = self.cluster_state
+        if st is None:
+            return {}
+        out = {"loss_scale": float(st["scale"])}
+        if self.spec.get("loss_scaling_factor") == "dynamic":
+            out.update(steps_since_rescale=int(st["good_steps"]), overflows_since_rescale=0)
+        return out
+
+    def load_state_dict(self, state_dict):
+        """A saved ``state_dict()``: a run resuming from its step scales as the run that saved it did."""
+        if not isinstance(state_dict, dict):
+            raise ValueError("GradScaler.load_state_dict: expected the dict GradScaler.state_dict() gave")
+        self.loaded = dict(state_dict)
+
+    def resumed_state(self):
+        """The loaded state, as the cluster's loss scaler keeps it (``LossScaler.state``), or None."""
+        if not self.loaded or "loss_scale" not in self.loaded:
+            return None
+        return {"scale": float(self.loaded["loss_scale"]), "good_steps": int(self.loaded.get("steps_since_rescale", 0))}
 
     def update(self, new_scale=None):
         if new_scale is not None:

@@ -3,7 +3,7 @@ import sys
 from dataclasses import asdict
 from pathlib import Path
 
-from pyapi.cstorch.distributed import ClusterConfig
+from pyapi.cstorch.distributed import ClusterConfig, CSConfig
 from pyapi.cstorch.errors import not_built
 
 _current = None
@@ -45,8 +45,6 @@ class Backend:
 
     def take_cs_config(self, cs_config):
         """A 2.0-era ``cstorch.utils.CSConfig`` given to the DataExecutor: its cluster settings."""
-        from pyapi.cstorch.utils import CSConfig
-
         if not isinstance(cs_config, CSConfig):
             raise TypeError(f"DataExecutor: cs_config: expected a cstorch.utils.CSConfig, got {type(cs_config).__name__}")
         c = cs_config

@@ -58,6 +58,31 @@ class ClusterConfig:
         return max(1, self.num_workers_per_csx or 1)
 
 
+@dataclass
+class CSConfig:
+    """Cerebras' 2.0-era cluster settings, given to ``DataExecutor(cs_config=...)``: ``num_csx``,
+    ``max_wgt_servers`` and ``num_workers_per_csx`` size the emulated cluster; the others are taken
+    and named in one line as meaning nothing here."""
+
+    mgmt_address: str = None
+    mgmt_namespace: str = None
+    credentials_path: str = None
+    num_csx: int = 1
+    max_wgt_servers: int = 1
+    max_act_per_csx: int = None
+    transfer_processes: int = None
+    num_workers_per_csx: int = 0
+    job_time_sec: int = None
+    mount_dirs: list = field(default_factory=list)
+    python_paths: list = field(default_factory=list)
+    job_labels: list = field(default_factory=list)
+    debug_args: object = None
+    precision_opt_level: int = None
+    disable_version_check: bool = False
+    job_priority: str = None
+    workflow_id: str = None
+
+
 class _Streaming(threading.local):
     """Who is asking: the user node (``rank`` None) or streamer ``rank`` of ``count``, whose CS-2 takes
     ``share`` samples of every batch; ``asked``: the streamer API was called."""

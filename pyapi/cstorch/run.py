@@ -21,12 +21,14 @@ at position (k + i) x batch size): the executor's i-th batch is still step k + i
 dropout follow the global step, so a run stopped at a checkpoint and resumed gives the bits of one
 that never stopped (but for a dynamic loss scale, which restarts from its initial value).
 """
+import contextlib
 import json
 import threading
 
 import numpy as np
 import yaml
 
+from pyapi.cstorch.backends import micro_batch_size as flagged_micro_batch_size
 from pyapi.cstorch.errors import not_built
 from pyapi.cstorch.step import handed, names_closures, ops_of, record, recording, run_closures, with_values
 
@@ -83,6 +85,14 @@ class Call:
                 self.constants.append(leaf)
         self.inputs = sorted({k for k in self.slots if k is not None})
 
+    def graph_inputs(self, batch):
+        """The tensors of ``batch`` the graph takes, as it takes them: int32 widened to int64 (a CS-2
+        takes int32 class targets and token ids, which torch's CPU losses refuse; the values are the
+        same)."""
+        import torch
+
+        return [t.to(torch.int64) if t.dtype == torch.int32 else t for t in (batch.leaves[k] for k in self.inputs)]
+
     def arguments(self, inputs):
         """(args, kwargs) of the step with the graph's ``inputs`` in their places."""
         from torch.utils._pytree import tree_unflatten
@@ -101,6 +111,22 @@ class Call:
             if a is not b and a != b:
                 raise not_built(f"{self.name}: its argument {a!r} at step {step} is {b!r} at step 1",
                                 "Python values that are the same on every step (they are constants of the graph)")
+
+
+@contextlib.contextmanager
+def _buffers_kept(model):
+    """The model's buffers as they were before the block: running the step's Python to capture or
+    check it (BatchNorm's ``num_batches_tracked += 1``) must not change the model's state, which the
+    cluster's steps alone move."""
+    import torch
+
+    saved = [(b, b.detach().clone()) for b in model.buffers()]
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for b, value in saved:
+                b.copy_(value)
 
 
 def _argument(path):
@@ -130,6 +156,8 @@ class Run:
         self.losses = {}
         self.board = None  # summarize_scalar's TensorBoard writer, made when first needed
         self.evaluator = None  # the compiled model an evaluation loop runs (``_start_eval``)
+        self.scaler = None  # the GradScaler the traced step steps with, which keeps the cluster's loss scale
+        self.batch_norms = ()  # the model's BatchNorms in training (``capture.Graph.batch_norms``)
         self.stop = threading.Event()  # set when the loop is left early: the job of this process ends
 
     # -- the first call: capture, data, params, start ---------------------------------------------
@@ -140,7 +168,8 @@ class Run:
             self.call = Call(fn.__name__, args, kwargs, batch)
             self._start(fn)
             self.fn = fn
-            self.ops, rec, out = ops_of(fn, args, kwargs)
+            with _buffers_kept(self.user_model):
+                self.ops, rec, out = ops_of(fn, *self.call.arguments(self.call.graph_inputs(batch)))
             self.template = rec, out
             # its closures take each step's Python values, on whichever steps it calls them
             self.every_step = bool(rec.closures) or names_closures(fn)
@@ -154,7 +183,10 @@ class Run:
                 rec, out = self._check_same_graph(fn, args, kwargs, step)
             else:
                 rec, out = self.template
-        loss, values = self._values(self.start + step)
+        loss, values, micro_batches = self._values(self.start + step)
+        if self.batch_norms:  # their statistics come last: the model's running statistics take them
+            values, stats = values[:-2 * len(self.batch_norms)], values[-2 * len(self.batch_norms):]
+            self._update_batch_norms(stats, micro_batches)
         tensors = handed(rec, out)
         if len(tensors) != len(values):
             raise not_built(f"{fn.__name__}: at step {step} it hands Python {len(tensors)} tensors (returned, or given to "
@@ -165,9 +197,24 @@ class Run:
         real = {id(t): torch.as_tensor(v, dtype=t.dtype) for t, v in zip(tensors, values)}
         if rec.loss is not None:
             real[id(rec.loss)] = torch.tensor(loss, dtype=torch.float32)
-        if self.executor.on_activation_step:  # the steps whose values are fetched
-            run_closures(rec.closures, real)
+        # Closures run on the steps whose values are fetched (activation_steps); a metric's every step.
+        run_closures([c for c in rec.closures if self.executor.on_activation_step
+                      or getattr(c[0], "_every_step", False)], real)
         return with_values(out, real)
+
+    def _update_batch_norms(self, stats, micro_batches):
+        """The model's BatchNorms' running statistics after a step of ``micro_batches``: r = (1 - m)^M r
+        + the step's combined statistics (``loss.combination``'s "ema"), as M updates of eager
+        PyTorch; ``num_batches_tracked`` counts the micro-batches."""
+        import torch
+
+        with torch.no_grad():
+            for (path, momentum, _, _), mean, var in zip(self.batch_norms, stats[0::2], stats[1::2]):
+                bn = self.user_model.get_submodule(path.removeprefix("model.model."))
+                decay = (1 - momentum) ** micro_batches
+                for buffer, value in ((bn.running_mean, mean), (bn.running_var, var)):
+                    buffer.mul_(decay).add_(torch.as_tensor(value, dtype=buffer.dtype))
+                bn.num_batches_tracked.add_(micro_batches)
 
     def _check_same_graph(self, fn, args, kwargs, step):
         """The step's Python runs the ops it ran when captured (its graph is the cluster's on every
@@ -175,7 +222,8 @@ class Run:
         line. Checked on fake tensors, at steps 2, 3, 5, 9, ... (2^k + 1) and the last: a check costs
         about a tenth of an eager forward pass. Returns its recording (its closures, its loss) and
         its return value."""
-        ops, rec, out = ops_of(fn, args, kwargs)
+        with _buffers_kept(self.user_model):
+            ops, rec, out = ops_of(fn, *self.call.arguments(self.call.graph_inputs(self.batches[step - 1])))
         if ops != self.ops:
             i = next((i for i, (a, b) in enumerate(zip(ops, self.ops)) if a != b), min(len(ops), len(self.ops)))
             now = f"{ops[i][0]} {list(ops[i][1])}" if i < len(ops) else "the end"
@@ -191,11 +239,11 @@ class Run:
         if not self.backend.models:
             raise RuntimeError("cstorch.compile(model, backend) first: the traced step trains the compiled model")
         model = self.backend.models[0]
-        inputs = tuple(self.batches[0].leaves[k] for k in self.call.inputs)
+        inputs = tuple(self.call.graph_inputs(self.batches[0]))
         if not inputs:
             raise not_built(f"{fn.__name__}: a traced step given none of the batch's tensors",
                             "a step of the executor's batch")
-        with record(fn) as rec:
+        with record(fn) as rec, _buffers_kept(model):
             try:
                 graph = capture(_traced_module(fn, model, self.call), inputs)
             except CompileError as exc:  # its module paths start at the traced step: "model.model.net.1"
@@ -214,6 +262,7 @@ class Run:
                              "cstorch.amp.optimizer_step): nothing to train")
         optimizer = rec.optimizers[0]
         _check_trained(model, optimizer)
+        self.batch_norms = graph.batch_norms
         program = self.dir / "program.pt2"
         by_tensor = optimizer.groups()
         save_program(graph, partition(graph), program, layout="tensors",
@@ -224,12 +273,14 @@ class Run:
         (self.dir / "params.yaml").write_text(yaml.safe_dump(self.params, sort_keys=False))
         self.started = True
         resumed = self._resumed_state() if self.start else None
+        self.scaler = rec.scaler
+        scale = self.scaler.resumed_state() if self.start and self.scaler is not None else None
         if self.backend.is_csx:
             if resumed is not None:
-                _write_checkpoint(self.model_dir, self.start, *resumed)
+                _write_checkpoint(self.model_dir, self.start, *resumed, scale)
             self._start_job()
         else:
-            self.cpu = _InProcess(self.params, self.start, resumed)
+            self.cpu = _InProcess(self.params, self.start, resumed, scale)
 
     def _params(self, program, rec):
         optimizer = rec.optimizers[0].spec()
@@ -243,9 +294,9 @@ class Run:
         data = self.dir / "data"
         data.mkdir()
         k = self.start % len(self.batches)  # rotated: position (start + i) x batch holds the i-th batch
-        _write_dataset(data, self.batches[-k:] + self.batches[:-k] if k else self.batches, self.call.inputs)
+        _write_dataset(data, self.batches[-k:] + self.batches[:-k] if k else self.batches, self.call)
         b = len(self.batches[0].leaves[0])
-        mbs = self.executor.micro_batch_size or self.backend.micro_batch_size
+        mbs = self.executor.micro_batch_size or self.backend.micro_batch_size or flagged_micro_batch_size()
         runconfig = {"max_steps": self.start + self.executor.num_steps, "model_dir": str(self.model_dir),
                      "checkpoint_steps": self.executor.checkpoint_steps or 0, **self.backend.run_config()}
         train = {"data_dir": str(data), "batch_size": b, "shuffle": False}
@@ -304,10 +355,11 @@ class Run:
     # -- each step ------------------------------------------------------------------------------
 
     def _values(self, step):
-        """(the loss, or None for an evaluation; the values of the tensors the step hands Python) of
-        global step ``step``, once the cluster (or this process) has computed them."""
+        """(the loss, or None for an evaluation; the values of the tensors the step hands Python, then
+        its BatchNorms' statistics; the micro-batches they were combined over) of global step
+        ``step``, once the cluster (or this process) has computed them."""
         if self.evaluator is not None:
-            return None, self._evaluate(step)
+            return None, self._evaluate(step), 1
         if self.cpu is not None:
             self._advance_cpu(step)
         else:
@@ -318,7 +370,7 @@ class Run:
         """Step ``step``'s values: the forward pass over its whole batch (one micro-batch, as eager
         PyTorch's) in this process; a scalar among them is written to the run's ``metrics.jsonl``."""
         m = self.evaluator
-        batch = m.batch_of([self.batches[step - 1].leaves[k].detach().cpu().numpy() for k in self.call.inputs])
+        batch = m.batch_of([t.detach().cpu().numpy() for t in self.call.graph_inputs(self.batches[step - 1])])
         values = m.evaluation_values(m.initial, batch)
         scalars = [float(v) for v in values if np.ndim(v) == 0]
         with open(self.model_dir / "metrics.jsonl", "a") as f:
@@ -330,7 +382,7 @@ class Run:
 
         for r in RunDir(self.model_dir).read_metrics():  # a line being written is skipped, read next time
             if "loss" in r:
-                self.losses[r["step"]] = r["loss"], r.get("values", [])
+                self.losses[r["step"]] = r["loss"], r.get("values", []), r.get("micro_batches", 1)
         return self.losses
 
     def _await(self, ready, what):
@@ -345,7 +397,7 @@ class Run:
     def _advance_cpu(self, step):
         while self.cpu.step < step:
             r = self.cpu.advance()
-            self.losses[self.cpu.step] = r.loss, r.values
+            self.losses[self.cpu.step] = r.loss, r.values, r.micro_batches
 
     def sync_weights(self, step):
         """The user's model holds the weights of the executor's ``step`` (a checkpoint step, or the
@@ -355,14 +407,17 @@ class Run:
         step += self.start
         if self.cpu is not None:
             self._advance_cpu(step)
-            weights, state = self.cpu.params, self.cpu.state
+            weights, state, scale = self.cpu.params, self.cpu.state, self.cpu.scaler.state()
         else:
             from data_tools.checkpoint import Checkpoint
 
             path = self.model_dir / f"checkpoint_{step}"
             self._await(lambda: (path / "index.h5").exists(), f"the checkpoint of step {step}")
-            weights, state = Checkpoint(path).load()
+            ckpt = Checkpoint(path)
+            (weights, state), scale = ckpt.load(), ckpt.loss_scale
         _load_into(self.user_model, weights)
+        if self.scaler is not None:  # the dynamic loss scale of the step, for the scaler's state_dict
+            self.scaler.cluster_state = scale
         import torch
 
         self.optimizer.state = {self.param_of[n]: {"step": torch.tensor(float(step)),
@@ -450,14 +505,14 @@ def _resumed_step(optimizer, checkpoint_steps):
     return start
 
 
-def _write_checkpoint(model_dir, step, weights, state):
+def _write_checkpoint(model_dir, step, weights, state, loss_scale=None):
     """The run's first checkpoint, of the step it resumes from: the job resumes from ``latest``."""
     from data_tools.checkpoint import CheckpointWriter
     from wse_core.numerics import environment
 
     model_dir.mkdir(parents=True, exist_ok=True)
     writer = CheckpointWriter(model_dir, step).prepare()
-    writer.commit([writer.write_shard(0, weights, state)], numerics=environment())
+    writer.commit([writer.write_shard(0, weights, state)], numerics=environment(), loss_scale=loss_scale)
 
 
 def _check_trained(model, optimizer):
@@ -481,20 +536,19 @@ def _load_into(model, weights):
             own[name[len("model."):]].copy_(torch.from_numpy(np.asarray(w)))
 
 
-def _write_dataset(data, batches, inputs):
-    """The batches' tensors the step reads (indices ``inputs`` of ``Batch.leaves``), in order, as one
-    file of the project's ``tensors`` layout, with its data_params.json."""
+def _write_dataset(data, batches, call):
+    """The batches' tensors the step reads (``Call.graph_inputs``), in order, as one file of the
+    project's ``tensors`` layout, with its data_params.json."""
     from data_tools.lmdata import DATA_PARAMS, write_tensors_file
 
     import torch
 
-    columns = []
-    for k in inputs:
-        t = batches[0].leaves[k]
-        if t.dtype == torch.bfloat16:
+    for k in call.inputs:
+        if batches[0].leaves[k].dtype == torch.bfloat16:
             raise not_built(f"DataLoader: the batch's {batches[0].paths[k]} is bfloat16",
                             "batches of float32, float16 and integer tensors (cast in the traced step)")
-        columns.append(np.concatenate([b.leaves[k].detach().cpu().numpy() for b in batches]))
+    rows = [call.graph_inputs(b) for b in batches]
+    columns = [np.concatenate([r[i].detach().cpu().numpy() for r in rows]) for i in range(len(call.inputs))]
     write_tensors_file(data / "data-00000.h5", columns)
     n = len(columns[0])
     meta = {"format": "tensors", "n_examples": n, "files": [{"name": "data-00000.h5", "n_examples": n}],
@@ -506,7 +560,7 @@ class _InProcess:
     """The CPU backend: the reference's steps (``wse_core.nn.reference``) on the run's dataset, as the
     cluster's ranks compute them: the same bits."""
 
-    def __init__(self, params, start=0, resumed=None):
+    def __init__(self, params, start=0, resumed=None, loss_scale=None):
         from data_tools.dataset import GlobalStream
         from pyapi.params import validate
         from wse_core.nn import build_model
@@ -525,6 +579,7 @@ class _InProcess:
             self.params, self.state = resumed
         self.schedule = make_schedule(o.learning_rate, key="optimizer.learning_rate")
         self.scaler = LossScaler.from_params(o, self.model.config.get("fp16_type"))
+        self.scaler.load(loss_scale)
         self.stream = GlobalStream(t.data_dir)
         self.step = start
 

@@ -28,6 +28,7 @@ class Recording:
         self.optimizers, self.settings, self.fp16_type = [], {}, fp16_type
         self.backward = False  # loss.backward() was called: a training step (an evaluation step calls none)
         self.loss = None  # the tensor it was called on
+        self.scaler = None  # the cstorch.amp.GradScaler whose step() it called
         self.closures = []  # (closure, args, kwargs) the step called: run once the step is done
 
 

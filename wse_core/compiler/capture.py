@@ -8,11 +8,21 @@ train mode, with dimension 0 of every input a free symbol: one graph runs any mi
 Refused, each in one line naming the module path (``model.blocks.3.attn``) and the op, because a
 captured step runs the same ops on every batch and a unit's buffers are constants streamed with
 it: Python control flow on tensor values, data-dependent shapes (``nonzero``), ``.item()``, a model
-code that fixes the batch size, and buffers updated in forward (BatchNorm in training).
+code that fixes the batch size, and buffers updated in forward, but for BatchNorm's.
+
+BatchNorm in training normalises each micro-batch by its own statistics (as a CS-2 does, and as
+gradient accumulation or DDP without SyncBatchNorm does), and its running statistics are state of
+the script's model, not of a unit: the graph's ``batch_norm`` ops are made functional (no buffer
+written), and each one's micro-batch mean and unbiased variance become outputs of the step
+(``Graph.batch_norms``), which the cluster combines over the micro-batches in their order as the
+sequential updates of eager PyTorch would (``loss.combination``'s "ema": r_M = (1 - m)^M r_0 +
+sum_j m (1 - m)^(M - 1 - j) s_j), the same bits for any number of CS-2s; the front-end applies them
+to the model's buffers after each step (``pyapi.cstorch.run``).
 """
 import contextlib
 import io
 import logging
+import operator
 import os
 import re
 import sys
@@ -68,8 +78,9 @@ class Graph:
     aliases: dict  # every parameter name, tied ones included -> its owner's name
     buffers: dict  # buffer path in the Step ("model.bn.running_mean") -> tensor
     inputs: tuple  # per input: (dtype, shape of one sample)
-    outputs: tuple  # the graph's output names: the loss
+    outputs: tuple  # the graph's output names: the loss (and what the step hands Python), then batch_norms'
     example: tuple  # the example micro-batch: the unit costs are measured on it
+    batch_norms: tuple = ()  # BatchNorm in training: (module path, momentum, mean output, variance output) each
 
     def owner(self, target):
         """Owner name of the parameter a placeholder reads (its path in the Step)."""
@@ -97,6 +108,7 @@ def capture(module, example_inputs, loss_fn=None, *, micro_batch=None):
         raise ValueError(f"micro_batch: expected 1 to {n} (the example's samples), got {micro_batch}")
     step = Step(module, loss_fn)
     program = _export(step, batch)
+    batch_norms = _functional_batch_norms(program, step)
     _refuse_unstreamable(program, step)
     named = list(step.named_parameters(remove_duplicate=False))
     first = {}  # id of each tensor -> the name it is met by first: its owner
@@ -108,8 +120,9 @@ def capture(module, example_inputs, loss_fn=None, *, micro_batch=None):
         aliases={_model_name(name): first[id(p)] for name, p in named},
         buffers=dict(step.named_buffers(remove_duplicate=False)),
         inputs=tuple((t.dtype, tuple(t.shape[1:])) for t in batch),
-        outputs=tuple(program.graph_signature.user_outputs),
+        outputs=tuple(n.name for n in next(n for n in program.graph.nodes if n.op == "output").args[0]),
         example=tuple(t[:micro_batch] for t in batch) if micro_batch else batch,
+        batch_norms=batch_norms,
     )
 
 
@@ -198,6 +211,60 @@ def _user_frame(err):
         return "an unknown place"
     f = frames[-1]
     return f"{os.path.basename(f.filename)}:{f.lineno} `{(f.line or '').strip()}`"
+
+
+def _functional_batch_norms(program, step):
+    """Make every BatchNorm of ``program`` that updates its running statistics in training functional:
+    it normalises by the micro-batch's statistics and writes no buffer; its micro-batch mean and
+    unbiased variance per channel are new outputs of the graph, and its ``num_batches_tracked``
+    increment is dropped (the front-end counts micro-batches). Returns (module path, momentum, mean
+    output, variance output) of each, in graph order."""
+    aten = torch.ops.aten
+    graph = program.graph
+    buffers = {s.arg.name for s in program.graph_signature.input_specs if s.kind == InputKind.BUFFER}
+    found, extra = [], []
+    for node in list(graph.nodes):
+        if node.target is not aten.batch_norm.default:
+            continue
+        x, weight, bias, mean, var, training, momentum, eps, cudnn = (list(node.args) + [None] * 9)[:9]
+        if training is not True or not (isinstance(mean, fx.Node) and mean.name in buffers):
+            continue
+        path, cls = module_of(node)
+        if momentum is None:
+            raise CompileError(f"{path}: {cls}(momentum=None) keeps a cumulative average of its statistics; not "
+                               "supported in training (give it a momentum)")
+        node.args = (x, weight, bias, None, None, True, momentum, eps, cudnn)
+        dims = [0] + list(range(2, x.meta["val"].dim()))
+        with graph.inserting_after(node):
+            both = graph.call_function(aten.var_mean.correction, (x, dims), {"correction": 1})
+            with graph.inserting_after(both):
+                v = graph.call_function(operator.getitem, (both, 0))
+                m = graph.call_function(operator.getitem, (both, 1))
+        for new in (both, v, m):
+            new.meta["nn_module_stack"] = node.meta.get("nn_module_stack", {})
+        with _fake_mode(x):
+            both.meta["val"] = aten.var_mean.correction(x.meta["val"], dims, correction=1)
+            v.meta["val"], m.meta["val"] = both.meta["val"]
+        found.append((path, float(momentum), m.name, v.name))
+        extra += [m, v]
+    if not found:
+        return ()
+    for node in list(graph.nodes):  # the counters of the batch norms made functional
+        if node.target is aten.add_.Tensor and isinstance(node.args[0], fx.Node) \
+                and node.args[0].name in buffers and node.args[0].target.endswith("num_batches_tracked") \
+                and not node.users:
+            graph.erase_node(node)
+    output = next(n for n in graph.nodes if n.op == "output")
+    output.args = (tuple(output.args[0]) + tuple(extra),)
+    graph.lint()
+    return tuple(found)
+
+
+def _fake_mode(x):
+    """The fake tensor mode of a node's metadata value, to compute new nodes' metadata in."""
+    from torch._guards import detect_fake_mode
+
+    return detect_fake_mode([x.meta["val"]]) or contextlib.nullcontext()
 
 
 def _refuse_unstreamable(program, step):

@@ -47,6 +47,7 @@ class Loss:
     op: str
     counter: fx.GraphModule | None = None
     value: str = ""  # the name of the graph's value that is the loss
+    momentum: float = 0.0  # an "ema" combination's (a BatchNorm's running statistics)
 
     def count(self, inputs):
         """n_j of a micro-batch of ``inputs`` (a tuple of tensors): its terms, an integer."""
@@ -114,7 +115,8 @@ def combination(program, node, example):
     """How the value ``node`` a training step hands Python (beside its loss) is made of its
     micro-batches' values, as a ``Loss`` whose ``reduction`` says it: "mean" or "sum" over the batch
     (read as a loss's is), "concat" (a value per sample: the micro-batches' in order), or "same" (a
-    value the batch does not enter: any micro-batch's). CompileError in one line otherwise."""
+    value the batch does not enter: any micro-batch's). CompileError in one line otherwise. (A
+    BatchNorm's statistics combine as "ema": ``capture``'s docstring.)"""
     val = node.meta.get("val")
     where = f"{module_of(node)[0]}: a value the step hands Python ({op_name(node)})"
     if not isinstance(val, torch.Tensor):

@@ -319,7 +319,9 @@ class TorchModel(Model):
     def combine_values(self, parts):
         """The step's values from its micro-batches' (``step_values``, in the global batch's order):
         a mean is the tree sum of the weighted values over that of the weights, a sum their tree
-        sum, a value per sample theirs in order, a value the batch does not enter the first's."""
+        sum, a value per sample theirs in order, a value the batch does not enter the first's, a
+        BatchNorm's statistic the tree sum of each micro-batch's times its weight in M sequential
+        updates at momentum m, m (1 - m)^(M - 1 - j)."""
         from wse_core.tree import tree_sum
 
         out = []
@@ -333,6 +335,10 @@ class TorchModel(Model):
                 out.append(tree_sum([v for v, _ in got]))
             elif rule.reduction == "concat":
                 out.append(np.concatenate([v for v, _ in got]))
+            elif rule.reduction == "ema":  # eager's M sequential updates, less the old value's (1 - m)^M share
+                m, count = rule.momentum, len(got)
+                out.append(tree_sum([v * np.asarray(m * (1 - m) ** (count - 1 - j), v.dtype)
+                                     for j, (v, _) in enumerate(got)]))
             else:
                 out.append(got[0][0])
         return out

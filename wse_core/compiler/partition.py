@@ -55,8 +55,10 @@ def partition(graph, units=None, training=True):
     built = _build(graph, nodes, unit_of, names)
     if training:
         output = next(n for n in graph.program.graph.nodes if n.op == "output").args[0]
-        built[-1] = replace(built[-1], loss=loss.analyse(graph.program, example=graph.example),
-                            values=tuple(loss.combination(graph.program, node, graph.example) for node in output[1:]))
+        ema = {name: momentum for _, momentum, *names in graph.batch_norms for name in names}
+        values = tuple(loss.Loss("ema", "aten.batch_norm", value=node.name, momentum=ema[node.name]) if node.name in ema
+                       else loss.combination(graph.program, node, graph.example) for node in output[1:])
+        built[-1] = replace(built[-1], loss=loss.analyse(graph.program, example=graph.example), values=values)
     return _measure(built, graph, training)
 
 

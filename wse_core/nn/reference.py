@@ -28,7 +28,8 @@ from wse_core.tree import tree_reduce, tree_sum
 class StepResult:
     """What one step reports: mean loss, tokens counted, gradient norm before clipping, lr used;
     with loss scaling, the scale the step used and whether it was skipped (its gradients overflowed);
-    ``values``: what else the step hands its script (a compiled model's), in order."""
+    ``values``: what else the step hands its script (a compiled model's), in order, combined over its
+    ``micro_batches``."""
 
     loss: float
     n_tokens: int
@@ -37,6 +38,7 @@ class StepResult:
     loss_scale: float = 1.0
     skipped: bool = False
     values: list = field(default_factory=list)
+    micro_batches: int = 1
 
 
 def micro_batch_ranges(batch_size, micro_batch_size, num_csx=1):
@@ -122,7 +124,7 @@ def reference_step(model, params, opt_state, optimizer, batch, *, micro_batch_si
         apply_update(model, params, opt_state, optimizer, grads, coef / divisor / loss_scale, step=step, lr=lr,
                      lr_factors=lr_factors)
     return StepResult(loss=loss_sum / divisor, n_tokens=n_tokens, grad_norm=norm, lr=lr, loss_scale=loss_scale,
-                      skipped=skipped, values=model.combine_values(values))
+                      skipped=skipped, values=model.combine_values(values), micro_batches=len(values))
 
 
 def evaluate(model, weights, dataset, micro_batch_size, n_examples=None):

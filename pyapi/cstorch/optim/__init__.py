@@ -151,6 +151,64 @@ class AdamW(Adam):
     optimizer_type = "AdamW"
 
 
+#: configure_optimizer's names for a constructor's arguments (Cerebras' flat optimizer config).
+_RENAMED = {"weight_decay_rate": "weight_decay"}
+
+
+def configure_optimizer(optimizer_type, params, **kwargs):
+    """Cerebras' 2.0-2.3 factory: the optimizer named ``optimizer_type`` (any case) over ``params``,
+    from a flat config (``learning_rate`` a number: its ``lr``; a schedule: ``lr`` is the
+    scheduler's; ``beta1``/``beta2``: ``betas``; ``weight_decay_rate``: ``weight_decay``)."""
+    import inspect
+
+    classes = {c.__name__.lower(): c for c in (SGD, Adam, AdamW)}
+    cls = classes.get(str(optimizer_type).lower())
+    if cls is None:
+        raise not_built(f"cstorch.optim.configure_optimizer(optimizer_type={optimizer_type!r})", BUILT)
+    kwargs = {_RENAMED.get(k, k): v for k, v in kwargs.items()}
+    lr = kwargs.pop("learning_rate", None)
+    if "beta1" in kwargs or "beta2" in kwargs:
+        kwargs["betas"] = (kwargs.pop("beta1", 0.9), kwargs.pop("beta2", 0.999))
+    accepted = set(inspect.signature(cls.__init__).parameters) - {"self", "params"}
+    unused = sorted(set(kwargs) - accepted)
+    if unused:
+        raise ValueError(f"cstorch.optim.configure_optimizer: {cls.__name__} takes no {', '.join(unused)}")
+    kwargs["lr"] = lr if isinstance(lr, (int, float)) else kwargs.get("lr", 0.1)
+    return cls(params, **kwargs)
+
+
+def configure_lr_scheduler(optimizer, learning_rate, adjust_learning_rate=None):
+    """Cerebras' 2.0-2.3 factory: the scheduler of ``learning_rate``: a number (None: the optimizer's
+    constant rate), a dict ``{"scheduler": "Linear", ...}`` (name in any case, with or without
+    ``LR``), or a list of them run one after the other (each for its ``total_iters``)."""
+    if adjust_learning_rate:
+        raise not_built("configure_lr_scheduler(adjust_learning_rate=...)", "parameter groups with their own lr")
+    if not learning_rate or isinstance(learning_rate, (int, float, str)):
+        return None
+    specs = learning_rate if isinstance(learning_rate, (list, tuple)) else [learning_rate]
+    made = [_scheduler(optimizer, dict(spec)) for spec in specs]
+    if len(made) == 1:
+        return made[0]
+    milestones, at = [], 0
+    for spec in specs[:-1]:
+        at += int(spec["total_iters"])
+        milestones.append(at)
+    return lr_scheduler.SequentialLR(optimizer, made, milestones)
+
+
+def _scheduler(optimizer, spec):
+    if not isinstance(spec, dict) or "scheduler" not in spec:
+        raise ValueError(f"configure_lr_scheduler: expected {{'scheduler': name, ...}}, got {spec!r}")
+    name = str(spec.pop("scheduler"))
+    key = name.lower().removesuffix("lr")
+    classes = {c.__name__.lower().removesuffix("lr"): c for c in (
+        lr_scheduler.ConstantLR, lr_scheduler.LinearLR, lr_scheduler.PolynomialLR, lr_scheduler.CosineDecayLR,
+        lr_scheduler.ExponentialLR)}
+    if key not in classes:
+        return getattr(lr_scheduler, f"{name}LR" if not name.endswith("LR") else name)  # one line: not built
+    return classes[key](optimizer, **spec)
+
+
 def __getattr__(name):
     if name[:1].isupper():  # one of Cerebras' other optimizers (Lamb, Lion, Adafactor, ...)
         raise not_built(f"cstorch.optim.{name}", BUILT)

@@ -71,45 +71,65 @@ def compute_num_steps(dataloader, initial_step=0, num_steps=None, max_steps=None
 
 
 class RateTracker:
-    """Samples a second as the appliance logs them: ``rate()`` over the last steps (a smoothed
-    rate), ``global_rate()`` since the first step; ``total_samples``, ``total_time``."""
+    """Samples a second as the appliance logs them (Cerebras' ``rate_tracker``, 2.1 on: values are
+    attributes): ``rate``, a smoothed rate of the last steps; ``global_rate`` (``samples_per_sec``)
+    since the first step; ``total_samples``; ``total_time``. This machine's wall clock: the
+    emulated hardware's samples/s are the run's ``sim_samples_per_s`` (metrics.jsonl)."""
+
+    #: Weight of the previous smoothed rate, as Cerebras' tracker (adapted from torch_xla's) keeps it.
+    SMOOTHING = 0.4
 
     def __init__(self):
-        self.total_samples, self.start, self.last, self.smoothed = 0, None, None, None
+        self.total_samples, self._start, self._last, self._rate = 0, None, None, None
 
     def add(self, samples):
+        """A step of ``samples`` samples is done (the first step starts the clock)."""
         now = time.monotonic()
-        if self.start is None:
-            self.start = self.last = now
+        if self._start is None:
+            self._start = self._last = now
+            self._first = samples  # the clock starts when it ends: its samples count toward no rate
         else:
-            step_rate = samples / max(now - self.last, 1e-9)
-            # the appliance's smoothing: an exponential average of step rates (an assumption: 0.9 kept)
-            self.smoothed = step_rate if self.smoothed is None else 0.9 * self.smoothed + 0.1 * step_rate
-            self.last = now
+            step_rate = samples / max(now - self._last, 1e-9)
+            self._rate = step_rate if self._rate is None else \
+                (1 - self.SMOOTHING) * step_rate + self.SMOOTHING * self._rate
+            self._last = now
         self.total_samples += samples
 
     @property
     def total_time(self):
-        return 0.0 if self.start is None else self.last - self.start
+        return 0.0 if self._start is None else self._last - self._start
 
+    @property
     def rate(self):
-        return self.smoothed or 0.0
+        return self._rate or 0.0
 
+    @property
     def global_rate(self):
-        return self.total_samples / self.total_time if self.total_time > 0 else 0.0
+        timed = self.total_samples - getattr(self, "_first", 0)
+        return timed / self.total_time if self.total_time > 0 else 0.0
+
+    samples_per_sec = global_rate
 
 
 class Profiler:
-    """``executor.profiler``: its ``rate_tracker`` counts the samples of each step as the loop takes it."""
+    """``executor.profiler``: its ``rate_tracker`` counts each step's samples as the loop takes it;
+    the 2.0 spellings are its methods (``rate()``, ``global_rate()``, ``total_samples()``,
+    ``total_time()``)."""
 
     def __init__(self):
         self.rate_tracker = RateTracker()
 
     def rate(self):
-        return self.rate_tracker.rate()
+        return self.rate_tracker.rate
 
     def global_rate(self):
-        return self.rate_tracker.global_rate()
+        return self.rate_tracker.global_rate
+
+    def total_samples(self):
+        return self.rate_tracker.total_samples
+
+    def total_time(self):
+        return self.rate_tracker.total_time
 
 
 class DataExecutor:
