@@ -292,14 +292,28 @@ class BatchNormNet(nn.Module):
         return self.fc(F.relu(self.bn1(self.conv1(x))).flatten(1))
 
 
-def test_batch_norm_in_training_is_refused_and_runs_in_eval_mode():
-    """BatchNorm updating its running statistics is refused in one line; in eval mode it is a constant
-    of its unit and the runner gives eager's bits."""
+def test_batch_norm_in_training_normalises_each_micro_batch_and_hands_its_statistics_out():
+    """BatchNorm in training: a micro-batch of the whole batch gives eager's bits, and the graph hands
+    out the batch's mean and unbiased variance (the running statistics' update) without writing a
+    buffer; momentum=None is refused in one line; in eval mode it is a constant of its unit."""
     torch.manual_seed(0)
     model, batch = BatchNormNet(), (torch.randn(4, 1, 8, 8), torch.randint(0, 3, (4,)))
-    assert _refusal(model, batch) == ("model.bn1: BatchNorm2d updates its running statistics in forward (training); "
-                                      "not supported: use eval mode or LayerNorm/GroupNorm")
+    before = [b.clone() for b in model.buffers()]
+    graph = capture(model, batch, nn.CrossEntropyLoss())
+    units = partition(graph)
+    (path, momentum, mean, var), = graph.batch_norms
+    assert (path, momentum) == ("model.bn1", 0.1) and [v.value for v in units[-1].values] == [mean, var]
+    loss, grads = run_step(units, dict(model.named_parameters()), batch, 4, step=1, seed=0)
+    assert all(torch.equal(a, b) for a, b in zip(before, model.buffers()))  # nothing written
+    want = nn.CrossEntropyLoss()(model(batch[0]), batch[1])
+    want.backward()
+    assert torch.equal(loss, want.detach())
+    assert all(torch.equal(grads[k], p.grad) for k, p in model.named_parameters())
+    model.bn1.momentum = None
+    assert _refusal(model, batch) == ("model.bn1: BatchNorm2d(momentum=None) keeps a cumulative average of its "
+                                      "statistics; not supported in training (give it a momentum)")
     model.bn1.eval()
+    model.zero_grad()
     loss, grads = run_step(partition(capture(model, batch, nn.CrossEntropyLoss())), dict(model.named_parameters()),
                            batch, 4, step=1, seed=0)
     want = nn.CrossEntropyLoss()(model(batch[0]), batch[1])

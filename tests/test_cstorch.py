@@ -668,7 +668,7 @@ def test_step_closures_called_inside_the_traced_step_run_on_each_steps_values(tm
         where["step"] = step
         sometimes(x, y)
     assert [s for s, _, _ in logged] == [4, 8, 12]
-    assert hasattr(cstorch, "metrics") is False and getattr(cstorch, "sparse", None) is None
+    assert hasattr(cstorch, "mesh") is False and getattr(cstorch, "sparse", None) is None
     from pyapi.cstorch import run  # noqa: F401  (a submodule, imported on demand)
     # a closure given another of the step's tensors, its logits (a value per sample), gets that step's
     where["other"], where["step"] = True, 1

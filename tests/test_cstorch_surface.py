@@ -220,6 +220,16 @@ def test_a_loader_that_asks_the_streamer_api_is_made_per_streamer_and_dealt_to_t
     # CS-2 0 takes 3 of 5 samples, CS-2 1 takes 2; worker w of CS-2 c is streamer 2c + w and serves
     # steps w, w + 2, ... from its own loader's batches 0, 1, ...
     assert got == [[0, 0, 0, 200, 200], [100, 100, 100, 300, 300], [1, 1, 1, 201, 201], [101, 101, 101, 301, 301]]
+    # a loader that shards whole batches over the streamers (Cerebras/gigaGPT's data.py Sharder @
+    # ebc1bbe9efa3bb4c07898c016ec3f88927ec0cab): the streamers take turns, the batches in their order
+
+    def sharded(batch_size):
+        rank = distributed.get_streaming_rank() if distributed.is_streamer() else 0
+        count = distributed.num_streamers() if distributed.is_streamer() else 1
+        return [torch.full((batch_size, 1), i) for i in range(8)][rank::count]
+
+    executor = cstorch.utils.data.DataExecutor(cstorch.utils.data.DataLoader(sharded, 5), num_steps=6)
+    assert [b.value[0, 0].item() for b in executor._batches(cstorch.backend())] == [0, 1, 2, 3, 4, 5]
     cstorch.backend("CPU", artifact_dir=tmp_path)  # the user node: one global stream
     batches = cstorch.utils.data.DataExecutor(cstorch.utils.data.DataLoader(input_fn, 5), num_steps=2)._batches(
         cstorch.backend())

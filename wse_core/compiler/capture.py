@@ -107,6 +107,11 @@ def capture(module, example_inputs, loss_fn=None, *, micro_batch=None):
     if micro_batch is not None and not 1 <= micro_batch <= n:
         raise ValueError(f"micro_batch: expected 1 to {n} (the example's samples), got {micro_batch}")
     step = Step(module, loss_fn)
+    for path, m in step.named_modules():
+        if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.training and m.track_running_stats \
+                and m.momentum is None:  # its update factor, 1 / num_batches_tracked, is read in Python
+            raise CompileError(f"{path}: {type(m).__name__}(momentum=None) keeps a cumulative average of its "
+                               "statistics; not supported in training (give it a momentum)")
     program = _export(step, batch)
     batch_norms = _functional_batch_norms(program, step)
     _refuse_unstreamable(program, step)
@@ -229,10 +234,7 @@ def _functional_batch_norms(program, step):
         x, weight, bias, mean, var, training, momentum, eps, cudnn = (list(node.args) + [None] * 9)[:9]
         if training is not True or not (isinstance(mean, fx.Node) and mean.name in buffers):
             continue
-        path, cls = module_of(node)
-        if momentum is None:
-            raise CompileError(f"{path}: {cls}(momentum=None) keeps a cumulative average of its statistics; not "
-                               "supported in training (give it a momentum)")
+        path, _ = module_of(node)
         node.args = (x, weight, bias, None, None, True, momentum, eps, cudnn)
         dims = [0] + list(range(2, x.meta["val"].dim()))
         with graph.inserting_after(node):

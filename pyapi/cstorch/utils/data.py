@@ -227,30 +227,39 @@ class DataExecutor:
         return batches
 
     def _streamed(self, config, size):
-        """Step t's batch: each CS-2's share of ``size`` samples, from its worker t mod W (streamer c W + w)."""
+        """The run's batches as the streamers make them. A streamer whose batches are its CS-2's
+        share (``get_streaming_batch_size``) feeds that CS-2: step t's batch is each CS-2's share, in
+        CS-2 order, from its worker t mod W (streamer c W + w). A streamer whose batches are the whole
+        batch (a loader that shards whole batches over the streamers, ``get_streaming_rank`` /
+        ``num_streamers``) takes its turn: step t's batch is streamer t mod S's."""
         from pyapi.cstorch import distributed
 
         n, w_count = config.num_csx, config.workers
         if size < n:
             raise ValueError(f"DataLoader: batches of {size} samples cannot feed {n} CS-2s")
         shares = [size // n + (c < size % n) for c in range(n)]
-        parts = {}
-        for c in range(n):
-            for w in range(w_count):
-                rank = c * w_count + w
-                steps = len(range(w, self.num_steps, w_count))
-                if not steps:
-                    continue
-                with distributed.streamer(rank, n * w_count, shares[c]):
-                    made = self.dataloader.batches(steps)
-                for k, b in enumerate(made):
-                    got = Batch(b, w + k * w_count + 1, f"streamer {rank}'s")
-                    if len(got.leaves[0]) != shares[c]:
-                        raise ValueError(f"DataLoader: streamer {rank} (CS-2 {c}) made a batch of "
-                                         f"{len(got.leaves[0])} samples; its share of the batch is {shares[c]} "
-                                         "(cstorch.distributed.get_streaming_batch_size)")
-                    parts[c, w + k * w_count] = got
-        return [Batch.joined([parts[c, t] for c in range(n)], t + 1) for t in range(self.num_steps)]
+        count = n * w_count
+        made = {}
+        for rank in range(count):
+            c = rank // w_count
+            with distributed.streamer(rank, count, shares[c]):
+                # as many as feeding its CS-2 takes (taking turns with all streamers takes fewer)
+                steps = len(range(rank % w_count, self.num_steps, w_count))
+                made[rank] = [Batch(b, k + 1, f"streamer {rank}'s") for k, b in
+                              enumerate(self.dataloader.batches(steps) if steps else [])]
+        sizes = {len(b.leaves[0]) for batches in made.values() for b in batches}
+        whole = n > 1 and sizes == {size}
+        if whole:
+            return [made[t % count][t // count] for t in range(self.num_steps)]
+        for rank, batches in made.items():
+            for b in batches:
+                if len(b.leaves[0]) != shares[rank // w_count]:
+                    raise ValueError(f"DataLoader: streamer {rank} (CS-2 {rank // w_count}) made a batch of "
+                                     f"{len(b.leaves[0])} samples; a streamer makes its CS-2's share of the batch, "
+                                     f"{shares[rank // w_count]} (cstorch.distributed.get_streaming_batch_size), or "
+                                     f"the whole batch, {size}")
+        return [Batch.joined([made[c * w_count + t % w_count][t // w_count] for c in range(n)], t + 1)
+                for t in range(self.num_steps)]
 
 
 class Batch:
