@@ -1,0 +1,583 @@
+"""Scripts of our own that use Cerebras' PyTorch API exactly as real public scripts do, each run as a
+user runs it (``python -m pyapi.cstorch SCRIPT``: their ``import cerebras.pytorch`` / ``cerebras_pytorch``
+unchanged) on 2 emulated CS-2s with synthetic local data, against eager PyTorch.
+
+Each script follows one public script, named with its repository and commit beside it: the shapes
+of their calls (backend, compile, optimizer and schedule, loader, the traced step and what it
+returns, closures, checkpoints, executor, loop) are theirs; the models and data are small ones made
+here. What they were found to need is listed in docs/user-guide.md's table of Cerebras' API."""
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+F = torch.nn.functional
+
+
+def run(cwd, script, *args, files=None):
+    """Run ``script`` (its text) as ``train.py`` in ``cwd`` beside ``files`` ({name: text}), as a user
+    runs a script written for a real system; its stdout lines."""
+    cwd.mkdir(parents=True, exist_ok=True)
+    for name, text in {"train.py": script, **(files or {})}.items():
+        (cwd / name).write_text(text)
+    proc = subprocess.run([sys.executable, "-m", "pyapi.cstorch", "train.py", *map(str, args)], capture_output=True,
+                          text=True, cwd=cwd, timeout=600)  # a bound only a hang reaches
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc.stdout.splitlines()
+
+
+def numbers(lines, prefix):
+    """The last field of each line starting with ``prefix`` (after a "=", if it has one), as floats."""
+    return [float(line.split()[-1].split("=")[-1]) for line in lines if line.startswith(prefix)]
+
+
+# -- the docs' custom-training-loop tutorial, as users copied it ------------------------------------
+# Follows AsgerWenneb/sem_pytorch_cerebras ai_test.py @ 6b1240f157233fba68bd93068764bb0a93acfc18 (a copy
+# of Cerebras' "Writing a custom training loop"): an input function taking keywords, int32 labels (the
+# docs' target transform), a two-argument traced step, a step closure printing loss.item(), a
+# checkpoint closure saving {"model", "optimizer"} as .mdl, DataExecutor(num_steps, checkpoint_steps),
+# a hand-kept global_step; its commented-out ClusterConfig gives the CS-2s.
+
+TUTORIAL = '''
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+import cerebras.pytorch as cstorch
+
+
+class Model(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1 = nn.Linear(784, 256)
+        self.fc2 = nn.Linear(256, 10)
+
+    def forward(self, inputs):
+        x = torch.flatten(inputs, 1)
+        x = F.relu(self.fc1(x))
+        return F.relu(self.fc2(x))
+
+
+def get_torch_dataloader(batch_size, train):
+    g = torch.Generator().manual_seed(0 if train else 1)
+    images = torch.rand(512, 1, 28, 28, generator=g)
+    labels = torch.randint(0, 10, (512,), generator=g).to(torch.int32)
+    dataset = torch.utils.data.TensorDataset(images, labels)
+    return torch.utils.data.DataLoader(dataset, batch_size=batch_size, shuffle=True, drop_last=True, generator=g)
+
+
+def main():
+    backend = cstorch.backend("CSX", cluster_config=cstorch.distributed.ClusterConfig(
+        num_csx=2, max_wgt_servers=1, max_act_per_csx=1, num_workers_per_csx=1))
+    torch.manual_seed(0)
+    model = Model()
+    compiled_model = cstorch.compile(model, backend=backend)
+    optimizer = cstorch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    loss_fn = torch.nn.CrossEntropyLoss()
+
+    @cstorch.trace
+    def training_step(inputs, targets):
+        outputs = compiled_model(inputs)
+        loss = loss_fn(outputs, targets)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        return loss
+
+    @cstorch.step_closure
+    def print_loss(loss: torch.Tensor, step: int):
+        print(f"Train Loss {step}: {loss.item()}")
+
+    @cstorch.checkpoint_closure
+    def save_checkpoint(step):
+        cstorch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict()}, f"checkpoint_{step}.mdl")
+
+    training_dataloader = cstorch.utils.data.DataLoader(get_torch_dataloader, batch_size=64, train=True)
+    train_executor = cstorch.utils.data.DataExecutor(training_dataloader, num_steps=6, checkpoint_steps=3)
+    global_step = 0
+    model.train()
+    for inputs, targets in train_executor:
+        loss = training_step(inputs, targets)
+        global_step += 1
+        print_loss(loss, global_step)
+        save_checkpoint(global_step)
+
+
+if __name__ == "__main__":
+    main()
+'''
+
+
+def test_the_tutorial_as_users_copied_it_trains_on_two_cs2s_as_eager_pytorch(tmp_path):
+    import pyapi.cstorch as cstorch
+
+    losses = numbers(run(tmp_path, TUTORIAL), "Train Loss")
+    user = {}
+    exec(TUTORIAL.replace("import cerebras.pytorch as cstorch", ""), user)
+    torch.manual_seed(0)
+    model = user["Model"]()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    for step, (x, y) in enumerate(user["get_torch_dataloader"](64, True)):
+        if step == 6:
+            break
+        loss = F.cross_entropy(model(x), y.long())
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        assert losses[step] == pytest.approx(loss.item(), rel=1e-5), step
+    saved = cstorch.load(tmp_path / "checkpoint_6.mdl")
+    for name, w in model.state_dict().items():
+        torch.testing.assert_close(saved["model"][name], w, rtol=1e-5, atol=1e-6)
+    assert (tmp_path / "checkpoint_3.mdl").exists() and len(losses) == 6
+
+
+# -- an LM repository's train and eval scripts, in two API generations -------------------------------
+# Follows Cerebras/gigaGPT train.py, eval.py, data.py and model.py @ ebc1bbe9efa3bb4c07898c016ec3f88927ec0cab
+# (2.5: cerebras.pytorch, ClusterConfig, set_half_dtype, profiler.rate_tracker) and @
+# 8b2379b0e914cfb3f5fd1a6b22dc7a73d56183f9 (2.0: cerebras_pytorch, CSConfig, use_bfloat16,
+# DataExecutor(cs_config=, writer=), profiler.rate()): parameter groups (decay for matrices only),
+# AdamW(correct_bias=True) at a placeholder lr under SequentialLR(LinearLR warm-up, CosineDecayLR),
+# clip_grad_norm_ of a generator of the parameters (consumed once: the step runs once), bfloat16 off
+# the CPU, `with backend.device`, a model that returns its loss (sum / (B * T), cast to the logits'
+# dtype), a one-argument step on a tuple batch of int32 ids, batches sharded over the streamers by
+# get_streaming_rank, a checkpoint closure of five keys, resume with enumerate(executor, start=global_step
+# + 1), and an eval script of @cstorch.trace @torch.no_grad() that adds the loss tensors in a closure.
+
+GPT_MODEL = '''
+import torch
+import torch.nn as nn
+from dataclasses import dataclass
+
+
+@dataclass
+class GPTConfig:
+    vocab_size: int = 64
+    hidden_size: int = 32
+    sequence_length: int = 16
+    heads: int = 2
+    num_hidden_layers: int = 2
+
+
+class Block(nn.Module):
+    def __init__(self, c):
+        super().__init__()
+        self.ln_1, self.ln_2 = nn.LayerNorm(c.hidden_size), nn.LayerNorm(c.hidden_size)
+        self.qkv = nn.Linear(c.hidden_size, 3 * c.hidden_size)
+        self.proj = nn.Linear(c.hidden_size, c.hidden_size)
+        self.mlp = nn.Sequential(nn.Linear(c.hidden_size, 4 * c.hidden_size), nn.GELU(),
+                                 nn.Linear(4 * c.hidden_size, c.hidden_size))
+        self.heads = c.heads
+
+    def forward(self, x, mask):
+        b, t, h = x.shape
+        q, k, v = self.qkv(self.ln_1(x)).split(h, dim=2)
+        q, k, v = (z.view(b, t, self.heads, h // self.heads).transpose(1, 2) for z in (q, k, v))
+        att = q @ k.transpose(-2, -1) / (h // self.heads) ** 0.5 + mask
+        x = x + self.proj((att.softmax(-1) @ v).transpose(1, 2).reshape(b, t, h))
+        return x + self.mlp(self.ln_2(x))
+
+
+def create_autoregressive_mask(batch_size, num_heads, length, device, dtype):
+    r = torch.arange(length, device=device)
+    diff = (r[None, :] - r[:, None]).broadcast_to((batch_size, num_heads, length, length)).to(dtype)
+    return torch.where(diff > 0, torch.tensor(float("-inf"), dtype=dtype), 0)
+
+
+class GPTModel(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        torch.manual_seed(0)  # (ours: the same initial weights in every process the test starts)
+        self.config = config
+        self.wte = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.wpe = nn.Embedding(config.sequence_length, config.hidden_size)
+        self.blocks = nn.ModuleList([Block(config) for _ in range(config.num_hidden_layers)])
+        self.ln_f = nn.LayerNorm(config.hidden_size)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head.weight = self.wte.weight
+
+    def forward(self, input_ids, labels=None):
+        batch_size, sequence_length = input_ids.shape
+        x = self.wte(input_ids) + self.wpe(torch.arange(sequence_length, device=input_ids.device))
+        mask = create_autoregressive_mask(batch_size, self.config.heads, sequence_length, x.device, x.dtype)
+        for block in self.blocks:
+            x = block(x, mask)
+        logits = self.lm_head(self.ln_f(x))
+        loss = nn.CrossEntropyLoss(reduction="none")(logits.view(-1, logits.size(-1)), labels.view(-1).long())
+        loss = loss.sum() / (batch_size * sequence_length)
+        return loss.to(logits.dtype)
+'''
+
+GPT_DATA = '''
+import numpy as np
+import torch
+
+import {package}.distributed as dist
+
+
+class NumpyMmapDataset(torch.utils.data.Dataset):
+    def __init__(self, data_path, sequence_length):
+        self.sequence_length = sequence_length
+        self.data = np.memmap(data_path, dtype=np.uint16, mode="r")
+
+    def __getitem__(self, i):
+        x = self.data[i * self.sequence_length:(i + 1) * self.sequence_length + 1].astype(np.int32)
+        return x[:-1], x[1:]
+
+    def __len__(self):
+        return (len(self.data) - 1) // self.sequence_length
+
+
+class Sharder(torch.utils.data.Sampler):
+    def __init__(self, data_source):
+        self.data_source = data_source
+        self.task_id = dist.get_streaming_rank() if dist.is_streamer() else 0
+        self.num_tasks = dist.num_streamers() if dist.is_streamer() else 1
+
+    def __iter__(self):
+        for i, x in enumerate(self.data_source):
+            if i % self.num_tasks == self.task_id:
+                yield x
+
+    def __len__(self):
+        n = len(self.data_source)
+        return n // self.num_tasks + (self.task_id < n % self.num_tasks)
+
+
+def get_dataloader(data_path, sequence_length, batch_size, seed=0):
+    gen = torch.Generator()
+    gen.manual_seed(seed)
+    dataset = NumpyMmapDataset(data_path, sequence_length)
+    sampler = torch.utils.data.RandomSampler(dataset, generator=gen)
+    sampler = Sharder(torch.utils.data.BatchSampler(sampler, batch_size, drop_last=True))
+    return torch.utils.data.DataLoader(dataset, batch_sampler=sampler)
+'''
+
+GPT_CONFIG = {
+    "2.5": '''
+import sys
+from dataclasses import dataclass
+from cerebras.pytorch.distributed import ClusterConfig
+from model import GPTConfig
+
+
+@dataclass
+class RunConfig:
+    backend: str = "CSX"
+    out_dir: str = "out"
+    dataset: str = "."
+    checkpoint_path: str = None
+    sequence_length: int = 16
+    batch_size: int = 8
+    num_steps: int = 4
+    checkpoint_steps: int = 2
+    seed: int = 1
+    learning_rate: float = 1e-2
+    warmup_steps: int = 2
+    decay_steps: int = 6
+    weight_decay: float = 0.1
+    adam_epsilon: float = 1e-8
+    max_gradient_norm: float = 1.0
+    execute_crd_memory_gi: int = 32
+    compile_crd_memory_gi: int = 50
+
+
+def parse_args():
+    run = RunConfig(**dict(arg.split("=", 1) for arg in sys.argv[1:]))
+    return GPTConfig(), run, ClusterConfig(num_csx=2, mount_dirs=["."], python_paths=["."])
+''',
+    "2.0": '''
+import sys
+from dataclasses import dataclass
+from cerebras_pytorch.utils import CSConfig
+from model import GPTConfig
+
+
+@dataclass
+class RunConfig:
+    backend: str = "CSX"
+    out_dir: str = "out"
+    dataset: str = "."
+    checkpoint_path: str = None
+    sequence_length: int = 16
+    batch_size: int = 8
+    num_steps: int = 4
+    checkpoint_steps: int = 2
+    seed: int = 1
+    learning_rate: float = 1e-2
+    warmup_steps: int = 2
+    decay_steps: int = 6
+    weight_decay: float = 0.1
+    adam_epsilon: float = 1e-8
+    max_gradient_norm: float = 1.0
+
+
+def parse_args():
+    run = RunConfig(**dict(arg.split("=", 1) for arg in sys.argv[1:]))
+    return GPTConfig(), run, CSConfig(num_csx=2, mount_dirs=["."], python_paths=["."], precision_opt_level=1)
+'''}
+
+GPT_TRAIN = '''
+import os
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+
+import {package} as cstorch
+from configuration import parse_args
+from data import get_dataloader
+from model import GPTModel
+
+
+def main(model_config, config, cs_config):
+    backend = {backend}
+    out_dir = Path(config.out_dir)
+    if not backend.is_cpu:
+        {half}
+
+    with backend.device:
+        model = GPTModel(model_config)
+    compiled_model = cstorch.compile(model, backend)
+
+    decay_params = [p for p in model.parameters() if p.dim() >= 2]
+    no_decay_params = [p for p in model.parameters() if p.dim() < 2]
+    param_groups = [{{"params": decay_params, "weight_decay": config.weight_decay}},
+                    {{"params": no_decay_params, "weight_decay": 0.0}}]
+    optimizer = cstorch.optim.AdamW(param_groups, lr=0.1, weight_decay=config.weight_decay, correct_bias=True,
+                                    betas=(0.9, 0.95), eps=config.adam_epsilon)
+    lr_scheduler = cstorch.optim.lr_scheduler.SequentialLR(
+        optimizer,
+        schedulers=[
+            cstorch.optim.lr_scheduler.LinearLR(optimizer, initial_learning_rate=0.0,
+                                                end_learning_rate=config.learning_rate,
+                                                total_iters=config.warmup_steps),
+            cstorch.optim.lr_scheduler.CosineDecayLR(optimizer, initial_learning_rate=config.learning_rate,
+                                                     end_learning_rate=0.1 * config.learning_rate,
+                                                     total_iters=config.decay_steps),
+        ],
+        milestones=[config.warmup_steps],
+    )
+    all_params = (p for param_group in optimizer.param_groups for p in param_group["params"])
+
+    if config.checkpoint_path is not None:
+        state_dict = cstorch.load(config.checkpoint_path)
+        model.load_state_dict(state_dict["model"])
+        if "optimizer" in state_dict:
+            optimizer.load_state_dict(state_dict["optimizer"])
+        if "lr_scheduler" in state_dict:
+            lr_scheduler.load_state_dict(state_dict["lr_scheduler"])
+        global_step = state_dict.get("global_step", 0)
+    else:
+        global_step = 0
+    {knobs}
+
+    @cstorch.checkpoint_closure
+    def save_checkpoint(step):
+        checkpoint_path = out_dir.joinpath(f"checkpoint_{{step}}.mdl")
+        state_dict = {{
+            "model": model.state_dict(),
+            "optimizer": optimizer.state_dict(),
+            "lr_scheduler": lr_scheduler.state_dict(),
+            "global_step": step,
+            "model_config": asdict(model_config),
+        }}
+        cstorch.save(state_dict, checkpoint_path)
+
+    @cstorch.trace
+    def training_step(batch):
+        input_ids, labels = batch
+        loss = compiled_model(input_ids, labels)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(list(all_params), config.max_gradient_norm)
+        optimizer.step()
+        lr_scheduler.step()
+        optimizer.zero_grad()
+        return loss
+
+    {writer_import}
+    writer = SummaryWriter(log_dir=out_dir.joinpath("train"))
+
+    @cstorch.step_closure
+    def log_loss(loss, step):
+        rate = {rate}
+        global_rate = {global_rate}
+        print(f"| Step={{step}}, Rate={{rate:.2f}} samples/sec, GlobalRate={{global_rate:.2f}}, Loss={{loss.item()!r}}")
+        writer.add_scalar("loss", loss.item(), step)
+        writer.add_scalar("samples_per_second", global_rate, step)
+
+    data_path = os.path.join(config.dataset, "train.bin")
+    dataloader = cstorch.utils.data.DataLoader(get_dataloader, data_path, config.sequence_length, config.batch_size,
+                                               config.seed)
+    executor = cstorch.utils.data.DataExecutor(dataloader, num_steps=config.num_steps - global_step,
+                                               checkpoint_steps=config.checkpoint_steps{executor_args})
+    for step, batch in enumerate(executor, start=global_step + 1):
+        if step > config.num_steps:
+            break
+        loss = training_step(batch)
+        log_loss(loss, step)
+        save_checkpoint(step)
+
+
+if __name__ == "__main__":
+    main(*parse_args())
+'''
+
+GPT_ERAS = {
+    "2.5": dict(package="cerebras.pytorch", backend="cstorch.backend(config.backend, cluster_config=cs_config)",
+                half='cstorch.amp.set_half_dtype("bfloat16")',
+                knobs="cstorch.backends.csx.debug.execute_crd_memory_gi = config.execute_crd_memory_gi\n"
+                      "    cstorch.backends.csx.debug.compile_crd_memory_gi = config.compile_crd_memory_gi",
+                writer_import="from cerebras.pytorch.utils.tensorboard import SummaryWriter",
+                rate="executor.profiler.rate_tracker.rate", global_rate="executor.profiler.rate_tracker.global_rate",
+                executor_args=""),
+    "2.0": dict(package="cerebras_pytorch", backend="cstorch.backend(config.backend, use_cs_grad_accum=True)",
+                half="cstorch.amp.use_bfloat16(True)", knobs="",
+                writer_import="SummaryWriter = cstorch.utils.tensorboard.SummaryWriter",
+                rate="executor.profiler.rate()", global_rate="executor.profiler.global_rate()",
+                executor_args=", cs_config=cs_config, writer=writer"),
+}
+
+GPT_EVAL = '''
+import os
+from pathlib import Path
+
+import torch
+
+import cerebras.pytorch as cstorch
+from configuration import parse_args
+from data import get_dataloader
+from model import GPTModel
+
+
+def main(model_config, config, cs_config):
+    backend = cstorch.backend(config.backend, cluster_config=cs_config)
+    out_dir = Path(config.out_dir)
+    if not backend.is_cpu:
+        cstorch.amp.set_half_dtype("bfloat16")
+    with backend.device:
+        model = GPTModel(model_config)
+    compiled_model = cstorch.compile(model, backend)
+    state_dict = cstorch.load(config.checkpoint_path)
+    model.load_state_dict(state_dict["model"])
+    global_step = state_dict.get("global_step", 0)
+    del state_dict
+
+    @cstorch.trace
+    @torch.no_grad()
+    def eval_step(batch):
+        input_ids, labels = batch
+        loss = compiled_model(input_ids, labels)
+        return loss
+
+    total_loss = 0
+    total_steps = 0
+
+    @cstorch.step_closure
+    def post_eval_step(loss, step):
+        nonlocal total_loss
+        nonlocal total_steps
+        total_loss += loss
+        total_steps += 1
+
+    from cerebras.pytorch.utils.tensorboard import SummaryWriter
+    writer = SummaryWriter(log_dir=out_dir.joinpath("eval"))
+    dataloader = cstorch.utils.data.DataLoader(get_dataloader, os.path.join(config.dataset, "val.bin"),
+                                               config.sequence_length, config.batch_size)
+    num_steps = len(dataloader)
+    executor = cstorch.utils.data.DataExecutor(dataloader, num_steps=num_steps)
+    for step, batch in enumerate(executor, start=1):
+        if step > num_steps:
+            break
+        loss = eval_step(batch)
+        post_eval_step(loss, step)
+    avg_loss = total_loss / total_steps
+    writer.add_scalar("loss", avg_loss, global_step)
+    print(f"Average eval loss: {avg_loss.item()!r} over {total_steps} steps")
+
+
+if __name__ == "__main__":
+    main(*parse_args())
+'''
+
+
+def gpt_files(era):
+    return {"model.py": GPT_MODEL, "data.py": GPT_DATA.format(package=GPT_ERAS[era]["package"]),
+            "configuration.py": GPT_CONFIG[era]}
+
+
+def gpt_eager(tmp_path, steps):
+    """(losses, model) of eager PyTorch on the scripts' model and data: the same groups, AdamW, schedule
+    and clipping, bfloat16 under torch.autocast; its loss before the final cast to the logits' dtype
+    (the cluster computes a unit's values in float32 on 16-bit weights: its loss is not rounded)."""
+    user = {}
+    exec(GPT_MODEL.replace("return loss.to(logits.dtype)", "return loss"), user)
+    data = {}
+    exec(GPT_DATA.format(package="pyapi.cstorch"), data)
+    model = user["GPTModel"](user["GPTConfig"]())
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    rest = [p for p in model.parameters() if p.dim() < 2]
+    optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0}],
+                                  lr=0.0, betas=(0.9, 0.95), eps=1e-8)
+    losses = []
+    epoch = list(data["get_dataloader"](str(tmp_path / "train.bin"), 16, 8, 1))
+    for step in range(steps):
+        lr = 1e-2 * step / 2 if step < 2 else 1e-3 + 0.5 * (1e-2 - 1e-3) * (1 + np.cos(np.pi * (step - 2) / 6))
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        ids, labels = epoch[step % len(epoch)]  # the loader made again when it runs out
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = model(ids.long(), labels)
+        optimizer.zero_grad()
+        loss.float().backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        losses.append(loss.item())
+    return losses, model
+
+
+def test_an_lm_repositorys_train_and_eval_scripts_run_on_two_cs2s_in_both_api_generations(tmp_path):
+    """gigaGPT's shape: 4 steps (two epochs of two batches) in bfloat16 on 2 CS-2s, eager PyTorch's losses
+    (2e-3: 16-bit); stopped at its step-2 checkpoint and resumed, the run ends with the uninterrupted
+    run's checkpoint bit for bit (its loader starts again, as gigaGPT's does on a real system: at an
+    epoch's end, the batches the uninterrupted run takes); the 2.0-era spelling gives the 2.5 one's
+    bits; the eval script's loss is eager's on the trained weights."""
+    import pyapi.cstorch as cstorch
+
+    tokens = np.random.default_rng(0).integers(0, 64, 16 * 16 + 1).astype(np.uint16)
+    runs = {}
+    for name, era, args in (("full", "2.5", ()), ("resumed", "2.5", ("checkpoint_path=../full/out/checkpoint_2.mdl",)),
+                            ("old", "2.0", ())):
+        where = tmp_path / name
+        where.mkdir()
+        tokens.tofile(where / "train.bin")
+        tokens[: 16 * 16 + 1].tofile(where / "val.bin")
+        runs[name] = run(where, GPT_TRAIN.format(**GPT_ERAS[era]), *args, files=gpt_files(era))
+    full = numbers(runs["full"], "| Step")
+    eager, model = gpt_eager(tmp_path / "full", 4)
+    assert full == pytest.approx(eager, rel=2e-3)
+    assert numbers(runs["resumed"], "| Step") == full[2:]
+    assert numbers(runs["old"], "| Step") == full
+    final = [cstorch.load(tmp_path / name / "out" / "checkpoint_4.mdl") for name in ("full", "resumed", "old")]
+    for other in final[1:]:
+        assert other["global_step"] == 4 and other["lr_scheduler"] == final[0]["lr_scheduler"]
+        for key in ("model", "optimizer"):
+            flat = [(a, b) for a, b in zip(_leaves(final[0][key]), _leaves(other[key]))]
+            assert flat and all(torch.equal(a, b) for a, b in flat), key
+    lines = run(tmp_path / "full", GPT_EVAL, "checkpoint_path=out/checkpoint_4.mdl", files=gpt_files("2.5"))
+    (line,) = [line for line in lines if line.startswith("Average eval loss")]
+    model.load_state_dict(final[0]["model"])
+    data = {}
+    exec(GPT_DATA.format(package="pyapi.cstorch"), data)
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        want = [model(ids.long(), labels).item() for ids, labels in
+                data["get_dataloader"](str(tmp_path / "full" / "val.bin"), 16, 8)]
+    assert float(line.split()[3]) == pytest.approx(sum(want) / len(want), rel=2e-3)
+
+
+def _leaves(state):
+    from torch.utils._pytree import tree_leaves
+
+    return [x for x in tree_leaves(state) if isinstance(x, torch.Tensor)]
