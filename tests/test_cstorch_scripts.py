@@ -581,3 +581,273 @@ def _leaves(state):
     from torch.utils._pytree import tree_leaves
 
     return [x for x in tree_leaves(state) if isinstance(x, torch.Tensor)]
+
+
+# -- a site's CNN with BatchNorm, 2.0 era ---------------------------------------------------------------
+# Follows EPCCed/reframe-mlperf-epcc cs2/ML/ResNet50/train.py @ 0aff1b6a8f203277d9745270de7449e375f2c055 (EPCC's
+# CS-2, whose ReFrame test scrapes its "Processing Speed" line): bottleneck blocks with BatchNorm2d
+# in training, cstorch.compile(model, backend="CSX") with no backend made, SGD with momentum, an input
+# function of the params dict, a two-argument step that calls cstorch.summarize_scalar, a
+# SummaryWriter() without a log_dir, cstorch.utils.CSConfig given to DataExecutor(cs_config=, writer=),
+# no step closure, len() of the cstorch DataLoader. (Data: random images and int64 labels, ImageFolder's.)
+
+RESNET = '''
+import os
+import time
+
+import cerebras_pytorch as cstorch
+import torch
+import torch.nn as nn
+
+
+class Bottleneck(nn.Module):
+    def __init__(self, channels, width):
+        super().__init__()
+        self.conv1, self.bn1 = nn.Conv2d(channels, width, 1, bias=False), nn.BatchNorm2d(width)
+        self.conv2, self.bn2 = nn.Conv2d(width, width, 3, padding=1, bias=False), nn.BatchNorm2d(width)
+        self.conv3, self.bn3 = nn.Conv2d(width, channels, 1, bias=False), nn.BatchNorm2d(channels)
+
+    def forward(self, x):
+        out = torch.relu(self.bn1(self.conv1(x)))
+        out = torch.relu(self.bn2(self.conv2(out)))
+        return torch.relu(self.bn3(self.conv3(out)) + x)
+
+
+class ResNet(nn.Module):
+    def __init__(self, num_class=10):
+        super().__init__()
+        torch.manual_seed(0)  # (ours: the same initial weights in every process the test starts)
+        self.stem = nn.Sequential(nn.Conv2d(3, 16, 3, padding=1, bias=False), nn.BatchNorm2d(16), nn.ReLU())
+        self.layers = nn.Sequential(Bottleneck(16, 8), Bottleneck(16, 8))
+        self.fc = nn.Linear(16, num_class)
+
+    def forward(self, x):
+        x = self.layers(self.stem(x))
+        return self.fc(torch.nn.functional.adaptive_avg_pool2d(x, 1).view(x.shape[0], -1))
+
+
+def get_train_dataloader(params):
+    params = params["train_input"]
+    g = torch.Generator().manual_seed(3)
+    images = torch.randn(64, 3, 16, 16, generator=g)
+    labels = torch.randint(0, 10, (64,), generator=g)
+    dataset = torch.utils.data.TensorDataset(images, labels)
+    return torch.utils.data.DataLoader(dataset, batch_size=params["batch_size"], drop_last=params["drop_last_batch"],
+                                       shuffle=params["shuffle"])
+
+
+def main(config):
+    params = {"train_input": {"batch_size": 16, "drop_last_batch": True, "shuffle": False},
+              "runconfig": {"max_steps": 4, "checkpoint_steps": 0}}
+    model = ResNet()
+    compiled_model = cstorch.compile(model, backend="CSX")
+    optimizer = cstorch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    cerebras_loader = cstorch.utils.data.DataLoader(get_train_dataloader, params)
+    criterion = torch.nn.CrossEntropyLoss()
+
+    @cstorch.trace
+    def train_step(x, y):
+        logits = compiled_model(x)
+        loss = criterion(logits, y)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        cstorch.summarize_scalar("loss", loss)
+        return loss
+
+    writer = cstorch.utils.tensorboard.SummaryWriter()
+    executor = cstorch.utils.data.DataExecutor(
+        cerebras_loader, num_steps=params["runconfig"]["max_steps"],
+        checkpoint_steps=params["runconfig"]["checkpoint_steps"], cs_config=cs_config, writer=writer)
+    start = time.time()
+    for x, y in executor:
+        loss = train_step(x, y)
+    total_time = time.time() - start
+    dataset_size = len(cerebras_loader) * params["train_input"]["batch_size"]
+    print(f"Processing Speed: {dataset_size / total_time}")
+    print(f"Time For Epoch: {total_time}")
+    cstorch.save({"model": model.state_dict()}, "final.mdl")
+
+
+if __name__ == "__main__":
+    cs_config = cstorch.utils.CSConfig(mount_dirs=[os.getcwd()], python_paths=[os.getcwd()], num_workers_per_csx=2,
+                                       num_csx=2)
+    main(cs_config)
+'''
+
+
+def test_a_sites_resnet_with_batchnorm_trains_on_two_cs2s_as_eager_pytorch_accumulating_micro_batches(tmp_path):
+    """EPCC's shape on 2 CS-2s: each micro-batch normalised by its own statistics, eager PyTorch's losses
+    when it accumulates the same micro-batches' gradients (BatchNorm sees what each CS-2 sees), and
+    the running statistics eager's M sequential updates give; the summaries and the site's lines."""
+    import pyapi.cstorch as cstorch
+
+    lines = run(tmp_path, RESNET)
+    assert any(line.startswith("Processing Speed: ") for line in lines), lines
+    metrics = [json.loads(line) for line in next(tmp_path.glob("cerebras_logs/run_*/model/metrics.jsonl"))
+               .read_text().splitlines()]
+    losses, m = [r["loss"] for r in metrics], metrics[0]["micro_batches"]
+    summaries = [json.loads(line) for line in next(tmp_path.glob("cerebras_logs/run_*/summaries.jsonl"))
+                 .read_text().splitlines()]
+    assert [s["value"] for s in summaries] == pytest.approx(losses, rel=1e-6)  # the step's float32 loss
+    assert list(tmp_path.glob("runs/*/events.out.tfevents.*"))
+    user = {}
+    exec(RESNET.replace("import cerebras_pytorch as cstorch", ""), user)
+    model = user["ResNet"]()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    loader = user["get_train_dataloader"]({"train_input": {"batch_size": 16, "drop_last_batch": True,
+                                                           "shuffle": False}})
+    for step, (x, y) in enumerate(loader):
+        optimizer.zero_grad()
+        total = 0.0
+        for xs, ys in zip(x.chunk(m), y.chunk(m)):  # the micro-batches, in order
+            loss = F.cross_entropy(model(xs), ys) * len(ys) / len(y)
+            loss.backward()
+            total += loss.item()
+        optimizer.step()
+        assert losses[step] == pytest.approx(total, rel=1e-5), step
+    final = cstorch.load(tmp_path / "final.mdl")["model"]
+    for name, value in model.state_dict().items():
+        torch.testing.assert_close(final[name].to(value.dtype), value, rtol=1e-4, atol=1e-5, msg=name)
+    assert int(final["layers.0.bn1.num_batches_tracked"]) == 4 * m
+
+
+# -- mixed precision with a gradient scaler and amp.optimizer_step ---------------------------------------
+# Follows Cerebras/modelzoo modelzoo/common/pytorch/run_cstorch_flow.py @ c3a8a691476e0b12d8272021c483ddcfaee432d1
+# (Release_2.0.2: configure_optimizer, configure_lr_scheduler, GradScaler(loss_scale="dynamic", ...),
+# cstorch.amp.optimizer_step(loss, optimizer, grad_scaler, max_gradient_norm=...) in a step of one
+# batch argument, the scaler's state_dict saved as "grad_scaler" and loaded on resume) and
+# epautsch/UncertaintyANL cerebras/imagenet/attempt1/training.py @ c943a13067ca4e5273fc813c4d65714d54e9cd94
+# (a user's: the same calls, step closures called inside the step, a checkpoint of model, optimizer,
+# scaler and global_step), on float16.
+
+AMP = '''
+import sys
+import torch
+import cerebras_pytorch as cstorch
+
+
+class MLP(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)  # (ours: the same initial weights in every process the test starts)
+        self.layers = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.GELU(), torch.nn.Linear(64, 64),
+                                          torch.nn.GELU(), torch.nn.Linear(64, 4))
+
+    def forward(self, x):
+        return self.layers(x)
+
+
+def input_fn(batch_size):
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(3 * batch_size, 32, generator=g)
+    x[batch_size] = 1e6  # beyond float16: the second batch's gradients overflow, whatever the scale
+    y = torch.randint(0, 4, (3 * batch_size,), generator=g).to(torch.int32)
+    return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=batch_size, drop_last=True)
+
+
+def main(checkpoint=None, total_steps=6):
+    backend = cstorch.backend("CSX", use_cs_grad_accum=True)
+    cstorch.amp.use_bfloat16(False)
+    model = MLP()
+    compiled_model = cstorch.compile(model, backend)
+    optimizer = cstorch.optim.configure_optimizer(optimizer_type="SGD", params=model.parameters(), learning_rate=0.05,
+                                                  momentum=0.9)
+    lr_scheduler = cstorch.optim.configure_lr_scheduler(
+        optimizer, {"scheduler": "Linear", "initial_learning_rate": 0.05, "end_learning_rate": 0.01, "total_iters": 6})
+    grad_scaler = cstorch.amp.GradScaler(loss_scale="dynamic", init_scale=2.0 ** 10, steps_per_increase=3)
+    loss_fn = torch.nn.CrossEntropyLoss()
+    global_step = 0
+    if checkpoint is not None:
+        state_dict = cstorch.load(checkpoint)
+        model.load_state_dict(state_dict["model"])
+        optimizer.load_state_dict(state_dict["optimizer"])
+        lr_scheduler.load_state_dict(state_dict["lr_scheduler"])
+        grad_scaler.load_state_dict(state_dict["grad_scaler"])
+        global_step = state_dict["global_step"]
+    losses = []
+
+    @cstorch.step_closure
+    def accumulate_loss(loss):
+        losses.append(loss.item())
+
+    @cstorch.trace
+    def training_step(batch):
+        inputs, targets = batch
+        outputs = compiled_model(inputs)
+        loss = loss_fn(outputs, targets)
+        cstorch.amp.optimizer_step(loss, optimizer, grad_scaler, max_gradient_norm=1.0)
+        lr_scheduler.step()
+        accumulate_loss(loss)
+        return loss
+
+    @cstorch.step_closure
+    def post_training_step(loss, step):
+        print(f"step {step} scale {grad_scaler.state_dict().get('loss_scale')} loss {loss.item()!r}")
+
+    @cstorch.checkpoint_closure
+    def save_checkpoint(step):
+        cstorch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(),
+                      "lr_scheduler": lr_scheduler.state_dict(), "grad_scaler": grad_scaler.state_dict(),
+                      "global_step": step}, f"checkpoint_{step}.mdl")
+
+    dataloader = cstorch.utils.data.DataLoader(input_fn, 8)
+    executor = cstorch.utils.data.DataExecutor(dataloader, num_steps=total_steps - global_step, checkpoint_steps=3)
+    for step, batch in enumerate(executor, start=global_step + 1):
+        loss = training_step(batch)
+        post_training_step(loss, step)
+        save_checkpoint(step)
+    print("losses", len(losses))
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:2])
+'''
+
+
+def test_mixed_precision_with_optimizer_step_resumes_with_its_dynamic_loss_scale(tmp_path):
+    """float16 with a dynamic loss scale, a batch whose values overflow float16 every third step:
+    eager PyTorch's skipped steps and losses (torch.autocast with torch.amp.GradScaler: 2e-3), the
+    scale halving and doubling; stopped at step 3 and resumed from the checkpoint the script saved,
+    the rest of the run (its losses, its loss scale, its final state) is the uninterrupted run's."""
+    import pyapi.cstorch as cstorch
+
+    full = run(tmp_path / "full", AMP)
+    resumed = run(tmp_path / "resumed", AMP, "../full/checkpoint_3.mdl")
+    assert [line for line in full if line.startswith("step ")][3:] == [line for line in resumed if line.startswith("step ")]
+    # the scaler's state after each step: halved by a skip; the resumed run goes on from step 3's (512, one
+    # clean step), where a scale that restarted from 1024 would give 1024, 512, 512
+    assert [float(line.split()[3]) for line in full if line.startswith("step ")] == [1024, 512, 512, 512, 256, 256]
+    a, b = (cstorch.load(tmp_path / d / "checkpoint_6.mdl") for d in ("full", "resumed"))
+    assert a["grad_scaler"] == b["grad_scaler"] and a["lr_scheduler"] == b["lr_scheduler"]
+    assert all(torch.equal(x, y) for x, y in zip(_leaves([a["model"], a["optimizer"]]),
+                                                   _leaves([b["model"], b["optimizer"]])))
+    metrics = [json.loads(line) for line in next((tmp_path / "full").glob("cerebras_logs/run_*/model/metrics.jsonl"))
+               .read_text().splitlines()]
+    skipped = [r["skipped"] for r in metrics]
+    losses = numbers(full, "step ")
+    user = {}
+    exec(AMP.replace("import cerebras_pytorch as cstorch", ""), user)
+    model = user["MLP"]()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10, growth_interval=3)
+    eager_skipped, batches = [], list(user["input_fn"](8))
+    for step in range(6):
+        for group in optimizer.param_groups:
+            group["lr"] = 0.05 + (0.01 - 0.05) * step / 6
+        x, y = batches[step % 3]
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = F.cross_entropy(model(x), y.long())
+        optimizer.zero_grad()
+        scaler.scale(loss).backward()
+        scaler.unscale_(optimizer)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        scale = scaler.get_scale()
+        scaler.step(optimizer)
+        scaler.update()
+        eager_skipped.append(scaler.get_scale() < scale)
+        if np.isfinite(loss.item()):
+            assert losses[step] == pytest.approx(loss.item(), rel=2e-3), step
+        else:  # the batch beyond float16
+            assert not np.isfinite(losses[step]), step
+    assert skipped == eager_skipped == [False, True, False, False, True, False]

@@ -158,6 +158,7 @@ class Run:
         self.evaluator = None  # the compiled model an evaluation loop runs (``_start_eval``)
         self.scaler = None  # the GradScaler the traced step steps with, which keeps the cluster's loss scale
         self.batch_norms = ()  # the model's BatchNorms in training (``capture.Graph.batch_norms``)
+        self.loss_scaler = None  # a replica of the cluster's loss scaler, moved by each step's skip
         self.stop = threading.Event()  # set when the loop is left early: the job of this process ends
 
     # -- the first call: capture, data, params, start ---------------------------------------------
@@ -183,7 +184,10 @@ class Run:
                 rec, out = self._check_same_graph(fn, args, kwargs, step)
             else:
                 rec, out = self.template
-        loss, values, micro_batches = self._values(self.start + step)
+        loss, values, micro_batches, skipped = self._values(self.start + step)
+        if self.loss_scaler is not None:  # the scaler's state after this step, as the coordinator's
+            self.loss_scaler.update(float("inf") if skipped else 0.0)
+            self.scaler.cluster_state = self.loss_scaler.state()
         if self.batch_norms:  # their statistics come last: the model's running statistics take them
             values, stats = values[:-2 * len(self.batch_norms)], values[-2 * len(self.batch_norms):]
             self._update_batch_norms(stats, micro_batches)
@@ -275,6 +279,13 @@ class Run:
         resumed = self._resumed_state() if self.start else None
         self.scaler = rec.scaler
         scale = self.scaler.resumed_state() if self.start and self.scaler is not None else None
+        if self.scaler is not None:  # follows the cluster's loss scaler step by step (``step``)
+            from pyapi.params import validate
+            from wse_core.optim.loss_scale import LossScaler
+
+            self.loss_scaler = LossScaler.from_params(validate(self.params).optimizer, rec.fp16_type)
+            self.loss_scaler.load(scale)
+            self.scaler.cluster_state = self.loss_scaler.state()
         if self.backend.is_csx:
             if resumed is not None:
                 _write_checkpoint(self.model_dir, self.start, *resumed, scale)
@@ -359,7 +370,7 @@ class Run:
         its BatchNorms' statistics; the micro-batches they were combined over) of global step
         ``step``, once the cluster (or this process) has computed them."""
         if self.evaluator is not None:
-            return None, self._evaluate(step), 1
+            return None, self._evaluate(step), 1, False
         if self.cpu is not None:
             self._advance_cpu(step)
         else:
@@ -382,7 +393,7 @@ class Run:
 
         for r in RunDir(self.model_dir).read_metrics():  # a line being written is skipped, read next time
             if "loss" in r:
-                self.losses[r["step"]] = r["loss"], r.get("values", []), r.get("micro_batches", 1)
+                self.losses[r["step"]] = r["loss"], r.get("values", []), r.get("micro_batches", 1), r.get("skipped", False)
         return self.losses
 
     def _await(self, ready, what):
@@ -397,7 +408,7 @@ class Run:
     def _advance_cpu(self, step):
         while self.cpu.step < step:
             r = self.cpu.advance()
-            self.losses[self.cpu.step] = r.loss, r.values, r.micro_batches
+            self.losses[self.cpu.step] = r.loss, r.values, r.micro_batches, r.skipped
 
     def sync_weights(self, step):
         """The user's model holds the weights of the executor's ``step`` (a checkpoint step, or the
@@ -407,17 +418,14 @@ class Run:
         step += self.start
         if self.cpu is not None:
             self._advance_cpu(step)
-            weights, state, scale = self.cpu.params, self.cpu.state, self.cpu.scaler.state()
+            weights, state = self.cpu.params, self.cpu.state
         else:
             from data_tools.checkpoint import Checkpoint
 
             path = self.model_dir / f"checkpoint_{step}"
             self._await(lambda: (path / "index.h5").exists(), f"the checkpoint of step {step}")
-            ckpt = Checkpoint(path)
-            (weights, state), scale = ckpt.load(), ckpt.loss_scale
+            weights, state = Checkpoint(path).load()
         _load_into(self.user_model, weights)
-        if self.scaler is not None:  # the dynamic loss scale of the step, for the scaler's state_dict
-            self.scaler.cluster_state = scale
         import torch
 
         self.optimizer.state = {self.param_of[n]: {"step": torch.tensor(float(step)),
