@@ -851,3 +851,114 @@ def test_mixed_precision_with_optimizer_step_resumes_with_its_dynamic_loss_scale
         else:  # the batch beyond float16
             assert not np.isfinite(losses[step]), step
     assert skipped == eager_skipped == [False, True, False, False, True, False]
+
+
+# -- a site's bring-up probe ----------------------------------------------------------------------------
+# Follows wilkieolin/nubun cerebras/minimal_probe.py @ 13759138ce18b3928b270af25edf88b922a68963 (an ALCF CS-3
+# bring-up probe, --raw-input --opt adamw): ClusterConfig with job labels, a time limit, mount_dirs and
+# python_paths; a raw generator of pre-batched (inputs, int32 labels) tuples as the input function;
+# AdamW with SequentialLR(LinearLR from 0, CosineDecayLR), the scheduler stepped after zero_grad under a
+# Python `if`; a step closure printing loss.item() every step; DataExecutor(num_steps=5); a hand-kept step.
+
+PROBE = '''
+import torch
+import torch.nn.functional as F
+import cerebras.pytorch as cstorch
+
+REPO_ROOT = "."
+
+
+def main():
+    class MLP(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc1 = torch.nn.Linear(784, 256)
+            self.fc2 = torch.nn.Linear(256, 10)
+
+        def forward(self, x):
+            x = torch.flatten(x, 1)
+            x = F.relu(self.fc1(x))
+            return self.fc2(x)
+
+    cluster_config = cstorch.distributed.ClusterConfig(
+        num_csx=2, job_labels=["name=minprobe"], job_time_sec=3600, mount_dirs=[REPO_ROOT], python_paths=[REPO_ROOT])
+    backend = cstorch.backend("CSX", cluster_config=cluster_config)
+    torch.manual_seed(0)
+    model = MLP()
+    compiled_model = cstorch.compile(model, backend)
+    optimizer = cstorch.optim.AdamW(model.parameters(), lr=3e-4)
+    lr = 3e-4
+    warmup = cstorch.optim.lr_scheduler.LinearLR(optimizer, initial_learning_rate=0.0, end_learning_rate=lr,
+                                                 total_iters=500)
+    cosine = cstorch.optim.lr_scheduler.CosineDecayLR(optimizer, initial_learning_rate=lr, end_learning_rate=lr * 0.1,
+                                                      total_iters=1000)
+    lr_scheduler = cstorch.optim.lr_scheduler.SequentialLR(optimizer, schedulers=[warmup, cosine], milestones=[500])
+
+    def input_fn_raw():
+        def gen():
+            g = torch.Generator().manual_seed(7)  # (ours: the probe draws unseeded)
+            for _ in range(7):
+                x = torch.randn(64, 1, 28, 28, generator=g)
+                y = torch.randint(0, 10, (64,), dtype=torch.int32, generator=g)
+                yield (x, y)
+        return gen()
+
+    dataloader = cstorch.utils.data.DataLoader(input_fn_raw)
+    loss_fn = torch.nn.CrossEntropyLoss()
+
+    @cstorch.trace
+    def training_step(inputs, targets):
+        outputs = compiled_model(inputs)
+        loss = loss_fn(outputs, targets)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        if lr_scheduler is not None:
+            lr_scheduler.step()
+        return loss
+
+    @cstorch.step_closure
+    def print_loss(loss, step):
+        print(f"step {step}: loss={loss.item():.4f}")
+
+    executor = cstorch.utils.data.DataExecutor(dataloader, num_steps=5)
+    model.train()
+    step = 0
+    print("minimal_probe: starting standalone cstorch loop...")
+    for inputs, targets in executor:
+        loss = training_step(inputs, targets)
+        print_loss(loss, step)
+        step += 1
+    print("minimal_probe: DONE")
+
+
+if __name__ == "__main__":
+    main()
+'''
+
+
+def test_a_sites_bring_up_probe_runs_on_two_cs2s_as_eager_pytorch(tmp_path):
+    """The probe's loop on 2 CS-2s: its printed steps, and eager PyTorch's losses (from the run's
+    metrics: the probe prints four decimals) under the same warm-up from 0."""
+    lines = run(tmp_path, PROBE)
+    assert [line.split(":")[0] for line in lines if line.startswith("step ")] == [f"step {i}" for i in range(5)]
+    assert lines[-1] == "minimal_probe: DONE"
+    metrics = [json.loads(line) for line in next(tmp_path.glob("cerebras_logs/run_*/model/metrics.jsonl"))
+               .read_text().splitlines()]
+    torch.manual_seed(0)
+    user = {}
+    exec(PROBE.split("    cluster_config")[0].replace("import cerebras.pytorch as cstorch", "") + "    return MLP\n",
+         user)
+    torch.manual_seed(0)
+    model = user["main"]()()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.0, eps=1e-6, weight_decay=0.0)
+    g = torch.Generator().manual_seed(7)
+    for step in range(5):
+        x, y = torch.randn(64, 1, 28, 28, generator=g), torch.randint(0, 10, (64,), dtype=torch.int32, generator=g)
+        for group in optimizer.param_groups:
+            group["lr"] = 3e-4 * step / 500
+        loss = F.cross_entropy(model(x), y.long())
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        assert metrics[step]["loss"] == pytest.approx(loss.item(), rel=1e-5), step
