@@ -4,6 +4,7 @@ Cerebras' package names, and one line for the modules not built."""
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -234,3 +235,133 @@ def test_a_loader_that_asks_the_streamer_api_is_made_per_streamer_and_dealt_to_t
     batches = cstorch.utils.data.DataExecutor(cstorch.utils.data.DataLoader(input_fn, 5), num_steps=2)._batches(
         cstorch.backend())
     assert [b.value[:, 0].tolist() for b in batches] == [[-100] * 5, [-99] * 5]
+
+
+def test_the_rest_of_the_surface_scripts_call(tmp_path, capsys):
+    """In one CPU loop: the backend's device and kinds, compute_num_steps, manual_seed, utils.nest, the
+    executor's iteration and profiler in both generations' spellings, metrics updated in a training
+    step and in an evaluation step, summarize_tensor through the executor's writer, the flags'
+    micro-batch, and ClusterConfig's fields that mean nothing here said in one line."""
+    import yaml
+
+    import pyapi.cstorch as cstorch
+    from pyapi.cstorch.utils import nest
+
+    cstorch.backend("CSX", artifact_dir=tmp_path / "a", cluster_config=cstorch.distributed.ClusterConfig(
+        num_csx=1, job_labels=["name=x"], mount_dirs=["."]))
+    assert capsys.readouterr().err.strip() == ("cstorch.distributed.ClusterConfig: job_labels, mount_dirs: taken, and "
+                                               "meaningless on the emulated cluster (its ranks run on this machine, "
+                                               "in this Python)")
+    backend = cstorch.backend("CPU", artifact_dir=tmp_path)
+    assert backend.is_cpu and not backend.is_csx and cstorch.current_torch_device() == torch.device("cpu")
+    cstorch.manual_seed(3)
+    with backend.device:
+        model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 3))
+    first = model[0].weight.detach().clone()
+    cstorch.manual_seed(3)
+    assert torch.equal(torch.nn.Linear(4, 8).weight, first)
+    data = [(torch.randn(8, 4, generator=torch.Generator().manual_seed(i)), torch.tensor([0, 1, 2, 0, 1, 2, 0, 1]))
+            for i in range(3)]
+    loader = cstorch.utils.data.DataLoader(lambda: data)
+    assert cstorch.utils.data.compute_num_steps(loader, num_epochs=2) == 6
+    assert cstorch.utils.data.compute_num_steps(loader, initial_step=2, max_steps=5) == 3
+    assert [(s, x.shape) for s, x in nest.visit_torch_tensors({"a": [data[0][0]], "b": 1})] == [(["a", "0"], (8, 4))]
+    assert nest.map_torch_tensors(lambda scope, t: t.sum(), {"x": [torch.ones(2)]}) == {"x": [torch.tensor(2.0)]}
+    compiled = cstorch.compile(model, backend)
+    optimizer = cstorch.optim.SGD(model.parameters(), lr=0.1)
+    train_acc = cstorch.metrics.AccuracyMetric("train_accuracy")
+    cstorch.backends.csx.performance.micro_batch_size = 4
+    try:
+        @cstorch.trace
+        def train_step(x, y):
+            logits = compiled(x)
+            loss = F.cross_entropy(logits, y)
+            loss.backward()
+            optimizer.step()
+            train_acc(labels=y, predictions=logits.argmax(-1))
+            cstorch.summarize_tensor("logits", logits)
+            return loss
+
+        writer = cstorch.utils.tensorboard.SummaryWriter(log_dir=tmp_path / "tb")
+        executor = cstorch.utils.data.DataExecutor(loader, num_steps=3, writer=writer)
+        seen, before = [], [p.detach().clone() for p in model.parameters()]
+        for x, y in executor:
+            train_step(x, y)
+            seen.append((executor.user_iteration, executor.iteration, executor.on_final_iteration))
+        assert seen == [(1, 0, False), (2, 1, False), (3, 2, True)]
+        assert executor.profiler.rate_tracker.total_samples == 24 == executor.profiler.total_samples()
+        assert executor.profiler.global_rate() == executor.profiler.rate_tracker.global_rate > 0
+        params = yaml.safe_load(next(tmp_path.glob("run_*/params.yaml")).read_text())
+        assert params["train_input"]["micro_batch_size"] == 4
+    finally:
+        cstorch.backends.csx.performance.micro_batch_size = cstorch.backends.DEFAULT
+    assert cstorch.backends.csx.performance.micro_batch_size == "auto"
+    # the metric and the summaries: each step's values, as eager PyTorch's on the weights of that step
+    weights = [dict(zip(["0.weight", "0.bias", "2.weight", "2.bias"], before))]
+    eager = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 3))
+    eager.load_state_dict(weights[0])
+    sgd = torch.optim.SGD(eager.parameters(), lr=0.1)
+    correct = 0
+    for step, (x, y) in enumerate(data, 1):
+        logits = eager(x)
+        correct += int((logits.argmax(-1) == y).sum())
+        kept = torch.load(tmp_path / "tb" / "tensors" / "logits" / f"{step}.pt")
+        assert kept["step"] == step and torch.allclose(kept["tensor"], logits.detach(), rtol=1e-5, atol=1e-6)
+        sgd.zero_grad()
+        F.cross_entropy(logits, y).backward()
+        sgd.step()
+    assert float(train_acc) == correct / 24 and train_acc.num_updates == 3
+    compiled.eval()
+    accuracy, perplexity = cstorch.metrics.AccuracyMetric("accuracy"), cstorch.metrics.PerplexityMetric("perplexity")
+
+    @cstorch.trace
+    @torch.no_grad()
+    def eval_step(x, y):
+        logits = compiled(x)
+        loss = F.cross_entropy(logits, y, reduction="sum")
+        accuracy(labels=y, predictions=logits.argmax(-1))
+        perplexity(labels=y, loss=loss)
+        return loss
+
+    for x, y in cstorch.utils.data.DataExecutor(loader, num_steps=3):
+        eval_step(x, y)
+    with torch.no_grad():
+        logits = [model(x) for x, _ in data]
+    want_acc = sum(int((lg.argmax(-1) == y).sum()) for lg, (_, y) in zip(logits, data)) / 24
+    want_ppl = np.exp(sum(float(F.cross_entropy(lg, y, reduction="sum")) for lg, (_, y) in zip(logits, data)) / 24)
+    assert float(accuracy) == pytest.approx(want_acc) and float(perplexity) == pytest.approx(want_ppl, rel=1e-6)
+    assert {name for name, _ in cstorch.metrics.get_all_metrics()} >= {"accuracy", "perplexity", "train_accuracy"}
+
+
+def test_a_compile_only_backend_captures_plans_and_runs_nothing(tmp_path, capsys):
+    """compile_only: the step captured, the cluster planned and checked as `wse compile` does, one step
+    of NaN values, no closure run and no rank started; validate_only: the capture alone."""
+    import pyapi.cstorch as cstorch
+
+    for kind in ("compile_only", "validate_only"):
+        backend = cstorch.backend("CSX", artifact_dir=tmp_path / kind, num_csx=2, **{kind: True})
+        model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+        compiled = cstorch.compile(model, backend)
+        optimizer = cstorch.optim.AdamW(model.parameters())
+        fetched = []
+
+        @cstorch.trace
+        def train_step(x, y):
+            loss = F.cross_entropy(compiled(x), y)
+            loss.backward()
+            optimizer.step()
+            return loss
+
+        @cstorch.step_closure
+        def fetch(loss):
+            fetched.append(loss.item())
+
+        data = [(torch.randn(8, 4), torch.randint(0, 2, (8,)))] * 2
+        out = []
+        for x, y in cstorch.utils.data.DataExecutor(cstorch.utils.data.DataLoader(lambda: data), num_steps=2):
+            out.append(train_step(x, y))
+            fetch(out[-1])
+        assert len(out) == 1 and torch.isnan(out[0]) and fetched == []
+        err = capsys.readouterr().err
+        assert "num_steps 2 taken as 1" in err
+        assert not list((tmp_path / kind).glob("run_*/model/metrics.jsonl"))

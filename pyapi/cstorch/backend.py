@@ -21,6 +21,13 @@ class Backend:
         self.runconfig = runconfig  # this project's other cluster keys (runconfig.*), checked with the params
         self.micro_batch_size = micro_batch_size
         self.models = []
+        # A compile (capture, units, the plan `wse compile` checks) or a validation (capture alone),
+        # and nothing run: the executor takes one step, whose values are NaN and closures not run.
+        self.compile_only = self.validate_only = False
+
+    @property
+    def is_e2e_execution(self):
+        return not (self.compile_only or self.validate_only)
 
     @property
     def is_csx(self):
@@ -73,6 +80,8 @@ def backend(backend_type=None, *, artifact_dir=None, cluster_config=None, num_cs
     ``appliance`` queues the job on a running appliance (its socket, or True for the default one:
     ``$WSE_APPLIANCE_SOCKET``, this user's, the machine's) instead of starting the ranks here;
     other keywords are this project's ``runconfig`` keys (``swarmx_fanout``, ``execution_strategy``, ...).
+    ``compile_only``/``validate_only``: the step is captured and cut into units (and, compiling, the
+    cluster planned and checked as ``wse compile`` does), nothing runs.
     Without arguments: the current backend. Cerebras' other keywords of 2.0-2.3 are taken: those that
     tune a real compile or its logging (``compile_dir``, ``drop_data``, ``log_initialization``,
     ``max_checkpoints``, ``use_cs_grad_accum``) with one line saying they mean nothing here;
@@ -85,8 +94,8 @@ def backend(backend_type=None, *, artifact_dir=None, cluster_config=None, num_cs
     kind = str(backend_type).upper()
     if kind not in ("CSX", "CPU"):
         raise not_built(f"cstorch.backend({backend_type!r})", "backends CSX and CPU")
-    if compile_only or validate_only:
-        raise not_built("compile_only/validate_only", "use `wse compile` on the run's params.yaml")
+    if compile_only and validate_only:
+        raise ValueError("cstorch.backend: give one of compile_only and validate_only")
     if retrace_every_iteration:
         raise not_built("retrace_every_iteration=True", "one graph, captured on the first step")
     tuning = [k for k, v in (("compile_dir", compile_dir), ("drop_data", drop_data),
@@ -110,6 +119,7 @@ def backend(backend_type=None, *, artifact_dir=None, cluster_config=None, num_cs
     if kind == "CPU" and (cluster_config.num_csx != 1 or appliance):
         raise ValueError("cstorch.backend(\"CPU\"): one process, no CS-2s; give num_csx and appliance to \"CSX\"")
     _current = Backend(kind, artifact_dir or "cerebras_logs", cluster_config, runconfig, micro_batch_size, appliance)
+    _current.compile_only, _current.validate_only = bool(compile_only), bool(validate_only)
     _say_ignored(cluster_config, "cstorch.distributed.ClusterConfig")
     return _current
 

@@ -8,6 +8,10 @@ AttributeError, as on a real system) with no effect here: nothing is compiled fo
 import copy
 
 
+#: Assigning it to a flag gives the flag its default back (``cstorch.backends.DEFAULT``).
+DEFAULT = object()
+
+
 class _Group:
     """A group of flags: known names, their defaults; an unknown name is an AttributeError."""
 
@@ -56,6 +60,7 @@ class _Csx:
 class _Backends:
     def __init__(self):
         self.csx = _Csx()
+        self.DEFAULT = DEFAULT  # assigning it to a flag gives the flag its default back
 
     def reset(self):
         for group in self.csx.groups():
@@ -73,9 +78,6 @@ class _Backends:
             group._values.clear()
             group._values.update(values)
 
-
-#: Assigning it to a flag gives the flag its default back.
-DEFAULT = object()
 
 backends = _Backends()
 

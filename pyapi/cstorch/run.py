@@ -184,6 +184,11 @@ class Run:
                 rec, out = self._check_same_graph(fn, args, kwargs, step)
             else:
                 rec, out = self.template
+        if not self.backend.is_e2e_execution:  # nothing ran: NaN values, no closure
+            import torch
+
+            return with_values(out, {id(t): torch.full(t.shape, float("nan"), dtype=t.dtype)
+                                     for t in [rec.loss, *handed(rec, out)] if t is not None})
         loss, values, micro_batches, skipped = self._values(self.start + step)
         if self.loss_scaler is not None:  # the scaler's state after this step, as the coordinator's
             self.loss_scaler.update(float("inf") if skipped else 0.0)
@@ -276,6 +281,9 @@ class Run:
         self.params = self._params(str(program), rec)
         (self.dir / "params.yaml").write_text(yaml.safe_dump(self.params, sort_keys=False))
         self.started = True
+        if not self.backend.is_e2e_execution:
+            self._dry(graph)
+            return
         resumed = self._resumed_state() if self.start else None
         self.scaler = rec.scaler
         scale = self.scaler.resumed_state() if self.start and self.scaler is not None else None
@@ -342,6 +350,22 @@ class Run:
 
         self.thread = threading.Thread(target=run, name="wse-cstorch-job", daemon=True)
         self.thread.start()
+
+    def _dry(self, graph):
+        """A compile (the plan and its checks, ``wse compile``'s) or a validation (the capture): said in a
+        line; nothing runs."""
+        if self.backend.compile_only:
+            from mpi_launch.plan import describe
+            from pyapi.params import validate
+
+            d = describe(validate(self.params))
+            sim, plan = d["simulated"], d["plan"]
+            print(f"cstorch: compiled: {len(d['model']['units'])} streaming units, {plan['num_csx']} CS-2s, "
+                  f"{plan['world_size']} MPI ranks; simulated step {sim['step_s'] * 1e3:.3f} ms "
+                  f"(`wse compile {self.dir / 'params.yaml'}` prints the whole plan); nothing ran", flush=True)
+        else:
+            print(f"cstorch: validated: the step captured as {len(graph.outputs)} output(s); nothing ran",
+                  flush=True)
 
     def _start_eval(self, graph):
         """An evaluation loop: the program of the model as it is now (its weights, its mode: call
@@ -469,8 +493,8 @@ class Run:
             self.board.flush()
 
     def finish(self):
-        if not self.started or self.evaluator is not None:  # an evaluation changes no weight
-            return
+        if not self.started or self.evaluator is not None or not self.backend.is_e2e_execution:
+            return  # an evaluation changes no weight; a compile runs nothing
         if self.thread is not None:
             self.thread.join()
             if self.failure is not None:

@@ -189,6 +189,9 @@ def step_closure(fn):
         if _recording is not None:  # inside the traced step: run once the step is done
             _recording.closures.append((closure, args, kwargs))
             return None
+        if _executor is not None and _executor.run is not None and _executor.run.started \
+                and not _executor.run.backend.is_e2e_execution:
+            return None  # a compile runs nothing: no step has values
         return fn(*args, **kwargs)
 
     closure._cstorch_closure = True  # names_closures finds it in a traced step
@@ -206,7 +209,7 @@ def checkpoint_closure(fn):
             return None
         if _executor is None:
             raise RuntimeError(f"{fn.__name__}: cannot fetch a checkpoint outside of an execution context")
-        if _executor.on_checkpoint_step:
+        if _executor.on_checkpoint_step and _executor.run.backend.is_e2e_execution:
             _executor.run.sync_weights(_executor.step)
             return fn(*args, **kwargs)
         return None

@@ -11,6 +11,7 @@ streamer, as the appliance's input workers make it, and step t's global batch is
 shares in CS-2 order, each from the streamer of that CS-2 whose turn it is (worker t mod
 ``num_workers_per_csx``).
 """
+import sys
 import time
 
 from pyapi.cstorch import step as step_mod
@@ -197,6 +198,10 @@ class DataExecutor:
         current = backend()
         if self.cs_config is not None:
             current.take_cs_config(self.cs_config)
+        if not current.is_e2e_execution and self.num_steps > 1:  # as Cerebras': a compile runs no step
+            print(f"DataExecutor: num_steps {self.num_steps} taken as 1: the backend compiles, it runs nothing",
+                  file=sys.stderr)
+            self.num_steps = 1
         batches = self._batches(current)
         self.run = Run(current, self, batches)
         step_mod._executor = self
