@@ -263,6 +263,9 @@ def test_the_rest_of_the_surface_scripts_call(tmp_path, capsys):
     data = [(torch.randn(8, 4, generator=torch.Generator().manual_seed(i)), torch.tensor([0, 1, 2, 0, 1, 2, 0, 1]))
             for i in range(3)]
     loader = cstorch.utils.data.DataLoader(lambda: data)
+    synthetic = cstorch.utils.data.SyntheticDataset((torch.zeros(4), lambda i: torch.tensor(i)), num_samples=4)
+    assert [y.tolist() for _, y in torch.utils.data.DataLoader(synthetic, batch_size=2)] == [[0, 1], [2, 3]]
+    assert torch.equal(cstorch.from_numpy(cstorch.to_numpy(cstorch.full((2,), 3.0))), torch.full((2,), 3.0))
     assert cstorch.utils.data.compute_num_steps(loader, num_epochs=2) == 6
     assert cstorch.utils.data.compute_num_steps(loader, initial_step=2, max_steps=5) == 3
     assert [(s, x.shape) for s, x in nest.visit_torch_tensors({"a": [data[0][0]], "b": 1})] == [(["a", "0"], (8, 4))]
@@ -365,3 +368,25 @@ def test_a_compile_only_backend_captures_plans_and_runs_nothing(tmp_path, capsys
         err = capsys.readouterr().err
         assert "num_steps 2 taken as 1" in err
         assert not list((tmp_path / kind).glob("run_*/model/metrics.jsonl"))
+
+
+def test_an_evaluation_with_a_batchnorm_in_training_mode_is_one_line(tmp_path):
+    import pyapi.cstorch as cstorch
+    from pyapi.cstorch.errors import NotBuilt
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.BatchNorm1d(8), torch.nn.Linear(8, 2))
+    compiled = cstorch.compile(model, cstorch.backend("CPU", artifact_dir=tmp_path))
+
+    @cstorch.trace
+    @torch.no_grad()
+    def eval_step(x, y):
+        return F.cross_entropy(compiled(x), y)
+
+    data = [(torch.randn(8, 4), torch.randint(0, 2, (8,)))]
+    with pytest.raises(NotBuilt, match=r"^an evaluation step with model.1 \(BatchNorm1d\) in training mode"):
+        for x, y in cstorch.utils.data.DataExecutor(cstorch.utils.data.DataLoader(lambda: data), num_steps=1):
+            eval_step(x, y)
+    compiled.eval()
+    for x, y in cstorch.utils.data.DataExecutor(cstorch.utils.data.DataLoader(lambda: data), num_steps=1):
+        with torch.no_grad():
+            assert float(eval_step(x, y)) == pytest.approx(float(F.cross_entropy(model(x), y)), rel=1e-6)

@@ -41,8 +41,58 @@ from pyapi.cstorch.storage import load, save  # noqa: E402
 __version__ = "2.3.1"
 
 __all__ = ["Backend", "ClusterConfig", "amp", "backend", "backends", "checkpoint_closure", "compile", "current_backend",
-           "current_executor", "current_torch_device", "distributed", "load", "manual_seed", "metrics", "optim", "save",
-           "step_closure", "summarize_scalar", "summarize_tensor", "trace", "use_cs", "utils"]
+           "current_executor", "current_torch_device", "distributed", "from_numpy", "full", "full_like", "load",
+           "make_constant", "manual_seed", "metrics", "name_scope", "ones", "ones_like", "optim", "save", "step_closure",
+           "summarize_scalar", "summarize_tensor", "to_numpy", "trace", "use_cs", "utils", "zeros", "zeros_like"]
+
+
+def from_numpy(array):
+    """A tensor of a numpy array (sharing its memory; a read-only array is copied first)."""
+    import numpy as np
+
+    return torch.from_numpy(array if array.flags.writeable else np.array(array))
+
+
+def to_numpy(tensor):
+    """The numpy array of a tensor (float32 for bfloat16, which numpy has not)."""
+    t = tensor.detach().cpu()
+    return (t.float() if t.dtype == torch.bfloat16 else t).numpy()
+
+
+def full(shape, value, dtype=None):
+    return torch.full(shape, value, dtype=dtype)
+
+
+def full_like(other, value, dtype=None):
+    return torch.full_like(other, value, dtype=dtype)
+
+
+def ones(shape, dtype=None):
+    return torch.ones(shape, dtype=dtype)
+
+
+def ones_like(other, dtype=None):
+    return torch.ones_like(other, dtype=dtype)
+
+
+def zeros(shape, dtype=None):
+    return torch.zeros(shape, dtype=dtype)
+
+
+def zeros_like(other, dtype=None):
+    return torch.zeros_like(other, dtype=dtype)
+
+
+def make_constant(tensor):
+    """The tensor: a tensor the step makes is a constant of its graph already."""
+    return tensor
+
+
+def name_scope(name, raw=False):
+    """Names the ops of a block on a real system (for its debugging tools); nothing here."""
+    import contextlib
+
+    return contextlib.nullcontext()
 
 
 def manual_seed(seed):

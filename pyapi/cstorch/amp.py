@@ -128,6 +128,27 @@ def get_half_dtype():
     return _torch_dtype(step_mod.half_dtype)
 
 
+def get_half_dtype_str():
+    """The half dtype set, by name ("float16" when none is)."""
+    return step_mod.half_dtype or "float16"
+
+
+def mixed_precision():
+    """Whether the steps captured from now on train in mixed precision."""
+    return step_mod.half_dtype is not None
+
+
+def get_floating_point_dtype(default=None):
+    """The half dtype in mixed precision, else ``default`` (torch.float32)."""
+    import torch
+
+    return get_half_dtype() if mixed_precision() else (default or torch.float32)
+
+
+def get_floating_point_dtype_str(default="float32"):
+    return get_half_dtype_str() if mixed_precision() else default
+
+
 @contextlib.contextmanager
 def autocast(dtype=None):
     """In a traced step, its forward runs in mixed precision: the run trains in the half dtype set,
@@ -161,3 +182,11 @@ def optimizer_step(loss, optimizer, grad_scaler, max_gradient_norm=None, max_gra
     grad_scaler.step(optimizer)
     grad_scaler.update()
     optimizer.zero_grad()
+
+
+def __getattr__(name):
+    if name.startswith("_"):
+        raise AttributeError(name)
+    raise not_built(f"cstorch.amp.{name}", "built: GradScaler, optimizer_step, autocast, set_half_dtype, "
+                    "get_half_dtype(_str), use_bfloat16, enable_mixed_precision, mixed_precision, "
+                    "get_floating_point_dtype(_str)")

@@ -377,6 +377,12 @@ class Run:
         from wse_core.compiler.model import save_program
         from wse_core.nn import build_model
 
+        import torch
+
+        for path, m in self.user_model.named_modules():
+            if isinstance(m, torch.nn.modules.batchnorm._BatchNorm) and m.training and m.track_running_stats:
+                raise not_built(f"an evaluation step with model.{path} ({type(m).__name__}) in training mode (it "
+                                "would update its running statistics)", "call model.eval() before the evaluation loop")
         program = self.dir / "program.pt2"
         save_program(graph, partition(graph, training=False), program, layout="tensors")
         model = {"name": "torch", "program": str(program)}

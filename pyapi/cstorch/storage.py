@@ -3,6 +3,7 @@ HDF5 file, a group per dict and a dataset per tensor (``/model/net.1.weight``: a
 names keep their dots), every other value JSON in the file's attributes with its key path; ``load``
 also reads a checkpoint the cluster wrote."""
 import json
+import os
 from pathlib import Path
 
 import h5py
@@ -33,15 +34,22 @@ def save(state, path):
         text = json.dumps(rest)
     except TypeError as exc:
         raise TypeError(f"cstorch.save: {exc} (a value that is neither a tensor nor JSON)") from None
-    with h5py.File(path, "w") as f:
-        f.attrs["format"], f.attrs["values"] = FORMAT, text
-        for key, a in tensors.items():
-            f.create_dataset(key, data=a)
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.partial")
+    try:  # written aside and renamed: a reader (an eval script) never sees half a file
+        with h5py.File(tmp, "w") as f:
+            f.attrs["format"], f.attrs["values"] = FORMAT, text
+            for key, a in tensors.items():
+                f.create_dataset(key, data=a)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
 
 
 def load(path, map_location=None, **kwargs):
     """The state ``save`` wrote, or ``{"model": weights, "optimizer": state, "global_step": n}`` of a
-    checkpoint of the cluster (a ``checkpoint_<step>`` directory, or a run's model_dir: its latest)."""
+    checkpoint of the cluster (a ``checkpoint_<step>`` directory, or a run's model_dir: its latest),
+    or what ``torch.load`` reads of a file that is not HDF5 (``kwargs`` are its)."""
     import torch
 
     p = Path(path)
@@ -55,6 +63,14 @@ def load(path, map_location=None, **kwargs):
                 "optimizer": {n: {s: torch.from_numpy(np.asarray(v)) for s, v in st.items()}
                               for n, st in opt_state.items()},
                 "global_step": ckpt.step}
+    if p.is_file() and not h5py.is_hdf5(p):  # a torch.save'd file, as Cerebras' load reads them
+        import torch
+
+        try:
+            return torch.load(p, map_location=map_location, **kwargs)
+        except Exception as exc:  # the unpickler's many errors: one line naming the file
+            raise ValueError(f"cstorch.load: {p}: neither a state cstorch.save wrote nor a torch.save file "
+                             f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})") from None
     try:
         f = h5py.File(p, "r")
     except OSError as exc:

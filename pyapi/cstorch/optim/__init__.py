@@ -210,6 +210,7 @@ def _scheduler(optimizer, spec):
 
 
 def __getattr__(name):
-    if name[:1].isupper():  # one of Cerebras' other optimizers (Lamb, Lion, Adafactor, ...)
-        raise not_built(f"cstorch.optim.{name}", BUILT)
-    raise AttributeError(name)
+    """Cerebras' other optimizers (Lamb, Lion, Adafactor, ...) and helpers: one line naming them."""
+    if name.startswith("_"):
+        raise AttributeError(name)
+    raise not_built(f"cstorch.optim.{name}", f"{BUILT}, configure_optimizer, configure_lr_scheduler, lr_scheduler")

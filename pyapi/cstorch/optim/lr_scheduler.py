@@ -82,7 +82,7 @@ class SequentialLR(LRScheduler):
 
 
 def __getattr__(name):
-    if name.endswith("LR"):
+    if not name.startswith("_"):
         raise not_built(f"cstorch.optim.lr_scheduler.{name}", "built: ConstantLR, LinearLR, PolynomialLR, "
                         "CosineDecayLR, ExponentialLR, SequentialLR")
     raise AttributeError(name)

@@ -14,6 +14,8 @@ shares in CS-2 order, each from the streamer of that CS-2 whose turn it is (work
 import sys
 import time
 
+import torch  # pyapi.cstorch needs it (its __init__ says so): SyntheticDataset is a torch dataset
+
 from pyapi.cstorch import step as step_mod
 from pyapi.cstorch.errors import not_built
 
@@ -45,6 +47,32 @@ class DataLoader:
 
     def __len__(self):
         return len(self.input_fn(*self.args, **self.kwargs))
+
+
+class SyntheticDataset(torch.utils.data.IterableDataset):
+    """Cerebras' synthetic data: ``num_samples`` samples (endless if None) of ``sample_spec``, a nest of
+    tensors (each sample a copy) or functions of the sample's index giving one. An iterable dataset:
+    give it to a torch DataLoader in the input function."""
+
+    def __init__(self, sample_spec, num_samples=None):
+        super().__init__()
+        if num_samples is not None and (isinstance(num_samples, bool) or not isinstance(num_samples, int)
+                                        or num_samples < 1):
+            raise ValueError(f"SyntheticDataset: num_samples: expected an integer >= 1 or None, got {num_samples!r}")
+        self.sample_spec, self.num_samples = sample_spec, num_samples
+
+    def __iter__(self):
+        import itertools
+
+        from torch.utils._pytree import tree_map
+
+        for i in itertools.count() if self.num_samples is None else range(self.num_samples):
+            yield tree_map(lambda leaf: leaf.clone() if isinstance(leaf, torch.Tensor) else leaf(i), self.sample_spec)
+
+    def __len__(self):
+        if self.num_samples is None:
+            raise TypeError("SyntheticDataset: an endless dataset has no length (give num_samples)")
+        return self.num_samples
 
 
 def compute_num_steps(dataloader, initial_step=0, num_steps=None, max_steps=None, num_epochs=None,
@@ -150,6 +178,9 @@ class DataExecutor:
             raise not_built("DataExecutor(listeners=...)", "step closures on the step's tensors")
         if profiler_activities is not None:
             raise not_built("DataExecutor(profiler_activities=...)", "the profiler's rate tracker")
+        if not (checkpoint_steps is None or isinstance(checkpoint_steps, int)):
+            raise not_built(f"DataExecutor(checkpoint_steps={type(checkpoint_steps).__name__})",
+                            "an integer: checkpoints at its multiples and the last step")
         self.dataloader = dataloader
         self.num_steps = num_steps if num_steps is not None else len(dataloader)
         for name, value, least in (("num_steps", self.num_steps, 1), ("checkpoint_steps", checkpoint_steps, 0),
@@ -185,6 +216,13 @@ class DataExecutor:
     @property
     def on_final_iteration(self):
         return self.step == self.num_steps
+
+    @property
+    def artifact_dir(self):
+        """The run's directory (``artifact_dir/run_<n>``: its program, data, params and model_dir)."""
+        if self.run is None:
+            raise RuntimeError("DataExecutor: it has an artifact directory once it is iterated")
+        return self.run.dir
 
     def __len__(self):
         return self.num_steps
@@ -272,7 +310,6 @@ class Batch:
     their key paths: ``[0]``, ``['input_ids']``), which the run writes and the graph takes."""
 
     def __init__(self, value, number, whose="batch"):
-        import torch
         from torch.utils._pytree import keystr, tree_flatten_with_path
 
         self.value, self.number = value, number
@@ -295,7 +332,6 @@ class Batch:
     @classmethod
     def joined(cls, parts, number):
         """The CS-2s' shares of one step, in CS-2 order, as one batch."""
-        import torch
         from torch.utils._pytree import tree_unflatten
 
         first = parts[0]
@@ -326,3 +362,11 @@ def check_batches(batches):
 
 def _kind(t):
     return f"{str(t.dtype).replace('torch.', '')} {list(t.shape)}"
+
+
+def __getattr__(name):
+    from pyapi.cstorch.errors import not_built
+
+    if name.startswith("_"):
+        raise AttributeError(name)
+    raise not_built(f"cstorch.utils.data.{name}", "built: DataLoader, DataExecutor, SyntheticDataset, compute_num_steps")

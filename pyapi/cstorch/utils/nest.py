@@ -53,3 +53,11 @@ def recurse_spec(spec, scope=None):
         range(spec.num_children)
     for key, child in zip(keys, spec.children_specs):
         yield from recurse_spec(child, scope + [str(key)])
+
+
+def __getattr__(name):
+    from pyapi.cstorch.errors import not_built
+
+    if name.startswith("_"):
+        raise AttributeError(name)
+    raise not_built(f"cstorch.utils.nest.{name}", "built: visit_structure, visit_torch_tensors, map_structure, map_torch_tensors, recurse_spec")
