@@ -189,9 +189,9 @@ def step_closure(fn):
         if _recording is not None:  # inside the traced step: run once the step is done
             _recording.closures.append((closure, args, kwargs))
             return None
-        if _executor is not None and _executor.run is not None and _executor.run.started \
-                and not _executor.run.backend.is_e2e_execution:
-            return None  # a compile runs nothing: no step has values
+        if _executor is not None and _executor.run is not None and _executor.run.started and (
+                not _executor.run.backend.is_e2e_execution or not _executor.on_activation_step):
+            return None  # a compile runs nothing; values are fetched on activation steps only
         return fn(*args, **kwargs)
 
     closure._cstorch_closure = True  # names_closures finds it in a traced step
