@@ -255,11 +255,10 @@ def get_dataloader(data_path, sequence_length, batch_size, seed=0):
     return torch.utils.data.DataLoader(dataset, batch_sampler=sampler)
 '''
 
-GPT_CONFIG = {
-    "2.5": '''
+GPT_CONFIG = '''
 import sys
 from dataclasses import dataclass
-from cerebras.pytorch.distributed import ClusterConfig
+{config_import}
 from model import GPTConfig
 
 
@@ -286,38 +285,8 @@ class RunConfig:
 
 def parse_args():
     run = RunConfig(**dict(arg.split("=", 1) for arg in sys.argv[1:]))
-    return GPTConfig(), run, ClusterConfig(num_csx=2, mount_dirs=["."], python_paths=["."])
-''',
-    "2.0": '''
-import sys
-from dataclasses import dataclass
-from cerebras_pytorch.utils import CSConfig
-from model import GPTConfig
-
-
-@dataclass
-class RunConfig:
-    backend: str = "CSX"
-    out_dir: str = "out"
-    dataset: str = "."
-    checkpoint_path: str = None
-    sequence_length: int = 16
-    batch_size: int = 8
-    num_steps: int = 4
-    checkpoint_steps: int = 2
-    seed: int = 1
-    learning_rate: float = 1e-2
-    warmup_steps: int = 2
-    decay_steps: int = 6
-    weight_decay: float = 0.1
-    adam_epsilon: float = 1e-8
-    max_gradient_norm: float = 1.0
-
-
-def parse_args():
-    run = RunConfig(**dict(arg.split("=", 1) for arg in sys.argv[1:]))
-    return GPTConfig(), run, CSConfig(num_csx=2, mount_dirs=["."], python_paths=["."], precision_opt_level=1)
-'''}
+    return GPTConfig(), run, {cluster}
+'''
 
 GPT_TRAIN = '''
 import os
@@ -427,6 +396,8 @@ if __name__ == "__main__":
 
 GPT_ERAS = {
     "2.5": dict(package="cerebras.pytorch", backend="cstorch.backend(config.backend, cluster_config=cs_config)",
+                config_import="from cerebras.pytorch.distributed import ClusterConfig",
+                cluster='ClusterConfig(num_csx=2, mount_dirs=["."], python_paths=["."])',
                 half='cstorch.amp.set_half_dtype("bfloat16")',
                 knobs="cstorch.backends.csx.debug.execute_crd_memory_gi = config.execute_crd_memory_gi\n"
                       "    cstorch.backends.csx.debug.compile_crd_memory_gi = config.compile_crd_memory_gi",
@@ -434,6 +405,8 @@ GPT_ERAS = {
                 rate="executor.profiler.rate_tracker.rate", global_rate="executor.profiler.rate_tracker.global_rate",
                 executor_args=""),
     "2.0": dict(package="cerebras_pytorch", backend="cstorch.backend(config.backend, use_cs_grad_accum=True)",
+                config_import="from cerebras_pytorch.utils import CSConfig",
+                cluster='CSConfig(num_csx=2, mount_dirs=["."], python_paths=["."], precision_opt_level=1)',
                 half="cstorch.amp.use_bfloat16(True)", knobs="",
                 writer_import="SummaryWriter = cstorch.utils.tensorboard.SummaryWriter",
                 rate="executor.profiler.rate()", global_rate="executor.profiler.global_rate()",
@@ -505,7 +478,7 @@ if __name__ == "__main__":
 
 def gpt_files(era):
     return {"model.py": GPT_MODEL, "data.py": GPT_DATA.format(package=GPT_ERAS[era]["package"]),
-            "configuration.py": GPT_CONFIG[era]}
+            "configuration.py": GPT_CONFIG.format(**GPT_ERAS[era])}
 
 
 def gpt_eager(tmp_path, steps):

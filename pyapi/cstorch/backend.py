@@ -51,14 +51,11 @@ class Backend:
     torch_device = device
 
     def take_cs_config(self, cs_config):
-        """A 2.0-era ``cstorch.utils.CSConfig`` given to the DataExecutor: its cluster settings."""
+        """A 2.0-era ``cstorch.utils.CSConfig`` given to the DataExecutor: the backend's cluster."""
         if not isinstance(cs_config, CSConfig):
             raise TypeError(f"DataExecutor: cs_config: expected a cstorch.utils.CSConfig, got {type(cs_config).__name__}")
-        c = cs_config
-        self.cluster_config = ClusterConfig(num_csx=c.num_csx or 1, max_wgt_servers=c.max_wgt_servers or 1,
-                                            num_workers_per_csx=c.num_workers_per_csx or 0, mount_dirs=c.mount_dirs or [],
-                                            python_paths=c.python_paths or [], job_labels=c.job_labels or [])
-        _say_ignored(self.cluster_config, "cstorch.utils.CSConfig")
+        self.cluster_config = cs_config
+        _say_ignored(cs_config, "cstorch.utils.CSConfig")
 
     def run_config(self):
         """The ``runconfig`` keys this backend sets."""

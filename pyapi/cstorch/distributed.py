@@ -22,7 +22,7 @@ from pyapi.cstorch.errors import not_built
 # cluster is this machine's ranks, so they are accepted and said to mean nothing here.
 _MEANINGLESS = ("mgmt_address", "mgmt_namespace", "credentials_path", "job_labels", "job_priority",
                 "job_time_sec", "mount_dirs", "python_paths", "disable_version_check", "max_act_per_csx",
-                "workflow_id", "automount")
+                "workflow_id", "automount", "transfer_processes", "debug_args", "precision_opt_level")
 
 
 @dataclass
@@ -50,8 +50,8 @@ class ClusterConfig:
 
     def ignored(self):
         """The fields set to other than their defaults that mean nothing on the emulated cluster."""
-        default = ClusterConfig()
-        return [name for name in _MEANINGLESS if getattr(self, name) != getattr(default, name)]
+        default = type(self)()
+        return [name for name in _MEANINGLESS if getattr(self, name, None) != getattr(default, name, None)]
 
     @property
     def workers(self):
@@ -59,28 +59,14 @@ class ClusterConfig:
 
 
 @dataclass
-class CSConfig:
-    """Cerebras' 2.0-era cluster settings, given to ``DataExecutor(cs_config=...)``: ``num_csx``,
-    ``max_wgt_servers`` and ``num_workers_per_csx`` size the emulated cluster; the others are taken
-    and named in one line as meaning nothing here."""
+class CSConfig(ClusterConfig):
+    """Cerebras' 2.0-era cluster settings (``cstorch.utils.CSConfig``), given to
+    ``DataExecutor(cs_config=...)``: a ClusterConfig with the fields it had beside
+    (``transfer_processes``, ``debug_args``, ``precision_opt_level``), taken."""
 
-    mgmt_address: str = None
-    mgmt_namespace: str = None
-    credentials_path: str = None
-    num_csx: int = 1
-    max_wgt_servers: int = 1
-    max_act_per_csx: int = None
     transfer_processes: int = None
-    num_workers_per_csx: int = 0
-    job_time_sec: int = None
-    mount_dirs: list = field(default_factory=list)
-    python_paths: list = field(default_factory=list)
-    job_labels: list = field(default_factory=list)
     debug_args: object = None
     precision_opt_level: int = None
-    disable_version_check: bool = False
-    job_priority: str = None
-    workflow_id: str = None
 
 
 class _Streaming(threading.local):

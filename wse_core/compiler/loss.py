@@ -135,17 +135,19 @@ def combination(program, node, example):
 
 def _reads_batch(program, node):
     """Whether ``node`` depends on the step's inputs (not only on weights and constants)."""
-    inputs = {s.arg.name for s in program.graph_signature.input_specs if s.kind == InputKind.USER_INPUT}
+    kinds = _input_kinds(program)
+    return any(kinds.get(n.name) == InputKind.USER_INPUT for n in _ancestors(node) if n.op == "placeholder")
+
+
+def _ancestors(node):
+    """``node`` and every node it is computed from."""
     seen, todo = set(), [node]
     while todo:
         n = todo.pop()
-        if n in seen:
-            continue
-        seen.add(n)
-        if n.op == "placeholder" and n.name in inputs:
-            return True
-        todo.extend(n.all_input_nodes)
-    return False
+        if n not in seen:
+            seen.add(n)
+            todo.extend(n.all_input_nodes)
+    return seen
 
 
 def _through(node):
@@ -208,16 +210,7 @@ def _constant(program, value):
     if not isinstance(value, fx.Node):
         return True
     kinds = _input_kinds(program)
-    seen, todo = set(), [value]
-    while todo:
-        node = todo.pop()
-        if node in seen:
-            continue
-        seen.add(node)
-        if node.op == "placeholder" and kinds.get(node.name) != InputKind.CONSTANT_TENSOR:
-            return False
-        todo.extend(node.all_input_nodes)
-    return True
+    return all(kinds.get(n.name) == InputKind.CONSTANT_TENSOR for n in _ancestors(value) if n.op == "placeholder")
 
 
 def _input_kinds(program):
@@ -236,12 +229,7 @@ def _arguments(node):
 def _subgraph(program, value, where, finish):
     """An fx module: the step's inputs -> ``finish(graph, value)``, ``value`` being a node of the
     program computed from the inputs alone (CompileError if it reads a parameter or buffer)."""
-    needed, todo = set(), [value]
-    while todo:
-        node = todo.pop()
-        if node not in needed:
-            needed.add(node)
-            todo.extend(node.all_input_nodes)
+    needed = _ancestors(value)
     inputs = [s.arg.name for s in program.graph_signature.input_specs if s.kind == InputKind.USER_INPUT]
     made_of = sorted(n.name for n in needed if n.op == "placeholder" and n.name not in inputs)
     if made_of:
