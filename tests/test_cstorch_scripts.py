@@ -935,3 +935,81 @@ def test_a_sites_bring_up_probe_runs_on_two_cs2s_as_eager_pytorch(tmp_path):
         loss.backward()
         optimizer.step()
         assert metrics[step]["loss"] == pytest.approx(loss.item(), rel=1e-5), step
+
+
+# -- an operator-compatibility probe: compile only ------------------------------------------------------
+# Follows giacomo-brunetta/LASSI-TOOLS compat_tool/checker_cerebras.py @ b366f6fc6f3992dc6cf72de7cbc86121b281a447:
+# the precision flag set, ClusterConfig with every sizing field, backend("CSX", artifact_dir=, compile_only=True,
+# cluster_config=, compile_dir=), a module in eval mode wrapped to squeeze a batch of one, a forward-only
+# step of *batch (no loss, no optimizer, no torch.no_grad), a step closure that only keeps the outputs
+# live, DataExecutor(num_steps=1, checkpoint_steps=None, activation_steps=1), the steps counted.
+
+COMPAT = '''
+import torch
+import cerebras.pytorch as cstorch
+
+
+class Inner(torch.nn.Module):
+    def forward(self, a, b):
+        return torch.nn.functional.softmax(a @ b, dim=-1)
+
+
+class BatchSqueezeModule(torch.nn.Module):
+    def __init__(self, inner):
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, *inputs):
+        return self.inner(*(x.squeeze(0) for x in inputs))
+
+
+class FixedInputDataset(torch.utils.data.Dataset):
+    def __len__(self):
+        return 1
+
+    def __getitem__(self, i):
+        return torch.randn(4, 8), torch.randn(8, 3)
+
+
+def check():
+    cstorch.backends.csx.precision.optimization_level = 1
+    cluster_config = cstorch.distributed.ClusterConfig(num_csx=1, max_wgt_servers=1, max_act_per_csx=1,
+                                                       num_workers_per_csx=1, job_time_sec=1800,
+                                                       job_labels=["name=lassi-compat"])
+    backend = cstorch.backend("CSX", artifact_dir="artifacts", compile_only=True, cluster_config=cluster_config,
+                              compile_dir="compile_dir")
+    model = cstorch.compile(BatchSqueezeModule(Inner()).eval(), backend)
+
+    def dataloader_factory():
+        return torch.utils.data.DataLoader(FixedInputDataset(), batch_size=1)
+
+    dataloader = cstorch.utils.data.DataLoader(dataloader_factory)
+    executor = cstorch.utils.data.DataExecutor(dataloader, num_steps=1, checkpoint_steps=None, activation_steps=1)
+
+    @cstorch.trace
+    def forward_step(*batch):
+        return model(*batch)
+
+    @cstorch.step_closure
+    def mark_output(_output):
+        pass
+
+    steps = 0
+    for batch in executor:
+        out = forward_step(*batch)
+        mark_output(out)
+        steps += 1
+    print(f"compat: {steps} step, output {list(out.shape)}")
+
+
+if __name__ == "__main__":
+    check()
+'''
+
+
+def test_an_operator_probe_compiles_only(tmp_path):
+    """LASSI-TOOLS' shape: the forward-only step captured (compile only: nothing runs), one step, its
+    output's shape, and the flags and fields that mean nothing here taken."""
+    lines = run(tmp_path, COMPAT)
+    assert lines[-1] == "compat: 1 step, output [4, 3]", lines
+    assert any(line.startswith("cstorch: compiled: the evaluation step captured") for line in lines), lines

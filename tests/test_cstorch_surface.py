@@ -31,11 +31,15 @@ class _Head(torch.nn.Module):
             return per_token.sum() / 64
         if self.form == "ignore_index":
             return F.cross_entropy(logits.view(-1, 5), torch.where(mask > 0, y, -100).view(-1), ignore_index=-100)
+        if self.form == "mean plus a weight penalty":
+            return per_token.mean() + 1e-3 * self.lin.weight.pow(2).sum()
+        if self.form == "masked mean plus mean":
+            return (per_token * mask).sum() / mask.sum() + logits.pow(2).mean()
         return per_token.sum() / mask.sum().clamp(max=3)  # "a divisor that does not add up"
 
 
 @pytest.mark.parametrize("form", ["sum over B*T", "masked mean", "sum divided later, cast", "sum over a constant",
-                                  "ignore_index"])
+                                  "ignore_index", "mean plus a weight penalty"])
 def test_losses_as_users_write_them_weigh_micro_batches_as_eager_pytorch_weighs_the_batch(form):
     """Micro-batches of 2 of a batch of 8 give eager PyTorch's loss and gradients on the whole batch."""
     from wse_core.compiler import capture, partition, run_step
@@ -54,12 +58,14 @@ def test_losses_as_users_write_them_weigh_micro_batches_as_eager_pytorch_weighs_
         torch.testing.assert_close(grads[name], p.grad, rtol=1e-5, atol=1e-7)
 
 
-def test_a_loss_whose_divisor_does_not_add_up_over_samples_is_one_line():
+def test_a_loss_whose_divisor_does_not_add_up_over_samples_or_whose_terms_weigh_differently_is_one_line():
     from wse_core.compiler import CompileError, capture, partition
 
     x, y, mask = torch.randn(8, 3, 8), torch.randint(0, 5, (8, 3)), torch.ones(8, 3)
     with pytest.raises(CompileError, match=r"its divisor is 3 on the example batch but 3 \+ 3 on its halves"):
         partition(capture(_Head("clamped"), (x, y, mask)))
+    with pytest.raises(CompileError, match=r"adds terms reduced over the batch in different ways \(aten.div, aten.mean"):
+        partition(capture(_Head("masked mean plus mean"), (x, y, mask)))
 
 
 LM_SCRIPT = '''

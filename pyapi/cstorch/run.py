@@ -152,6 +152,7 @@ class Run:
         self.dir = root / f"run_{n}"
         self.started, self.thread, self.failure, self.cpu, self.handle, self.fn = False, None, None, None, None, None
         self.start = 0  # the step the run resumes from (the optimizer's loaded state's)
+        self.params = None  # a training run's params (``_params``)
         self.model_dir = self.dir / "model"
         self.losses = {}
         self.board = None  # summarize_scalar's TensorBoard writer, made when first needed
@@ -261,7 +262,11 @@ class Run:
         self.user_model = model
         self._fp16_type = rec.fp16_type
         if not rec.optimizers and not rec.backward:
-            self._start_eval(graph)
+            if not self.backend.is_e2e_execution:
+                self.started = True
+                self._dry(graph)
+            else:
+                self._start_eval(graph)
             return
         if len(rec.optimizers) != 1:
             raise ValueError(f"the traced step called optimizer.step() on {len(rec.optimizers)} optimizers; "
@@ -354,7 +359,10 @@ class Run:
     def _dry(self, graph):
         """A compile (the plan and its checks, ``wse compile``'s) or a validation (the capture): said in a
         line; nothing runs."""
-        if self.backend.compile_only:
+        if self.params is None:  # an evaluation step: nothing to plan
+            print(f"cstorch: {'compiled' if self.backend.compile_only else 'validated'}: the evaluation step captured "
+                  f"as {len(graph.outputs)} output(s); nothing ran", flush=True)
+        elif self.backend.compile_only:
             from mpi_launch.plan import describe
             from pyapi.params import validate
 

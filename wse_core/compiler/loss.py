@@ -89,6 +89,7 @@ class Loss:
 _THROUGH = {aten._to_copy.default, aten.to.dtype, aten.to.dtype_layout, aten.clone.default, aten.alias.default,
             aten.squeeze.default, aten.view.default, aten.reshape.default, aten.detach.default}
 _DIVIDE = {aten.div.Tensor, aten.div.Scalar}
+_ADD = {aten.add.Tensor, aten.sub.Tensor}
 _MULTIPLY = {aten.mul.Tensor, aten.mul.Scalar}
 
 
@@ -164,6 +165,8 @@ def _reduction(program, node, where):
         return Loss("mean", name)
     if target is aten.sum.default or (target is aten.sum.dim_IntList and _all_dims(node)):
         return Loss("sum", name)
+    if target in _ADD and all(isinstance(a, fx.Node) for a in node.args[:2]):
+        return _terms(program, node, where)
     if target in _DIVIDE or target in _MULTIPLY:
         value, by = node.args[:2]
         if isinstance(value, (int, float)):
@@ -195,6 +198,28 @@ def _reduction(program, node, where):
         return graph.call_function(aten.sum.default, (graph.call_function(aten.ne.Scalar, (value, ignore)),))
 
     return Loss("mean", name, _subgraph(program, target, where, kept))
+
+
+def _terms(program, node, where):
+    """The reduction of a sum (or difference) of loss terms: the terms' one reduction, terms the batch
+    does not enter (a weight penalty) counting once in a mean; terms weighed by other counts (a
+    masked mean beside a mean over samples) would need a weight each: refused."""
+    found, free = [], []
+    for term in node.args[:2]:
+        (found if _reads_batch(program, term) else free).append(term)
+    kinds = [_reduction(program, term, where) for term in found]
+    if not kinds:
+        raise CompileError(f"{where} is not made from the batch")
+    first = kinds[0]
+    if any((k.reduction, k.counter is None) != (first.reduction, first.counter is None) for k in kinds) \
+            or (len(kinds) > 1 and first.counter is not None):
+        raise CompileError(f"{where} adds terms reduced over the batch in different ways ({', '.join(k.op for k in kinds)}: "
+                           "each weighs a micro-batch by its own count); not supported: one reduction for the loss "
+                           "(or means over the samples each)")
+    if free and first.reduction == "sum":
+        raise CompileError(f"{where} adds a term the batch does not enter to a sum over the batch: each micro-batch "
+                           "would add it again (make the loss a mean, or the term part of the sum)")
+    return Loss(first.reduction, op_name(node), first.counter)
 
 
 def _all_dims(node):
