@@ -46,6 +46,10 @@ class _Finder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         if aliased is not None:
             if fullname.startswith("cerebras.") and getattr(sys.modules.get("cerebras"), "__loader__", None) is not self:
                 return None  # a real cerebras package: its own pytorch
+            if fullname == "cerebras_pytorch" and importlib.machinery.PathFinder.find_spec(fullname) is not None:
+                return None  # a real cerebras_pytorch
+            if fullname.startswith("cerebras_pytorch.") and sys.modules.get("cerebras_pytorch") is not sys.modules[HOME]:
+                return None
             _check_built(aliased, fullname)
             return importlib.util.spec_from_loader(fullname, self, is_package=True)
         if fullname.startswith(HOME + "."):
