@@ -402,3 +402,35 @@ def test_an_evaluation_with_a_batchnorm_in_training_mode_is_one_line(tmp_path):
     for x, y in cstorch.utils.data.DataExecutor(cstorch.utils.data.DataLoader(lambda: data), num_steps=1):
         with torch.no_grad():
             assert float(eval_step(x, y)) == pytest.approx(float(F.cross_entropy(model(x), y)), rel=1e-6)
+
+
+def test_a_step_given_the_step_count_hands_its_closures_each_steps_value(tmp_path):
+    """As Model Zoo's training_step(batch, step): a Python value among the step's arguments may change
+    between calls; the graph is step 1's, and a closure in the step sees each step's value.
+    compile(model, backend="CPU") takes the backend made already."""
+    import pyapi.cstorch as cstorch
+
+    backend = cstorch.backend("CPU", artifact_dir=tmp_path)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 2))
+    compiled = cstorch.compile(model, backend="CPU")
+    assert cstorch.backend() is backend
+    optimizer = cstorch.optim.SGD(model.parameters(), lr=0.1)
+    logged = []
+
+    @cstorch.step_closure
+    def log(loss, step):
+        logged.append((step, float(loss)))
+
+    @cstorch.trace
+    def training_step(batch, step):
+        loss = F.cross_entropy(compiled(batch[0]), batch[1])
+        loss.backward()
+        optimizer.step()
+        log(loss, step)
+        return loss
+
+    data = [(torch.randn(4, 4, generator=torch.Generator().manual_seed(i)), torch.tensor([0, 1, 0, 1]))
+            for i in range(3)]
+    losses = [float(training_step(batch, step)) for step, batch in
+              enumerate(cstorch.utils.data.DataExecutor(cstorch.utils.data.DataLoader(lambda: data)), 1)]
+    assert logged == list(zip([1, 2, 3], losses))

@@ -162,14 +162,16 @@ class CompiledModel:
 
 
 def compile(model, backend=None):
-    """Prepare ``model`` (a torch.nn.Module) for ``backend`` (default: the current one). As on a real
-    system nothing is compiled yet: the graph is captured on the traced step's first call."""
+    """Prepare ``model`` (a torch.nn.Module) for ``backend`` (default: the current one; a name: the
+    current one if of that kind, else a new one). As on a real system nothing is compiled yet: the
+    graph is captured on the traced step's first call."""
     import torch
 
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"cstorch.compile: expected a torch.nn.Module, got {type(model).__name__}")
-    if isinstance(backend, str):
-        backend = _backend(backend)
+    if isinstance(backend, str):  # the backend of that kind made already, or a new one (as Cerebras')
+        same = _current is not None and _current.backend_type == backend.upper()
+        backend = _current if same else _backend(backend)
     backend = backend or _backend()
     if backend.models and backend.models[0] is not model:
         raise not_built("a second compiled model", "one model per backend")

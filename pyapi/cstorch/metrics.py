@@ -20,7 +20,9 @@ class Metric:
 
     registry = {}
 
-    def __init__(self, name):
+    def __init__(self, name, compute_on_system=None):
+        # compute_on_system (the experimental API's): where a real system adds the statistics; here,
+        # the cluster adds a training step's micro-batches and this process the steps
         if not isinstance(name, str) or not name:
             raise ValueError(f"{type(self).__name__}: name: expected a non-empty string, got {name!r}")
         self.name = name

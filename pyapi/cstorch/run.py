@@ -102,15 +102,14 @@ class Call:
         return tree_unflatten([of[k] if k is not None else next(constants) for k in self.slots], self.spec)
 
     def check(self, args, kwargs, batch, step):
-        """The same arguments at ``step``: the batch's tensors in the same places, the same constants."""
+        """This step's call, of the same arguments as step 1's: the batch's tensors in the same places.
+        Its Python values may differ (a step count given to the step): the graph holds step 1's, a
+        graph they change is found by the check of its ops, and its closures see this step's."""
         other = Call(self.name, args, kwargs, batch)
         if other.spec != self.spec or other.slots != self.slots:
             raise not_built(f"{self.name}: called at step {step} with other arguments than at step 1",
                             "the same arguments on every step (the batch's tensors in the same places)")
-        for a, b in zip(other.constants, self.constants):
-            if a is not b and a != b:
-                raise not_built(f"{self.name}: its argument {a!r} at step {step} is {b!r} at step 1",
-                                "Python values that are the same on every step (they are constants of the graph)")
+        return other
 
 
 @contextlib.contextmanager
@@ -179,10 +178,10 @@ class Run:
             raise not_built(f"{fn.__name__}: a second traced function in one DataExecutor loop",
                             f"one traced step, {self.fn.__name__}")
         else:
-            self.call.check(args, kwargs, batch, step)
+            call = self.call.check(args, kwargs, batch, step)
             if self.every_step or (step - 1) & (step - 2) == 0 or step == self.executor.num_steps:
                 # steps 2, 3, 5, 9, 17, ... and the last; every step when the step calls closures
-                rec, out = self._check_same_graph(fn, args, kwargs, step)
+                rec, out = self._check_same_graph(fn, call, step)
             else:
                 rec, out = self.template
         if not self.backend.is_e2e_execution:  # nothing ran: NaN values, no closure
@@ -226,14 +225,14 @@ class Run:
                     buffer.mul_(decay).add_(torch.as_tensor(value, dtype=buffer.dtype))
                 bn.num_batches_tracked.add_(micro_batches)
 
-    def _check_same_graph(self, fn, args, kwargs, step):
+    def _check_same_graph(self, fn, call, step):
         """The step's Python runs the ops it ran when captured (its graph is the cluster's on every
         step): a step that takes another path (a Python decision on the step count, a flag) is one
         line. Checked on fake tensors, at steps 2, 3, 5, 9, ... (2^k + 1) and the last: a check costs
         about a tenth of an eager forward pass. Returns its recording (its closures, its loss) and
         its return value."""
         with _buffers_kept(self.user_model):
-            ops, rec, out = ops_of(fn, *self.call.arguments(self.call.graph_inputs(self.batches[step - 1])))
+            ops, rec, out = ops_of(fn, *call.arguments(call.graph_inputs(self.batches[step - 1])))
         if ops != self.ops:
             i = next((i for i, (a, b) in enumerate(zip(ops, self.ops)) if a != b), min(len(ops), len(self.ops)))
             now = f"{ops[i][0]} {list(ops[i][1])}" if i < len(ops) else "the end"
