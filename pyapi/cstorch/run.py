@@ -190,6 +190,8 @@ class Run:
             return with_values(out, {id(t): torch.full(t.shape, float("nan"), dtype=t.dtype)
                                      for t in [rec.loss, *handed(rec, out)] if t is not None})
         loss, values, micro_batches, skipped = self._values(self.start + step)
+        if self.evaluator is None:
+            self._schedule_seen(self.start + step)
         if self.loss_scaler is not None:  # the scaler's state after this step, as the coordinator's
             self.loss_scaler.update(float("inf") if skipped else 0.0)
             self.scaler.cluster_state = self.loss_scaler.state()
@@ -210,6 +212,15 @@ class Run:
         run_closures([c for c in rec.closures if self.executor.on_activation_step
                       or getattr(c[0], "_every_step", False)], real)
         return with_values(out, real)
+
+    def _schedule_seen(self, step):
+        """The optimizer and its scheduler after global step ``step``, as torch's: ``last_epoch`` is it,
+        each group's ``lr`` the next step's rate (what the cluster will use)."""
+        sched = self.optimizer.lr_scheduler
+        if sched is not None:
+            sched.last_epoch = step
+            for group, rate in zip(self.optimizer.param_groups, sched.get_last_lr()):
+                group["lr"] = rate
 
     def _update_batch_norms(self, stats, micro_batches):
         """The model's BatchNorms' running statistics after a step of ``micro_batches``: r = (1 - m)^M r

@@ -51,6 +51,9 @@ class Optimizer:
             raise not_built(f"{type(self).__name__}: a first parameter group of lr 0 beside others",
                             "every group's lr a multiple of the first's")
         self.weight_decay = decays.pop() if decays else 0.0
+        first = self.param_groups[0]["lr"]
+        #: each group's share of the schedule: its lr over the first group's, fixed at construction
+        self.lr_factors = [g["lr"] / first if first else 1.0 for g in self.param_groups]
         self.scheduler = None  # the spec of an lr_scheduler on it, and the scheduler itself
         self.lr_scheduler = None
         self.state = {}  # parameter -> {"step": tensor, state name: tensor}: the cluster's, or loaded
@@ -84,9 +87,8 @@ class Optimizer:
 
     def groups(self):
         """{id(parameter): (lr factor, takes weight decay)}: what MemoryX applies to each parameter."""
-        first = self.param_groups[0]["lr"]
-        return {id(p): (g["lr"] / first if first else 1.0, g["weight_decay"] != 0)
-                for g in self.param_groups for p in g["params"]}
+        return {id(p): (factor, g["weight_decay"] != 0)
+                for g, factor in zip(self.param_groups, self.lr_factors) for p in g["params"]}
 
     def _indices(self):
         """Each parameter's index in the state dict: its position over the groups, as torch.optim's."""

@@ -1,8 +1,9 @@
 """``cstorch.optim.lr_scheduler``: Cerebras' schedulers, as the run's ``optimizer.learning_rate``
 (``wse_core.optim.schedules``: the same closed forms, computed for every step by the coordinator).
 A scheduler attaches itself to its optimizer; ``step()`` in the traced step does nothing more.
-Its ``state_dict()`` holds ``last_epoch``, the steps the model has been trained (the schedule is a
-function of the step, so a resumed run needs nothing else of it)."""
+Its ``state_dict()`` holds ``last_epoch``, the steps the script has seen (the schedule is a function
+of the step, so a resumed run needs nothing else of it); after each step the optimizer's groups
+hold the next step's rate, as torch's do (``get_last_lr``)."""
 from pyapi.cstorch.errors import not_built
 
 
@@ -29,6 +30,14 @@ class LRScheduler:
 
     def step(self, *args):
         """Inside the traced step: the coordinator sets each step's rate."""
+
+    def get_last_lr(self):
+        """Each parameter group's rate for the step after the last one the script has seen (as torch's):
+        the schedule's at ``last_epoch``, times the group's share of the first group's ``lr``."""
+        from wse_core.optim import make_schedule
+
+        rate = make_schedule(self.spec(), key=f"{type(self).__name__}")(self.last_epoch)
+        return [rate * factor for factor in self.optimizer.lr_factors]
 
 
 class ConstantLR(LRScheduler):
