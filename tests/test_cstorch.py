@@ -564,7 +564,7 @@ def test_what_a_loop_cannot_do_is_one_line(tmp_path):
     with pytest.raises(NotBuilt, match=r"^other_step: a second traced function in one DataExecutor loop"):
         in_process_loop(tmp_path / "b", second_step=True)
     with pytest.raises(NotBuilt, match=r"^train_step: the step's graph changed at step 3 \(its op 1 is aten.mul.Tensor "
-                                       r"\[4, 4\]; captured: aten.t.default \[4, 8\]\): not built"):
+                                       r"\[4, 4\] of 2; captured: aten.t.default \[4, 8\]\): not built"):
         in_process_loop(tmp_path / "d", changing=True, steps=4)
     model, losses = in_process_loop(tmp_path / "c")  # and the backend's process is usable after all three
     assert len(losses) == 2 and losses[1] < losses[0]

@@ -9,7 +9,6 @@ here. What they were found to need is listed in docs/user-guide.md's table of Ce
 import json
 import subprocess
 import sys
-from pathlib import Path
 
 import numpy as np
 import pytest

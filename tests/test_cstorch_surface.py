@@ -201,6 +201,8 @@ def test_cerebras_names_import_this_package_and_modules_not_built_are_one_line(t
         "import cerebras.pytorch.distributed as dist\n"
         "print(dist.is_streamer(), dist.num_streamers(), dist.get_streaming_batch_size(8))\n"
         "import cerebras.pytorch.sparse\n")
+    (tmp_path / "cerebras" / "modelzoo").mkdir(parents=True)  # Model Zoo's src/cerebras on the path: a namespace
+    (tmp_path / "cerebras" / "modelzoo" / "__init__.py").write_text("")
     proc = subprocess.run([sys.executable, "-m", "pyapi.cstorch", "train.py"], capture_output=True, text=True,
                           cwd=tmp_path, timeout=300)
     assert proc.stdout.split() == ["False", "0", "8"], proc.stderr[-2000:]
@@ -407,7 +409,10 @@ def test_an_evaluation_with_a_batchnorm_in_training_mode_is_one_line(tmp_path):
 def test_a_step_given_the_step_count_hands_its_closures_each_steps_value(tmp_path):
     """As Model Zoo's training_step(batch, step): a Python value among the step's arguments may change
     between calls; the graph is step 1's, and a closure in the step sees each step's value.
-    compile(model, backend="CPU") takes the backend made already."""
+    compile(model, backend="CPU") takes the backend made already; the 2.0-era
+    DataExecutor(micro_batch_size=) sets the run's micro-batch."""
+    import yaml
+
     import pyapi.cstorch as cstorch
 
     backend = cstorch.backend("CPU", artifact_dir=tmp_path)
@@ -431,6 +436,31 @@ def test_a_step_given_the_step_count_hands_its_closures_each_steps_value(tmp_pat
 
     data = [(torch.randn(4, 4, generator=torch.Generator().manual_seed(i)), torch.tensor([0, 1, 0, 1]))
             for i in range(3)]
-    losses = [float(training_step(batch, step)) for step, batch in
-              enumerate(cstorch.utils.data.DataExecutor(cstorch.utils.data.DataLoader(lambda: data)), 1)]
+    executor = cstorch.utils.data.DataExecutor(cstorch.utils.data.DataLoader(lambda: data), micro_batch_size=2)
+    losses = [float(training_step(batch, step)) for step, batch in enumerate(executor, 1)]
     assert logged == list(zip([1, 2, 3], losses))
+    assert yaml.safe_load((executor.artifact_dir / "params.yaml").read_text())["train_input"]["micro_batch_size"] == 2
+
+
+def test_a_python_value_the_graph_takes_changing_between_steps_is_one_line(tmp_path):
+    """A number given to the step that its graph multiplies by is a constant of the graph: a step given
+    another is refused, naming the op and both numbers, before it trains on step 1's."""
+    import pyapi.cstorch as cstorch
+    from pyapi.cstorch.errors import NotBuilt
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 2))
+    compiled = cstorch.compile(model, cstorch.backend("CPU", artifact_dir=tmp_path))
+    optimizer = cstorch.optim.SGD(model.parameters(), lr=0.1)
+
+    @cstorch.trace
+    def train_step(x, y, weight):
+        loss = F.cross_entropy(compiled(x), y) * weight
+        loss.backward()
+        optimizer.step()
+        return loss
+
+    data = [(torch.randn(4, 4), torch.tensor([0, 1, 0, 1]))] * 3
+    with pytest.raises(NotBuilt, match=r"^train_step: the step's graph changed at step 2 \(its op \d+ is aten.mul.Tensor "
+                                       r"\[\] of 5.0; captured: aten.mul.Tensor \[\] of 1.0\)"):
+        for step, (x, y) in enumerate(cstorch.utils.data.DataExecutor(cstorch.utils.data.DataLoader(lambda: data)), 1):
+            train_step(x, y, [1.0, 5.0, 10.0][step - 1])

@@ -15,10 +15,11 @@ it runs here with one changed line, ``import pyapi.cstorch as cstorch``.
     for step, (inputs, targets) in enumerate(executor, 1):
         loss = training_step(inputs, targets)
 
-As on a real system the traced step runs once, when it is captured (``wse_core.compiler``); every
-step after is the cluster's: the DataExecutor writes the loader's batches as a dataset, the model's
+As on a real system the traced step is captured once, on its first call (``wse_core.compiler``; its
+Python runs again on fake tensors to check the graph and run its closures); every step after is
+the cluster's: the DataExecutor writes the loader's batches as a dataset, the model's
 graph as a program, and runs the job (``pyapi.Job``) with the model family ``torch``; the traced
-function returns each step's loss as the cluster finishes it, and the model holds the trained
+function returns what the step returns as the cluster finishes it, and the model holds the trained
 weights when the executor ends. What is not built is refused in one line naming it
 (docs/user-guide.md, "Your own PyTorch model").
 """
@@ -34,7 +35,7 @@ from pyapi.cstorch.backend import (Backend, ClusterConfig, backend, compile, cur
                                    current_torch_device, use_cs)
 from pyapi.cstorch.step import (checkpoint_closure, current_executor, step_closure, summarize_scalar,  # noqa: E402
                                 summarize_tensor, trace)
-from pyapi.cstorch.errors import NotBuilt  # noqa: E402
+from pyapi.cstorch.errors import NotBuilt, NotBuiltAttribute  # noqa: E402, F401  (NotBuilt: what scripts catch)
 from pyapi.cstorch.storage import load, save  # noqa: E402
 
 #: The release of Cerebras' API whose surface this package follows (docs/user-guide.md's table).
@@ -101,11 +102,6 @@ def manual_seed(seed):
     torch.manual_seed(seed)
 
 
-class _NotBuiltAttribute(NotBuilt, AttributeError):
-    """A name of Cerebras' API not built here: one line, and an AttributeError, so ``hasattr`` and
-    ``getattr(cstorch, name, default)`` answer as for any missing name."""
-
-
 def __getattr__(name):
     """Cerebras' other modules and functions (sparse, ...): one line naming them. A submodule of this
     package not imported yet is imported (``from pyapi.cstorch import run``)."""
@@ -115,4 +111,4 @@ def __getattr__(name):
         raise AttributeError(name)
     if importlib.machinery.PathFinder.find_spec(f"{__name__}.{name}", __path__) is not None:
         return importlib.import_module(f"{__name__}.{name}")
-    raise _NotBuiltAttribute(f"cstorch.{name}: not built in wse-cluster (built: {', '.join(__all__)})")
+    raise NotBuiltAttribute(f"cstorch.{name}: not built in wse-cluster (built: {', '.join(__all__)})")

@@ -36,22 +36,22 @@ def _target(fullname):
 
 
 class _Finder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    def __init__(self):
+        self.specs = {}  # alias -> the spec of the module it names, while the import system sets its own
     def find_spec(self, fullname, path=None, target=None):
         if fullname == "cerebras":
-            # the parent of cerebras.pytorch: an empty package, unless a real one is installed
+            # the parent of cerebras.pytorch: an empty package, unless a real one (or a namespace,
+            # Model Zoo's src/cerebras) is on the path
             if importlib.machinery.PathFinder.find_spec(fullname, path) is not None:
                 return None
             return importlib.util.spec_from_loader(fullname, self, is_package=True)
         aliased = _target(fullname)
         if aliased is not None:
-            if fullname.startswith("cerebras.") and getattr(sys.modules.get("cerebras"), "__loader__", None) is not self:
-                return None  # a real cerebras package: its own pytorch
-            if fullname == "cerebras_pytorch" and importlib.machinery.PathFinder.find_spec(fullname) is not None:
-                return None  # a real cerebras_pytorch
-            if fullname.startswith("cerebras_pytorch.") and sys.modules.get("cerebras_pytorch") is not sys.modules[HOME]:
-                return None
+            if _real(fullname, path):
+                return None  # a real cerebras.pytorch or cerebras_pytorch: never shadowed
             _check_built(aliased, fullname)
-            return importlib.util.spec_from_loader(fullname, self, is_package=True)
+            module = importlib.import_module(aliased)
+            return importlib.util.spec_from_loader(fullname, self, is_package=hasattr(module, "__path__"))
         if fullname.startswith(HOME + "."):
             _check_built(fullname, fullname)
         return None
@@ -61,10 +61,25 @@ class _Finder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
             module = types.ModuleType("cerebras", "Cerebras' namespace: its pytorch is pyapi.cstorch")
             module.__path__ = []
             return module
-        return importlib.import_module(_target(spec.name))
+        module = importlib.import_module(_target(spec.name))
+        self.specs[spec.name] = module.__spec__  # the import system sets the alias's: it is put back
+        return module
 
     def exec_module(self, module):
-        """Nothing to run: the module is this package's, imported already."""
+        """Nothing to run: the module is this package's, imported already; its own spec put back."""
+        alias = module.__spec__.name  # the import system set the alias's spec
+        if alias in self.specs:
+            module.__spec__ = self.specs.pop(alias)
+
+
+def _real(fullname, path):
+    """Whether ``fullname`` (one of Cerebras' names) is installed for real beside this project."""
+    top = fullname.split(".")[0] if fullname.startswith("cerebras_pytorch") else "cerebras.pytorch"
+    if fullname != top:  # a submodule: real if its package is
+        return sys.modules.get(top) is not None and sys.modules.get(top) is not sys.modules.get(HOME)
+    parent = sys.modules.get("cerebras") if top == "cerebras.pytorch" else None
+    where = getattr(parent, "__path__", None) if parent is not None else None
+    return importlib.machinery.PathFinder.find_spec(top, where) is not None
 
 
 def _check_built(name, asked):

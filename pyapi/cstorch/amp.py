@@ -16,7 +16,7 @@ none.
 import contextlib
 
 from pyapi.cstorch import step as step_mod
-from pyapi.cstorch.errors import not_built
+from pyapi.cstorch.errors import not_built, refusing
 from pyapi.cstorch.step import recording
 
 #: The 16-bit format ``set_half_dtype`` set ("float16", "bfloat16", "cbfloat16"), or None (float32);
@@ -38,7 +38,7 @@ class GradScaler:
             "loss_scaling_factor": loss_scale, "initial_loss_scale": init_scale, "steps_per_increase": steps_per_increase,
             "min_loss_scale": min_loss_scale, "max_loss_scale": max_loss_scale,
             "max_gradient_norm": max_gradient_norm}.items() if v is not None}
-        self.cluster_state = None  # the cluster's loss scaler's state, when the model was last given weights
+        self.cluster_state = None  # the cluster's loss scaler's state after the last step (``Run``)
         self.loaded = None  # a state_dict() loaded to resume from
 
     def scale(self, loss):
@@ -54,13 +54,19 @@ class GradScaler:
         optimizer.step()
 
     def get_scale(self):
-        """The loss scale of the last step the model was given (its initial one before any)."""
-        return self.state_dict().get("loss_scale", self.spec.get("initial_loss_scale", 1.0))
+        """The loss scale after the last step (before any: the initial one, Model Zoo's defaults for a
+        dynamic scale: 2^15, 2^31 in cbfloat16)."""
+        if self.cluster_state is not None:
+            return float(self.cluster_state["scale"])
+        if self.spec.get("loss_scaling_factor") == "dynamic":
+            big = 2.0 ** (31 if step_mod.half_dtype == "cbfloat16" else 15)
+            return float(self.spec.get("initial_loss_scale") or big)
+        return float(self.spec.get("loss_scaling_factor", 1.0))
 
     def state_dict(self, destination=None):
-        """Cerebras' layout of the scaler's state at the last step the model was given (a checkpoint
-        closure's, or the loop's end): ``loss_scale``, and for a dynamic scale the clean steps since
-        it last changed (``steps_since_rescale``) and ``overflows_since_rescale``."""
+        """Cerebras' layout of the scaler's state after the last step: ``loss_scale``, and for a dynamic
+        scale the clean steps since it last changed (``steps_since_rescale``) and
+        ``overflows_since_rescale``."""
         st = self.cluster_state
         if st is None:
             return {}
@@ -173,20 +179,16 @@ def optimizer_step(loss, optimizer, grad_scaler, max_gradient_norm=None, max_gra
                         f"{type(grad_scaler).__name__}")
     if max_gradient_value is not None:
         raise not_built("optimizer_step(max_gradient_value=...)", "max_gradient_norm: the global L2 norm")
+    if max_gradient_norm is not None and max_gradient_norm < 0:
+        raise ValueError(f"cstorch.amp.optimizer_step: max_gradient_norm: expected >= 0, got {max_gradient_norm}")
     grad_scaler.scale(loss).backward()
     grad_scaler.unscale_(optimizer)
-    if max_gradient_norm is not None:
-        if max_gradient_norm < 0:
-            raise ValueError(f"cstorch.amp.optimizer_step: max_gradient_norm: expected >= 0, got {max_gradient_norm}")
-        recording().settings["max_gradient_norm"] = float(max_gradient_norm)
     grad_scaler.step(optimizer)
+    if max_gradient_norm is not None:  # the call's, over the scaler's own
+        recording().settings["max_gradient_norm"] = float(max_gradient_norm)
     grad_scaler.update()
     optimizer.zero_grad()
 
 
-def __getattr__(name):
-    if name.startswith("_"):
-        raise AttributeError(name)
-    raise not_built(f"cstorch.amp.{name}", "built: GradScaler, optimizer_step, autocast, set_half_dtype, "
-                    "get_half_dtype(_str), use_bfloat16, enable_mixed_precision, mixed_precision, "
-                    "get_floating_point_dtype(_str)")
+__getattr__ = refusing("cstorch.amp", "built: GradScaler, optimizer_step, autocast, set_half_dtype, "
+                      "get_half_dtype(_str), use_bfloat16, enable_mixed_precision, mixed_precision, get_floating_point_dtype(_str)")

@@ -82,7 +82,7 @@ def backend(backend_type=None, *, artifact_dir=None, cluster_config=None, num_cs
     Without arguments: the current backend. Cerebras' other keywords of 2.0-2.3 are taken: those that
     tune a real compile or its logging (``compile_dir``, ``drop_data``, ``log_initialization``,
     ``max_checkpoints``, ``use_cs_grad_accum``) with one line saying they mean nothing here;
-    ``mixed_precision=True`` as ``cstorch.amp.set_half_dtype`` of float16."""
+    ``mixed_precision=True`` as ``cstorch.amp.set_half_dtype`` of the half dtype set (float16 if none)."""
     global _current
     if backend_type is None:
         if _current is None:
@@ -104,7 +104,7 @@ def backend(backend_type=None, *, artifact_dir=None, cluster_config=None, num_cs
     if mixed_precision:
         from pyapi.cstorch import amp
 
-        amp.set_half_dtype(amp.get_half_dtype())
+        amp.set_half_dtype(amp.get_half_dtype_str())  # the half dtype set, float16 if none
     if cluster_config is None:
         cluster_config = ClusterConfig(num_csx=1 if num_csx is None else num_csx)  # the params check the value
     elif not isinstance(cluster_config, ClusterConfig):
@@ -173,7 +173,7 @@ def compile(model, backend=None):
         same = _current is not None and _current.backend_type == backend.upper()
         backend = _current if same else _backend(backend)
     backend = backend or _backend()
-    if backend.models and backend.models[0] is not model:
-        raise not_built("a second compiled model", "one model per backend")
-    backend.models = [model]
+    # The model the next loops train; the others compiled before stay known, so a step that reads
+    # their weights (which the cluster would hold as constants) is refused (``Run._start``).
+    backend.models = [model] + [m for m in backend.models if m is not model]
     return CompiledModel(model, backend)

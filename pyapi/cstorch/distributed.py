@@ -16,7 +16,7 @@ import contextlib
 import threading
 from dataclasses import dataclass, field
 
-from pyapi.cstorch.errors import not_built
+from pyapi.cstorch.errors import not_built, refusing
 
 # Fields of Cerebras' ClusterConfig that locate or size a real cluster's services; the emulated
 # cluster is this machine's ranks, so they are accepted and said to mean nothing here.
@@ -147,8 +147,5 @@ def get_ordinal():
     return 0 if _streaming.rank is None else _streaming.rank + 1
 
 
-def __getattr__(name):
-    if name.startswith("_"):
-        raise AttributeError(name)
-    raise not_built(f"cstorch.distributed.{name}", "built: ClusterConfig, is_streamer, get_streaming_rank, "
-                    "num_streamers, get_streaming_batch_size, is_master_ordinal, get_ordinal")
+__getattr__ = refusing("cstorch.distributed", "built: ClusterConfig, is_streamer, get_streaming_rank, num_streamers, "
+                      "get_streaming_batch_size, is_master_ordinal, get_ordinal")

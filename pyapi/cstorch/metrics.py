@@ -10,7 +10,7 @@ The sums of a training step's micro-batches are added by the cluster as the loss
 import math
 
 from pyapi.cstorch import step as step_mod
-from pyapi.cstorch.errors import not_built
+from pyapi.cstorch.errors import refusing
 
 
 class Metric:
@@ -128,8 +128,5 @@ def compute_all_metrics():
     return {name: float(metric) for name, metric in get_all_metrics()}
 
 
-def __getattr__(name):
-    if name.startswith("_"):
-        raise AttributeError(name)
-    raise not_built(f"cstorch.metrics.{name}", "built: Metric, AccuracyMetric, PerplexityMetric, MeanMetric, "
-                    "get_all_metrics, compute_all_metrics")
+__getattr__ = refusing("cstorch.metrics", "built: Metric, AccuracyMetric, PerplexityMetric, MeanMetric, "
+                      "get_all_metrics, compute_all_metrics")

@@ -1,28 +1,30 @@
 """One DataExecutor's run: the traced step captured, its batches as a dataset, the job that trains.
 
-On the traced step's first call the run captures it (``wse_core.compiler``: the model and the loss
-as one graph, cut into streaming units) and writes, under ``artifact_dir/run_<n>/``:
-``program.pt2`` (the units and the model's initial weights), ``data/`` (the executor's batches, in
-order, as a dataset of the project's ``arrays`` or ``lm`` layout), ``params.yaml`` (the model
+On the traced step's first call the run captures it (``wse_core.compiler``: the model, the loss
+and what the step hands Python as one graph, cut into streaming units) and writes, under
+``artifact_dir/run_<n>/``: ``program.pt2`` (the units and the model's initial weights), ``data/``
+(the tensors the step reads of the executor's batches, in order, as a dataset of the project's
+``tensors`` layout), ``params.yaml`` (the model
 family ``torch`` and its precision, the optimizer's and scheduler's settings, the backend's
 cluster) and ``model/`` (the run's model_dir: metrics, checkpoints, logs). A CSX backend then runs
 the job (``pyapi.Job.fit``, MPI ranks) in a thread of this process, whose output goes to ``run.log``, or
 queues it on a running appliance (``backend(..., appliance=SOCKET)``: ``Job.submit``) and waits
 for it in that thread; a CPU
 backend runs the reference's steps (``wse_core.nn.reference``) in this process, one per call: the
-bits the cluster gives. Each call returns its step's loss once the step is done; the model gets
-the trained weights, and the optimizer the cluster's state, at checkpoints and at the end.
+bits the cluster gives. Each call returns what its step returns once the step is done; the model
+gets the trained weights, and the optimizer the cluster's state, at checkpoints and at the end.
 
 Resuming: an optimizer given a saved state (``load_state_dict``) whose ``step`` is k starts the
 run at step k + 1 (the model holds the saved weights, the program takes them): the run's
 ``model/`` gets a checkpoint of step k made from them, which the job resumes from as from any
 checkpoint, and the dataset is written rotated by k batches (the cluster reads step k + i's batch
 at position (k + i) x batch size): the executor's i-th batch is still step k + i's. Schedules and
-dropout follow the global step, so a run stopped at a checkpoint and resumed gives the bits of one
-that never stopped (but for a dynamic loss scale, which restarts from its initial value).
+dropout follow the global step, and a GradScaler given a saved state resumes its dynamic loss
+scale, so a run stopped at a checkpoint and resumed gives the bits of one that never stopped.
 """
 import contextlib
 import json
+import os
 import threading
 
 import numpy as np
@@ -101,15 +103,31 @@ class Call:
         constants = iter(self.constants)
         return tree_unflatten([of[k] if k is not None else next(constants) for k in self.slots], self.spec)
 
+    def same_values(self, other):
+        """Whether this call's Python values are ``other``'s (numbers and strings equal, others the same
+        objects)."""
+        return len(self.constants) == len(other.constants) and all(
+            a is b or (type(a) is type(b) and isinstance(a, (bool, int, float, str)) and a == b)
+            for a, b in zip(self.constants, other.constants))
+
     def check(self, args, kwargs, batch, step):
         """This step's call, of the same arguments as step 1's: the batch's tensors in the same places.
-        Its Python values may differ (a step count given to the step): the graph holds step 1's, a
-        graph they change is found by the check of its ops, and its closures see this step's."""
+        Its Python values may differ (a step count given to the step): the graph holds step 1's, so
+        a step given other values is checked (``Run._check_same_graph``: its ops and the numbers
+        they take), and its closures see this step's."""
         other = Call(self.name, args, kwargs, batch)
         if other.spec != self.spec or other.slots != self.slots:
             raise not_built(f"{self.name}: called at step {step} with other arguments than at step 1",
                             "the same arguments on every step (the batch's tensors in the same places)")
         return other
+
+
+def _op_text(ops, i):
+    """Op i of an ``ops_of`` list, as a message shows it: its name, output shape and numbers."""
+    if i >= len(ops):
+        return "the end"
+    name, shape, numbers = ops[i]
+    return f"{name} {list(shape)}" + (f" of {', '.join(map(repr, numbers))}" if numbers else "")
 
 
 @contextlib.contextmanager
@@ -154,6 +172,7 @@ class Run:
         self.params = None  # a training run's params (``_params``)
         self.model_dir = self.dir / "model"
         self.losses = {}
+        self._metrics = (None, 0)  # (inode, bytes read) of the job's metrics.jsonl
         self.board = None  # summarize_scalar's TensorBoard writer, made when first needed
         self.evaluator = None  # the compiled model an evaluation loop runs (``_start_eval``)
         self.scaler = None  # the GradScaler the traced step steps with, which keeps the cluster's loss scale
@@ -179,15 +198,18 @@ class Run:
                             f"one traced step, {self.fn.__name__}")
         else:
             call = self.call.check(args, kwargs, batch, step)
-            if self.every_step or (step - 1) & (step - 2) == 0 or step == self.executor.num_steps:
-                # steps 2, 3, 5, 9, 17, ... and the last; every step when the step calls closures
+            if self.every_step or (step - 1) & (step - 2) == 0 or step == self.executor.num_steps \
+                    or not call.same_values(self.call):
+                # steps 2, 3, 5, 9, 17, ... and the last; every step when the step calls closures, and
+                # a step given other Python values than step 1's (the graph holds step 1's)
                 rec, out = self._check_same_graph(fn, call, step)
             else:
                 rec, out = self.template
-        if not self.backend.is_e2e_execution:  # nothing ran: NaN values, no closure
+        if not self.backend.is_e2e_execution:  # nothing ran: NaN (or 0) values, no closure
             import torch
 
-            return with_values(out, {id(t): torch.full(t.shape, float("nan"), dtype=t.dtype)
+            return with_values(out, {id(t): torch.full(t.shape, float("nan"), dtype=t.dtype) if t.is_floating_point()
+                                     else torch.zeros(t.shape, dtype=t.dtype)
                                      for t in [rec.loss, *handed(rec, out)] if t is not None})
         loss, values, micro_batches, skipped = self._values(self.start + step)
         if self.evaluator is None:
@@ -214,11 +236,12 @@ class Run:
         return with_values(out, real)
 
     def _schedule_seen(self, step):
-        """The optimizer and its scheduler after global step ``step``, as torch's: ``last_epoch`` is it,
-        each group's ``lr`` the next step's rate (what the cluster will use)."""
+        """The optimizer and its scheduler after global step ``step``, as torch's: each group's ``lr`` the
+        next step's rate (what the cluster will use), ``get_last_lr`` too. (``last_epoch``, which a
+        state dict holds, moves with the optimizer's state: at checkpoints and the loop's end.)"""
         sched = self.optimizer.lr_scheduler
         if sched is not None:
-            sched.last_epoch = step
+            sched.seen = step
             for group, rate in zip(self.optimizer.param_groups, sched.get_last_lr()):
                 group["lr"] = rate
 
@@ -246,19 +269,24 @@ class Run:
             ops, rec, out = ops_of(fn, *call.arguments(call.graph_inputs(self.batches[step - 1])))
         if ops != self.ops:
             i = next((i for i, (a, b) in enumerate(zip(ops, self.ops)) if a != b), min(len(ops), len(self.ops)))
-            now = f"{ops[i][0]} {list(ops[i][1])}" if i < len(ops) else "the end"
-            was = f"{self.ops[i][0]} {list(self.ops[i][1])}" if i < len(self.ops) else "the end"
+            now, was = (_op_text(o, i) for o in (ops, self.ops))
             raise not_built(f"{fn.__name__}: the step's graph changed at step {step} (its op {i + 1} is {now}; "
                             f"captured: {was})", "a step that runs the same ops on every step")
         return rec, out
 
     def _start(self, fn):
+        import torch
+
         from wse_core.compiler import CompileError, capture, partition
         from wse_core.compiler.model import save_program
 
         if not self.backend.models:
             raise RuntimeError("cstorch.compile(model, backend) first: the traced step trains the compiled model")
         model = self.backend.models[0]
+        for k in self.call.inputs:
+            if self.batches[0].leaves[k].dtype == torch.bfloat16:
+                raise not_built(f"DataLoader: the batch's {self.batches[0].paths[k]} is bfloat16",
+                                "batches of float32, float16 and integer tensors (cast in the traced step)")
         inputs = tuple(self.call.graph_inputs(self.batches[0]))
         if not inputs:
             raise not_built(f"{fn.__name__}: a traced step given none of the batch's tensors",
@@ -271,6 +299,12 @@ class Run:
                     from None
         self.user_model = model
         self._fp16_type = rec.fp16_type
+        others = {p.data_ptr(): name for m in self.backend.models[1:] for name, p in m.named_parameters()}
+        for value in graph.program.constants.values():  # a tensor the step reads from outside the model
+            if isinstance(value, torch.Tensor) and value.data_ptr() in others:
+                raise not_built(f"{fn.__name__}: it reads the weights of another compiled model "
+                                f"({others[value.data_ptr()]}, {list(value.shape)})",
+                                "one model a step, the last cstorch.compile'd")
         if not rec.optimizers and not rec.backward:
             if not self.backend.is_e2e_execution:
                 self.started = True
@@ -437,11 +471,26 @@ class Run:
         return values
 
     def _read_losses(self):
-        from mpi_launch.rundir import RunDir
-
-        for r in RunDir(self.model_dir).read_metrics():  # a line being written is skipped, read next time
+        """The steps the job has finished, from the lines of its metrics.jsonl written since the last
+        read (a line being written is read next time; a file replaced, as a resume's start rewrites
+        it, is read again from its start)."""
+        path = self.model_dir / "metrics.jsonl"
+        try:
+            with open(path, "rb") as f:
+                st = os.fstat(f.fileno())
+                if st.st_ino != self._metrics[0] or st.st_size < self._metrics[1]:
+                    self._metrics = (st.st_ino, 0)
+                f.seek(self._metrics[1])
+                text = f.read()
+        except FileNotFoundError:
+            return self.losses
+        done = text[:text.rfind(b"\n") + 1]
+        self._metrics = (self._metrics[0], self._metrics[1] + len(done))
+        for line in done.decode().splitlines():
+            r = json.loads(line)
             if "loss" in r:
-                self.losses[r["step"]] = r["loss"], r.get("values", []), r.get("micro_batches", 1), r.get("skipped", False)
+                self.losses[r["step"]] = (r["loss"], r.get("values", []), r.get("micro_batches", 1),
+                                          r.get("skipped", False))
         return self.losses
 
     def _await(self, ready, what):
@@ -597,12 +646,6 @@ def _write_dataset(data, batches, call):
     project's ``tensors`` layout, with its data_params.json."""
     from data_tools.lmdata import DATA_PARAMS, write_tensors_file
 
-    import torch
-
-    for k in call.inputs:
-        if batches[0].leaves[k].dtype == torch.bfloat16:
-            raise not_built(f"DataLoader: the batch's {batches[0].paths[k]} is bfloat16",
-                            "batches of float32, float16 and integer tensors (cast in the traced step)")
     rows = [call.graph_inputs(b) for b in batches]
     columns = [np.concatenate([r[i].detach().cpu().numpy() for r in rows]) for i in range(len(call.inputs))]
     write_tensors_file(data / "data-00000.h5", columns)

@@ -1,18 +1,19 @@
 """``cstorch.trace`` and the step closures.
 
 A traced step (a training step, or an evaluation step: one that calls neither ``backward`` nor an
-optimizer) runs its Python once, on its first call inside a DataExecutor: there it is captured
-(``Run.capture``) with ``loss.backward()``, ``optimizer.step()``, ``zero_grad()``, a scheduler's
+optimizer) runs its Python on its first call inside a DataExecutor: there it is captured
+(``Run._start``) with ``loss.backward()``, ``optimizer.step()``, ``zero_grad()``, a scheduler's
 ``step()``, a grad scaler's calls and ``torch.nn.utils.clip_grad_norm_`` recorded, not run, and
 ``tensor.item()`` refused (a value exists only once the cluster has run the step); the run's
 precision (``cstorch.amp``: the half dtype set, or ``autocast()`` in the step) is recorded too. Every
-call returns that step's loss as the cluster finished it. Step closures called in the loop run at
-once, on values that are already the step's (the traced step waited for them); step closures and
-``summarize_scalar`` called inside the traced step run when the step is done, in the order called,
-the step's returned tensor being its loss (the step's Python then runs on every step, on fake
-tensors: ``ops_of``, about a tenth of an eager forward pass, so Python values such as a step
-count are each step's own). A checkpoint closure runs on checkpoint steps only, with the model
-holding that step's weights.
+call returns what the step returns, its tensors the values the cluster computed for that step.
+Step closures called in the loop run at once, on values that are already the step's (the traced
+step waited for them); step closures and summaries called inside the traced step run when the
+step is done, in the order called, on the step's values (the step's Python then runs on every
+step, on fake tensors: ``ops_of``, about a tenth of an eager forward pass, so Python values such
+as a step count are each step's own). Both run on the executor's activation steps (a metric's
+update on every step). A checkpoint closure runs on checkpoint steps only, with the model holding
+that step's weights.
 """
 import contextlib
 import functools
@@ -101,12 +102,13 @@ def record(fn):
 
 def ops_of(fn, args, kwargs):
     """Run the traced step ``fn``'s Python on ``args`` as fake tensors (no arithmetic, torch's generator
-    untouched): (the aten ops it runs, name and output shape in order: what a graph captured from it
-    holds; its recording: the step closures it called, with their arguments, and its loss; what it
-    returned)."""
+    untouched): (the aten ops it runs, name, output shape and the Python numbers it takes, in order:
+    what a graph captured from it holds; its recording: the step closures it called, with their
+    arguments, and its loss; what it returned)."""
     import torch
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_leaves
 
     class Ops(TorchDispatchMode):
         def __init__(self):
@@ -115,7 +117,9 @@ def ops_of(fn, args, kwargs):
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             out = func(*args, **(kwargs or {}))
-            self.seen.append((str(func), tuple(out.shape) if isinstance(out, torch.Tensor) else ()))
+            # the Python numbers an op takes (a scale, a dimension): a graph holds them as constants
+            numbers = tuple(a for a in tree_leaves((args, kwargs or {})) if isinstance(a, (bool, int, float)))
+            self.seen.append((str(func), tuple(out.shape) if isinstance(out, torch.Tensor) else (), numbers))
             return out
 
     with record(fn) as rec, torch.random.fork_rng(devices=()), FakeTensorMode(allow_non_fake_inputs=True), \
@@ -226,6 +230,11 @@ def summarize_scalar(name, value):
         return
     if _executor is None:
         raise RuntimeError("summarize_scalar: outside a DataExecutor loop (it writes the value with its step)")
+    if getattr(value, "numel", lambda: 1)() != 1:
+        raise ValueError(f"summarize_scalar({name!r}): a tensor of shape {list(value.shape)}, not a scalar "
+                         "(cstorch.summarize_tensor keeps a whole tensor)")
+    if not _executor.on_activation_step:
+        return
     _executor.run.summarize(name, float(value), _executor.run.start + _executor.step)  # the run's global step
     if _executor.writer is not None:
         _executor.writer.add_scalar(name, float(value), _executor.writer.base_step + _executor.step - 1)
@@ -241,4 +250,6 @@ def summarize_tensor(name, tensor):
     if _executor.writer is None:
         raise ValueError("summarize_tensor: the DataExecutor has no writer to keep it "
                          "(DataExecutor(..., writer=cstorch.utils.tensorboard.SummaryWriter(log_dir)))")
+    if not _executor.on_activation_step:
+        return
     _executor.writer.add_tensor(name, tensor, _executor.writer.base_step + _executor.step - 1)

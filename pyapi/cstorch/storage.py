@@ -64,8 +64,6 @@ def load(path, map_location=None, **kwargs):
                               for n, st in opt_state.items()},
                 "global_step": ckpt.step}
     if p.is_file() and not h5py.is_hdf5(p):  # a torch.save'd file, as Cerebras' load reads them
-        import torch
-
         try:
             return torch.load(p, map_location=map_location, **kwargs)
         except Exception as exc:  # the unpickler's many errors: one line naming the file

@@ -114,6 +114,7 @@ def capture(module, example_inputs, loss_fn=None, *, micro_batch=None):
                                "statistics; not supported in training (give it a momentum)")
     program = _export(step, batch)
     batch_norms = _functional_batch_norms(program, step)
+    _outputs_computed(program)
     _refuse_unstreamable(program, step)
     named = list(step.named_parameters(remove_duplicate=False))
     first = {}  # id of each tensor -> the name it is met by first: its owner
@@ -260,6 +261,22 @@ def _functional_batch_norms(program, step):
     output.args = (tuple(output.args[0]) + tuple(extra),)
     graph.lint()
     return tuple(found)
+
+
+def _outputs_computed(program):
+    """An output that is an input of the graph (a batch's tensor, a weight the step hands Python) as a
+    copy made by the graph: every output is a value some unit computes and hands on."""
+    graph = program.graph
+    output = next(n for n in graph.nodes if n.op == "output")
+    outputs = []
+    for value in output.args[0]:
+        if isinstance(value, fx.Node) and value.op == "placeholder":
+            with graph.inserting_before(output):
+                copy = graph.call_function(torch.ops.aten.clone.default, (value,))
+            copy.meta["val"] = value.meta["val"]
+            value = copy
+        outputs.append(value)
+    output.args = (tuple(outputs),)
 
 
 def _fake_mode(x):

@@ -90,6 +90,7 @@ _THROUGH = {aten._to_copy.default, aten.to.dtype, aten.to.dtype_layout, aten.clo
             aten.squeeze.default, aten.view.default, aten.reshape.default, aten.detach.default}
 _DIVIDE = {aten.div.Tensor, aten.div.Scalar}
 _ADD = {aten.add.Tensor, aten.sub.Tensor}
+_REDUCE = {aten.mean.default, aten.mean.dim, aten.sum.default, aten.sum.dim_IntList}
 _MULTIPLY = {aten.mul.Tensor, aten.mul.Scalar}
 
 
@@ -128,7 +129,7 @@ def combination(program, node, example):
         found = replace(_reduction(program, node, where), value=node.name)
         found.check_additive(example, where)
         return found
-    if not isinstance(val.shape[0], int):  # a symbolic size: the batch's
+    if str(val.shape[0]) == str(_batch_size(program)):  # batch first: a value per sample
         return Loss("concat", op_name(node), value=node.name)
     raise CompileError(f"{where} is {list(val.shape)}, made from the batch but not batch-first: the cluster cannot "
                        "combine it over micro-batches (hand Python means, sums, or a value per sample)")
@@ -138,6 +139,13 @@ def _reads_batch(program, node):
     """Whether ``node`` depends on the step's inputs (not only on weights and constants)."""
     kinds = _input_kinds(program)
     return any(kinds.get(n.name) == InputKind.USER_INPUT for n in _ancestors(node) if n.op == "placeholder")
+
+
+def _batch_size(program):
+    """The batch's size as the graph knows it: the symbol of its inputs' first dimension."""
+    kinds = _input_kinds(program)
+    first = next(n for n in program.graph.nodes if n.op == "placeholder" and kinds.get(n.name) == InputKind.USER_INPUT)
+    return first.meta["val"].shape[0]
 
 
 def _ancestors(node):
@@ -161,10 +169,13 @@ def _reduction(program, node, where):
     node = _through(node)
     name = op_name(node)
     target = node.target
-    if target is aten.mean.default or (target is aten.mean.dim and _all_dims(node)):
-        return Loss("mean", name)
-    if target is aten.sum.default or (target is aten.sum.dim_IntList and _all_dims(node)):
-        return Loss("sum", name)
+    if target in _REDUCE:
+        kind = "mean" if target in (aten.mean.default, aten.mean.dim) else "sum"
+        batch = _batch_dims(node.args[0])
+        if not batch:  # the batch was reduced before: this one scales what that reduction made
+            return replace(_reduction(program, node.args[0], where), op=name)
+        if batch <= _reduced_dims(node):
+            return Loss(kind, name)
     if target in _ADD and all(isinstance(a, fx.Node) for a in node.args[:2]):
         return _terms(program, node, where)
     if target in _DIVIDE or target in _MULTIPLY:
@@ -222,11 +233,20 @@ def _terms(program, node, where):
     return Loss(first.reduction, op_name(node), first.counter)
 
 
-def _all_dims(node):
-    """Whether a reduction node's ``dim`` covers every dimension of its input."""
+def _reduced_dims(node):
+    """The dimensions of its input a mean or sum reduces (all, without a ``dim``)."""
     dims = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim")
     rank = node.args[0].meta["val"].dim()
-    return dims is None or sorted(d % rank for d in dims) == list(range(rank))
+    return set(range(rank)) if dims is None or dims == [] else {d % rank for d in dims}
+
+
+def _batch_dims(value):
+    """The dimensions of a node's value whose size is symbolic: the batch's (it may be folded into
+    another, as in a [B * T] view)."""
+    val = value.meta.get("val") if isinstance(value, fx.Node) else None
+    if not isinstance(val, torch.Tensor):
+        return set()
+    return {i for i, size in enumerate(val.shape) if not isinstance(size, int)}
 
 
 def _constant(program, value):

@@ -310,8 +310,8 @@ class TorchModel(Model):
         for rule in rules:
             v = y[rule.value].detach().numpy()
             if rule.reduction == "mean":
-                n = rule.count(inputs)
-                out.append((v * np.asarray(n, v.dtype), n))
+                n = rule.count(inputs)  # none counted: its value (a NaN) weighs nothing
+                out.append((v * np.asarray(n, v.dtype) if n else np.zeros_like(v), n))
             else:
                 out.append((v, 1))
         return out

@@ -15,11 +15,11 @@ norms). Other per-group values are refused by name.
 ``state_dict()`` is torch.optim's: ``{"state": {index: {"step", "exp_avg", ...}}, "param_groups":
 [...]}``, the state being the cluster's at the last step the model was given (a checkpoint closure's
 or the loop's end). ``load_state_dict`` of one makes the next run resume from it: the state's
-``step`` is where it starts (``pyapi.cstorch.run``); the hyper-parameters stay the constructor's;
-a dynamic loss scale restarts from its initial value.
+``step`` is where it starts (``pyapi.cstorch.run``); the hyper-parameters stay the constructor's
+(a dynamic loss scale resumes from its GradScaler's loaded state).
 """
 from pyapi.cstorch import step as step_mod
-from pyapi.cstorch.errors import not_built
+from pyapi.cstorch.errors import not_built, refusing
 from pyapi.cstorch.optim import lr_scheduler  # noqa: F401
 
 BUILT = "built: SGD, Adam, AdamW"
@@ -175,6 +175,11 @@ def configure_optimizer(optimizer_type, params, **kwargs):
     unused = sorted(set(kwargs) - accepted)
     if unused:
         raise ValueError(f"cstorch.optim.configure_optimizer: {cls.__name__} takes no {', '.join(unused)}")
+    if isinstance(lr, str):  # YAML reads 1e-4 as a string
+        try:
+            lr = float(lr)
+        except ValueError:
+            raise ValueError(f"cstorch.optim.configure_optimizer: learning_rate {lr!r} is not a number") from None
     kwargs["lr"] = lr if isinstance(lr, (int, float)) else kwargs.get("lr", 0.1)
     return cls(params, **kwargs)
 
@@ -192,7 +197,10 @@ def configure_lr_scheduler(optimizer, learning_rate, adjust_learning_rate=None):
     if len(made) == 1:
         return made[0]
     milestones, at = [], 0
-    for spec in specs[:-1]:
+    for i, spec in enumerate(specs[:-1]):
+        if "total_iters" not in spec:
+            raise ValueError(f"configure_lr_scheduler: learning_rate[{i}]: a scheduler followed by another needs "
+                             "its total_iters (where the next one starts)")
         at += int(spec["total_iters"])
         milestones.append(at)
     return lr_scheduler.SequentialLR(optimizer, made, milestones)
@@ -207,12 +215,9 @@ def _scheduler(optimizer, spec):
         lr_scheduler.ConstantLR, lr_scheduler.LinearLR, lr_scheduler.PolynomialLR, lr_scheduler.CosineDecayLR,
         lr_scheduler.ExponentialLR)}
     if key not in classes:
-        return getattr(lr_scheduler, f"{name}LR" if not name.endswith("LR") else name)  # one line: not built
+        raise not_built(f"configure_lr_scheduler: scheduler {name!r}", "Constant, Linear, Polynomial, CosineDecay, "
+                        "Exponential, and a list of them in sequence")
     return classes[key](optimizer, **spec)
 
 
-def __getattr__(name):
-    """Cerebras' other optimizers (Lamb, Lion, Adafactor, ...) and helpers: one line naming them."""
-    if name.startswith("_"):
-        raise AttributeError(name)
-    raise not_built(f"cstorch.optim.{name}", f"{BUILT}, configure_optimizer, configure_lr_scheduler, lr_scheduler")
+__getattr__ = refusing("cstorch.optim", f"{BUILT}, configure_optimizer, configure_lr_scheduler, lr_scheduler")

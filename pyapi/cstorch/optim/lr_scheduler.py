@@ -4,7 +4,7 @@ A scheduler attaches itself to its optimizer; ``step()`` in the traced step does
 Its ``state_dict()`` holds ``last_epoch``, the steps the script has seen (the schedule is a function
 of the step, so a resumed run needs nothing else of it); after each step the optimizer's groups
 hold the next step's rate, as torch's do (``get_last_lr``)."""
-from pyapi.cstorch.errors import not_built
+from pyapi.cstorch.errors import not_built, refusing
 
 
 class LRScheduler:
@@ -16,6 +16,7 @@ class LRScheduler:
         optimizer.scheduler = self.spec()
         optimizer.lr_scheduler = self
         self.last_epoch = 0
+        self.seen = None  # the last step the script has seen, when it is ahead of last_epoch
 
     def state_dict(self):
         return {"last_epoch": self.last_epoch}
@@ -23,7 +24,7 @@ class LRScheduler:
     def load_state_dict(self, state_dict):
         if not isinstance(state_dict, dict) or not isinstance(state_dict.get("last_epoch"), int):
             raise ValueError(f"{type(self).__name__}.load_state_dict: expected {{'last_epoch': steps trained}}")
-        self.last_epoch = state_dict["last_epoch"]
+        self.last_epoch, self.seen = state_dict["last_epoch"], None
 
     def spec(self):
         return {"scheduler": self.name, **self.args}
@@ -33,10 +34,11 @@ class LRScheduler:
 
     def get_last_lr(self):
         """Each parameter group's rate for the step after the last one the script has seen (as torch's):
-        the schedule's at ``last_epoch``, times the group's share of the first group's ``lr``."""
+        the schedule's there, times the group's share of the first group's ``lr``."""
         from wse_core.optim import make_schedule
 
-        rate = make_schedule(self.spec(), key=f"{type(self).__name__}")(self.last_epoch)
+        step = self.last_epoch if self.seen is None else max(self.seen, self.last_epoch)
+        rate = make_schedule(self.spec(), key=f"{type(self).__name__}")(step)
         return [rate * factor for factor in self.optimizer.lr_factors]
 
 
@@ -90,8 +92,5 @@ class SequentialLR(LRScheduler):
         super().__init__(optimizer, schedulers=[s.spec() for s in schedulers], milestones=list(milestones))
 
 
-def __getattr__(name):
-    if not name.startswith("_"):
-        raise not_built(f"cstorch.optim.lr_scheduler.{name}", "built: ConstantLR, LinearLR, PolynomialLR, "
-                        "CosineDecayLR, ExponentialLR, SequentialLR")
-    raise AttributeError(name)
+__getattr__ = refusing("cstorch.optim.lr_scheduler", "built: ConstantLR, LinearLR, PolynomialLR, CosineDecayLR, "
+                      "ExponentialLR, SequentialLR")

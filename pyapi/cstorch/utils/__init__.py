@@ -1,6 +1,7 @@
 """``cstorch.utils``: the data loader and the executor that runs the steps (``data``), TensorBoard
 summaries (``tensorboard``), nested structures (``nest``) and the 2.0-era ``CSConfig``."""
 from pyapi.cstorch.distributed import CSConfig  # noqa: F401  (the 2.0-era name of the cluster's settings)
+from pyapi.cstorch.errors import refusing
 from pyapi.cstorch.utils import data, nest  # noqa: F401
 
 
@@ -9,10 +10,11 @@ def __getattr__(name):
     import importlib
     import importlib.machinery
 
-    from pyapi.cstorch.errors import not_built
-
     if name.startswith("_"):
         raise AttributeError(name)
     if importlib.machinery.PathFinder.find_spec(f"{__name__}.{name}", __path__) is not None:
         return importlib.import_module(f"{__name__}.{name}")
-    raise not_built(f"cstorch.utils.{name}", "built: data, tensorboard, nest, CSConfig")
+    return _refused(name)
+
+
+_refused = refusing("cstorch.utils", "built: data, tensorboard, nest, CSConfig")

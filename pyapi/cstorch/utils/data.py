@@ -17,7 +17,7 @@ import time
 import torch  # pyapi.cstorch needs it (its __init__ says so): SyntheticDataset is a torch dataset
 
 from pyapi.cstorch import step as step_mod
-from pyapi.cstorch.errors import not_built
+from pyapi.cstorch.errors import not_built, refusing
 
 
 class DataLoader:
@@ -28,19 +28,16 @@ class DataLoader:
             raise TypeError(f"DataLoader: expected a function that makes the loader, got {type(input_fn).__name__}")
         self.input_fn, self.args, self.kwargs = input_fn, args, kwargs
 
-    def batches(self, n, start=0, every=1):
-        """Batches ``start``, ``start + every``, ... of the stream (the loader made again when
-        exhausted), ``n`` of them."""
-        out, i = [], 0
+    def batches(self, n):
+        """The first ``n`` batches of the stream (the loader made again when exhausted)."""
+        out = []
         while len(out) < n:
-            before = i
+            before = len(out)
             for batch in self.input_fn(*self.args, **self.kwargs):
-                if i >= start and (i - start) % every == 0:
-                    out.append(batch)
-                    if len(out) == n:
-                        break
-                i += 1
-            if i == before and len(out) < n:
+                out.append(batch)
+                if len(out) == n:
+                    break
+            if len(out) == before:
                 raise ValueError(f"DataLoader: {getattr(self.input_fn, '__name__', 'input_fn')}() made a loader "
                                  "that yields no batch")
         return out
@@ -109,7 +106,7 @@ class RateTracker:
     SMOOTHING = 0.4
 
     def __init__(self):
-        self.total_samples, self._start, self._last, self._rate = 0, None, None, None
+        self.total_samples, self._start, self._last, self._rate, self._first = 0, None, None, None, 0
 
     def add(self, samples):
         """A step of ``samples`` samples is done (the first step starts the clock)."""
@@ -134,7 +131,7 @@ class RateTracker:
 
     @property
     def global_rate(self):
-        timed = self.total_samples - getattr(self, "_first", 0)
+        timed = self.total_samples - self._first
         return timed / self.total_time if self.total_time > 0 else 0.0
 
     samples_per_sec = global_rate
@@ -319,8 +316,8 @@ class Batch:
         for path, leaf in zip(self.paths, self.leaves):
             if not isinstance(leaf, torch.Tensor) or leaf.dim() < 1:
                 kind = type(leaf).__name__ if not isinstance(leaf, torch.Tensor) else "a 0-dimensional tensor"
-                raise not_built(f"DataLoader: {whose} {number}'s {path} is {kind}",
-                                "batches whose leaves are tensors, batch first")
+                where = f"{whose} {number}" + ("" if path == "the batch" else f"'s {path}")
+                raise not_built(f"DataLoader: {where} is {kind}", "batches whose leaves are tensors, batch first")
         if not self.leaves:
             raise ValueError(f"DataLoader: {whose} {number} holds no tensor")
         sizes = {len(t) for t in self.leaves}
@@ -364,9 +361,4 @@ def _kind(t):
     return f"{str(t.dtype).replace('torch.', '')} {list(t.shape)}"
 
 
-def __getattr__(name):
-    from pyapi.cstorch.errors import not_built
-
-    if name.startswith("_"):
-        raise AttributeError(name)
-    raise not_built(f"cstorch.utils.data.{name}", "built: DataLoader, DataExecutor, SyntheticDataset, compute_num_steps")
+__getattr__ = refusing("cstorch.utils.data", "built: DataLoader, DataExecutor, SyntheticDataset, compute_num_steps")

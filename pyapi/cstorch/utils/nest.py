@@ -2,6 +2,8 @@
 batch, a state dict), each with its scope: the keys and indices (as text) that lead to it."""
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from pyapi.cstorch.errors import refusing
+
 
 def visit_structure(data_structure, select_fn, strict=False, scope=None):
     """Yield (scope, leaf) for every leaf ``select_fn`` accepts, depth first, dict keys and sequence
@@ -55,9 +57,5 @@ def recurse_spec(spec, scope=None):
         yield from recurse_spec(child, scope + [str(key)])
 
 
-def __getattr__(name):
-    from pyapi.cstorch.errors import not_built
-
-    if name.startswith("_"):
-        raise AttributeError(name)
-    raise not_built(f"cstorch.utils.nest.{name}", "built: visit_structure, visit_torch_tensors, map_structure, map_torch_tensors, recurse_spec")
+__getattr__ = refusing("cstorch.utils.nest", "built: visit_structure, visit_torch_tensors, map_structure, "
+                      "map_torch_tensors, recurse_spec")

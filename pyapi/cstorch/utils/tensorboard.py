@@ -7,7 +7,7 @@ import time
 from pathlib import Path
 
 from pyapi.cstorch import step as step_mod
-from pyapi.cstorch.errors import not_built
+from pyapi.cstorch.errors import refusing
 
 try:
     from tensorboardX import SummaryWriter as _Writer
@@ -53,8 +53,5 @@ def summarize_tensor(name, tensor):
     step_mod.summarize_tensor(name, tensor)
 
 
-def __getattr__(name):
-    if name.startswith("_"):
-        raise AttributeError(name)
-    raise not_built(f"cstorch.utils.tensorboard.{name}", "built: SummaryWriter (add_scalar, add_tensor, ...), "
-                    "summarize_scalar, summarize_tensor; read event files with TensorBoard")
+__getattr__ = refusing("cstorch.utils.tensorboard", "built: SummaryWriter (add_scalar, add_tensor, ...), summarize_scalar, "
+                      "summarize_tensor; read event files with TensorBoard")
