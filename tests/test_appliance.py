@@ -318,7 +318,9 @@ def test_a_killed_csx_rank_is_restarted_from_the_checkpoint_and_ends_bit_identic
     logs the fault, and ends with the bits of an uninterrupted run."""
     a = appliance(2)
     model = tmp_path / "m"
-    job_id = a.submit(params_file(tmp_path / "p.yaml", data, model, max_steps=40), "--max_restarts", "1")
+    # 120 steps: the kill must land while the job runs, after the service has seen step 5 (it follows
+    # the job's metrics from time to time: 40 quick steps were once over before it saw the fifth)
+    job_id = a.submit(params_file(tmp_path / "p.yaml", data, model, max_steps=120), "--max_restarts", "1")
     until(lambda: a.client.job(job_id)["step"] >= 5, "step 5")
     run_dir = RunDir(model)
     plan = json.loads(run_dir.plan_json.read_text())["plan"]
@@ -328,8 +330,8 @@ def test_a_killed_csx_rank_is_restarted_from_the_checkpoint_and_ends_bit_identic
     assert "killed by signal 9 (SIGKILL)" in rec["reason"], rec
     log = a.wse("logs", job_id).stdout
     assert "== restart 1 of 1 from the latest checkpoint after: rank" in log and "resuming from checkpoint_" in log
-    assert [m["step"] for m in RunDir(model).read_metrics()] == list(range(1, 41))
-    assert weights(model) == direct_fit(jobs, tmp_path, data, max_steps=40)
+    assert [m["step"] for m in RunDir(model).read_metrics()] == list(range(1, 121))
+    assert weights(model) == direct_fit(jobs, tmp_path, data, max_steps=120)
 
 
 def test_a_job_that_fails_again_after_its_restarts_is_failed_with_the_fault(tmp_path, data, jobs, appliance):

@@ -464,3 +464,47 @@ def test_a_python_value_the_graph_takes_changing_between_steps_is_one_line(tmp_p
                                        r"\[\] of 5.0; captured: aten.mul.Tensor \[\] of 1.0\)"):
         for step, (x, y) in enumerate(cstorch.utils.data.DataExecutor(cstorch.utils.data.DataLoader(lambda: data)), 1):
             train_step(x, y, [1.0, 5.0, 10.0][step - 1])
+
+
+BN_SCRIPT = '''
+import sys
+import torch
+import cerebras.pytorch as cstorch
+
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.BatchNorm1d(8), torch.nn.ReLU(), torch.nn.Linear(8, 3))
+backend = cstorch.backend(sys.argv[1], num_csx=int(sys.argv[2]), micro_batch_size=2)
+compiled = cstorch.compile(model, backend)
+optimizer = cstorch.optim.SGD(model.parameters(), lr=0.1)
+
+
+@cstorch.trace
+def step(x, y):
+    loss = torch.nn.functional.cross_entropy(compiled(x), y)
+    loss.backward()
+    optimizer.step()
+    return loss
+
+
+g = torch.Generator().manual_seed(1)
+data = [(torch.randn(8, 6, generator=g), torch.randint(0, 3, (8,), generator=g)) for _ in range(3)]
+for x, y in cstorch.utils.data.DataExecutor(cstorch.utils.data.DataLoader(lambda: data)):
+    print("loss", repr(float(step(x, y))))
+print("stats", [repr(v) for v in model[1].running_mean.tolist() + model[1].running_var.tolist()],
+      int(model[1].num_batches_tracked))
+'''
+
+
+def test_batchnorms_running_statistics_have_the_same_bits_on_cpu_and_on_two_cs2s(tmp_path):
+    """The micro-batches' statistics combined in the global batch's order: the same running statistics,
+    bit for bit, whether one process or 2 CS-2s computed them (micro-batches of 2, 4 a step)."""
+    outputs = []
+    for kind, n in (("CPU", 1), ("CSX", 2)):
+        where = tmp_path / kind
+        where.mkdir()
+        (where / "train.py").write_text(BN_SCRIPT)
+        proc = subprocess.run([sys.executable, "-m", "pyapi.cstorch", "train.py", kind, str(n)], capture_output=True,
+                              text=True, cwd=where, timeout=600)  # a bound only a hang reaches
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        outputs.append(proc.stdout)
+    assert outputs[0] == outputs[1] and outputs[0].splitlines()[-1].endswith(" 12")
