@@ -150,20 +150,24 @@ for batch in executor:
 '''
 
 
+def on_backend(where, script, kind, num_csx):
+    """The stdout of ``script`` run unchanged as ``train.py KIND NUM_CSX`` in ``where``."""
+    where.mkdir()
+    (where / "train.py").write_text(script)
+    proc = subprocess.run([sys.executable, "-m", "pyapi.cstorch", "train.py", kind, str(num_csx)], capture_output=True,
+                          text=True, cwd=where, timeout=600)  # a bound only a hang reaches
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc.stdout
+
+
 def test_a_script_of_dict_batches_and_a_one_argument_step_trains_and_evaluates_as_eager_pytorch(tmp_path):
     """Run unchanged (``python -m pyapi.cstorch``, its ``import cerebras.pytorch`` as written): a batch
     dict with an attention mask, a loss summed and divided by its tokens, a cast, a step returning a
     dict with a masked accuracy, and an evaluation step under ``torch.no_grad()`` returning a dict:
     the same bits on the CPU backend and on 2 CS-2s, eager PyTorch's numbers."""
-    (tmp_path / "train.py").write_text(LM_SCRIPT)
-    outputs = []
-    for kind, n in (("CPU", 1), ("CSX", 2)):
-        proc = subprocess.run([sys.executable, "-m", "pyapi.cstorch", "train.py", kind, str(n)], capture_output=True,
-                              text=True, cwd=tmp_path, timeout=600)  # a bound only a hang reaches
-        assert proc.returncode == 0, proc.stderr[-3000:]
-        outputs.append(proc.stdout)
-    assert outputs[0] == outputs[1]
-    lines = outputs[0].splitlines()
+    cpu, csx = (on_backend(tmp_path / kind, LM_SCRIPT, kind, n) for kind, n in (("CPU", 1), ("CSX", 2)))
+    assert cpu == csx
+    lines = cpu.splitlines()
     steps = [(float(line.split()[2]), float(line.split()[-1])) for line in lines if line.startswith("step ")]
     evals = [tuple(map(float, line.split()[1:])) for line in lines if line.startswith("eval ")]
     user = {}
@@ -498,13 +502,5 @@ print("stats", [repr(v) for v in model[1].running_mean.tolist() + model[1].runni
 def test_batchnorms_running_statistics_have_the_same_bits_on_cpu_and_on_two_cs2s(tmp_path):
     """The micro-batches' statistics combined in the global batch's order: the same running statistics,
     bit for bit, whether one process or 2 CS-2s computed them (micro-batches of 2, 4 a step)."""
-    outputs = []
-    for kind, n in (("CPU", 1), ("CSX", 2)):
-        where = tmp_path / kind
-        where.mkdir()
-        (where / "train.py").write_text(BN_SCRIPT)
-        proc = subprocess.run([sys.executable, "-m", "pyapi.cstorch", "train.py", kind, str(n)], capture_output=True,
-                              text=True, cwd=where, timeout=600)  # a bound only a hang reaches
-        assert proc.returncode == 0, proc.stderr[-3000:]
-        outputs.append(proc.stdout)
-    assert outputs[0] == outputs[1] and outputs[0].splitlines()[-1].endswith(" 12")
+    cpu, csx = (on_backend(tmp_path / kind, BN_SCRIPT, kind, n) for kind, n in (("CPU", 1), ("CSX", 2)))
+    assert cpu == csx and cpu.splitlines()[-1].endswith(" 12")
