@@ -33,6 +33,7 @@ import numpy as np
 from data_tools.errors import DataError
 from data_tools import DEFAULT_COMPRESSION
 from data_tools.documents import discover_inputs, read_documents
+from data_tools.files import write_text
 from data_tools.lmdata import (DATA_PARAMS, SLAB_BYTES, LMFileWriter, chunk_rows, h5_filters, write_array_file)
 from data_tools.tokenizers import get_tokenizer
 
@@ -407,7 +408,7 @@ def preprocess_text(inputs, output_dir, max_seq_length, *, tokenizer="byte", sam
         "files": shards,
         "seconds": time.perf_counter() - t0,
     }
-    (out / DATA_PARAMS).write_text(json.dumps(params, indent=2) + "\n")
+    write_text(out / DATA_PARAMS, json.dumps(params, indent=2) + "\n")
     return params
 
 
@@ -444,7 +445,7 @@ def preprocess_arrays(npz_path, output_dir, *, samples_per_file=None, compressio
         shards.append({"name": name, "n_examples": len(y[lo:lo + samples_per_file])})
     params = {"format": "arrays", "n_examples": int(len(y)), "feature_shape": list(x.shape[1:]),
               "num_classes": int(y.max()) + 1, "compression": compression, "files": shards}
-    (out / DATA_PARAMS).write_text(json.dumps(params, indent=2) + "\n")
+    write_text(out / DATA_PARAMS, json.dumps(params, indent=2) + "\n")
     return params
 
 

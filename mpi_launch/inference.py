@@ -20,6 +20,7 @@ import time
 from multiprocessing.connection import Connection
 from pathlib import Path
 
+from data_tools.files import write_text
 from mpi_launch.mpiexec import check_capacity, job_command
 from mpi_launch.plan import make_plan
 from mpi_launch.rundir import RunDir
@@ -78,7 +79,7 @@ class ClusterEngine:
         run_dir = RunDir(self.dir)
         run_dir.logs.mkdir()
         self.spec["socket"] = str(self.dir / SOCKET)
-        run_dir.run_json.write_text(json.dumps({"inference": self.spec}, indent=1))
+        write_text(run_dir.run_json, json.dumps({"inference": self.spec}, indent=1))
         listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         listener.bind(self.spec["socket"])
         listener.listen(1)

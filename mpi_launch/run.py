@@ -23,6 +23,7 @@ def main(argv=None):
     import time
     import traceback
 
+    from data_tools.files import write_text
     from mpi_launch.rundir import RunDir
     from wse_core import configure_process
 
@@ -38,8 +39,7 @@ def main(argv=None):
     role, index = ("unknown", 0)
     try:
         pid_file = run_dir.pid_file(comm.rank)
-        pid_file.with_suffix(".tmp").write_text(str(os.getpid()))
-        os.replace(pid_file.with_suffix(".tmp"), pid_file)  # a reader never sees half a pid
+        write_text(pid_file, str(os.getpid()))  # a reader never sees half a pid
         if "inference" in run:  # an inference job (mpi_launch.inference)
             from mpi_launch.inference import plan_of
             from mpi_launch.roles.inference import ROLES

@@ -27,6 +27,7 @@ import socket
 import time
 from pathlib import Path
 
+from data_tools.files import write_text
 from mpi_launch.mpiexec import MPILaunchError
 
 LOCK = ".wse.lock"
@@ -174,9 +175,7 @@ class RunDir:
     def truncate_metrics(self, step):
         """Keep only the records of steps <= ``step``: a resumed run rewrites what comes after."""
         kept = [r for r in self.read_metrics() if r.get("step", 0) <= step]
-        tmp = self.metrics.with_suffix(".tmp")
-        tmp.write_text("".join(json.dumps(r) + "\n" for r in kept))
-        os.replace(tmp, self.metrics)
+        write_text(self.metrics, "".join(json.dumps(r) + "\n" for r in kept))
 
     # -- preparing a run -----------------------------------------------------------------------
     def prepare(self, params, *, checkpoint=None):
@@ -208,9 +207,10 @@ class RunDir:
         self.truncate_metrics(start)
         run = {"params": params.to_dict(), "start_step": start, "checkpoint": ckpt_dir, "numerics": numerics,
                "numerics_changed": changed}
-        self.run_json.write_text(json.dumps(run, indent=1))
-        self.params_yaml.write_text(yaml.safe_dump(params.to_dict(), sort_keys=False))
-        self.plan_json.write_text(json.dumps(describe(params), indent=1))
+        # every rank, the appliance and `wse bench faults` read them while the job starts: whole files
+        write_text(self.run_json, json.dumps(run, indent=1))
+        write_text(self.params_yaml, yaml.safe_dump(params.to_dict(), sort_keys=False))
+        write_text(self.plan_json, json.dumps(describe(params), indent=1))
         return run
 
     def read_run(self):

@@ -674,3 +674,20 @@ def test_our_fletcher32_is_hdf5s(tmp_path):
                 assert not chunk_ok(buf, 0, size)
     with pytest.raises(ValueError, match="outside a buffer"):
         chunk_ok(np.zeros(8, np.uint8), 2, 4)
+
+
+def test_a_file_another_process_reads_is_replaced_whole(tmp_path):
+    """data_tools.files: a reader finds the old file or the new one; a write that fails leaves the old
+    one and no temporary file."""
+    from data_tools.files import replacing, write_text
+
+    path = tmp_path / "plan.json"
+    write_text(path, "old")
+    with pytest.raises(RuntimeError):
+        with replacing(path) as tmp:
+            tmp.write_text("half of the ne")
+            assert path.read_text() == "old"  # until the block ends
+            raise RuntimeError("the writer died")
+    assert path.read_text() == "old" and sorted(p.name for p in tmp_path.iterdir()) == ["plan.json"]
+    write_text(path, "new")
+    assert path.read_text() == "new" and sorted(p.name for p in tmp_path.iterdir()) == ["plan.json"]

@@ -30,6 +30,7 @@ import threading
 import numpy as np
 import yaml
 
+from data_tools.files import write_text
 from pyapi.cstorch.backends import micro_batch_size as flagged_micro_batch_size
 from pyapi.cstorch.errors import not_built
 from pyapi.cstorch.step import handed, names_closures, ops_of, record, recording, run_closures, with_values
@@ -328,7 +329,7 @@ class Run:
         self.optimizer, self.param_of = optimizer, dict(graph.params)
         self.start = _resumed_step(optimizer, self.executor.checkpoint_steps)
         self.params = self._params(str(program), rec)
-        (self.dir / "params.yaml").write_text(yaml.safe_dump(self.params, sort_keys=False))
+        write_text(self.dir / "params.yaml", yaml.safe_dump(self.params, sort_keys=False))
         self.started = True
         if not self.backend.is_e2e_execution:
             self._dry(graph)
@@ -652,7 +653,7 @@ def _write_dataset(data, batches, call):
     n = len(columns[0])
     meta = {"format": "tensors", "n_examples": n, "files": [{"name": "data-00000.h5", "n_examples": n}],
             "columns": [{"dtype": c.dtype.str, "shape": list(c.shape[1:])} for c in columns]}
-    (data / DATA_PARAMS).write_text(json.dumps(meta))
+    write_text(data / DATA_PARAMS, json.dumps(meta))
 
 
 class _InProcess:

@@ -3,11 +3,12 @@ HDF5 file, a group per dict and a dataset per tensor (``/model/net.1.weight``: a
 names keep their dots), every other value JSON in the file's attributes with its key path; ``load``
 also reads a checkpoint the cluster wrote."""
 import json
-import os
 from pathlib import Path
 
 import h5py
 import numpy as np
+
+from data_tools.files import replacing
 
 FORMAT = "cstorch-state-1"
 
@@ -34,16 +35,10 @@ def save(state, path):
         text = json.dumps(rest)
     except TypeError as exc:
         raise TypeError(f"cstorch.save: {exc} (a value that is neither a tensor nor JSON)") from None
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.partial")
-    try:  # written aside and renamed: a reader (an eval script) never sees half a file
-        with h5py.File(tmp, "w") as f:
-            f.attrs["format"], f.attrs["values"] = FORMAT, text
-            for key, a in tensors.items():
-                f.create_dataset(key, data=a)
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
+    with replacing(path) as tmp, h5py.File(tmp, "w") as f:  # a reader (an eval script) never sees half a file
+        f.attrs["format"], f.attrs["values"] = FORMAT, text
+        for key, a in tensors.items():
+            f.create_dataset(key, data=a)
 
 
 def load(path, map_location=None, **kwargs):

@@ -2,10 +2,10 @@
 tensorboardX: the ``tensorboard`` extra) with its ``add_tensor``, and the summaries a traced step
 writes (``summarize_scalar``, ``summarize_tensor``: to the DataExecutor's writer when it was given
 one, and to the run's own, ``model_dir/train``)."""
-import os
 import time
 from pathlib import Path
 
+from data_tools.files import replacing
 from pyapi.cstorch import step as step_mod
 from pyapi.cstorch.errors import refusing
 
@@ -37,10 +37,8 @@ class SummaryWriter(_Writer or object):
 
         where = Path(self.logdir) / "tensors" / name
         where.mkdir(parents=True, exist_ok=True)
-        path = where / f"{int(step)}.pt"
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.partial")
-        torch.save({"step": int(step), "ns_since_epoch": time.time_ns(), "tensor": tensor.detach().cpu()}, tmp)
-        os.replace(tmp, path)  # a reader never sees half a file
+        with replacing(where / f"{int(step)}.pt") as tmp:  # a reader never sees half a file
+            torch.save({"step": int(step), "ns_since_epoch": time.time_ns(), "tensor": tensor.detach().cpu()}, tmp)
 
 
 def summarize_scalar(name, scalar):
