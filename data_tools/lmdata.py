@@ -182,7 +182,8 @@ def write_tensors_file(path, columns, compression=DEFAULT_COMPRESSION):
     n = len(columns[0])
     with h5py.File(path, "w") as f:
         for i, a in enumerate(columns):
-            f.create_dataset(f"t{i}", data=a, chunks=(max(1, min(n, chunk_rows(a.shape[1:], a.itemsize))), *a.shape[1:]),
+            rows = max(1, min(n, chunk_rows(a.shape[1:], a.itemsize)))
+            f.create_dataset(f"t{i}", data=a, chunks=(rows, *a.shape[1:]),
                              **h5_filters(compression))
         f.attrs["n_examples"] = n
 
@@ -190,7 +191,8 @@ def write_tensors_file(path, columns, compression=DEFAULT_COMPRESSION):
 def tensor_columns(meta):
     """[(name, dtype, example shape)] of a tensor dataset, from its data_params.json."""
     try:
-        return [(f"t{i}", np.dtype(c["dtype"]), tuple(int(x) for x in c["shape"])) for i, c in enumerate(meta["columns"])]
+        return [(f"t{i}", np.dtype(c["dtype"]), tuple(int(x) for x in c["shape"]))
+                for i, c in enumerate(meta["columns"])]
     except (KeyError, TypeError, ValueError) as exc:
         raise DataError(f"{DATA_PARAMS}: a tensor dataset's columns are not readable ({exc})") from None
 

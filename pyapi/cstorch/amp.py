@@ -191,4 +191,5 @@ def optimizer_step(loss, optimizer, grad_scaler, max_gradient_norm=None, max_gra
 
 
 __getattr__ = refusing("cstorch.amp", "built: GradScaler, optimizer_step, autocast, set_half_dtype, "
-                      "get_half_dtype(_str), use_bfloat16, enable_mixed_precision, mixed_precision, get_floating_point_dtype(_str)")
+                      "get_half_dtype(_str), use_bfloat16, enable_mixed_precision, mixed_precision, "
+                      "get_floating_point_dtype(_str)")

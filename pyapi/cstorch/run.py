@@ -223,8 +223,8 @@ class Run:
             self._update_batch_norms(stats, micro_batches)
         tensors = handed(rec, out)
         if len(tensors) != len(values):
-            raise not_built(f"{fn.__name__}: at step {step} it hands Python {len(tensors)} tensors (returned, or given to "
-                            f"step closures and summaries), at step 1 {len(values)}",
+            raise not_built(f"{fn.__name__}: at step {step} it hands Python {len(tensors)} tensors (returned, or "
+                            f"given to step closures and summaries), at step 1 {len(values)}",
                             "the same tensors on every step: return them, and give closures what it returns")
         import torch
 

@@ -224,7 +224,8 @@ def _terms(program, node, where):
     first = kinds[0]
     if any((k.reduction, k.counter is None) != (first.reduction, first.counter is None) for k in kinds) \
             or (len(kinds) > 1 and first.counter is not None):
-        raise CompileError(f"{where} adds terms reduced over the batch in different ways ({', '.join(k.op for k in kinds)}: "
+        ops = ", ".join(k.op for k in kinds)
+        raise CompileError(f"{where} adds terms reduced over the batch in different ways ({ops}: "
                            "each weighs a micro-batch by its own count); not supported: one reduction for the loss "
                            "(or means over the samples each)")
     if free and first.reduction == "sum":

@@ -51,5 +51,5 @@ def summarize_tensor(name, tensor):
     step_mod.summarize_tensor(name, tensor)
 
 
-__getattr__ = refusing("cstorch.utils.tensorboard", "built: SummaryWriter (add_scalar, add_tensor, ...), summarize_scalar, "
-                      "summarize_tensor; read event files with TensorBoard")
+__getattr__ = refusing("cstorch.utils.tensorboard", "built: SummaryWriter (add_scalar, add_tensor, ...), "
+                      "summarize_scalar, summarize_tensor; read event files with TensorBoard")
