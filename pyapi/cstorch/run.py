@@ -32,95 +32,14 @@ import yaml
 
 from data_tools.files import write_text
 from pyapi.cstorch.backends import micro_batch_size as flagged_micro_batch_size
+from pyapi.cstorch.call import Call, traced_module
+from pyapi.cstorch.cpu import InProcess
 from pyapi.cstorch.errors import not_built
-from pyapi.cstorch.step import handed, names_closures, ops_of, record, recording, run_closures, with_values
+from pyapi.cstorch.step import handed, names_closures, ops_of, record, run_closures, with_values
 
 #: Seconds between looks at the job's metrics while a step is awaited (a sleep, not a spin: the
 #: ranks need the cores).
 POLL_S = 0.05
-
-
-def _traced_module(fn, model, call):
-    """The module whose forward is the user's traced step on the batch's tensors it reads (``call``:
-    ``Call``), returning (its loss, the tensors it hands to Python) (its class made here: torch is
-    imported late)."""
-    import torch
-
-    class TracedStep(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.model = model  # its parameters become the graph's ("model.<name>")
-
-        def forward(self, *inputs):
-            args, kwargs = call.arguments(inputs)
-            out = fn(*args, **kwargs)
-            rec = recording()
-            values = ([] if rec.loss is None else [rec.loss]) + handed(rec, out)
-            if not values:
-                raise not_built(f"{fn.__name__}: a traced step that returns no tensor and calls no backward()",
-                                "a step that trains a loss or returns the values it computes")
-            return tuple(values)
-
-    return TracedStep()
-
-
-class Call:
-    """How a traced step's arguments are made of its step's batch: each tensor among them one of the
-    batch's tensors (``slots``: its index among ``Batch.leaves``), every other value a constant of
-    the graph; ``inputs``: the indices the graph takes, in order."""
-
-    def __init__(self, name, args, kwargs, batch):
-        import torch
-        from torch.utils._pytree import keystr, tree_flatten_with_path
-
-        pairs, self.spec = tree_flatten_with_path((args, kwargs))
-        self.name, self.slots, self.constants = name, [], []
-        by_id = {id(t): i for i, t in enumerate(batch.leaves)}
-        for path, leaf in pairs:
-            if isinstance(leaf, torch.Tensor):
-                if id(leaf) not in by_id:
-                    raise not_built(f"{name}: its argument {_argument(keystr(path))} is a tensor made outside the "
-                                    "step, not one of the executor's batch", "the batch's tensors as the loop gets "
-                                    "them: transform them inside the traced step (or in the loader)")
-                self.slots.append(by_id[id(leaf)])
-            else:
-                self.slots.append(None)
-                self.constants.append(leaf)
-        self.inputs = sorted({k for k in self.slots if k is not None})
-
-    def graph_inputs(self, batch):
-        """The tensors of ``batch`` the graph takes, as it takes them: int32 widened to int64 (a CS-2
-        takes int32 class targets and token ids, which torch's CPU losses refuse; the values are the
-        same)."""
-        import torch
-
-        return [t.to(torch.int64) if t.dtype == torch.int32 else t for t in (batch.leaves[k] for k in self.inputs)]
-
-    def arguments(self, inputs):
-        """(args, kwargs) of the step with the graph's ``inputs`` in their places."""
-        from torch.utils._pytree import tree_unflatten
-
-        of = dict(zip(self.inputs, inputs))
-        constants = iter(self.constants)
-        return tree_unflatten([of[k] if k is not None else next(constants) for k in self.slots], self.spec)
-
-    def same_values(self, other):
-        """Whether this call's Python values are ``other``'s (numbers and strings equal, others the same
-        objects)."""
-        return len(self.constants) == len(other.constants) and all(
-            a is b or (type(a) is type(b) and isinstance(a, (bool, int, float, str)) and a == b)
-            for a, b in zip(self.constants, other.constants))
-
-    def check(self, args, kwargs, batch, step):
-        """This step's call, of the same arguments as step 1's: the batch's tensors in the same places.
-        Its Python values may differ (a step count given to the step): the graph holds step 1's, so
-        a step given other values is checked (``Run._check_same_graph``: its ops and the numbers
-        they take), and its closures see this step's."""
-        other = Call(self.name, args, kwargs, batch)
-        if other.spec != self.spec or other.slots != self.slots:
-            raise not_built(f"{self.name}: called at step {step} with other arguments than at step 1",
-                            "the same arguments on every step (the batch's tensors in the same places)")
-        return other
 
 
 def _op_text(ops, i):
@@ -145,14 +64,6 @@ def _buffers_kept(model):
         with torch.no_grad():
             for b, value in saved:
                 b.copy_(value)
-
-
-def _argument(path):
-    """``args[0]['input_ids']`` for a key path ``[0][0]['input_ids']`` of (args, kwargs)."""
-    if path.startswith("[0]"):
-        rest = path[3:]
-        return "args" + rest if rest else "args"
-    return "kwargs" + path[3:]
 
 
 class Run:
@@ -294,7 +205,7 @@ class Run:
                             "a step of the executor's batch")
         with record(fn) as rec, _buffers_kept(model):
             try:
-                graph = capture(_traced_module(fn, model, self.call), inputs)
+                graph = capture(traced_module(fn, model, self.call), inputs)
             except CompileError as exc:  # its module paths start at the traced step: "model.model.net.1"
                 raise CompileError(str(exc).replace("model.model.", "model.").replace("model.model:", "model:")) \
                     from None
@@ -349,7 +260,7 @@ class Run:
                 _write_checkpoint(self.model_dir, self.start, *resumed, scale)
             self._start_job()
         else:
-            self.cpu = _InProcess(self.params, self.start, resumed, scale)
+            self.cpu = InProcess(self.params, self.start, resumed, scale)
 
     def _params(self, program, rec):
         optimizer = rec.optimizers[0].spec()
@@ -654,43 +565,3 @@ def _write_dataset(data, batches, call):
     meta = {"format": "tensors", "n_examples": n, "files": [{"name": "data-00000.h5", "n_examples": n}],
             "columns": [{"dtype": c.dtype.str, "shape": list(c.shape[1:])} for c in columns]}
     write_text(data / DATA_PARAMS, json.dumps(meta))
-
-
-class _InProcess:
-    """The CPU backend: the reference's steps (``wse_core.nn.reference``) on the run's dataset, as the
-    cluster's ranks compute them: the same bits."""
-
-    def __init__(self, params, start=0, resumed=None, loss_scale=None):
-        from data_tools.dataset import GlobalStream
-        from pyapi.params import validate
-        from wse_core.nn import build_model
-        from wse_core.optim import make_schedule
-        from wse_core.optim.loss_scale import LossScaler
-
-        self.spec = validate(params)
-        self.model = build_model(self.spec.model)
-        o, t = self.spec.optimizer, self.spec.train_input
-        self.seed = self.spec.runconfig.seed
-        self.optimizer = o.optimizer()
-        if resumed is None:
-            self.params = self.model.init_params(self.seed)
-            self.state = {n: self.optimizer.init_state(w) for n, w in self.params.items()}
-        else:
-            self.params, self.state = resumed
-        self.schedule = make_schedule(o.learning_rate, key="optimizer.learning_rate")
-        self.scaler = LossScaler.from_params(o, self.model.config.get("fp16_type"))
-        self.scaler.load(loss_scale)
-        self.stream = GlobalStream(t.data_dir)
-        self.step = start
-
-    def advance(self):
-        from wse_core.nn.reference import reference_step
-
-        t, o = self.spec.train_input, self.spec.optimizer
-        batch = self.model.batch_of(self.stream.read(self.step * t.batch_size, t.batch_size))
-        r = reference_step(self.model, self.params, self.state, self.optimizer, batch,
-                           micro_batch_size=t.micro_batch_size, step=self.step + 1, lr=self.schedule(self.step),
-                           max_gradient_norm=o.max_gradient_norm, seed=self.seed, scaler=self.scaler,
-                           lr_factors=self.model.lr_factors(o.adjust_learning_rate))
-        self.step += 1
-        return r
