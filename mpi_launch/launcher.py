@@ -117,6 +117,7 @@ def launch(cmd, plan, run_dir, *, peer_timeout, startup_timeout, hostfile=None, 
                     ended.set()
                     stopper.join()
                 watchdog.stop()
+                watchdog.wait_gone(TEARDOWN_SECONDS)
                 watchdog.remove_shared_memory()
             err.seek(0)
             stderr = "".join(banner) + err.read()

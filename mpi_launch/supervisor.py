@@ -141,7 +141,7 @@ class Supervisor:
         self.parent = os.getppid()
         die_with_parent(_PARENT_GONE)
         self.send({"event": "hello", "token": token, "pid": child, "supervisor": os.getpid(),
-                   "host": socket.gethostname()})
+                   "proxy": self.parent, "host": socket.gethostname()})
 
     def send(self, message):
         message.setdefault("time", time.time())

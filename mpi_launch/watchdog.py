@@ -53,10 +53,20 @@ def signame(sig):
         return f"signal {sig}"
 
 
+def _alive(pid):
+    """Whether process ``pid`` is running (a zombie has exited: only its parent's wait is missing)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except (OSError, IndexError):
+        return False
+
+
 @dataclass
 class RankState:
     pid: int = None
     host: str = None
+    processes: tuple = ()         # the rank's, its supervisor's and hydra's proxy's pids on its host
     ready: bool = False
     done: bool = False
     stopped_at: float = None      # supervisor time of the stop, while stopped
@@ -155,6 +165,19 @@ class Watchdog:
             except OSError:
                 pass  # removed by MPI_Finalize or by a supervisor
 
+    def wait_gone(self, timeout):
+        """The job is over and its connections closed: wait (at most ``timeout`` s, in sleeps) until
+        the processes of its ranks on this host have exited, so that a caller who looks finds nothing
+        of the job running. A supervisor kills its rank when its connection closes; a loaded machine
+        takes a moment to carry that out after mpiexec has gone."""
+        here = socket.gethostname()
+        pids = {p for s in self.ranks.values() if s.host == here for p in s.processes}
+        deadline = time.monotonic() + timeout
+        while pids and time.monotonic() < deadline:
+            pids = {p for p in pids if _alive(p)}
+            if pids:
+                time.sleep(0.02)
+
     def stop(self):
         """The job is over: stop the watching thread and release the port."""
         os.write(self._wake_w, b"q")
@@ -247,6 +270,7 @@ class Watchdog:
             self.log.flush()
         if kind == "hello":
             s.pid, s.host, s.connected = msg.get("pid"), msg.get("host"), True
+            s.processes = tuple(p for p in (msg.get("pid"), msg.get("supervisor"), msg.get("proxy")) if p)
         elif kind == "mpi_up":
             s.shm = tuple(msg.get("shm", ()))
         elif kind == "ready":
