@@ -14,7 +14,10 @@ Environment switches:
   WSE_NO_AVX2=1       build for any x86-64 (SSE2) even on an AVX2 machine
   WSE_CYTHON_DEBUG=1  turn bounds checks and wraparound back on (slow; for debugging kernels)
 """
+import hashlib
+import json
 import os
+import shutil
 import sys
 import tempfile
 from pathlib import Path
@@ -41,8 +44,19 @@ int main(void) { return omp_get_max_threads() > 0 ? 0 : 1; }
 """
 
 
+#: The flags each kernel in the source tree was last built with: a later install that would build it
+#: again with the same flags from the same sources keeps it (see BuildExtWithOpenMP.build_extension).
+STAMP = ROOT / "build" / "kernels.json"
+
+
 class BuildExtWithOpenMP(build_ext):
-    """build_ext that adds -O3 everywhere and -fopenmp where the compiler supports it."""
+    """build_ext that adds -O3 everywhere and -fopenmp where the compiler supports it, compiles the
+    kernels in parallel, and keeps a kernel already built from the same sources with the same flags."""
+
+    def finalize_options(self):
+        super().finalize_options()
+        if not self.parallel:
+            self.parallel = os.cpu_count() or 1
 
     def build_extensions(self):
         use_openmp = os.environ.get("WSE_NO_OPENMP", "") in ("", "0") and self._compiler_has_openmp()
@@ -58,7 +72,29 @@ class BuildExtWithOpenMP(build_ext):
                 f"\n{bar}\n!! wse-cluster: building WITHOUT OpenMP: every kernel will run on ONE thread.\n"
                 f"!! (the compiler could not build an OpenMP program, or WSE_NO_OPENMP is set)\n{bar}\n\n"
             )
+        self._stamp = json.loads(STAMP.read_text()) if STAMP.exists() else {}
         super().build_extensions()
+        STAMP.parent.mkdir(exist_ok=True)
+        STAMP.write_text(json.dumps(self._stamp, indent=1, sort_keys=True))
+
+    def build_extension(self, ext):
+        # pip builds again for every install of the project, even `pip install -e '.[serve]'` to add an
+        # extra, in a fresh temporary directory and a fresh Cython (whose newer files make cythonize
+        # write every .c again): without this each one compiled every kernel again. So what decides is
+        # the content of the kernel's C source and headers and its flags, not the files' times.
+        built = ROOT / self.get_ext_filename(ext.name)  # where the editable install imports it from
+        inputs = sorted({ROOT / s for s in ext.sources} | set(ROOT.glob("wse_core/**/*.h")))
+        digest = hashlib.sha256(b"".join(p.read_bytes() for p in inputs)).hexdigest()
+        key = {"flags": ext.extra_compile_args + ext.extra_link_args, "sha256": digest}
+        if self._stamp.get(ext.name) == key and built.exists() and not self.force:
+            target = Path(self.get_ext_fullpath(ext.name))
+            if target.resolve() != built.resolve():
+                target.parent.mkdir(parents=True, exist_ok=True)
+                shutil.copy2(built, target)
+            print(f"wse-cluster: {ext.name} is up to date (built from this C source with these flags)")
+            return
+        super().build_extension(ext)
+        self._stamp[ext.name] = key
 
     def _compiler_has_openmp(self):
         from setuptools.errors import CompileError, LinkError
@@ -99,6 +135,7 @@ def extensions():
         exts.append(Extension(name, [str(rel)], include_dirs=["wse_core", str(rel.parent)]))
     return cythonize(
         exts,
+        nthreads=os.cpu_count() or 1,
         compiler_directives={
             "language_level": 3,
             "boundscheck": debug,
