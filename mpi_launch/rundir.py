@@ -9,6 +9,7 @@ Layout (docs/design.md section 4); no other module spells these names:
       params.yaml             the resolved params (loads again with `wse fit` / `wse validate`)
       plan.json               the rank plan and memory estimates (`wse compile --json`)
       metrics.jsonl           one JSON object per step
+      loss.png                its loss and simulated samples/s against the step, drawn when a run ends (pyapi.plot)
       logs/rank_<r>.log       each rank's log (tracebacks of failures go here too)
       logs/timing_rank_<r>.jsonl  where each rank's step time went
       logs/pid_rank_<r>       each rank's pid (for people and tests that want to signal one)
@@ -84,6 +85,10 @@ class RunDir:
     @property
     def metrics(self):
         return self.path / "metrics.jsonl"
+
+    @property
+    def loss_png(self):
+        return self.path / "loss.png"
 
     @property
     def mpiexec_log(self):
@@ -190,6 +195,7 @@ class RunDir:
 
         from data_tools.checkpoint import LATEST, Checkpoint, clean_up
         from mpi_launch.plan import describe
+        from wse_core.nn import build_model
         from wse_core.numerics import environment
 
         clean_up(self.path)  # what a killed or failed save left (this job holds the lock)
@@ -202,7 +208,7 @@ class RunDir:
         if checkpoint is not None:
             ckpt = Checkpoint(checkpoint)
             start, ckpt_dir = ckpt.step, str(ckpt.dir.resolve())
-            _check_compatible(ckpt, params)
+            ckpt.check_model(build_model(params.model))
             changed = _check_numerics(ckpt, numerics, params.runconfig.allow_numerics_change)
         self.truncate_metrics(start)
         run = {"params": params.to_dict(), "start_step": start, "checkpoint": ckpt_dir, "numerics": numerics,
@@ -233,17 +239,3 @@ def _check_numerics(ckpt, numerics, allow):
                              "runconfig.allow_numerics_change: true (--set runconfig.allow_numerics_change=true) "
                              "to resume anyway")
     return changed
-
-
-def _check_compatible(ckpt, params):
-    """The checkpoint holds every parameter of this model, with this model's shapes."""
-    from wse_core.nn import build_model
-
-    model = build_model(params.model)
-    missing = set(model.param_names) - set(ckpt.param_names)
-    if missing:
-        raise MPILaunchError(f"{ckpt.dir}: does not hold parameter {sorted(missing)[0]!r} of this model")
-    for name, spec in model.param_specs.items():  # e.g. a different model.sparsity
-        shape = ckpt.shape(name)
-        if shape != list(spec.shape):
-            raise MPILaunchError(f"{ckpt.dir}: parameter {name!r} has shape {shape}, this model's is {list(spec.shape)}")

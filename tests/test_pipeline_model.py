@@ -1,6 +1,6 @@
 """The pipelined mode's model (wse_core.perf.pipeline): placement, the memory fit at the seeds'
 boundary, the step time against weight streaming, and what `wse compile` shows of it (the
-pipelined run itself: tests/test_cluster.py)."""
+pipelined run itself: tests/test_cluster.py; its picture: tests/test_plot.py)."""
 import math
 import subprocess
 import sys
@@ -10,7 +10,7 @@ import yaml
 
 from wse_core.nn import build_model
 from wse_core.perf import Hardware
-from wse_core.perf.pipeline import bytes_per_param, choose, place, plot_placement
+from wse_core.perf.pipeline import bytes_per_param, choose, place
 
 
 def gpt(hidden, layers, heads, seq=512):
@@ -75,13 +75,6 @@ def test_pipelined_is_faster_for_a_small_gpt2_and_not_from_some_size_on():
     assert mode == "weight_streaming" and p.fits and p.step_s > ws.step_s and "slower than streaming" in why
     mode, why, _, _ = choose(gpt(2560, 32, 32), batch_size=64, micro_batch_size=1, seq_len=512)
     assert mode == "weight_streaming" and "does not fit one wafer" in why
-
-
-def test_the_placement_picture(tmp_path):
-    pytest.importorskip("matplotlib")
-    p = place(gpt(256, 4, 4), micro_batch_size=1, micro_batches=8, seq_len=128)
-    plot_placement(p, tmp_path / "wafer.png")
-    assert (tmp_path / "wafer.png").read_bytes()[:4] == b"\x89PNG"
 
 
 def test_compile_shows_the_placement_and_the_choice(tmp_path):

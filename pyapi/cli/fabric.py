@@ -46,5 +46,5 @@ def add_fabric(sub, chosen):
             fp.add_argument(f"--{flag}", type=kind, default=default, help=text)
         fp.add_argument("--seed", type=int, default=0, help="seed of the random input")
         fp.add_argument("--json", action="store_true", help="print JSON")
-        fp.add_argument("--heatmap", metavar="FILE", help="write a PNG of per-PE activity (needs matplotlib)")
+        fp.add_argument("--heatmap", metavar="FILE", help="write a PNG of per-PE activity")
         fp.set_defaults(func=_cmd_fabric_run)

@@ -302,16 +302,12 @@ class Result:
                 "pe_cycles_per_second": self.pe_cycles_per_second, **self.extra}
 
     def heatmap(self, path):
-        """Write a PNG of per-PE busy, stall and link activity (needs matplotlib, an optional extra)."""
-        try:
-            import matplotlib
+        """Write a PNG of per-PE busy, stall and link activity."""
+        # A Figure of its own, not pyplot's: a caller's backend and open figures are left alone.
+        from matplotlib.figure import Figure
 
-            matplotlib.use("Agg")
-            import matplotlib.pyplot as plt
-        except ImportError:
-            raise FabricError("--heatmap needs matplotlib (pip install matplotlib); the JSON report has the same "
-                              "figures") from None
-        fig, axes = plt.subplots(1, 3, figsize=(15, 4.5))
+        fig = Figure(figsize=(15, 4.5))
+        axes = fig.subplots(1, 3)
         for ax, (title, data) in zip(axes, [("element ops", self.busy), ("stalls", self.stall),
                                             ("wavelets sent (N+E+S+W)", self.link[..., :4].sum(-1))]):
             im = ax.imshow(data, cmap="viridis", interpolation="nearest", aspect="auto")
@@ -321,5 +317,4 @@ class Result:
             fig.colorbar(im, ax=ax)
         fig.tight_layout()
         fig.savefig(path, dpi=100)
-        plt.close(fig)
         return path

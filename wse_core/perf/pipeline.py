@@ -186,37 +186,3 @@ def choose(model, *, batch_size, micro_batch_size, seq_len=None, n_states=2, hw=
     return "weight_streaming", (f"weight streaming: the model fits, but its pipelined step ({p.step_s * 1e3:.3g} ms, "
                                 f"{len(p.regions)} stages for {p.micro_batches} micro-batches) is slower than "
                                 f"streaming ({ws.step_s * 1e3:.3g} ms)"), p, ws
-
-
-def plot_placement(placement, path, hw=None):
-    """A picture of the wafer's program rectangle with each layer's stripe (``placement``: a
-    ``Placement`` or its ``to_dict()``), written to ``path`` (PNG). Needs matplotlib."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        raise ValueError("--plot: needs matplotlib (pip install 'wse-cluster[plot]')") from None
-    hw = hw or Hardware()
-    p = placement if isinstance(placement, dict) else placement.to_dict()
-    if not p["fits"]:
-        raise ValueError(f"--plot: nothing to draw: the model {p['why']}")
-    fig, ax = plt.subplots(figsize=(9, 9 * hw.program_height / hw.program_width))
-    colors = plt.get_cmap("tab20")
-    for k, r in enumerate(p["regions"]):
-        lo, hi = r["columns"]
-        ax.add_patch(plt.Rectangle((lo, 0), hi - lo, hw.program_height, color=colors(k % 20), ec="white", lw=0.3))
-        full = r["need_bytes"] / r["capacity_bytes"]
-        ax.add_patch(plt.Rectangle((lo, 0), hi - lo, hw.program_height * min(1.0, full), color="black",
-                                   alpha=0.18, lw=0))
-        if hi - lo >= hw.program_width / 60:
-            ax.text((lo + hi) / 2, hw.program_height / 2, r["name"], rotation=90, ha="center", va="center", fontsize=7)
-    ax.set_xlim(0, hw.program_width)
-    ax.set_ylim(0, hw.program_height)
-    ax.set_xlabel("PE column (samples flow west to east)")
-    ax.set_ylabel("PE row")
-    ax.set_title(f"pipelined placement: {len(p['regions'])} layers, step {p['step_s'] * 1e3:.3g} ms "
-                 f"(shaded: memory used of each region)", fontsize=9)
-    fig.savefig(path, dpi=120, bbox_inches="tight")
-    plt.close(fig)
