@@ -328,6 +328,19 @@ class Checkpoint:
         """The stored shape of parameter ``name`` (a sparse weight's: its number of nonzeros)."""
         return self.tensors[model_key(name)]["shape"]
 
+    def check_model(self, model):
+        """CheckpointError unless this checkpoint holds every parameter of ``model`` (a
+        ``wse_core.nn`` model) with the model's shape: what a resume (``wse fit``) and an evaluation
+        (``wse validate``) check before reading a tensor, so a params file whose model differs (a
+        ``--set model.hidden_size=...``) is named as the cause, not a reshape deep in the forward."""
+        missing = set(model.param_names) - set(self.param_names)
+        if missing:
+            raise CheckpointError(f"{self.dir}: does not hold parameter {sorted(missing)[0]!r} of this model")
+        for name, spec in model.param_specs.items():  # e.g. another hidden_size, or model.sparsity
+            if self.shape(name) != list(spec.shape):
+                raise CheckpointError(f"{self.dir}: parameter {name!r} has shape {self.shape(name)}, this model's is "
+                                      f"{list(spec.shape)} (the params' model is not the one that wrote it)")
+
     def sparse_names(self):
         """Parameters stored as the nonzero values of a sparse matrix."""
         return [n for n in self.param_names if sparse_key(n, "indptr") in self.tensors]
@@ -427,7 +440,8 @@ class Checkpoint:
         return {"path": str(self.dir), "step": self.step, "format_version": self.format_version,
                 "num_shards": self.num_shards, "shards": shards,
                 "n_params": int(sum(s["parameters"] for s in shards)),
-                "n_tensors": len(self.param_names), "sparse_tensors": len(self.sparse_names()),
+                "n_tensors": len(self.param_names), "n_tensors_in_all": len(self.tensors),  # with optimizer state
+                "sparse_tensors": len(self.sparse_names()),
                 "optimizer_states": sorted({s for n in self.param_names for s in self.state_names(n)}),
                 "loader_state": self.loader_state, "numerics": self.numerics, "params_yaml": self.params_yaml}
 

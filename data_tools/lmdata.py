@@ -37,7 +37,9 @@ def h5_files(data_dir):
     """Sorted ``*.h5`` files of a dataset directory; a clear error if there are none."""
     d = Path(data_dir)
     if not d.is_dir():
-        raise DataError(f"{d}: no such dataset directory")
+        # A params file's data_dir is read from wherever the command runs, not beside the file.
+        here = "" if d.is_absolute() else f" (a relative path: looked for in the current directory, as {d.absolute()})"
+        raise DataError(f"{d}: no such dataset directory{here}")
     files = sorted(d.glob("*.h5"))
     if not files:
         raise DataError(f"{d}: no .h5 files in this directory")

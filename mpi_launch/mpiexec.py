@@ -123,9 +123,11 @@ MAX_RANKS_PER_CORE = 16
 
 def check_capacity(plan, *, hostfile=None, cores=None):
     """Refuse a plan that cannot run on this machine (without a hostfile), in one line."""
+    from wse_core.checks import plural
+
     cores = cores or os.cpu_count() or 1
     if hostfile is None and plan.world_size > MAX_RANKS_PER_CORE * cores:
         raise MPILaunchError(
             f"runconfig.num_csx: {plan.num_csx} CS-2s need {plan.world_size:,} MPI ranks, more than "
-            f"{MAX_RANKS_PER_CORE} per core on this machine's {cores} cores; use fewer CS-2s or spread "
+            f"{MAX_RANKS_PER_CORE} per core on this machine's {plural(cores, 'core')}; use fewer CS-2s or spread "
             "the ranks over several machines with --hostfile")

@@ -14,6 +14,9 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
+#: Tokens a prompt gets when none are asked (fewer when the model holds fewer positions).
+DEFAULT_NEW_TOKENS = 64
+
 
 @dataclass
 class Completion:
@@ -166,14 +169,31 @@ class Generator:
             return ([] if self.bos_id is None else [self.bos_id]) + list(self.tokenizer.encode(prompt))
         return [int(i) for i in prompt]
 
-    def generate(self, prompts, max_new_tokens=64, *, temperature=0.0, top_k=0, top_p=1.0, seed=0, on_token=None,
+    def new_tokens(self, asked=None):
+        """The tokens a prompt is given: ``asked``, at most the model's positions less one (more is refused
+        in one line, as `wse serve` refuses a max_tokens above its limit: no prompt could leave room for
+        them); None: DEFAULT_NEW_TOKENS, or fewer when the model holds fewer (and, as ever, no more than a
+        prompt leaves room for: the default asks for no particular number)."""
+        most = self.capacity - 1
+        if asked is None:
+            return min(DEFAULT_NEW_TOKENS, most)
+        if asked > most:
+            raise ValueError(f"max_new_tokens: {asked}; the model holds {self.capacity} positions "
+                             f"(model.max_position_embeddings), so at most {most} tokens follow a prompt")
+        return asked
+
+    def generate(self, prompts, max_new_tokens=None, *, temperature=0.0, top_k=0, top_p=1.0, seed=0, on_token=None,
                  engine=None):
         """One Completion per prompt (a text or a list of token ids); ``on_token(k, token, text)`` is
         called as each token of prompt k is made (``text``: what it adds to the decoded text, held
         back while a character's bytes are incomplete). ``engine``: an idle one of ``engine()`` (an
-        inference job on CS-2s); default: this process."""
+        inference job on CS-2s); default: this process.
+
+        ``max_new_tokens``: see ``new_tokens``. A prompt too long to leave room for them all ends at the
+        model's positions (``finish_reason`` "length", as OpenAI's API says it)."""
         from wse_core.nn.generate import Sampling, generate
 
+        max_new_tokens = self.new_tokens(max_new_tokens)
         if isinstance(prompts, (str, bytes)) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         sampling = Sampling(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)

@@ -29,7 +29,7 @@ import warnings
 from dataclasses import fields
 
 from mpi_launch.spec import SECTIONS
-from wse_core.checks import show
+from wse_core.checks import plural, show
 
 #: Activations of gated feed-forward layers: llama's (swiglu), not built for gpt2.
 LLAMA_NONLINEARITIES = ("swiglu", "geglu", "reglu", "relu", "silu", "leaky_relu")
@@ -164,12 +164,15 @@ def _scheduler_to_trainer(entry):
     return {name if name.endswith("LR") else name + "LR": args}
 
 
-def flatten(raw):
+def flatten(raw, origins=None):
     """The flat layout of a trainer-layout params dict; raises ValueError naming the key path.
 
     Keys the translation does not know stay where a message can name them: under
-    ``trainer.<path>`` in the flat dict's ``unknown`` list (the returned second value).
+    ``trainer.<path>`` in the flat dict's ``unknown`` list (the returned second value). ``origins``, a
+    dict, is filled with where each flat key (or a flat prefix: ``model``) was in the file
+    (``trainer.init.model``), so what is said of a key names it as the file does (``KeyReport.in_file``).
     """
+    origins = {} if origins is None else origins
     trainer = raw["trainer"]
     if isinstance(trainer, list):
         if len(trainer) != 1:
@@ -190,10 +193,12 @@ def flatten(raw):
         value, found = _pop(init, tpath)
         if found:
             _put(flat, fpath, value)
+            origins[fpath] = f"trainer.init.{tpath}"
     model = init.pop("model", None)
     if model is not None:
         if not isinstance(model, dict):
             raise ValueError(f"trainer.init.model: expected a mapping, got {show(model)}")
+        origins["model"] = "trainer.init.model"
         for k, v in model.items():  # model keys are the same in both layouts (mixed_precision too)
             flat.setdefault("model", {})[k] = v
     opt = init.pop("optimizer", None)
@@ -203,6 +208,8 @@ def flatten(raw):
                              f"got {show(opt)}")
         (name, args), = opt.items()
         flat.setdefault("optimizer", {}).update({"optimizer_type": name, **(args or {})})
+        origins.update({"optimizer": f"trainer.init.optimizer.{name}",
+                        "optimizer.optimizer_type": "trainer.init.optimizer"})
     scheds = init.pop("schedulers", None)
     if scheds is not None:
         if isinstance(scheds, dict):
@@ -217,9 +224,11 @@ def flatten(raw):
         if "learning_rate" in flat.get("optimizer", {}):
             raise ValueError("trainer.init.schedulers: given beside the optimizer's learning_rate; give one")
         flat.setdefault("optimizer", {})["learning_rate"] = lr[0] if len(lr) == 1 else lr
+        origins["optimizer.learning_rate"] = "trainer.init.schedulers"
     sparsity = init.pop("sparsity", None)
     if sparsity is not None:
         flat["sparsity"] = sparsity
+        origins["sparsity"] = "trainer.init.sparsity"
     callbacks = init.pop("callbacks", None) or []
     if not isinstance(callbacks, list):
         raise ValueError(f"trainer.init.callbacks: expected a list, got {show(callbacks)}")
@@ -232,12 +241,14 @@ def flatten(raw):
         if name == "GlobalFlags":  # hardware/debug flags of a real system: kept to be named as tuning
             for flag, v in args.items():
                 flat.setdefault("runconfig", {})[flag.rsplit(".", 1)[-1]] = v
+                origins[f"runconfig.{flag.rsplit('.', 1)[-1]}"] = f"trainer.init.callbacks[{i}].{name}.{flag}"
         elif name in CALLBACK_HOMES:
             for flag, v in args.items():
                 if flag not in CALLBACK_HOMES[name]:
                     unknown.append(f"trainer.init.callbacks[{i}].{name}.{flag}")
                 else:
                     _put(flat, CALLBACK_HOMES[name][flag], v)
+                    origins[CALLBACK_HOMES[name][flag]] = f"trainer.init.callbacks[{i}].{name}.{flag}"
         else:
             unknown.append(f"trainer.init.callbacks[{i}].{name}")
     unknown += [f"trainer.init.{p}" for p in _leaves(init)]
@@ -248,11 +259,13 @@ def flatten(raw):
             if not isinstance(value, dict):
                 raise ValueError(f"trainer.fit.{key}: expected a mapping, got {show(value)}")
             flat[section] = {**value, **flat.get(section, {})}
+            origins[section] = f"trainer.fit.{key}"
     unknown += [f"trainer.fit.{p}" for p in _leaves(fit)]
     validate = t.pop("validate", None) or {}
     val = validate.pop("val_dataloader", None)
     if val is not None and "eval_input" not in flat:
         flat["eval_input"] = dict(val)
+        origins["eval_input"] = "trainer.validate.val_dataloader"
     elif val is not None and {k: v for k, v in flat["eval_input"].items() if k != "micro_batch_size"} != val:
         raise ValueError("trainer.validate.val_dataloader: differs from trainer.fit.val_dataloader; wse-cluster "
                          "evaluates on one eval_input")
@@ -332,6 +345,20 @@ class KeyReport:
         self.notes = []
         self.compile_only = False      # laid out, not run (wse compile): micro_batch_size: explore allowed
         self.micro_batch_mode = None   # "number", "auto", "explore" or "none": how the params gave it
+        self.origins = {}   # a trainer-layout file's: flat path (or prefix) -> its path in the file (``flatten``)
+
+    def in_file(self, path):
+        """A key's path as the file spells it: ``trainer.init.loop.max_steps`` for ``runconfig.max_steps``
+        of a trainer-layout file; the flat path of a flat file (or of a flat --set)."""
+        if path in self.origins:
+            return self.origins[path]
+        head, _, rest = path.rpartition(".")
+        while head:
+            if head in self.origins:
+                return f"{self.origins[head]}.{rest}"
+            head, _, more = head.rpartition(".")
+            rest = f"{more}.{rest}"
+        return path
 
     @property
     def tuning(self):
@@ -418,8 +445,9 @@ def _infer_family(model, report):
 
 
 def warn_tuning(where, report):
-    """One warning line listing the keys accepted without effect."""
+    """One warning line listing the keys accepted without effect, named as the file names them."""
     if report.tuning:
         warnings.warn(ParamsWarning(
-            f"{where}: {len(report.tuning)} keys accepted without effect (they tune a real system's hardware, "
-            f"input pipeline or logging, not the numerics): {', '.join(report.tuning)}"), stacklevel=3)
+            f"{where}: {plural(len(report.tuning), 'key')} accepted without effect (they tune a real system's "
+            f"hardware, input pipeline or logging, not the numerics): {', '.join(map(report.in_file, report.tuning))}"),
+            stacklevel=3)

@@ -20,13 +20,18 @@ import yaml
 
 from mpi_launch.spec import SECTIONS, RunSpec
 from pyapi import modelzoo
-from wse_core.checks import check_fields, did_you_mean, show
+from wse_core.checks import check_fields, did_you_mean, plural, show
+from wse_core.tree import cluster_sums_as_one
 
 #: Values (scalars, lists, mappings; an alias counted each time it is used) a params document may
 #: expand to: a real one has a few hundred; an alias bomb has billions.
 MAX_VALUES = 100_000
 #: Levels of nesting a params document may have: a real one has four or five.
 MAX_DEPTH = 32
+#: Where `wse demo` (pyapi.demo) writes its data and params.yaml: in the directory it runs in. The example
+#: params files read that data by these relative paths, as every relative path of a params file is read: from
+#: the directory the command runs in.
+DEMO_DIR = Path("wse_demo")
 
 
 
@@ -63,7 +68,9 @@ def check(raw, where="params", overrides=(), *, compile_only=False):
     """``validate``, also returning the ``KeyReport`` (each key's fate, and the notes). ``overrides``
     (``key.path=value``) may use either layout's paths: ``trainer.init.model.hidden_size=64`` or
     ``model.hidden_size=64`` on a file of the trainer layout. ``compile_only``: the params are laid
-    out, not run (``wse compile``), so ``micro_batch_size: explore`` is allowed."""
+    out, not run (``wse compile``), so ``micro_batch_size: explore`` is allowed, and the keys accepted
+    without effect are listed (one warning): said where a file is looked at, not again by every command
+    that runs it (a Model Zoo file has them in every run; ``wse params keys`` lists them too)."""
     report = modelzoo.KeyReport()
     report.compile_only = compile_only
     flat, problems = _flat(raw, report, list(overrides or ()))
@@ -72,7 +79,8 @@ def check(raw, where="params", overrides=(), *, compile_only=False):
     finally:  # what was inferred is said even when the file is refused: it explains the refusal
         for note in report.notes:
             warnings.warn(modelzoo.ParamsWarning(f"{where}: {note}"), stacklevel=3)
-    modelzoo.warn_tuning(where, report)
+    if compile_only:
+        modelzoo.warn_tuning(where, report)
     return spec, report
 
 
@@ -84,7 +92,7 @@ def _flat(raw, report, overrides):
     if modelzoo.is_trainer_layout(raw):
         raw = apply_overrides(raw, [o for o in overrides if o.strip().startswith("trainer.")])
         try:
-            raw, unknown = modelzoo.flatten(raw)
+            raw, unknown = modelzoo.flatten(raw, report.origins)
         except ValueError as exc:
             raise ParamsError(str(exc)) from None
         for path in unknown:
@@ -155,6 +163,8 @@ def _check_consistency(p, report):
         raise ParamsError(f"train_input.batch_size: {t['batch_size']} samples cannot feed runconfig.num_csx "
                           f"{r['num_csx']} CS-2s")
     _resolve_micro_batch(p, report)
+    if not report.compile_only:  # `wse compile` prints it in its plan ("bit-identical to the ...: no")
+        _note_bits(p, report)
     if p["model"].get("fp16_type") == "cbfloat16" and p["model"].get("mixed_precision") \
             and p["optimizer"]["loss_scaling_factor"] != "dynamic":
         raise ParamsError("optimizer.loss_scaling_factor: cbfloat16 needs dynamic loss scaling (as in Model Zoo): "
@@ -221,18 +231,52 @@ def _resolve_micro_batch(p, report):
                             f"CS-2's wafer and deals its {per_csx} samples evenly (docs/design.md section 8)")
 
 
+def demo_hint(dirs):
+    """What an error about a missing data directory adds when one of ``dirs`` is a directory `wse demo`
+    makes (DEMO_DIR/..., relative, absent): what makes it, and where. "" otherwise."""
+    for d in map(Path, dirs):
+        if not d.is_absolute() and d.parts[:1] == DEMO_DIR.parts and not d.exists():
+            return (f"; `wse demo` makes {DEMO_DIR}/ in the directory it runs in: run it once here, or run this "
+                    "where you ran it")
+    return ""
+
+
+def parse_override(item):
+    """A ``--set`` value, ``key.path=value``: (its key path's parts, the value's text); ParamsError naming
+    it otherwise."""
+    if "=" not in item:
+        raise ParamsError(f"--set {_name(item)}: expected key.path=value as one argument (no spaces around =)")
+    path, text = item.split("=", 1)
+    parts = path.strip().split(".")
+    if len(parts) < 2 or not all(parts):
+        raise ParamsError(f"--set {_name(item)}: expected section.key=value")
+    return parts, text
+
+
+def _note_bits(p, report):
+    """Say when the run's micro-batches are summed in an order of their own, so its weights will not have
+    the bits of the single-process reference nor of another num_csx (docs/design.md section 2, the
+    determinism contract (a); ``wse_core.tree.cluster_sums_as_one``): `--num_csx 3` trains, but not as
+    1, 2 or 4 CS-2s do, and a user comparing them should not have to find that out."""
+    t, r = p["train_input"], p["runconfig"]
+    per_csx = -(-t["batch_size"] // r["num_csx"])
+    rounds = -(-per_csx // t["micro_batch_size"])
+    if not cluster_sums_as_one(r["num_csx"], rounds, r["swarmx_fanout"]):
+        report.notes.append(
+            f"runconfig.num_csx: {r['num_csx']} CS-2s ({plural(rounds, 'micro-batch')} each, SwarmX fan-out "
+            f"{r['swarmx_fanout']}) sum the gradients in another order than one process: the weights' bits differ "
+            "from the single-process reference's and from those of 1, 2 or 4 CS-2s (the same bits need a power of "
+            "two of micro-batches per CS-2, and num_csx at most swarmx_fanout or both powers of two; "
+            "docs/design.md section 2)")
+
+
 def apply_overrides(raw, overrides):
     """Apply ``key.path=value`` strings (values parsed as YAML) to a copy of ``raw``."""
     if not isinstance(raw, dict):
         raise ParamsError(f"params: expected a mapping of sections, got {type(raw).__name__}")
     raw = copy.deepcopy(raw)
     for item in overrides or []:
-        if "=" not in item:
-            raise ParamsError(f"--set {_name(item)}: expected key.path=value")
-        path, text = item.split("=", 1)
-        parts = path.strip().split(".")
-        if len(parts) < 2 or not all(parts):
-            raise ParamsError(f"--set {_name(item)}: expected section.key=value")
+        parts, text = parse_override(item)
         try:
             value = parse_yaml(text, f"--set {_name(item)}")
         except yaml.YAMLError as exc:
@@ -308,9 +352,25 @@ def _check_node(root, where):
     walk(root, "", 0)
 
 
-def read(path):
-    """A params YAML file as plain data (a mapping), or a ParamsError naming the file."""
+def params_file(path):
+    """The params file ``path`` names: itself, or a run directory's resolved params (its params.yaml, which
+    loads again: `wse validate runs/x` evaluates the run as it ran); a ParamsError for another directory."""
+    from mpi_launch.rundir import RunDir
+
     p = Path(path)
+    if not p.is_dir():
+        return p
+    resolved = RunDir(p).params_yaml
+    if resolved.is_file():
+        return resolved
+    raise ParamsError(f"{p}: a directory, not a params file (a run's model_dir holds its params as "
+                      f"{resolved.name}; this one has none)")
+
+
+def read(path):
+    """A params YAML file (or a run directory's: ``params_file``) as plain data (a mapping), or a
+    ParamsError naming the file."""
+    p = params_file(path)
     try:
         data = p.read_bytes()
     except OSError as exc:
@@ -332,5 +392,6 @@ def read(path):
 
 
 def load(path, overrides=None, *, compile_only=False):
-    """Read, override and validate a params YAML file of either layout: its ``RunSpec``."""
+    """Read, override and validate a params YAML file of either layout (or a run directory's): its ``RunSpec``."""
+    path = params_file(path)
     return check(read(path), str(path), overrides, compile_only=compile_only)[0]

@@ -36,7 +36,7 @@ from aiohttp import web
 
 from pyapi.generate import Generator, TextPieces, finish_reason
 from pyapi.openai_api import NO_CHAT, ApiError, ChatRequest, ChatTemplate, CompletionRequest, read, sampling_of
-from wse_core.checks import Int, show
+from wse_core.checks import Int, plural, show
 
 
 # -- the engine thread -----------------------------------------------------------------------------
@@ -208,8 +208,7 @@ class Server:
         self.limits = (limits or Limits()).resolved(self.capacity)
         self.chat, self.why_no_chat = chat
         cluster = {} if cluster is None else dict(cluster, max_streams=self.limits.max_streams)
-        self.where = (f"on {cluster['num_csx']} emulated CS-2{'s' if cluster['num_csx'] > 1 else ''}" if cluster
-                      else "in this process")
+        self.where = f"on {plural(cluster['num_csx'], 'emulated CS-2')}" if cluster else "in this process"
         self.batcher = Batcher(lambda: generator.engine(**cluster), generator.stop_ids)
         self.in_flight = 0  # sequences of the requests being answered (read and written on the event loop only)
         self.created = int(time.time())

@@ -323,3 +323,51 @@ def test_cli_info_and_convert(tmp_path):
         assert proc.returncode == 0
         sd = torch.load(tmp_path / "w.pt")
         assert_same({k: v.numpy() for k, v in sd.items()}, params)
+
+
+def test_info_and_verify_count_the_same_tensors_and_say_which(tmp_path):
+    """`info` said 52 tensors and `verify` 156 of the same checkpoint: each now says both, the parameters'
+    and all of them with the optimizer's state, and a count of one is singular."""
+    model, params, state = model_state()
+    save(tmp_path, 3, params, state, shards=1)
+    n, in_all = len(model.param_names), 3 * len(model.param_names)  # each with exp_avg and exp_avg_sq
+    info = json.loads(wse("checkpoint", "info", str(tmp_path), "--json").stdout)
+    assert info["n_tensors"] == n and info["n_tensors_in_all"] == in_all
+    said = f"{n} tensors ({in_all} in all, with the optimizer's state)"
+    lines = wse("checkpoint", "info", str(tmp_path)).stdout.splitlines()
+    assert [line.split(None, 1)[1] for line in lines if line.startswith("n_tensors ")] == [said]
+    verified = wse("checkpoint", "verify", str(tmp_path)).stdout
+    assert verified == f"{tmp_path / 'checkpoint_3'}: ok (step 3, 1 shard, {said})\n"
+
+
+def test_validate_names_the_tensor_whose_shape_the_params_model_does_not_have(tmp_path):
+    """`wse validate` after a shape-changing --set blamed eval_input.data_dir ("cannot reshape array"):
+    it checks the checkpoint against the params' model as `wse fit` does (one rule,
+    ``Checkpoint.check_model``), naming the tensor and both shapes. A run directory stands for its
+    params.yaml."""
+    import yaml
+
+    from data_tools.preprocess import preprocess_text
+
+    (tmp_path / "a.txt").write_text("def f(x):\n    return x + 1\n" * 40)
+    preprocess_text([tmp_path / "a.txt"], tmp_path / "data", 8, progress=False)
+    cfg = dict(GPT2, vocab_size=257)
+    model = build_model(cfg)
+    save_checkpoint(tmp_path / "run", 3, [(model.init_params(0), {})])
+    p = {"train_input": {"data_dir": str(tmp_path / "data"), "batch_size": 4},
+         "eval_input": {"data_dir": str(tmp_path / "data"), "batch_size": 4}, "model": cfg,
+         "optimizer": {"learning_rate": 1e-3}, "runconfig": {"max_steps": 3, "model_dir": str(tmp_path / "run")}}
+    (tmp_path / "p.yaml").write_text(yaml.safe_dump(p))
+    assert wse("validate", str(tmp_path / "p.yaml"), "--eval_steps", "1").returncode == 0
+    wider = wse("validate", str(tmp_path / "p.yaml"), "--set", "model.hidden_size=32")
+    ckpt = tmp_path / "run" / "checkpoint_3"
+    assert wider.returncode == 1 and wider.stderr.splitlines()[-1] == (
+        f"wse validate: error: {ckpt}: parameter 'wte.weight' has shape [257, 16], this model's is [257, 32] "
+        "(the params' model is not the one that wrote it)")
+    deeper = wse("validate", str(tmp_path / "p.yaml"), "--set", "model.num_hidden_layers=4")
+    assert deeper.returncode == 1 and deeper.stderr.splitlines()[-1].endswith(
+        f"{ckpt}: does not hold parameter 'blocks.3.attn.proj.bias' of this model")
+    with pytest.raises(CheckpointError, match=r"parameter 'wte.weight' has shape \[257, 16\], this model's is "):
+        Checkpoint(tmp_path / "run").check_model(build_model(dict(cfg, hidden_size=32)))
+    (tmp_path / "run" / "params.yaml").write_text(yaml.safe_dump(p))  # as a run writes it
+    assert wse("validate", str(tmp_path / "run"), "--eval_steps", "1").returncode == 0

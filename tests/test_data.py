@@ -280,6 +280,27 @@ def assert_one_line_error(proc, *fragments):
         assert frag in err[0], err[0]
 
 
+def test_a_missing_relative_data_dir_says_where_it_was_looked_for_and_what_makes_the_demos(tmp_path):
+    """The examples read wse_demo/data; run elsewhere, `wse fit` said only "no such dataset directory". A
+    relative path is read from the current directory: the error says so with the absolute path looked
+    at, and for the demo's directories that `wse demo` makes them."""
+    import yaml
+
+    example = Path(__file__).resolve().parents[1] / "examples" / "gpt2_small.yaml"
+    fit = [sys.executable, "-m", "pyapi.cli", "fit", "--model_dir", str(tmp_path / "m")]
+    demo = subprocess.run([*fit, str(example)], capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert_one_line_error(demo, f"wse fit: error: wse_demo/data: no such dataset directory (a relative path: looked "
+                                f"for in the current directory, as {tmp_path / 'wse_demo' / 'data'}); `wse demo` "
+                                "makes wse_demo/ in the directory it runs in")
+    mine = yaml.safe_load(example.read_text())
+    mine["train_input"]["data_dir"] = "mine"
+    (tmp_path / "p.yaml").write_text(yaml.safe_dump(mine))
+    other = subprocess.run([*fit, "p.yaml"], capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert_one_line_error(other, f"mine: no such dataset directory (a relative path: looked for in the current "
+                                 f"directory, as {tmp_path / 'mine'})")
+    assert "wse demo" not in other.stderr
+
+
 @pytest.fixture
 def good(tmp_path, corpus):
     preprocess_text(corpus[0], tmp_path / "good", 32, samples_per_file=4, progress=False)

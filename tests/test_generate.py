@@ -110,12 +110,10 @@ def test_what_generation_refuses_is_one_line():
     assert made(model, w, [[5, 7, 9]], 30, stop_ids=[first[4]])[0] == first[:first.index(first[4])]
 
 
-def test_wse_generate_prints_the_text_of_a_trained_model_with_its_datas_tokenizer(tmp_path):
-    """A model_dir whose params name byte-tokenized data: the prompt and its continuation stream to
-    stdout; several prompts with --json give each its completion; a text prompt without a tokenizer
-    is one line."""
+def byte_model_run(tmp_path):
+    """A model_dir (tmp_path / "run") of a 64-position GPT-2 whose params name byte-tokenized data; its config
+    and weights."""
     from data_tools.preprocess import preprocess_text
-    from pyapi.generate import Generator
 
     (tmp_path / "text").mkdir()
     (tmp_path / "text" / "a.txt").write_text("def f(x):\n    return x + 1\n" * 20)
@@ -124,6 +122,16 @@ def test_wse_generate_prints_the_text_of_a_trained_model_with_its_datas_tokenize
     model, w = weights_of(cfg)
     params = {"train_input": {"data_dir": str(tmp_path / "data")}, "model": cfg}
     save_checkpoint(tmp_path / "run", 3, [(w, {})], params_yaml=yaml.safe_dump(params))
+    return cfg, w
+
+
+def test_wse_generate_prints_the_text_of_a_trained_model_with_its_datas_tokenizer(tmp_path):
+    """A model_dir whose params name byte-tokenized data: the prompt and its continuation stream to
+    stdout; several prompts with --json give each its completion; a text prompt without a tokenizer
+    is one line."""
+    from pyapi.generate import Generator
+
+    cfg, w = byte_model_run(tmp_path)
     wse = [sys.executable, "-m", "pyapi.cli"]
     one = subprocess.run([*wse, "generate", str(tmp_path / "run"), "--prompt", "def f(", "--max_new_tokens", "12"],
                          capture_output=True, text=True, timeout=120)
@@ -143,6 +151,33 @@ def test_wse_generate_prints_the_text_of_a_trained_model_with_its_datas_tokenize
     assert bare.returncode != 0 and bare.stderr.strip().splitlines() == [
         f"wse generate: error: a text prompt needs a tokenizer ({tmp_path / 'bare' / 'checkpoint_3'}: no tokenizer: "
         "its params name no train_input.data_dir); give token ids instead"]
+
+
+def test_more_new_tokens_than_the_model_holds_are_refused_and_a_prompt_that_cuts_them_short_is_said(tmp_path):
+    """As `wse serve` refuses a max_tokens above its limit, --max_new_tokens beyond the model's positions
+    less one is refused in one line (it stopped at 63 without a word); asked for more than a prompt leaves
+    room for, the completion ends at the positions and says so on stderr; not asked, a prompt gets what fits
+    (64 at most), silently."""
+    from pyapi.generate import Generator
+
+    byte_model_run(tmp_path)
+    gen = Generator.load(tmp_path / "run")
+    with pytest.raises(ValueError, match=r"^max_new_tokens: 64; the model holds 64 positions "
+                                         r"\(model.max_position_embeddings\), so at most 63 tokens follow a prompt$"):
+        gen.generate("def f(", 64)
+    wse = [sys.executable, "-m", "pyapi.cli", "generate", str(tmp_path / "run"), "--prompt", "def f("]
+    refused = subprocess.run([*wse, "--max_new_tokens", "1000"], capture_output=True, text=True, timeout=120)
+    assert refused.returncode == 1 and refused.stderr.splitlines() == [
+        "wse generate: error: max_new_tokens: 1000; the model holds 64 positions (model.max_position_embeddings), "
+        "so at most 63 tokens follow a prompt"]
+    [want] = gen.generate("def f(", 63)
+    assert want.finish_reason == "length" and len(want.prompt_ids) + len(want.tokens) == 64  # 7 + 57
+    cut = subprocess.run([*wse, "--max_new_tokens", "63"], capture_output=True, text=True, timeout=120)
+    assert cut.returncode == 0 and cut.stdout == "def f(" + want.text + "\n"
+    assert cut.stderr.splitlines() == ["wse generate: stopped at the model's 64 positions (model.max_position_"
+                                       "embeddings): 7 of the prompt, 57 of the 63 new tokens asked"]
+    quiet = subprocess.run(wse, capture_output=True, text=True, timeout=120)
+    assert quiet.returncode == 0 and quiet.stdout == cut.stdout and quiet.stderr == ""
 
 
 def test_a_compiled_pytorch_language_model_generates_as_transformers_does(tmp_path):

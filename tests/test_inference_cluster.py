@@ -90,7 +90,7 @@ def test_a_cs2_rank_that_dies_is_named_and_the_job_leaves_nothing_running(tmp_pa
         first = engine.add([1, 2, 3], 5)
         assert [i for i, _ in engine.step()] == [first]
         os.kill(csx_pid(engine.dir, engine.plan, 1), signal.SIGKILL)
-        with pytest.raises(InferenceJobError, match=rf"^the inference job on 2 CS-2\(s\) failed: rank "
+        with pytest.raises(InferenceJobError, match=rf"^the inference job on 2 CS-2s failed: rank "
                                                     rf"{engine.plan.csx[1]} \(csx 1\).*SIGKILL"):
             for _ in range(5):
                 engine.add([4, 5], 5)

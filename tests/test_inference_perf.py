@@ -136,3 +136,18 @@ def test_wse_compile_inference_prints_the_models_figures(llama8b, capsys):
     assert len(err) == 1 and err[0].startswith("wse compile: error: batch 100000: ") and " fit beside " in err[0]
     assert main(["compile", str(EXAMPLE), "--new_tokens", "5"]) == 1
     assert capsys.readouterr().err.strip() == "wse compile: error: --new_tokens: only with --inference"
+
+
+def test_the_serving_figures_the_docs_quote_are_what_wse_compile_prints(llama8b, capsys):
+    """docs/simulator.md said 2,284 tokens/s for Llama 3.1 8B where `wse compile --inference` printed 2,343.5:
+    the docs quote what the command prints, at its default prompt and continuation (128 and 128) and at
+    design.md's 1,000 and 1,000."""
+    docs = Path(__file__).resolve().parents[1] / "docs"
+    assert main(["compile", str(EXAMPLE), "--inference"]) == 0
+    short = serve(llama8b, batch=1, prompt_tokens=128, new_tokens=128).tokens_per_s_user
+    assert f"  {short:.1f} tokens/s per user" in capsys.readouterr().out
+    long = serve(llama8b, batch=1, prompt_tokens=1000, new_tokens=1000).tokens_per_s_user
+    simulator = " ".join((docs / "simulator.md").read_text().split())
+    assert f"at {short:,.1f} tokens/s per user for a prompt of 128 tokens and 128 new ones, {long:,.1f} for 1,000" \
+        in simulator
+    assert f"| 8B, 1 wafer | {long:,.0f} tokens/s per user" in (docs / "design.md").read_text()

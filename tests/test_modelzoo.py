@@ -4,10 +4,12 @@ The files here are written for these tests with the keys Model Zoo's own GPT-2/G
 use (1.x to 2.2 flat layout; 2.3 on trainer layout) and values of our own. One file over ~500
 lines: these files are the fixtures, written out as YAML, and every test reads several of them.
 """
+import json
 import math
 import subprocess
 import sys
 import warnings
+from pathlib import Path
 
 import pytest
 import yaml
@@ -166,11 +168,21 @@ def test_both_layouts_load_into_one_run_spec():
 
 
 def test_tuning_keys_are_one_warning_and_change_nothing():
+    """Listed once, where the params are compiled (`wse compile`), in the file's own paths; not again by
+    every command that runs them (a Model Zoo file has them in every run: it was noise)."""
     with pytest.warns(ParamsWarning) as record:
-        spec, report = check(yaml.safe_load(FLAT), "f.yaml")
+        spec, report = check(yaml.safe_load(FLAT), "f.yaml", compile_only=True)
     lines = [str(w.message) for w in record if "without effect" in str(w.message)]
     assert len(lines) == 1 and lines[0].startswith("f.yaml: 8 keys accepted without effect")
     assert "train_input.num_workers" in lines[0] and "runconfig.precision_opt_level" in lines[0]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        check(yaml.safe_load(FLAT), "f.yaml")
+        _, trainer = check(yaml.safe_load(TRAINER), "t.yaml", compile_only=True)
+    said = [str(w.message) for w in caught if "without effect" in str(w.message)]
+    assert len(said) == 1 and said[0].startswith("t.yaml: ")  # the compiled one alone
+    assert "trainer.fit.train_dataloader.num_workers" in said[0] and "trainer.init.precision.precision_opt_level" \
+        in said[0] and "runconfig." not in said[0]
     bare = yaml.safe_load(FLAT)
     for section, key in (("train_input", "data_processor"), ("train_input", "num_workers"),
                          ("optimizer", "log_summaries"), ("runconfig", "precision_opt_level")):
@@ -277,12 +289,22 @@ def test_params_keys_prints_every_fate(tmp_path):
     (tmp_path / "t.yaml").write_text(TRAINER)
     out = wse("params", "keys", str(tmp_path / "t.yaml"))
     assert out.returncode == 0, out.stderr
-    fates = dict(line.split(None, 1) for line in out.stdout.splitlines() if line and not line.startswith("note"))
-    assert fates["train_input.num_workers"] == "tuning" and fates["model.use_ffn_bias"] == "honoured (same value)"
+    *lines, counts = out.stdout.splitlines()
+    fates = dict(line.split(None, 1) for line in lines if not line.startswith("note"))
+    # each key as the file names it (a trainer-layout file's were listed by their flat names)
+    assert fates["trainer.fit.train_dataloader.num_workers"] == "tuning"
+    assert fates["trainer.init.model.use_ffn_bias"] == "honoured (same value)"
+    assert fates["trainer.init.optimizer.AdamW.betas"] == fates["trainer.init.schedulers"] == "honoured"
+    assert fates["trainer.init.loop.max_steps"] == fates["trainer.init.backend.cluster_config.max_wgt_servers"]
+    assert all(path.startswith("trainer.") for path in fates) and counts.endswith(" tuning")
     bad = TRAINER.replace("use_ffn_bias: true", "use_ffn_bias: false")
     (tmp_path / "b.yaml").write_text(bad)
     out = wse("params", "keys", str(tmp_path / "b.yaml"))
-    assert out.returncode == 1 and "model.use_ffn_bias" in out.stdout and "refused: False asks for" in out.stdout
+    assert out.returncode == 1 and "trainer.init.model.use_ffn_bias" in out.stdout and "refused: False asks for" \
+        in out.stdout
+    (tmp_path / "f.yaml").write_text(FLAT)
+    flat = wse("params", "keys", str(tmp_path / "f.yaml"), "--json")
+    assert json.loads(flat.stdout)["fates"]["train_input.num_workers"] == "tuning"  # a flat file's own paths
 
 
 def test_wse_compile_warns_in_one_line(tmp_path):
@@ -559,3 +581,21 @@ def test_model_zoo_files_compile_dry_run_and_a_shrunk_one_trains(tmp_path, lm_da
     evals = [m for m in metrics if "eval_loss" in m]
     assert [m["step"] for m in steps] == list(range(1, 7)) and [m["step"] for m in evals] == [3, 6]
     assert all("loss_scale" in m for m in steps) and math.isfinite(evals[-1]["eval_loss"])
+
+
+def test_the_trainer_layout_example_trains_its_documented_steps(tmp_path, jobs):
+    """examples/gpt3_trainer.yaml's documented `--set trainer.init.loop.max_steps=10` skipped 9 of the 10
+    steps: cbfloat16's first loss scale, 2^31, overflowed the gradients until halved 9 times. Its own
+    initial_loss_scale trains every step, from where the README runs it (here on a few Python files at the
+    demo's path)."""
+    from data_tools.preprocess import preprocess_text
+
+    root = Path(__file__).resolve().parents[1]
+    for d in ("data", "eval_data"):
+        preprocess_text(sorted(map(str, (root / "pyapi").glob("*.py"))), tmp_path / "wse_demo" / d, 64, progress=False)
+    example = root / "examples" / "gpt3_trainer.yaml"
+    run = jobs.run("fit", example, "--set", "trainer.init.loop.max_steps=10", "--model_dir", tmp_path / "m",
+                   cwd=tmp_path)
+    assert run.returncode == 0, run.stderr
+    steps = [m for m in RunDir(tmp_path / "m").read_metrics() if "loss" in m]
+    assert [m["step"] for m in steps] == list(range(1, 11)) and not any(m["skipped"] for m in steps), steps

@@ -5,7 +5,7 @@ import warnings
 import pytest
 import yaml
 
-from pyapi.params import ParamsError, apply_overrides, load, validate
+from pyapi.params import ParamsError, apply_overrides, check, load, validate
 
 BASE = {
     "train_input": {"data_dir": "data", "batch_size": 8},
@@ -235,3 +235,66 @@ def test_every_spec_field_carries_a_constraint_and_its_help():
         for f in dc_fields(cls):
             assert isinstance(f.metadata.get("check"), Constraint) and f.metadata.get("help"), (cls.__name__, f.name)
         assert not {f.name for f in dc_fields(cls)} & set(cls.ZOO), cls.__name__
+
+
+def test_a_count_and_its_noun_agree():
+    """One helper for every count a message prints ("1 HDF5 files", "1 micro-batches" and "4 CS-2" were seen)."""
+    from wse_core.checks import plural
+
+    assert [plural(n, "HDF5 file") for n in (1, 24)] == ["1 HDF5 file", "24 HDF5 files"]
+    assert [plural(n, "micro-batch") for n in (1, 3)] == ["1 micro-batch", "3 micro-batches"]
+    assert [plural(n, "CS-2") for n in (1, 4)] == ["1 CS-2", "4 CS-2s"]
+    assert plural(1200, "step") == "1,200 steps" and plural(0, "key") == "0 keys"
+
+
+def test_a_set_without_its_equals_sign_is_one_line_and_exit_1(tmp_path):
+    """`--set k 5` gave the top-level usage and exit 2 (argparse blamed the 5); it is a params value's
+    mistake, said in one line naming the --set and the form it takes, exit 1, as the README promises.
+    What argparse itself cannot read keeps argparse's usage and exit 2."""
+    import subprocess
+    import sys
+
+    f = tmp_path / "params.yaml"
+    f.write_text(yaml.safe_dump(BASE))
+    for argv in (["--set", "runconfig.max_steps", "5"], ["--set", "runconfig.max_steps"]):
+        proc = subprocess.run([sys.executable, "-m", "pyapi.cli", "compile", str(f), *argv], capture_output=True,
+                              text=True, timeout=60)
+        assert proc.returncode == 1 and proc.stderr.splitlines() == [
+            "wse compile: error: --set runconfig.max_steps: expected key.path=value as one argument (no spaces "
+            "around =)"], proc.stderr
+    proc = subprocess.run([sys.executable, "-m", "pyapi.cli", "compile", str(f), "--set", "runconfig.max_steps=5",
+                           "extra"], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and proc.stderr.splitlines()[-1] == "wse: error: unrecognized arguments: extra"
+
+
+def test_a_run_directory_stands_for_its_params_and_another_directory_is_named(tmp_path):
+    """`wse validate runs/x` said "cannot read (Is a directory)": a run's directory holds its resolved
+    params.yaml, which every command that takes a params file reads in its place."""
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "params.yaml").write_text(yaml.safe_dump(BASE))
+    assert load(tmp_path / "run") == validate(BASE)
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ParamsError, match=r"^\S+/empty: a directory, not a params file \(a run's model_dir holds "
+                                          r"its params as params.yaml; this one has none\)$"):
+        load(tmp_path / "empty")
+
+
+@pytest.mark.parametrize("num_csx,fanout,differ", [(1, 2, False), (2, 2, False), (4, 2, False), (3, 2, True),
+                                                   (3, 4, False)])
+def test_a_num_csx_whose_sums_are_its_own_is_said(num_csx, fanout, differ):
+    """`--num_csx 3` trained without a word that its bits differ from 1, 2 and 4 CS-2s (docs/design.md
+    section 2, (a)): said in one warning when the params are validated, where num_csx and the
+    micro-batch size are resolved; 1, 2, 4, and 3 under a SwarmX node of 4 children, are the reference's.
+    `wse compile` prints it in its plan instead (and serving, `--inference`, does not train)."""
+    raw = apply_overrides(BASE, ["train_input.batch_size=12", f"runconfig.num_csx={num_csx}",
+                                 f"runconfig.swarmx_fanout={fanout}"])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        validate(raw)
+        check(raw, compile_only=True)
+    said = [str(w.message) for w in caught if "runconfig.num_csx" in str(w.message)]
+    assert said == ([f"params: runconfig.num_csx: 3 CS-2s (1 micro-batch each, SwarmX fan-out {fanout}) sum the "
+                     "gradients in another order than one process: the weights' bits differ from the "
+                     "single-process reference's and from those of 1, 2 or 4 CS-2s (the same bits need a power of "
+                     "two of micro-batches per CS-2, and num_csx at most swarmx_fanout or both powers of two; "
+                     "docs/design.md section 2)"] if differ else [])

@@ -62,3 +62,23 @@ def test_wse_compile(tmp_path):
     proc = run("--set", "optimizer.learning_rate=fast")
     assert proc.returncode == 1 and proc.stderr.strip() == (
         "wse compile: error: optimizer.learning_rate: expected a number or a list of schedulers, got 'fast'")
+
+
+@pytest.mark.parametrize("num_csx,said", [
+    (1, ["cluster: 1 CS-2, 1 MemoryX, 1 SwarmX (fan-out 2), 1 input worker per CS-2: 5 MPI ranks",
+         "1 micro-batch per step", "(4 units)", " for 1 micro-batch of 8 through 4 stages "]),
+    (4, ["cluster: 4 CS-2s, 1 MemoryX, 3 SwarmX (fan-out 2), 2 input workers per CS-2: 17 MPI ranks",
+         "2 micro-batches per step"]),
+])
+def test_wse_compile_counts_agree_with_their_nouns(tmp_path, num_csx, said):
+    """"4 CS-2", "1 micro-batches" and "1 input worker(s)" were printed: each count and its noun agree."""
+    f = tmp_path / "params.yaml"
+    f.write_text(yaml.safe_dump(BASE))
+    argv = ["--num_csx", str(num_csx), "--set", "runconfig.num_workers_per_csx=" + str(1 if num_csx == 1 else 2)]
+    if num_csx == 4:
+        argv += ["--set", "train_input.batch_size=16", "--set", "train_input.micro_batch_size=2"]
+    proc = subprocess.run([sys.executable, "-m", "pyapi.cli", "compile", str(f), *argv], capture_output=True,
+                          text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    for part in said:
+        assert part in proc.stdout, (part, proc.stdout)

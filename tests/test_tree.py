@@ -1,7 +1,7 @@
 """The balanced pairwise tree: its shape, and that aligned groups are its subtrees."""
 import pytest
 
-from wse_core.tree import TreeAccumulator, micro_batch_of, tree_reduce, tree_sum
+from wse_core.tree import TreeAccumulator, cluster_sums_as_one, micro_batch_of, tree_reduce, tree_sum
 
 SHOW = lambda a, b: f"({a}{b})"  # noqa: E731
 
@@ -49,3 +49,21 @@ def test_rounds_of_csx_sums_are_the_whole_tree_when_the_rounds_are_a_power_of_tw
     for r in range(rounds):
         acc.push(tree_sum([f"m{micro_batch_of(r, c, num_csx)}" for c in range(num_csx)], SHOW))
     assert acc.total() == tree_sum(items, SHOW)
+
+
+@pytest.mark.parametrize("num_csx,rounds", [(1, 3), (1, 6), (2, 4), (2, 3), (2, 6), (3, 1), (3, 2), (3, 3)])
+def test_the_rule_for_the_references_bits_is_the_order_the_cluster_sums_in(num_csx, rounds):
+    """cluster_sums_as_one (what `wse compile` prints, and a params warning says when false) holds exactly
+    when SwarmX's round sums, added by MemoryX, are the whole tree: one CS-2 for any rounds (it said no
+    for 3), a power of two of rounds otherwise (SwarmX's node here holding every CS-2)."""
+    items = [f"m{micro_batch_of(r, c, num_csx)}" for r in range(rounds) for c in range(num_csx)]
+    acc = TreeAccumulator(rounds, SHOW)
+    for r in range(rounds):
+        acc.push(tree_sum([f"m{micro_batch_of(r, c, num_csx)}" for c in range(num_csx)], SHOW))
+    assert cluster_sums_as_one(num_csx, rounds, num_csx) == (acc.total() == tree_sum(items, SHOW))
+
+
+def test_swarmx_sums_as_one_process_within_its_fan_out_or_in_powers_of_two():
+    """Beyond one node, SwarmX's tree is the reference's only when num_csx and the fan-out are powers of two."""
+    assert cluster_sums_as_one(3, 1, 4) and cluster_sums_as_one(4, 1, 2) and cluster_sums_as_one(8, 2, 2)
+    assert not cluster_sums_as_one(3, 1, 2) and not cluster_sums_as_one(6, 1, 4)

@@ -28,6 +28,14 @@ def show(value):
     return _REPR.repr(value)
 
 
+def plural(n, noun, nouns=None):
+    """A count and its noun for a message, agreeing: ``1 shard``, ``24 shards``, ``2 micro-batches``
+    (``nouns``: the plural where adding s or es would not make it)."""
+    if n == 1:
+        return f"1 {noun}"
+    return f"{n:,} {nouns or noun + ('es' if noun.endswith(('s', 'sh', 'ch', 'x')) else 's')}"
+
+
 def did_you_mean(name, known):
     """What an error about an unknown ``name`` says of the ``known`` ones: the closest when one is
     close (a typo: ``did you mean hidden_size?``), else all of them (``known: a, b, c``)."""

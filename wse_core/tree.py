@@ -37,6 +37,17 @@ def micro_batch_of(round_, csx, num_csx):
     return round_ * num_csx + csx
 
 
+def cluster_sums_as_one(num_csx, rounds, swarmx_fanout):
+    """Whether a step of ``rounds`` rounds on ``num_csx`` CS-2s, under SwarmX nodes of ``swarmx_fanout``
+    children, sums its micro-batches as one process does (``tree_reduce`` over all of them), so its bits
+    are the single-process reference's: one CS-2 (its rounds are the items themselves), or a power of two
+    of rounds with SwarmX's own tree a balanced one (the module's docstring)."""
+    def pow2(n):
+        return n & (n - 1) == 0
+
+    return num_csx == 1 or pow2(rounds) and (num_csx <= swarmx_fanout or pow2(num_csx) and pow2(swarmx_fanout))
+
+
 class TreeAccumulator:
     """``tree_reduce(0, n, ...)`` of items given one at a time, in index order (``push``): each
     subtree is added as soon as its last item is in, so at most about log2(n) partial sums are kept."""

@@ -20,6 +20,7 @@ import time
 from pathlib import Path
 
 from pyapi.appliance.client import SOCKET_ENV
+from wse_core.checks import plural
 from wse_core.numerics import is_numerics_variable
 
 #: Python's -P (3.11+): the runner's import path does not start with a directory anyone chose.
@@ -64,7 +65,8 @@ def start_runner(job, *, attempt, cores, owner, log_path, progress_fd):
     env, as_user = runner_env(job, owner)
     with open(log_path, "ab") as log, tempfile.TemporaryFile() as stdin:
         log.write(f"== {time.strftime('%Y-%m-%d %H:%M:%S')} job {job['id']} attempt {attempt}: "
-                  f"{job['num_csx']} CS-2s, {cores} core(s), user {job['user']}, in {job['cwd']}\n".encode())
+                  f"{plural(job['num_csx'], 'CS-2')}, {plural(cores, 'core')}, user {job['user']}, in {job['cwd']}\n"
+                  .encode())
         log.flush()
         stdin.write(json.dumps(orders).encode())  # a file: writing it never waits on the runner
         stdin.seek(0)

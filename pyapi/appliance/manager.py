@@ -21,6 +21,7 @@ from pyapi.appliance.launch import TRANSIENT, exit_name, start_runner
 from pyapi.appliance.requests import printable
 from pyapi.appliance.runner import EXIT_BAD_INPUT, EXIT_JOB_FAILED
 from pyapi.appliance.scheduler import cores_for, pick
+from wse_core.checks import plural
 
 #: Seconds a cancelled or stopped job's runner gets to end its ranks before it is killed.
 GRACE_SECONDS = 30.0
@@ -149,7 +150,7 @@ class Manager:
         self.sel.register(progress_r, selectors.EVENT_READ, self.pipes[job["id"]])
         self.procs[job["id"]] = proc
         self.store.update(job["id"], state=JobState.RUNNING, pid=proc.pid, started=job["started"] or time.time())
-        self.say(f"job {job['id']}: attempt {attempt} started (runner pid {proc.pid}, {cores} core(s))")
+        self.say(f"job {job['id']}: attempt {attempt} started (runner pid {proc.pid}, {plural(cores, 'core')})")
         return True
 
     def signal_runner(self, job_id, sig):

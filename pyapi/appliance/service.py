@@ -36,6 +36,7 @@ from pyapi.appliance.manager import Manager
 from pyapi.appliance.requests import check_path, printable
 from pyapi.appliance.server import IDLE_SECONDS, Server, answering, listen, user_name
 from pyapi.appliance.store import Store
+from wse_core.checks import plural
 
 _LOG_CHUNK = 65536
 
@@ -126,8 +127,8 @@ class Service:
         os.close(self._lock_fd)
 
     def started(self):
-        self.say(f"appliance started: pid {os.getpid()}, {self.num_csx} CS-2s, {self.cores} cores, socket "
-                 f"{self.socket_path}")
+        self.say(f"appliance started: pid {os.getpid()}, {plural(self.num_csx, 'CS-2')}, "
+                 f"{plural(self.cores, 'core')}, socket {self.socket_path}")
         self.guarded("scheduling", self.jobs.schedule)
 
     def done(self):

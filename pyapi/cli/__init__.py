@@ -4,6 +4,7 @@ Each command group is a module that adds its subparser(s) and holds the function
 
     doctor      doctor, demo
     train       fit, validate, compile
+    plot        plot (the loss curves of runs)
     generate    generate
     serve       serve
     appliance   appliance start|stop|status, submit, jobs, logs, cancel
@@ -26,13 +27,13 @@ import os
 import sys
 
 from mpi_launch import MPILaunchError
-from pyapi.cli import appliance, checkpoint, data, doctor, fabric, generate, params, serve, train
+from pyapi.cli import appliance, checkpoint, data, doctor, fabric, generate, params, plot, serve, train
 
 #: The subcommands in the order `wse --help` lists them.
 _COMMANDS = (doctor.add_doctor, doctor.add_demo, train.add_fit, appliance.add_appliance, appliance.add_submit,
-             appliance.add_jobs, appliance.add_logs, appliance.add_cancel, train.add_validate, params.add_params,
-             train.add_compile, generate.add_generate, serve.add_serve, data.add_data, checkpoint.add_checkpoint,
-             fabric.add_fabric)
+             appliance.add_jobs, appliance.add_logs, appliance.add_cancel, train.add_validate, plot.add_plot,
+             params.add_params, train.add_compile, generate.add_generate, serve.add_serve, data.add_data,
+             checkpoint.add_checkpoint, fabric.add_fabric)
 #: Where the commands of the layers above register (pyproject.toml's [project.entry-points]).
 PLUGINS = "wse.commands"
 
@@ -103,7 +104,8 @@ def _stdout_gone():
 
 def _main(argv):
     argv = sys.argv[1:] if argv is None else list(argv)
-    args = build_parser(argv).parse_args(argv)
+    parser = build_parser(argv)
+    args, extra = parser.parse_known_args(argv)  # parse_args, but for what a --set's mistake leaves over
     import warnings
 
     from data_tools.errors import DataWarning
@@ -122,6 +124,14 @@ def _main(argv):
     from pyapi.job import JobError
 
     try:
+        if extra:
+            # `--set k 5`: argparse would blame the 5 with the top-level usage (exit 2); the --set missing its
+            # = is the mistake, a value's, so it is one line and exit 1 as every params problem is.
+            from pyapi.params import parse_override
+
+            for item in getattr(args, "set", None) or ():
+                parse_override(item)
+            parser.error(f"unrecognized arguments: {' '.join(extra)}")
         from wse_core import configure_process
 
         configure_process()

@@ -11,19 +11,20 @@ SOCKET_HELP = ("the appliance's socket (default: $WSE_APPLIANCE_SOCKET, else thi
 
 def _cmd_appliance_start(args):
     from pyapi.appliance.client import default_state_dir
+    from wse_core.checks import plural
 
     state_dir = args.state_dir or default_state_dir()
     if args.foreground:
         from pyapi.appliance.service import Service
 
         service = Service(state_dir, args.socket, args.num_csx)
-        print(f"appliance: pid {os.getpid()}, {args.num_csx} CS-2s, socket {service.socket_path}", flush=True)
+        print(f"appliance: pid {os.getpid()}, {plural(args.num_csx, 'CS-2')}, socket {service.socket_path}", flush=True)
         service.serve()
         return 0
     from pyapi.appliance.service import start_background
 
     pid, sock = start_background(state_dir, args.socket, args.num_csx)
-    print(f"appliance started: pid {pid}, {args.num_csx} CS-2s, socket {sock}, state in {state_dir}")
+    print(f"appliance started: pid {pid}, {plural(args.num_csx, 'CS-2')}, socket {sock}, state in {state_dir}")
     if args.socket or state_dir != default_state_dir():
         print(f"  (other commands find it with --socket {sock} or WSE_APPLIANCE_SOCKET={sock})")
     return 0

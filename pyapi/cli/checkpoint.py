@@ -2,6 +2,14 @@
 from pyapi.cli.options import print_json_or_lines
 
 
+def _tensors(params, in_all):
+    """What info and verify say of a checkpoint's tensors: the parameters', and with the rest (the
+    optimizer's state, sparse patterns) when there is more: ``52 tensors (156 in all, with the optimizer's state)``."""
+    from wse_core.checks import plural
+
+    return plural(params, "tensor") + (f" ({in_all:,} in all, with the optimizer's state)" if in_all != params else "")
+
+
 def _cmd_checkpoint_info(args):
     from data_tools.checkpoint import Checkpoint
 
@@ -9,6 +17,7 @@ def _cmd_checkpoint_info(args):
     if not args.json:
         info["shards"] = ", ".join(f"{s['name']} ({s['parameters']:,} params, {s['bytes']:,} B)"
                                    for s in info["shards"])
+        info["n_tensors"] = _tensors(info["n_tensors"], info.pop("n_tensors_in_all"))
         info["params_yaml"] = f"{len(info['params_yaml'].splitlines())} lines"
         if info["numerics"]:
             from wse_core.numerics import describe
@@ -23,7 +32,10 @@ def _cmd_checkpoint_verify(args):
 
     ckpt = Checkpoint(args.path)
     ckpt.verify()
-    print(f"{ckpt.dir}: ok (step {ckpt.step}, {ckpt.num_shards} shards, {len(ckpt.tensors)} tensors)")
+    from wse_core.checks import plural
+
+    print(f"{ckpt.dir}: ok (step {ckpt.step}, {plural(ckpt.num_shards, 'shard')}, "
+          f"{_tensors(len(ckpt.param_names), len(ckpt.tensors))})")
     return 0
 
 

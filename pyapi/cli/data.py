@@ -21,7 +21,9 @@ def _cmd_data_preprocess(args):
                                  samples_per_file=args.samples_per_file, processes=args.processes,
                                  seed=args.seed, jsonl_key=args.jsonl_key, compression=args.compression,
                                  overwrite=args.overwrite)
-    summary = f"wrote {params['n_examples']:,} examples in {len(params['files'])} files to {args.output_dir}"
+    from wse_core.checks import plural
+
+    summary = f"wrote {params['n_examples']:,} examples in {plural(len(params['files']), 'file')} to {args.output_dir}"
     if params["format"] == "lm":
         summary += (f" ({params['n_tokens']:,} tokens, {params['input_bytes'] / 1e6:.1f} MB in "
                     f"{params['seconds']:.1f} s = {params['input_bytes'] / 1e6 / params['seconds']:.2f} MB/s)")
@@ -39,8 +41,10 @@ def _cmd_data_inspect(args):
 def _cmd_data_verify(args):
     from data_tools.lmdata import verify_dataset
 
+    from wse_core.checks import plural
+
     s = verify_dataset(args.dir)
-    print(f"{args.dir}: ok ({s['format']}, {s['files']} files, {s['n_examples']:,} examples)")
+    print(f"{args.dir}: ok ({s['format']}, {plural(s['files'], 'file')}, {s['n_examples']:,} examples)")
     return 0
 
 

@@ -6,6 +6,7 @@ def _cmd_generate(args):
     import sys
 
     from pyapi.generate import Generator
+    from wse_core.checks import plural
 
     prompts = list(args.prompt or [])
     if args.prompt_file:
@@ -17,6 +18,7 @@ def _cmd_generate(args):
     if not prompts:
         raise ValueError("give a prompt: --prompt TEXT or --prompt_file FILE")
     gen = Generator.load(args.model, args.checkpoint_path)
+    new = gen.new_tokens(args.max_new_tokens)
     stream = len(prompts) == 1 and not args.json
 
     def on_token(k, token, text):
@@ -27,10 +29,10 @@ def _cmd_generate(args):
                                                   "placement": args.placement, "stream": sys.stderr}
     with gen.engine(**cluster) as engine:
         if args.num_csx is not None:
-            print(f"on {args.num_csx} CS-2{'s' if args.num_csx > 1 else ''}: {engine.latency.why}", file=sys.stderr)
+            print(f"on {plural(args.num_csx, 'CS-2')}: {engine.latency.why}", file=sys.stderr)
         if stream:
             sys.stdout.write(prompts[0])
-        done = gen.generate(prompts, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+        done = gen.generate(prompts, new, temperature=args.temperature, top_k=args.top_k,
                             top_p=args.top_p, seed=args.seed, on_token=on_token if stream else None, engine=engine)
     if stream:
         print()
@@ -40,6 +42,12 @@ def _cmd_generate(args):
     else:
         for c in done:
             print(f"{c.prompt}{c.text}")
+    for k, c in enumerate(done):  # said when asked for more: finish_reason "length" does not say which limit
+        if args.max_new_tokens is not None and c.finish_reason == "length" and len(c.tokens) < new:
+            which = f"prompt {k}: " if len(done) > 1 else ""
+            print(f"wse generate: {which}stopped at the model's {gen.capacity} positions "
+                  f"(model.max_position_embeddings): {len(c.prompt_ids)} of the prompt, {len(c.tokens)} of the "
+                  f"{new} new tokens asked", file=sys.stderr)
     return 0
 
 
@@ -52,7 +60,8 @@ def add_generate(sub, chosen):
     p.add_argument("--checkpoint_path", help="a checkpoint of the model_dir other than its latest")
     p.add_argument("--prompt", action="append", help="a prompt (repeat for several)")
     p.add_argument("--prompt_file", help="a file of prompts, one per line")
-    p.add_argument("--max_new_tokens", type=int, default=64, help="tokens to generate per prompt (default 64)")
+    p.add_argument("--max_new_tokens", type=int, help="tokens to generate per prompt, at most the model's positions "
+                                                      "less one (default: 64, as many as the positions leave room for)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 (default): greedy; above: sampling")
     p.add_argument("--top_k", type=int, default=0, help="sample among the k likeliest tokens (0: all)")
     p.add_argument("--top_p", type=float, default=1.0, help="sample among the likeliest tokens of this total "

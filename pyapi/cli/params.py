@@ -46,16 +46,17 @@ def _cmd_params_keys(args):
             if exc.report is None:
                 raise
             report, error = exc.report, exc
+    fates = {report.in_file(path): fate for path, fate in report.fates.items()}  # as the file names its keys
     if args.json:
-        print(json.dumps({"fates": report.fates, "notes": report.notes}, indent=2))
+        print(json.dumps({"fates": fates, "notes": report.notes}, indent=2))
     else:
-        width = max(map(len, report.fates), default=0) + 1
-        for path, fate in report.fates.items():
+        width = max(map(len, fates), default=0) + 1
+        for path, fate in fates.items():
             print(f"{path:<{width}} {fate}")
         for note in report.notes:
             print(f"note: {note}")
         counts = {}
-        for fate in report.fates.values():
+        for fate in fates.values():
             kind = fate.split(":")[0].split(" (")[0].split(" of ")[0]
             counts[kind] = counts.get(kind, 0) + 1
         print("; ".join(f"{n} {kind}" for kind, n in counts.items()))

@@ -7,7 +7,7 @@ from pyapi.cli.options import job_args, opt, overrides
 def _load_params(args):
     from pyapi import params
 
-    return params.load(args.params, overrides(args))
+    return params.load(args.params, overrides(args), compile_only=True)  # laid out (for serving), not trained
 
 
 def _cmd_compile(args):
@@ -17,7 +17,7 @@ def _cmd_compile(args):
 
     if args.inference:
         if args.plot:
-            raise ValueError("--plot: draws the training's pipelined placement, not with --inference")
+            raise ValueError("--plot: draws the training's layout, not with --inference")
         return _print_inference(args)
     for flag in ("batch", "prompt_tokens", "new_tokens"):
         if getattr(args, flag) is not None:
@@ -31,25 +31,31 @@ def _cmd_compile(args):
         from mpi_launch.plan import micro_batch_table, plan_for
 
         d["micro_batches"] = micro_batch_table(spec, plan_for(spec)[1])
+    if args.plot:  # drawn before anything is printed: with --json as well, whose output is the JSON alone
+        from pyapi import plot
+
+        written = plot.save(plot.compile_figure(d), args.plot)
     if args.json:
         print(json.dumps(d, indent=2))
         return 0
+    from wse_core.checks import plural
+
     plan, mem = d["plan"], d["memory_bytes"]
     m = d["model"]
-    print(f"model {m['name']}: {m['parameters']:,} parameters in {len(m['units'])} streaming units")
-    print(f"cluster: {plan['num_csx']} CS-2, {plan['num_wgt_servers']} MemoryX, {len(plan['swarmx'])} SwarmX "
-          f"(fan-out {plan['swarmx_fanout']}), {plan['num_workers_per_csx']} input worker(s) per CS-2: "
-          f"{plan['world_size']} MPI ranks")
+    print(f"model {m['name']}: {m['parameters']:,} parameters in {plural(len(m['units']), 'streaming unit')}")
+    print(f"cluster: {plural(plan['num_csx'], 'CS-2')}, {plan['num_wgt_servers']} MemoryX, {len(plan['swarmx'])} "
+          f"SwarmX (fan-out {plan['swarmx_fanout']}), {plural(plan['num_workers_per_csx'], 'input worker')} per "
+          f"CS-2: {plan['world_size']} MPI ranks")
     for rank, role in enumerate(plan["roles"]):
         detail = ""
         if role == "memoryx":
             k = plan["memoryx"].index(rank)
             units = [m["units"][u] for u, o in enumerate(plan["unit_owner"]) if o == k]
-            detail = f"owns {units[0]}..{units[-1]} ({len(units)} units)"
+            detail = f"owns {units[0]}..{units[-1]} ({plural(len(units), 'unit')})"
         elif role == "swarmx":
             detail = f"children {plan['children'][str(rank)]}" + (" (root)" if rank == plan["swarmx"][0] else "")
         elif role == "csx":
-            detail = f"{d['micro_batches_per_csx']} micro-batches per step"
+            detail = f"{plural(d['micro_batches_per_csx'], 'micro-batch')} per step"
         print(f"  rank {rank:>3}  {role:<11} {mem[str(rank)] / 2**20:9.1f} MiB  {detail}")
     sim, wafer = d["simulated"], d["wafer_bytes"]
     print(f"simulated step, weight streaming (a model of the hardware, wse_core.perf; {sim['detail']['system']}, "
@@ -78,8 +84,9 @@ def _cmd_compile(args):
     pl = d["pipeline"]
     print(f"pipelined on one CS-2: {pl['why']}")
     if pl["fits"]:
-        print(f"  step {pl['step_s'] * 1e3:.3f} ms for {pl['micro_batches']} micro-batches of {pl['micro_batch_size']} "
-              f"through {len(pl['regions'])} stages (slowest {pl['slowest_stage_s'] * 1e3:.3f} ms), update "
+        print(f"  step {pl['step_s'] * 1e3:.3f} ms for {plural(pl['micro_batches'], 'micro-batch')} of "
+              f"{pl['micro_batch_size']} through {plural(len(pl['regions']), 'stage')} (slowest "
+              f"{pl['slowest_stage_s'] * 1e3:.3f} ms), update "
               f"{pl['update_s'] * 1e3:.3f} ms")
         print(f"  {'layer':<12} {'columns':>9} {'PEs':>9} {'parameters':>13} {'need MiB':>10} {'usable MiB':>10} "
               f"{'stage ms':>9}")
@@ -89,10 +96,7 @@ def _cmd_compile(args):
                   f"{r['capacity_bytes'] / 2**20:>10.1f} {r['stage_s'] * 1e3:>9.3f}")
     print(f"execution strategy: {d['why']}")
     if args.plot:
-        from wse_core.perf.pipeline import plot_placement
-
-        plot_placement(pl, args.plot)
-        print(f"wrote {args.plot}")
+        print(f"wrote {written}")
     return 0
 
 
@@ -100,6 +104,7 @@ def _print_inference(args):
     """What serving the params' model takes on the emulated hardware (wse_core.perf.inference)."""
     import json
 
+    from wse_core.checks import plural
     from wse_core.nn import build_model
     from wse_core.perf import Hardware
     from wse_core.perf.inference import serve
@@ -117,7 +122,7 @@ def _print_inference(args):
         print(json.dumps(r.to_dict(), indent=2))
         return 0
     d = r.detail
-    csx = f"{num_csx} CS-2" + ("s" if num_csx > 1 else "")
+    csx = plural(num_csx, "CS-2")
     print(f"inference (a model of the hardware, wse_core.perf; {d['precision']}): {r.why}")
     print(f"  batch {r.batch}, prompt {r.prompt_tokens} tokens, {r.new_tokens} new: time to first token "
           f"{r.ttft_s * 1e3:.3f} ms, time per output token {r.tpot_s * 1e3:.3f} ms "
@@ -128,8 +133,8 @@ def _print_inference(args):
           f"{r.max_batch['streamed']} with them streamed")
     if r.placement == "resident":
         g, m = d["micro_batches"], d["micro_batch"]
-        print(f"  pipelined over {d['stages']} stages: {g} micro-batch{'es' if g > 1 else ''} of {m} "
-              f"sequence{'s' if m > 1 else ''}, slowest stage {d['slowest_stage_s'] * 1e3:.4f} ms, a token through "
+        print(f"  pipelined over {plural(d['stages'], 'stage')}: {plural(g, 'micro-batch')} of "
+              f"{plural(m, 'sequence')}, slowest stage {d['slowest_stage_s'] * 1e3:.4f} ms, a token through "
               f"them all {d['latency_s'] * 1e3:.3f} ms")
         if r.max_batch["streamed"] >= r.batch:
             s = serve(model, placement="streamed", **kwargs)
@@ -138,7 +143,7 @@ def _print_inference(args):
     else:
         n = d["sequences_per_csx"]
         print(f"  a decode step: compute {d['compute_s'] * 1e3:.3f} ms, the weights' stream "
-              f"{d['stream_s'] * 1e3:.3f} ms ({n} sequence{'s' if n > 1 else ''} per CS-2)")
+              f"{d['stream_s'] * 1e3:.3f} ms ({plural(n, 'sequence')} per CS-2)")
     return 0
 
 
@@ -165,9 +170,11 @@ def _cmd_fit(args):
         print(f"wse fit: interrupted by {exc}: the job's ranks were stopped{kept}", file=sys.stderr)
         return 128 + exc.signal
     if result.steps_trained:
+        from wse_core.checks import plural
+
         resumed = f" from {Path(result.checkpoint).name}" if result.checkpoint else ""
         print(f"done: trained steps {result.start_step + 1}..{result.end_step}{resumed} "
-              f"({result.steps_trained} steps); outputs in {result.model_dir} "
+              f"({plural(result.steps_trained, 'step')}); outputs in {result.model_dir} "
               "(metrics.jsonl, plan.json, logs/, checkpoint_*/)")
     return 0
 
@@ -178,7 +185,7 @@ def _cmd_validate(args):
     from pyapi.job import Job
 
     job = Job.from_yaml(args.params, model_dir=args.model_dir, overrides=args.set)
-    r = job.validate(checkpoint_path=args.checkpoint_path, batches=args.eval_steps)
+    r = job.validate(checkpoint_path=args.checkpoint_path, batches=args.eval_steps, stream=sys.stderr)
     if args.json:
         print(json.dumps(r, indent=2))
     else:
@@ -219,7 +226,8 @@ def add_compile(sub, chosen):
                                    "simulated latency of serving the model instead. Nothing is launched.")
     job_args(p, model_dir=False)
     p.add_argument("--json", action="store_true", help="print JSON")
-    p.add_argument("--plot", metavar="PNG", help="draw the pipelined placement on the wafer (needs matplotlib)")
+    p.add_argument("--plot", metavar="PNG", help="draw the run as it will execute: weight streaming's cluster, "
+                                                 "units and step, or the pipelined placement on the wafer")
     p.add_argument("--inference", action="store_true",
                    help="print instead what serving the model takes: time to first token, per output token, tokens/s")
     opt(p, "--batch", type=int, metavar="B", help="with --inference: sequences decoding together (default 1)")

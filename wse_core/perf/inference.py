@@ -63,6 +63,7 @@ linearly with it).
 import math
 from dataclasses import asdict, dataclass, field, replace
 
+from wse_core.checks import plural
 from wse_core.perf.calibration import ALLREDUCE_COEF, BROADCAST_COEF, GEMV_COEF
 from wse_core.perf.clock import Port
 from wse_core.perf.hardware import Hardware
@@ -204,7 +205,7 @@ def serve(model, *, batch, prompt_tokens, new_tokens, num_csx=1, hw=None, placem
     fits = {"resident": lambda b: _resident_groups(weights, unit_kv, b, num_csx, capacity) is not None,
             "streamed": lambda b: kv * math.ceil(b / num_csx) + 2 * max(weights) <= capacity}
     most = {name: _most(fit) for name, fit in fits.items()}
-    where = f"{num_csx} CS-2" + ("s" if num_csx > 1 else "")
+    where = plural(num_csx, "CS-2")
     total = sum(weights) + batch * kv
     if placement is None:
         placement = "resident" if fits["resident"](batch) else "streamed"
@@ -301,7 +302,7 @@ def _resident(model, weights, unit_kv, batch, prompt_tokens, cache_len, num_csx,
                             replace(hw, program_width=w, program_height=h))["forward"]
                for i, (u, (w, h)) in enumerate(zip(units, shapes))]
     ttft = sum(prefill) + len(crossings) * (hop + prompt_tokens * hidden_bytes / hw.io_bytes_per_s)
-    how = f"on {num_csx} CS-2" + ("s" if num_csx > 1 else "") + ", pipelined across layers"
+    how = f"on {plural(num_csx, 'CS-2')}, pipelined across layers"
     return ttft, tpot, how, {"wafers": owner, "micro_batch": m, "micro_batches": g,
                              "stages": len(units) + len(crossings),
                              "latency_s": latency, "slowest_stage_s": slowest, "prefill_s": prefill,
