@@ -24,6 +24,7 @@ from data_tools.files import write_text
 from mpi_launch.mpiexec import check_capacity, job_command
 from mpi_launch.plan import make_plan
 from mpi_launch.rundir import RunDir
+from wse_core.checks import plural
 
 #: The socket the coordinator connects to, in the job's directory (mode 0700: only its user reaches it).
 SOCKET = "engine.sock"
@@ -88,6 +89,9 @@ class ClusterEngine:
         self._sink = None if stream is not None else open(os.devnull, "w")
         sink = stream if stream is not None else self._sink
 
+        sink.write(f"starting {self.plan.summary()}\n")  # ready in a second here, or many on a loaded machine
+        sink.flush()
+
         def run():
             try:
                 self._outcome = launch(cmd, self.plan, run_dir, peer_timeout=self.spec["peer_timeout"],
@@ -118,7 +122,7 @@ class ClusterEngine:
     def _failed(self, line=None):
         self._thread.join()
         code, failure = self._outcome or (1, None)
-        return InferenceJobError(f"the inference job on {self.plan.num_csx} CS-2(s) failed: "
+        return InferenceJobError(f"the inference job on {plural(self.plan.num_csx, 'CS-2')} failed: "
                                  f"{line or failure or f'exit code {code}'} (its logs: {self.dir / 'logs'})")
 
     def _call(self, *order, answer=True):

@@ -55,6 +55,19 @@ class RankPlan:
                 return "worker", c * self.num_workers_per_csx + ranks.index(rank)
         raise PlanError(f"rank {rank}: not in a plan of {self.world_size} ranks")
 
+    def summary(self):
+        """The ranks in a few words: "7 MPI ranks (coordinator, 1 MemoryX, 1 SwarmX, 2 CS-2s, ...)"."""
+        counts = [(1, "coordinator", "")]
+        if self.pipeline:
+            counts.append((len(self.csx), "pipelined CS-2", "s"))
+        else:
+            counts += [(len(self.memoryx), "MemoryX", ""), (len(self.swarmx), "SwarmX", ""),
+                       (len(self.csx), "CS-2", "s")]
+        counts.append((sum(map(len, self.workers)), "input worker", "s"))
+        parts = [name if name == "coordinator" else f"{n} {name}{plural if n != 1 else ''}"
+                 for n, name, plural in counts if n]
+        return f"{self.world_size} MPI ranks ({', '.join(parts)})"
+
     def to_json(self):
         d = asdict(self)
         d["children"] = {str(k): v for k, v in self.children.items()}
@@ -223,6 +236,7 @@ def describe(params):
     from wse_core.perf import Hardware
     from wse_core.perf.memory import rank_memory_bytes, streaming_wafer
     from wse_core.perf.step import walk_step
+    from wse_core.tree import cluster_sums_as_one
 
     run, train, opt_cfg = params.runconfig, params.train_input, params.optimizer
     plan, model = plan_for(params)
@@ -236,11 +250,7 @@ def describe(params):
                                micro_batch_size=train.micro_batch_size, example_bytes=example)
     hw = Hardware.for_model(model, run.hardware)
 
-    def pow2(n):
-        return n & (n - 1) == 0
-
-    # The rounds' sums are subtrees of the reference's tree (wse_core.tree), and SwarmX's its own.
-    exact = pow2(rounds) and (run.num_csx <= run.swarmx_fanout or pow2(run.num_csx) and pow2(run.swarmx_fanout))
+    exact = cluster_sums_as_one(run.num_csx, rounds, run.swarmx_fanout)
     mode, why, placement = strategy(params, model)
     return {
         "plan": plan.to_json(),

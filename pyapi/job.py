@@ -32,17 +32,17 @@ class FitResult:
         return self.end_step - self.start_step
 
 
-def _ranks(plan):
-    """The ranks of ``plan`` in a few words: "7 MPI ranks (coordinator, 1 MemoryX, 1 SwarmX, 2 CS-2s, ...)"."""
-    counts = [(1, "coordinator", "")]
-    if plan.pipeline:
-        counts.append((len(plan.csx), "pipelined CS-2", "s"))
+def _draw_loss(run_dir, stream):
+    """The run's loss.png, from every step of its metrics.jsonl (a resumed run's earlier ones too), and a
+    line saying where it is."""
+    from pyapi import plot
+
+    try:
+        plot.save(plot.loss_figure([run_dir.path]), run_dir.loss_png)
+    except Exception as exc:  # the steps are trained and checkpointed: a picture is not worth failing them for
+        stream.write(f"loss curve: not drawn: {type(exc).__name__}: {exc}\n")
     else:
-        counts += [(len(plan.memoryx), "MemoryX", ""), (len(plan.swarmx), "SwarmX", ""), (len(plan.csx), "CS-2", "s")]
-    counts.append((sum(map(len, plan.workers)), "input worker", "s"))
-    parts = [name if name == "coordinator" else f"{n} {name}{plural if n != 1 else ''}"
-             for n, name, plural in counts if n]
-    return f"{plan.world_size} MPI ranks ({', '.join(parts)})"
+        stream.write(f"loss curve: {run_dir.loss_png}\n")
 
 
 class Job:
@@ -91,7 +91,8 @@ class Job:
         return cmd, plan
 
     def fit(self, *, checkpoint_path=None, hostfile=None, cores=None, stream=sys.stdout, stop=None):
-        """Train; raise JobError with one line if any rank fails.
+        """Train; raise JobError with one line if any rank fails. A run that trained draws its loss curve
+        into model_dir/loss.png (``pyapi.plot``) and says so on ``stream``.
 
         ``cores``: how many of this machine's cores the job's CS-2 ranks share (default: all; the
         appliance gives each job its share of the pool). ``stop``: a threading.Event that ends the
@@ -129,7 +130,7 @@ class Job:
             else:
                 # Said as it happens: a 12 x 768 GPT-2 takes 10 s and more on 2 cores before its first
                 # step's line (ranks starting, weights initialised, the first step itself).
-                stream.write(f"starting {_ranks(plan)}\n")
+                stream.write(f"starting {plan.summary()}\n")
                 stream.flush()
                 weights = (f"loading the weights of {Path(run['checkpoint']).name}" if run["checkpoint"] else
                            f"initialising {build_model(self.params.model).num_params():,} weights")
@@ -140,6 +141,8 @@ class Job:
                 if code != 0:
                     raise JobError(failure)
             result.metrics = run_dir.read_metrics()
+            if result.steps_trained:
+                _draw_loss(run_dir, stream)
         return result
 
     def submit(self, *, max_restarts=0, priority=0, name=None, socket=None):
@@ -155,14 +158,16 @@ class Job:
         self._check_inputs()
         return Client(socket).submit(self.params, max_restarts=max_restarts, priority=priority, name=name)
 
-    def validate(self, *, checkpoint_path=None, batches=None):
+    def validate(self, *, checkpoint_path=None, batches=None, stream=None):
         """Eval loss of a checkpoint (default: model_dir's latest) on ``eval_input``.
 
         Runs in this process: the forward pass of every unit over the eval set in order (or its
         first ``batches`` batches), losses summed per micro-batch in the same balanced tree as
         training. Returns a dict with the loss, perplexity, counts and the checkpoint's step.
+        ``stream`` (a file) is told what is evaluated once the checks have passed: it can take a while.
         """
         from data_tools.checkpoint import Checkpoint
+        from wse_core.checks import plural
         from wse_core.nn import build_model
         from wse_core.nn.reference import evaluate
 
@@ -172,11 +177,13 @@ class Job:
         ds = self._check_data("eval_input")
         ckpt = Checkpoint(checkpoint_path if checkpoint_path is not None else self.model_dir)
         model = build_model(self.params.model)
-        missing = set(model.param_names) - set(ckpt.param_names)
-        if missing:
-            raise params_mod.ParamsError(f"{ckpt.dir}: does not hold parameter {sorted(missing)[0]!r} of this model")
+        ckpt.check_model(model)
         weights, _ = ckpt.load(model.param_names)
         batches = self.params.runconfig.eval_steps if batches is None else batches
+        if stream is not None:
+            n = ds.n_examples if batches is None else min(ds.n_examples, batches * e.batch_size)
+            stream.write(f"evaluating {ckpt.dir} (step {ckpt.step}) on {plural(n, 'example')} of {e.data_dir}\n")
+            stream.flush()
         try:
             r = evaluate(model, weights, ds, e.micro_batch_size or e.batch_size,
                          None if batches is None else batches * e.batch_size)
@@ -195,19 +202,27 @@ class Job:
         """Fail before any work starts if ``section``'s data cannot feed the model; return the Dataset
         (of evaluation data; training data, which may be a mixture, is checked as its stream)."""
         from data_tools.dataset import Dataset, GlobalStream
+        from data_tools.errors import DataError
         from wse_core.nn import build_model
 
         t = getattr(self.params, section)
         mixture = getattr(t, "mixture", None)
         where = f"{section}.mixture" if mixture is not None else f"{section}.data_dir: {t.data_dir}"
-        if section == "train_input":
-            ds = GlobalStream(t.data_dir, mixture=mixture)
-            ds.close()
-            fmt, shape, n, vocab, columns = ds.format, ds.example_shape, ds.n, ds.vocab_size, ds.dataset.columns
-        else:
-            ds = Dataset(t.data_dir)
-            fmt, shape, n, vocab = ds.format, ds.example_shape, ds.n_examples, ds.params.get("vocab_size")
-            columns = ds.columns
+        try:
+            if section == "train_input":
+                ds = GlobalStream(t.data_dir, mixture=mixture)
+                ds.close()
+                fmt, shape, n, vocab, columns = ds.format, ds.example_shape, ds.n, ds.vocab_size, ds.dataset.columns
+            else:
+                ds = Dataset(t.data_dir)
+                fmt, shape, n, vocab = ds.format, ds.example_shape, ds.n_examples, ds.params.get("vocab_size")
+                columns = ds.columns
+        except DataError as exc:  # the examples' data is the demo's: a new user's first error says what makes it
+            dirs = [m["data_dir"] for m in mixture] if mixture is not None else [t.data_dir]
+            hint = params_mod.demo_hint(d for given in dirs for d in ([given] if isinstance(given, str) else given))
+            if not hint:
+                raise
+            raise DataError(f"{exc}{hint}") from None
         if n == 0:
             raise params_mod.ParamsError(f"{where} holds no examples")
         try:

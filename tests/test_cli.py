@@ -1,6 +1,5 @@
 """The `wse` command line: version, help, doctor (a real 2-rank MPI job) and bench."""
 import json
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -270,31 +269,6 @@ def test_bench_scaling_from_the_model(tmp_path):
     assert "(b) global batch 512" in proc.stdout and "GPT-NeoX 20B" in proc.stdout
 
 
-def readme_tour():
-    """The commands of the README's "A quick tour" (its bash blocks before the first subsection), as
-    written: continuations joined, comments dropped."""
-    import shlex
-    from pathlib import Path
-
-    lines = (Path(__file__).resolve().parents[1] / "README.md").read_text().splitlines()
-    start = lines.index("## A quick tour")
-    commands, fence, pending = [], None, ""
-    for line in lines[start + 1:]:
-        if line.startswith("```"):
-            fence = None if fence is not None else line[3:].strip()
-        elif fence is None and line.startswith("#"):
-            break  # the first subsection
-        elif fence == "bash":
-            pending += line
-            if pending.endswith("\\"):
-                pending = pending[:-1]
-                continue
-            argv, pending = shlex.split(pending, comments=True), ""
-            if argv:
-                commands.append(argv)
-    return commands
-
-
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 
 
@@ -308,30 +282,3 @@ def test_each_shipped_example_compiles_without_a_warning_of_python(name, jobs):
     assert "simulated step" in proc.stdout, proc.stdout
 
 
-def test_the_readme_tour_runs_as_written_after_the_demo(tmp_path, jobs, monkeypatch):
-    """Every command of the README's quick tour, and those the demo suggests, run as written where the demo
-    ran (its data and params, a short run in its model_dir): exit 0, no traceback, no Python warning;
-    `wse fit` says what it does before its first step."""
-    import os
-
-    from pyapi import demo
-
-    tour = readme_tour()
-    assert tour and all(argv[0] == "wse" for argv in tour), tour
-    assert ["wse", "validate", "wse_demo/params.yaml"] in tour  # the demo's eval_input makes it work
-    assert ["wse", "validate", "examples/gpt2_small.yaml"] in tour  # an example reads the demo's data
-    monkeypatch.chdir(tmp_path)
-    demo.prepare()  # the demo's data and params.yaml, as `wse demo` writes them
-    shutil.copytree(EXAMPLES, tmp_path / "examples")  # the tour runs from the repository's root
-    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}  # a user's shell, not the tests'
-    assert jobs.run("fit", "wse_demo/params.yaml", "--set", "runconfig.max_steps=2", cwd=tmp_path,
-                    env=env).returncode == 0
-    suggested = [["wse", "params", "keys", "wse_demo/params.yaml"], ["wse", "checkpoint", "info", "wse_demo/model"],
-                 ["wse", "data", "inspect", "wse_demo/data"]]
-    for argv in tour + suggested:
-        proc = jobs.run(*argv[1:], cwd=tmp_path, env=env)
-        said = proc.stdout + proc.stderr
-        assert proc.returncode == 0 and "Traceback" not in said and "Warning" not in proc.stderr, (argv, said)
-        if argv[1] == "fit":
-            before = proc.stdout.split("step     1/", 1)[0]
-            assert "starting " in before and " ranks ready in " in before, proc.stdout

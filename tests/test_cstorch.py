@@ -35,6 +35,10 @@ def train(tmp_path, kind, num_csx, steps=6, checkpoint_steps=3):
     out.mkdir()
     proc = run_script(out, EXAMPLE.read_text(), kind, num_csx, steps, checkpoint_steps)
     assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    said = proc.stderr.splitlines()
+    assert said[0].startswith("cstorch: capturing training_step"), said
+    assert any(line.startswith("cstorch: starting 7 MPI ranks") and "run.log" in line for line in said), said
+    assert any(line.startswith("cstorch: 7 ranks ready in ") for line in said), said
     losses = [float(line.split()[-1]) for line in proc.stdout.splitlines() if line.startswith("step ")]
     assert len(losses) == steps, proc.stdout
     return out, losses, cstorch.load(out / f"checkpoint_{steps}.h5")["model"]
@@ -103,11 +107,16 @@ def test_what_cannot_run_is_one_line(tmp_path, changes, message):
 
 
 def test_the_example_script_runs_as_written(tmp_path):
-    """`python examples/cstorch_fc.py`, as the README shows it: 50 steps on 2 CS-2s, a checkpoint."""
+    """`python examples/cstorch_fc.py`, as the README shows it: 50 steps on 2 CS-2s, a checkpoint; the wait
+    before the first step said on stderr (the capture, the ranks starting and ready), not a silence."""
     import pyapi.cstorch as cstorch
 
     proc = subprocess.run([sys.executable, str(EXAMPLE)], capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    said = proc.stderr.splitlines()
+    assert said[0].startswith("cstorch: capturing training_step"), said
+    assert any(line.startswith("cstorch: starting 7 MPI ranks") and "run.log" in line for line in said), said
+    assert any(line.startswith("cstorch: 7 ranks ready in ") for line in said), said
     losses = [float(line.split()[-1]) for line in proc.stdout.splitlines() if line.startswith("step ")]
     assert len(losses) == 50 and losses[-1] < 0.5 * losses[0], proc.stdout
     saved = cstorch.load(tmp_path / "checkpoint_50.h5")

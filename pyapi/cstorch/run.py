@@ -25,6 +25,7 @@ scale, so a run stopped at a checkpoint and resumed gives the bits of one that n
 import contextlib
 import json
 import os
+import sys
 import threading
 
 import numpy as np
@@ -203,6 +204,8 @@ class Run:
         if not inputs:
             raise not_built(f"{fn.__name__}: a traced step given none of the batch's tensors",
                             "a step of the executor's batch")
+        print(f"cstorch: capturing {fn.__name__} (torch.export) and cutting it into streaming units", file=sys.stderr,
+              flush=True)
         with record(fn) as rec, _buffers_kept(model):
             try:
                 graph = capture(traced_module(fn, model, self.call), inputs)
@@ -295,7 +298,8 @@ class Run:
         handle = self.handle = job.submit(socket=None if target is True else target, name="cstorch") if target else None
 
         def run():
-            with open(self.dir / "run.log", "w") as log:
+            with open(self.dir / "run.log", "w") as file:
+                log = _StartSaid(file)
                 try:
                     if handle is None:
                         job.fit(stream=log, stop=self.stop)
@@ -321,10 +325,12 @@ class Run:
         elif self.backend.compile_only:
             from mpi_launch.plan import describe
             from pyapi.params import validate
+            from wse_core.checks import plural
 
             d = describe(validate(self.params))
             sim, plan = d["simulated"], d["plan"]
-            print(f"cstorch: compiled: {len(d['model']['units'])} streaming units, {plan['num_csx']} CS-2s, "
+            print(f"cstorch: compiled: {plural(len(d['model']['units']), 'streaming unit')}, "
+                  f"{plural(plan['num_csx'], 'CS-2')}, "
                   f"{plan['world_size']} MPI ranks; simulated step {sim['step_s'] * 1e3:.3f} ms "
                   f"(`wse compile {self.dir / 'params.yaml'}` prints the whole plan); nothing ran", flush=True)
         else:
@@ -565,3 +571,28 @@ def _write_dataset(data, batches, call):
     meta = {"format": "tensors", "n_examples": n, "files": [{"name": "data-00000.h5", "n_examples": n}],
             "columns": [{"dtype": c.dtype.str, "shape": list(c.shape[1:])} for c in columns]}
     write_text(data / DATA_PARAMS, json.dumps(meta))
+
+
+class _StartSaid:
+    """The job's output stream (``run.log``) that also says its lines before the first step on stderr:
+    the ranks starting and ready, a start-up of seconds that was a silence of the user's loop."""
+
+    def __init__(self, log):
+        self.log, self.starting = log, True
+        self.where = f" (log: {os.path.relpath(log.name)})"  # said once, on the first line
+
+    def write(self, text):
+        self.log.write(text)
+        if self.starting:
+            for line in text.splitlines():
+                if line.startswith("step "):
+                    self.starting = False
+                    break
+                if line.strip():
+                    print(f"cstorch: {line}{self.where}", file=sys.stderr, flush=True)
+                    self.where = ""
+                # an appliance's job: its lines come at its end, in the log
+                self.starting = not line.startswith("queued ")
+
+    def flush(self):
+        self.log.flush()
