@@ -76,7 +76,7 @@ class Generator:
     the token a text follows (``bos_id``) and those that end one (``stop_ids``)."""
 
     def __init__(self, model, weights, tokenizer=None, *, bos_id=None, stop_ids=(), source="", kind=None,
-                 why_no_tokenizer=""):
+                 why_no_tokenizer="", home=None):
         if getattr(model, "family", None) == "torch":  # a compiled PyTorch model (wse_core.compiler.generate)
             from wse_core.compiler.generate import Recompute
 
@@ -93,6 +93,7 @@ class Generator:
         self.model, self.weights, self.tokenizer = model, weights, tokenizer
         self.bos_id, self.stop_ids, self.source, self.kind = bos_id, tuple(stop_ids), source, kind
         self.why_no_tokenizer = why_no_tokenizer
+        self.home = Path(home if home is not None else source)  # the directory named to ``load``
 
     @classmethod
     def load(cls, source, checkpoint_path=None):
@@ -120,7 +121,7 @@ class Generator:
                     continue
                 stops += [e for e in (eos if isinstance(eos, list) else [eos]) if e is not None and e not in stops]
             return cls(model, weights, tok, bos_id=config.get("bos_token_id"), source=str(path), kind="hf",
-                       stop_ids=stops, why_no_tokenizer=why)
+                       stop_ids=stops, why_no_tokenizer=why, home=path)
         from wse_core.nn import build_model
 
         ckpt = Checkpoint(checkpoint_path if checkpoint_path is not None else path)
@@ -137,14 +138,17 @@ class Generator:
             tok, eos, _, _ = data_tokenizer([dirs] if isinstance(dirs, str) else dirs)
         except DataError as exc:
             return cls(model, weights, source=str(ckpt.dir), kind="checkpoint",
-                       why_no_tokenizer=f"{ckpt.dir}: no tokenizer: {exc}")
-        return cls(model, weights, tok, bos_id=eos, stop_ids=(eos,), source=str(ckpt.dir), kind="checkpoint")
+                       why_no_tokenizer=f"{ckpt.dir}: no tokenizer: {exc}", home=path)
+        return cls(model, weights, tok, bos_id=eos, stop_ids=(eos,), source=str(ckpt.dir), kind="checkpoint",
+                   home=path)
 
     def engine(self, num_csx=None, **options):
         """Where the forward passes run: this process (``num_csx`` None: ``wse_core.nn.generate.Engine``),
         or an inference job on ``num_csx`` emulated CS-2s (``mpi_launch.inference.ClusterEngine``, with
-        its ``options``: max_streams, placement, num_wgt_servers, swarmx_fanout, stream), the same
-        tokens either way. Close it when done (``with``)."""
+        its ``options``: max_streams, placement, peer_timeout, num_wgt_servers, swarmx_fanout, stream,
+        log_dir, each None for its default; log_dir's, where a failed job's logs go, is
+        ``inference_logs`` in the directory the model was loaded from), the same tokens either way.
+        Close it when done (``with``)."""
         from wse_core.nn.generate import Engine
 
         if getattr(self.model, "family", None) == "torch":
@@ -157,8 +161,9 @@ class Generator:
         if self.kind is None:
             raise ValueError(f"{self.source or 'this model'}: a model given as weights in memory runs in this process "
                              "only; load it from a checkpoint or a Hugging Face directory to run it on CS-2s")
-        from mpi_launch.inference import ClusterEngine
+        from mpi_launch.inference import LOGS, ClusterEngine
 
+        options = {"log_dir": self.home / LOGS, **{k: v for k, v in options.items() if v is not None}}
         return ClusterEngine(self.model, self.source, self.kind, num_csx=num_csx, **options)
 
     def encode(self, prompt):

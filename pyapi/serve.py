@@ -34,6 +34,7 @@ from pathlib import Path
 
 from aiohttp import web
 
+from mpi_launch.inference import InferenceJobError
 from pyapi.generate import Generator, TextPieces, finish_reason
 from pyapi.openai_api import NO_CHAT, ApiError, ChatRequest, ChatTemplate, CompletionRequest, read, sampling_of
 from wse_core.checks import Int, plural, show
@@ -48,6 +49,8 @@ class _Ticket:
     def __init__(self, prompt, max_tokens, sampling, deliver):
         self.prompt, self.max_tokens, self.sampling, self.deliver = prompt, max_tokens, sampling, deliver
         self.cancelled = False
+        self.started = False  # a token was delivered: what was delivered cannot be taken back
+        self.retried = False  # handed to a new inference job after its first died
 
 
 class Batcher:
@@ -55,7 +58,8 @@ class Batcher:
     join at the next step; ``cancel`` ends one at the next step; with none live the thread sleeps on
     a condition until one comes. ``make_engine()`` gives the engine (this process's, or an inference
     job's on the emulated CS-2s): once at ``start``, and again after an engine fails (a new job,
-    when a CS-2 rank died), so the server goes on."""
+    when a CS-2 rank died), so the server goes on. The sequences under way then fail, but those
+    that had no token yet when an inference job died go to the new job (once)."""
 
     def __init__(self, make_engine, stop_ids=()):
         self._make, self.stop_ids = make_engine, tuple(stop_ids)
@@ -136,13 +140,24 @@ class Batcher:
                 made = self._engine.step()
             except Exception as exc:  # the server keeps serving: these requests fail, a fresh engine goes on
                 traceback.print_exc(file=sys.stderr)
-                failed = list(live.values()) + [t for t in arrivals if not t.cancelled and id(t) not in taken]
+                held = list(live.values()) + [t for t in arrivals if not t.cancelled and id(t) not in taken]
                 live = {}
-                self._renew()  # in place before anyone hears of the failure (a new inference job: a second or so)
-                for t in failed:
-                    t.deliver(exc)
+                # A sequence that has had no token when its inference job died (a CS-2 rank that died
+                # while the server idled fails the next call) is handed to the new job, once: its
+                # client sees nothing of the death. Tokens delivered cannot be taken back: those fail.
+                again = [t for t in held if isinstance(exc, InferenceJobError)
+                         and not (t.started or t.retried or t.cancelled)]
+                for t in held:
+                    if t not in again:
+                        t.deliver(exc)  # at once: the new job's start-up is not theirs to wait for
+                for t in again:
+                    t.retried = True
+                with self._cond:
+                    self._arrivals[:0] = again
+                self._renew()
                 continue
             for i, token in made:
+                live[i].started = True
                 live[i].deliver(token)
                 if token is None:
                     del live[i]

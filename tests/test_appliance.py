@@ -5,6 +5,7 @@ service and acting as its users (the fixtures below), so each test says only wha
 import json
 import os
 import pwd
+import re
 import shutil
 import signal
 import socket
@@ -168,10 +169,14 @@ def test_a_job_table_of_the_first_version_is_read_and_extended(tmp_path):
                "INTEGER, loss REAL, sim_seconds REAL)")
     db.execute("INSERT INTO jobs (uid, gid, user, name, params, cwd, model_dir, num_csx, max_steps, priority, "
                "max_restarts, state, submitted) VALUES (0, 0, 'root', 'old', '{}', '/', '/m', 1, 3, 0, 0, 'queued', 0)")
+    db.execute("INSERT INTO jobs (uid, gid, user, name, params, cwd, model_dir, num_csx, max_steps, priority, "
+               "max_restarts, state, restarts, submitted, started) VALUES (0, 0, 'root', 'ran', '{}', '/', '/r', 1, 3, "
+               "0, 1, 'queued', 1, 0, 0)")
     db.commit()
     db.close()
     store = Store(tmp_path / "jobs.sqlite")
     assert store.get(1)["umask"] == 0o077 and store.queue()[0]["name"] == "old"
+    assert store.get(1)["attempts"] == 0 and store.get(2)["attempts"] == 2  # its next runner is attempt 3
     assert store.get(1)["numerics"] is None  # not sent: its runner gets what that version gave it
     new = store.add(uid=0, gid=0, user="root", name="new", params={}, cwd="/", umask=0o022, model_dir="/n", num_csx=1,
                     max_steps=3, priority=0, max_restarts=0, numerics={"OMP_NUM_THREADS": "1"})
@@ -368,7 +373,8 @@ def test_the_service_killed_and_started_again_runs_its_jobs(tmp_path, data, jobs
 
 def test_stop_interrupts_running_jobs_and_the_next_start_resumes_them(tmp_path, data, jobs, appliance):
     """`wse appliance stop` ends a running job's ranks cleanly and keeps it queued; started again,
-    the service resumes it from its checkpoint to the bits of an uninterrupted run."""
+    the service resumes it from its checkpoint to the bits of an uninterrupted run, in its attempt 2
+    (issue 42: its log said attempt 1 again)."""
     a = appliance(2)
     # Long enough that `stop` finds it running: this job takes about 30 ms a step here.
     job_id = a.submit(params_file(tmp_path / "p.yaml", data, tmp_path / "m", max_steps=120))
@@ -379,7 +385,9 @@ def test_stop_interrupts_running_jobs_and_the_next_start_resumes_them(tmp_path, 
     a.start()  # at once: `stop` returned once the service had ended
     rec = a.wait(job_id)
     assert rec["state"] == "done" and rec["restarts"] == 0, rec
-    assert "resuming from checkpoint_" in a.wse("logs", job_id).stdout
+    log = a.wse("logs", job_id).stdout
+    assert "resuming from checkpoint_" in log
+    assert re.findall(rf"^== \S+ \S+ job {job_id} attempt (\d+):", log, re.M) == ["1", "2"], log
     assert weights(tmp_path / "m") == direct_fit(jobs, tmp_path, data, max_steps=120)
 
 

@@ -369,27 +369,42 @@ def test_the_batcher_ends_a_cancelled_sequence_and_serves_the_others():
 
 
 
-def test_an_engine_that_fails_outside_a_step_fails_its_tickets_and_a_new_one_serves_on():
-    """An inference job that died while the server was idle fails at the next call (an addition): that
-    request gets the error, a new engine is made, and the next request is answered."""
+def test_a_sequence_that_meets_a_dead_inference_job_before_its_first_token_goes_to_the_next_job_once():
+    """An inference job that died while the server idled fails the next call (an addition): that
+    sequence goes to a new job (issue 42: it failed) and, if that one dies too, gets its error; one
+    that had its first token when its job died gets the error at once (what was delivered cannot be
+    taken back); and the next job answers with the tokens a sequence makes alone."""
+    from mpi_launch.inference import InferenceJobError
     from pyapi.serve import Batcher
-    from wse_core.nn.generate import Engine
+    from wse_core.nn.generate import Engine, generate
 
     model = build_model(GPT2)
     weights = model.init_params(0)
+    alone = [t for _, t in generate(model, weights, [[1, 2, 3]], 4)]
     made = []
+
+    def dead(n):
+        def call(*args):
+            raise InferenceJobError(f"the inference job on 2 CS-2s failed: rank 3 (csx 0): killed by SIGKILL (job {n})")
+        return call
 
     def make():
         engine = Engine(model, weights)
-        if not made:
-            def dead(*args):
-                raise RuntimeError("the inference job on 2 CS-2(s) failed: rank 3 (csx 0): killed by SIGKILL")
-            engine.add = dead
+        if len(made) < 2:  # the first two jobs are dead when first called
+            engine.add = dead(len(made))
+        elif len(made) == 2:  # the third dies after its first step
+            step = engine.step
+
+            def first_step():
+                engine.step = dead(2)
+                return step()
+
+            engine.step = first_step
         made.append(engine)
         return engine
 
     batcher = Batcher(make)
-    got = {"a": [], "b": []}
+    got = {"a": [], "b": [], "c": []}
     done = {k: threading.Event() for k in got}
 
     def deliver(k):
@@ -405,7 +420,10 @@ def test_an_engine_that_fails_outside_a_step_fails_its_tickets_and_a_new_one_ser
         assert done["a"].wait(TIMEOUT)
         batcher.submit([1, 2, 3], 4, Sampling(), deliver("b"))
         assert done["b"].wait(TIMEOUT)
+        batcher.submit([1, 2, 3], 4, Sampling(), deliver("c"))
+        assert done["c"].wait(TIMEOUT)
     finally:
         batcher.close()
-    assert len(got["a"]) == 1 and "rank 3 (csx 0)" in str(got["a"][0])
-    assert len(got["b"]) == 5 and got["b"][-1] is None and len(made) == 2
+    assert len(got["a"]) == 1 and "(job 1)" in str(got["a"][0])  # handed from job 0 to job 1, and no further
+    assert got["b"][:1] == alone[:1] and len(got["b"]) == 2 and "(job 2)" in str(got["b"][1])
+    assert got["c"] == alone + [None] and len(made) == 4

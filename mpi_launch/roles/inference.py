@@ -48,8 +48,40 @@ class InferenceRole:
         self.param_owner = param_owners(self.unit_params, plan.unit_owner)
         layout = Layout.for_job(units=len(self.units), micro_batches=1,
                                 arrays_per_unit=max(len(p) for p in self.unit_params))
-        self.link = msg.Link(comm, layout, spec["peer_timeout"], "--peer_timeout")
+        # Until a pass has set the pace, a wait may hold the job's start-up (MemoryX reading the
+        # weights, their crossing the tree), as a training job's first step does (roles.base).
+        peer, start = spec["peer_timeout"], spec["startup_timeout"]
+        self.link = msg.Link(comm, layout, start + peer, f"--peer_timeout {peer:g} s + the start-up's {start:g} s, "
+                                                         "until a pass has set the pace")
+        self._began, self._uncounted, self._longest, self._per_token = None, True, None, 0.0
         self.log_file = LineLog(run_dir.rank_log(self.rank))
+
+    def pace(self, tokens=0):
+        """Before a pass of ``tokens`` tokens (0: not known to this rank): how long this rank's waits in it
+        may last. Training's rule (``roles.base.Role.step_done``; docs/design.md section 3), a pass
+        for a step: ``--peer_timeout`` plus twice what the passes so far say this one takes, since a
+        wait may span a peer's whole pass (the coordinator waits out the CS-2s' forward for the logits).
+        Passes differ in size as steps do not (a 2,000-token prompt is prefilled in one; a decode
+        step is a token a sequence), so what they say is the longest pass so far or, if longer, this
+        pass's tokens at the slowest rate per token seen. The first pass holds the start-up and sets
+        no pace."""
+        self._began = time.monotonic()
+        if self._longest is None:
+            return
+        peer, expect = self.spec["peer_timeout"], max(self._longest, self._per_token * tokens)
+        why = (f"{tokens:,} tokens at the slowest rate so far, {1e3 * self._per_token:.1f} ms a token"
+               if expect > self._longest else f"the longest pass so far, {self._longest:.1f} s")
+        self.link.set_timeout(peer + 2 * expect, f"--peer_timeout {peer:g} s + twice {why}")
+
+    def paced(self, tokens=0):
+        """After the pass ``pace`` began: its length counts toward the next passes' allowance."""
+        took = time.monotonic() - self._began
+        if self._uncounted:
+            self._uncounted = False
+            return
+        self._longest = max(self._longest or 0.0, took)
+        if tokens:
+            self._per_token = max(self._per_token, took / tokens)
 
     def log(self, text):
         self.log_file.write(f"{time.strftime('%H:%M:%S')} {text}\n")
@@ -135,6 +167,7 @@ class _ClusterRunner:
         role, link = self.role, self.role.link
         tag = link.tag
         t = ids.shape[1]
+        role.pace(ids.size)
         logits = np.empty((len(active), self.vocab_size), np.float32)
         if role.streamed:
             for rank in role.plan.memoryx + role.plan.swarmx:
@@ -154,6 +187,7 @@ class _ClusterRunner:
             last = role.plan.csx[-1]
             logits[:] = link.recv_object(last, tag(REPORT, 0, LOGITS), f"CS-2 rank {last} (logits)")
         self.added, self.removed = [], []
+        role.paced(ids.size)
         return logits
 
 
@@ -177,7 +211,9 @@ class WeightStore(InferenceRole):
         if not self.streamed:
             send()
         while not self.next_order(coordinator, self.link.tag(CONTROL), "the coordinator (next pass)")["stop"]:
+            self.pace()
             send()
+            self.paced()
 
 
 class Relay(InferenceRole):
@@ -201,7 +237,9 @@ class Relay(InferenceRole):
         if not self.streamed:
             relay()
         while not self.next_order(self.plan.coordinator, self.link.tag(CONTROL), "the coordinator (next pass)")["stop"]:
+            self.pace()
             relay()
+            self.paced()
 
 
 class Wafer(InferenceRole):
@@ -226,6 +264,8 @@ class Wafer(InferenceRole):
                 if not last:
                     self.comm.send(order, dest=csx[c + 1], tag=self.link.tag(DATA))
                 return
+            tokens = math.prod(order["x"].shape[:2])  # ids (rows, t), or the activations of them
+            self.pace(tokens)
             if self.streamed:
                 weights = self._weights(first, end)
             for i in order["removed"]:
@@ -240,6 +280,7 @@ class Wafer(InferenceRole):
                                dest=coordinator, tag=self.link.tag(REPORT, 0, LOGITS))
             else:
                 self.comm.send(dict(order, x=x), dest=csx[c + 1], tag=self.link.tag(DATA))  # INFER["activations"]
+            self.paced(tokens)
 
     def _weights(self, first, end):
         """Every unit's weights from the tree (a pass streams them all to every CS-2); those of units

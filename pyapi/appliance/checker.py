@@ -75,7 +75,8 @@ def check_params(raw, pool_csx, cores):
 #: A serve job's fields (``wse serve --submit``): name -> (JSON types, required).
 SERVE_FIELDS = {"model": (str, True), "checkpoint_path": (str, False), "num_csx": (int, True), "host": (str, True),
                 "port": (int, True), "placement": (str, False), "max_streams": (int, False),
-                "max_tokens": (int, False), "max_prompt_tokens": (int, False)}
+                "max_tokens": (int, False), "max_prompt_tokens": (int, False), "peer_timeout": (int, False),
+                "log_dir": (str, False)}
 
 
 def check_serve(serve, pool_csx, cores):
@@ -101,6 +102,8 @@ def check_serve(serve, pool_csx, cores):
         elif not isinstance(value, kind) or isinstance(value, bool):
             return {"error": f"serve.{name}: expected {kind.__name__}, got {type(value).__name__}"}
     model = check_path(serve["model"], "serve.model")
+    if serve.get("log_dir") is not None:
+        serve = dict(serve, log_dir=check_path(serve["log_dir"], "serve.log_dir"))
     num_csx = serve["num_csx"]
     if not 1 <= num_csx <= pool_csx:
         return {"error": f"--num_csx: {num_csx} CS-2s asked, the appliance has {pool_csx}"}
@@ -114,7 +117,7 @@ def check_serve(serve, pool_csx, cores):
         return {"error": f"{gen.why_no_tokenizer}: the server answers in text, so it needs the model's tokenizer"}
     limits = Limits.given(serve).resolved(gen.capacity)
     job, _ = spec(gen.model, gen.source, gen.kind, num_csx=num_csx, max_streams=limits.max_streams,
-                  placement=serve.get("placement"))
+                  **{k: serve[k] for k in ("placement", "peer_timeout") if serve.get(k) is not None})
     check_capacity(plan_of(job), cores=cores_for(num_csx, pool_csx, cores))
     return {"params": {"serve": dict(serve, model=model)}, "num_csx": num_csx, "max_steps": 0, "model_dir": model}
 

@@ -131,9 +131,12 @@ class Manager:
 
     def _start(self, job):
         """Start an attempt of ``job``: its runner, as its user, writing its log. False if it could not start."""
-        attempt = job["restarts"] + 1
+        # Counted apart from restarts: a job the appliance's stop (or death) interrupted starts
+        # again too, and its log numbers every runner.
+        attempt = job["attempts"] + 1
         cores = self.cores_for(job["num_csx"])
         progress_r, progress_w = os.pipe()  # EMFILE here is transient: schedule() tries again
+        self.store.update(job["id"], attempts=attempt)  # its log names it from here on
         try:
             proc = start_runner(job, attempt=attempt, cores=cores, owner=self.owner,
                                 log_path=self.log_path(job["id"]), progress_fd=progress_w)

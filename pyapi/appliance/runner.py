@@ -99,6 +99,7 @@ def serve(orders, *, cores=None):
     try:
         server = Server.load(orders["model"], orders.get("checkpoint_path"), limits=Limits.given(orders),
                              cluster={"num_csx": orders["num_csx"], "placement": orders.get("placement"),
+                                      "peer_timeout": orders.get("peer_timeout"), "log_dir": orders.get("log_dir"),
                                       "cores": cores, "stream": sys.stdout})
         server.run(orders["host"], orders["port"], on_ready=lambda url: print(
             f"serving {server.name} on {url} ({server.describe()})", flush=True))

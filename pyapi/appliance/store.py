@@ -29,6 +29,7 @@ CREATE TABLE IF NOT EXISTS jobs (
     max_restarts  INTEGER NOT NULL,
     state         TEXT    NOT NULL,
     restarts      INTEGER NOT NULL DEFAULT 0,  -- restarts after a fault of the job's own
+    attempts      INTEGER NOT NULL DEFAULT 0,  -- runners started: restarts, and starts again after a stop
     overtaken     INTEGER NOT NULL DEFAULT 0,  -- later jobs started while this one waited
     submitted     REAL    NOT NULL,
     started       REAL,
@@ -46,15 +47,18 @@ _ADDED = {
     "umask": "INTEGER NOT NULL DEFAULT 63",  # 0o077: files for the user alone
     # NULL: the runner gets what the version that queued the job gave it (the service's own).
     "numerics": "TEXT",
+    "attempts": "INTEGER NOT NULL DEFAULT 0",
 }
+#: What an added column holds for the rows of an earlier version, from what they do hold.
+_DERIVED = {"attempts": "restarts + (started IS NOT NULL)"}  # at least: starts after a stop were not counted
 #: The table's version, in SQLite's user_version: 0 for tables made before it was kept (their
-#: columns are added, as any earlier version's), 2 with the numerics column. A newer table is
-#: refused: its rows may need what this code does not know (a column it would not fill).
-VERSION = 2
+#: columns are added, as any earlier version's), 2 with the numerics column, 3 with attempts. A
+#: newer table is refused: its rows may need what this code does not know (a column it would not fill).
+VERSION = 3
 
 _FIELDS = ("id", "uid", "gid", "user", "name", "params", "cwd", "umask", "model_dir", "num_csx", "max_steps",
-           "priority", "max_restarts", "state", "restarts", "overtaken", "submitted", "started", "ended", "pid", "reason",
-           "step", "loss", "sim_seconds", "numerics")
+           "priority", "max_restarts", "state", "restarts", "attempts", "overtaken", "submitted", "started", "ended",
+           "pid", "reason", "step", "loss", "sim_seconds", "numerics")
 
 
 class Store:
@@ -84,15 +88,17 @@ class Store:
         self.db.execute("PRAGMA journal_mode=WAL")
         self.db.execute(_SCHEMA)
         columns = {r["name"] for r in self.db.execute("PRAGMA table_info(jobs)")}
-        for column, decl in _ADDED.items():  # a table made by an earlier version of this module
-            if column not in columns:
-                self.db.execute(f"ALTER TABLE jobs ADD COLUMN {column} {decl}")
-                columns.add(column)
+        added = [column for column in _ADDED if column not in columns]  # a table made by an earlier version
+        for column in added:
+            self.db.execute(f"ALTER TABLE jobs ADD COLUMN {column} {_ADDED[column]}")
+            columns.add(column)
         odd = sorted(set(_FIELDS) ^ columns)
         if odd:  # a column no version of ours wrote, or one of ours missing: another program's table
             raise ApplianceError(f"{path}: its jobs table {'lacks' if odd[0] in _FIELDS else 'has'} column "
                                  f"{odd[0]!r}, unlike any wse-cluster's; move it away or start with another "
                                  "--state_dir")
+        for column in set(added) & set(_DERIVED):
+            self.db.execute(f"UPDATE jobs SET {column} = {_DERIVED[column]}")
         self.db.execute(f"PRAGMA user_version = {VERSION}")
 
     def close(self):

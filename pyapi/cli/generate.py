@@ -26,7 +26,8 @@ def _cmd_generate(args):
         sys.stdout.flush()
 
     cluster = {} if args.num_csx is None else {"num_csx": args.num_csx, "max_streams": len(prompts),
-                                                  "placement": args.placement, "stream": sys.stderr}
+                                                  "placement": args.placement, "peer_timeout": args.peer_timeout,
+                                                  "log_dir": args.log_dir, "stream": sys.stderr}
     with gen.engine(**cluster) as engine:
         if args.num_csx is not None:
             print(f"on {plural(args.num_csx, 'CS-2')}: {engine.latency.why}", file=sys.stderr)
@@ -52,6 +53,8 @@ def _cmd_generate(args):
 
 
 def add_generate(sub, chosen):
+    from pyapi.cli.serve import add_job_options
+
     p = sub.add_parser("generate", help="generate text from a trained model",
                        description="Generate text from a model_dir (its latest checkpoint), a checkpoint or a "
                                    "Hugging Face directory, with the training data's tokenizer; greedy unless "
@@ -73,4 +76,5 @@ def add_generate(sub, chosen):
     p.add_argument("--placement", choices=("resident", "streamed"), help="with --num_csx: keep the weights on the "
                                                                          "wafers or stream them from MemoryX every "
                                                                          "pass (default: resident when they fit)")
+    add_job_options(p, "generate", chosen)
     p.set_defaults(func=_cmd_generate)

@@ -15,6 +15,7 @@ def _cmd_serve(args):
     if args.submit:
         return _submit(args, given, api_key)
     cluster = None if args.num_csx is None else {"num_csx": args.num_csx, "placement": args.placement,
+                                                 "peer_timeout": args.peer_timeout, "log_dir": args.log_dir,
                                                  "stream": sys.stderr}
     server = Server.load(args.model, args.checkpoint_path, api_key=api_key, cluster=cluster,
                          limits=Limits.given(given))
@@ -44,13 +45,30 @@ def _submit(args, given, api_key):
         raise ValueError("--submit: give --num_csx, the CS-2s the job holds from the appliance's pool")
     checkpoint = args.checkpoint_path and os.path.abspath(args.checkpoint_path)
     serve = {"model": args.model, "checkpoint_path": checkpoint, "num_csx": args.num_csx, "host": args.host,
-             "port": args.port, "placement": args.placement, **given}
+             "port": args.port, "placement": args.placement, "peer_timeout": args.peer_timeout,
+             "log_dir": args.log_dir and os.path.abspath(args.log_dir), **given}
     handle = Client(args.socket).submit_serve({k: v for k, v in serve.items() if v is not None},
                                               max_restarts=args.max_restarts, name=args.name)
     st = handle.status()
     print(f"job {handle.id}: {st['state']} ({st['num_csx']} CS-2s, serving {handle.model_dir}); its log says where "
           f"(`wse logs {handle.id}`), `wse cancel {handle.id}` stops it")
     return 0
+
+
+def add_job_options(p, command, chosen):
+    """``--peer_timeout`` and ``--log_dir``: the inference job's options of `wse serve` and `wse generate`.
+    Their help, which names defaults of a module that loads wse_core, only for the command chosen."""
+    timeout = logs = None
+    if chosen[:1] == (command,):
+        from mpi_launch.inference import KEPT, LOGS, PEER_TIMEOUT
+
+        timeout = (f"with --num_csx: seconds a rank of the inference job may stop answering (its process stopped, "
+                   f"or silent beyond twice what its passes so far took) before the job is ended and the fault "
+                   f"named; training's runconfig.peer_timeout, with its rule and default ({PEER_TIMEOUT})")
+        logs = (f"with --num_csx: where the logs of failed inference jobs are kept, the last {KEPT} (default: "
+                f"MODEL/{LOGS})")
+    p.add_argument("--peer_timeout", type=int, metavar="SECONDS", help=timeout)
+    p.add_argument("--log_dir", help=logs)
 
 
 def add_serve(sub, chosen):
@@ -79,6 +97,7 @@ def add_serve(sub, chosen):
     p.add_argument("--placement", choices=("resident", "streamed"), help="with --num_csx: keep the weights on the "
                                                                          "wafers or stream them from MemoryX every "
                                                                          "pass (default: resident when they fit)")
+    add_job_options(p, "serve", chosen)
     p.add_argument("--submit", action="store_true", help="run the server as a job of the appliance (with "
                                                            "--num_csx): queued, listed by `wse jobs`, stopped by "
                                                            "`wse cancel`, restarted after a fault")
