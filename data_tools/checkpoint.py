@@ -7,7 +7,9 @@ Layout of ``model_dir/checkpoint_<step>/``:
                       dtype and SHA-256 of every tensor), ``shard_sha256`` (JSON), and
                       ``metadata_sha256``: the SHA-256 of all of these, so the index protects itself;
                       and HDF5 external links ``/model/<param>`` -> shard, so one file shows every tensor.
-``model_dir/latest`` holds the name of the newest complete checkpoint and is written last.
+``model_dir/latest`` holds the name of the newest complete checkpoint and is written last; a run that
+finds it missing or unreadable beside checkpoints resumes from the newest complete one and writes it
+again (``recover_latest``), never starting afresh over them.
 
 Writing is crash-safe: shards and index go to ``.checkpoint_<step>.partial/``, every file is
 fsynced, the directory is renamed into place, and only then ``latest`` is replaced (write, fsync,
@@ -26,6 +28,7 @@ import hashlib
 import io
 import json
 import os
+import re
 import shutil
 from pathlib import Path
 
@@ -81,6 +84,18 @@ def _sha256(a):
     return hashlib.sha256(np.ascontiguousarray(a).view(np.uint8)).hexdigest()
 
 
+def tensor_entry(a):
+    """What a table records of a tensor so that a reader can tell it is the one written: its shape,
+    dtype and the SHA-256 of its bytes (a checkpoint's index, a ``cstorch.save`` file)."""
+    a = np.asarray(a)
+    return {"shape": list(a.shape), "dtype": str(a.dtype), "sha256": _sha256(a)}
+
+
+def intact(a, entry):
+    """Whether tensor ``a``, as read, is the one ``entry`` (``tensor_entry``'s) was made of."""
+    return list(a.shape) == entry["shape"] and str(a.dtype) == entry["dtype"] and _sha256(a) == entry["sha256"]
+
+
 def _file_sha256(path):
     h = hashlib.sha256()
     with open(path, "rb") as f:
@@ -89,8 +104,9 @@ def _file_sha256(path):
     return h.hexdigest()
 
 
-def _metadata_sha256(attrs):
-    """SHA-256 of an index's metadata (every attribute but itself), in one canonical form."""
+def metadata_sha256(attrs):
+    """SHA-256 of a file's metadata (every attribute but ``metadata_sha256`` itself), in one canonical form:
+    what an index (or a ``cstorch.save`` file) stores to protect its own metadata."""
     canonical = {k: (v if isinstance(v, str) else int(v)) for k, v in attrs.items() if k != "metadata_sha256"}
     return hashlib.sha256(json.dumps(canonical, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
 
@@ -99,11 +115,92 @@ def _write_failed(path, exc, model_dir):
     """The CheckpointError for a write that failed (a full disk, a quota): the file, the reason, and
     that the checkpoint ``latest`` names is untouched."""
     reason = os.strerror(exc.errno) if getattr(exc, "errno", None) else str(exc).splitlines()[0]
-    try:
-        kept = f"{(Path(model_dir) / LATEST).read_text().strip()} is intact"
-    except OSError:
-        kept = "no earlier checkpoint"
+    name, _ = _latest(model_dir)
+    kept = f"{name} is intact" if name else "no earlier checkpoint"
     return CheckpointError(f"{path}: {reason} while writing a checkpoint; it was not saved ({kept})")
+
+
+_CHECKPOINT_NAME = re.compile(r"checkpoint_(\d+)")
+
+
+def _latest(model_dir):
+    """(name, None): the checkpoint ``model_dir/latest`` names; (None, why) when it is missing or unreadable
+    (then a run recovers it: ``recover_latest``)."""
+    path = Path(model_dir) / LATEST
+    if not path.exists():
+        return None, "missing"
+    if not path.is_file():
+        return None, "unreadable (not a file)"
+    try:
+        with open(path, "rb") as f:
+            text = f.read(256).decode()  # a checkpoint's name and a newline; more is not one
+    except OSError as exc:
+        return None, f"unreadable ({exc.strerror})"
+    except UnicodeDecodeError:
+        return None, "unreadable (not UTF-8 text)"
+    name = text.strip()
+    if not _CHECKPOINT_NAME.fullmatch(name):
+        return None, f"unreadable (it holds {name[:40]!r}, not a checkpoint's name)"
+    return name, None
+
+
+def _write_latest(model_dir, name):
+    """Point ``model_dir/latest`` at checkpoint ``name``: written beside it, fsynced, renamed over it, so a
+    reader finds the old name or the new one."""
+    model_dir = Path(model_dir)
+    tmp = model_dir / (LATEST + ".tmp")
+    try:
+        tmp.write_text(name + "\n")
+        _fsync_path(tmp)
+    except OSError as exc:
+        tmp.unlink(missing_ok=True)
+        raise _write_failed(tmp, exc, model_dir) from None
+    os.replace(tmp, model_dir / LATEST)
+    _fsync_path(model_dir)
+
+
+def checkpoint_dirs(model_dir):
+    """The ``checkpoint_<step>`` directories in ``model_dir``, the newest step first."""
+    found = [(int(m.group(1)), d) for d in Path(model_dir).glob("checkpoint_*")
+             if (m := _CHECKPOINT_NAME.fullmatch(d.name)) and d.is_dir()]
+    return [d for _, d in sorted(found, reverse=True)]
+
+
+def newest_complete(model_dir, why):
+    """(the newest checkpoint in ``model_dir`` that verifies whole, what each newer one lacks), for a
+    ``latest`` that is ``why`` (missing, unreadable); CheckpointError in one line when none is complete."""
+    skipped = []
+    dirs = checkpoint_dirs(model_dir)
+    for d in dirs:
+        try:
+            ckpt = Checkpoint(d)
+            ckpt.verify()
+            return ckpt, skipped
+        except CheckpointError as exc:
+            skipped.append(str(exc))
+    if not dirs:
+        raise CheckpointError(f"{model_dir}: {LATEST} is {why} and there is no checkpoint_<step> to resume from; "
+                              f"remove {LATEST} to start afresh")
+    raise CheckpointError(f"{model_dir}: {LATEST} is {why} and no checkpoint in it is complete (the newest: "
+                          f"{skipped[0]}); move them away to start afresh, or give one to resume from")
+
+
+def recover_latest(model_dir):
+    """Where a run in ``model_dir`` starts: (model_dir, None) when ``latest`` names a checkpoint; (None, None)
+    when there is neither ``latest`` nor a checkpoint (a first run); when ``latest`` is missing or
+    unreadable beside checkpoints (a copy that left it out, a damaged disk), (the newest complete one, the
+    line that says so), with ``latest`` written again to name it: a run never starts afresh over
+    checkpoints it did not make. Only the job that holds ``model_dir``'s lock calls this (as ``clean_up``)."""
+    name, why = _latest(model_dir)
+    if name is not None:
+        return Path(model_dir), None
+    if why == "missing" and not checkpoint_dirs(model_dir):
+        return None, None
+    ckpt, skipped = newest_complete(model_dir, why)
+    _write_latest(model_dir, ckpt.dir.name)
+    newer = f"; newer ones are not complete: {'; '.join(skipped)}" if skipped else ""
+    return ckpt.dir, (f"{LATEST} was {why}: resuming from {ckpt.dir.name} (step {ckpt.step}), the newest complete "
+                      f"one{newer}")
 
 
 def clean_up(model_dir):
@@ -183,7 +280,7 @@ class CheckpointWriter:
             for key, arr in _tensor_keys(params, opt_state, sparse):
                 arr = np.ascontiguousarray(arr)
                 f.create_dataset(key, data=arr)
-                table[key] = {"shard": k, "shape": list(arr.shape), "dtype": str(arr.dtype), "sha256": _sha256(arr)}
+                table[key] = {"shard": k, **tensor_entry(arr)}
         try:
             _write_file(path, buf)
         except OSError as exc:
@@ -207,7 +304,7 @@ class CheckpointWriter:
                  "rng_state": json.dumps(rng_state), "loss_scale": json.dumps(loss_scale),
                  "numerics": json.dumps(numerics), "tensors": json.dumps(tensors),
                  "shard_sha256": json.dumps(shard_sha)}
-        attrs["metadata_sha256"] = _metadata_sha256(attrs)
+        attrs["metadata_sha256"] = metadata_sha256(attrs)
         buf = io.BytesIO()
         with h5py.File(buf, "w") as f:
             f.attrs.update(attrs)
@@ -228,15 +325,7 @@ class CheckpointWriter:
         else:
             os.rename(self.staging, self.final)
         _fsync_path(self.model_dir)
-        tmp = self.model_dir / (LATEST + ".tmp")
-        try:
-            tmp.write_text(self.final.name + "\n")
-            _fsync_path(tmp)
-        except OSError as exc:  # the checkpoint is complete, but ``latest`` still names the one before
-            tmp.unlink(missing_ok=True)
-            raise _write_failed(tmp, exc, self.model_dir) from None
-        os.replace(tmp, self.model_dir / LATEST)
-        _fsync_path(self.model_dir)
+        _write_latest(self.model_dir, self.final.name)  # if it fails, latest still names the one before
         return self.final
 
 
@@ -254,13 +343,17 @@ def resolve(path):
         return p.parent
     if (p / INDEX).is_file():
         return p
-    if (p / LATEST).is_file():
-        name = (p / LATEST).read_text().strip()
+    name, why = _latest(p)
+    if name is not None:
         if (p / name / INDEX).is_file():
             return p / name
         if not (p / name).exists() and (p / f".{name}.old" / INDEX).is_file():
             return p / f".{name}.old"  # a re-save killed between its renames (see clean_up)
         raise CheckpointError(f"{p / LATEST}: names {name!r}, which has no {INDEX}")
+    if why != "missing" or checkpoint_dirs(p):  # what `wse fit` recovers (recover_latest), read-only here
+        ckpt, _ = newest_complete(p, why)
+        raise CheckpointError(f"{p}: {LATEST} is {why}; the newest complete checkpoint is {ckpt.dir.name} (`wse fit` "
+                              f"resumes from it and writes {LATEST} again; to read it now, give {ckpt.dir})")
     if not p.exists():
         raise CheckpointError(f"{p}: no such checkpoint or model directory")
     raise CheckpointError(f"{p}: not a checkpoint (no {INDEX}) and not a model directory (no {LATEST})")
@@ -286,6 +379,12 @@ class Checkpoint:
                 raise CheckpointError(f"{index}: the index is damaged: its link /{key} does not point to "
                                       f"{shard_name(meta['shard'])}")
         self._checked = set()  # shards whose file SHA-256 matched
+        # A copy under another step's name (checkpoint_50 copied to checkpoint_75) would resume or
+        # evaluate as that step: the name CheckpointWriter gave it must say the step its index records.
+        named = _CHECKPOINT_NAME.fullmatch(self.dir.name.removeprefix(".").removesuffix(".old"))  # clean_up's too
+        if named and int(named.group(1)) != self.step:
+            raise CheckpointError(f"{self.dir}: its index records step {self.step}, not {named.group(1)}: a copy "
+                                  "of another step's checkpoint under this name?")
 
     def _read_metadata(self, index, a):
         """Check the index's metadata against its own SHA-256 before anything in it is believed."""
@@ -298,10 +397,10 @@ class Checkpoint:
                                   f"wse-cluster reads ({FORMAT_VERSION}): upgrade wse-cluster")
         if self.format_version >= 2:
             try:
-                intact = a["metadata_sha256"] == _metadata_sha256(a)
+                sound = a["metadata_sha256"] == metadata_sha256(a)
             except (KeyError, ValueError, TypeError):
-                intact = False
-            if not intact:
+                sound = False
+            if not sound:
                 raise CheckpointError(f"{index}: the index is damaged: its metadata (step, tensor table, "
                                       "SHA-256 entries, ...) does not match its metadata_sha256")
         try:
@@ -378,7 +477,7 @@ class Checkpoint:
             arr = handles[meta["shard"]][key][()]
         except (OSError, KeyError, ValueError) as exc:
             raise CheckpointError(f"{shard}: tensor {key} unreadable ({str(exc).splitlines()[0]})") from None
-        if list(arr.shape) != meta["shape"] or str(arr.dtype) != meta["dtype"] or _sha256(arr) != meta["sha256"]:
+        if not intact(arr, meta):
             raise CheckpointError(f"{shard}: tensor {key} is damaged (SHA-256, shape or dtype differs from the index)")
         return arr
 
@@ -432,8 +531,10 @@ class Checkpoint:
         shards = []
         for k in range(self.num_shards):
             path = self.dir / shard_name(k)
+            if not path.is_file():
+                raise CheckpointError(f"{path}: missing")  # as verify says it
             keys = [key for key, m in self.tensors.items() if m["shard"] == k]
-            shards.append({"name": path.name, "bytes": path.stat().st_size if path.exists() else None,
+            shards.append({"name": path.name, "bytes": path.stat().st_size,
                            "tensors": len(keys),
                            "parameters": int(sum(np.prod(self.tensors[key]["shape"]) for key in keys
                                                  if key in model_keys))})

@@ -41,19 +41,26 @@ class RankPlan:
     def swarmx_root(self):
         return self.swarmx[0]
 
+    def roles(self):
+        """(role, index within the role) of every rank, in rank order. One pass over the plan: asking
+        each rank's role by searching the lists took minutes for a plan of 100,000 ranks."""
+        found = {}
+        for c, ranks in enumerate(self.workers):
+            for i, r in enumerate(ranks):
+                found[r] = ("worker", c * self.num_workers_per_csx + i)
+        # a rank with two roles keeps the one written last: a pipelined CS-2 is also the MemoryX
+        for role, ranks in (("csx", self.csx), ("swarmx", self.swarmx), ("memoryx", self.memoryx)):
+            found.update((r, (role, i)) for i, r in enumerate(ranks))
+        if self.pipeline:
+            found.update((r, ("pipeline", 0)) for r in self.csx)
+        found[self.coordinator] = ("coordinator", 0)
+        return [found[r] for r in range(self.world_size)]
+
     def role_of(self, rank):
         """(role, index within the role) of a rank."""
-        if rank == self.coordinator:
-            return "coordinator", 0
-        if self.pipeline and rank in self.csx:
-            return "pipeline", 0
-        for role, ranks in (("memoryx", self.memoryx), ("swarmx", self.swarmx), ("csx", self.csx)):
-            if rank in ranks:
-                return role, ranks.index(rank)
-        for c, ranks in enumerate(self.workers):
-            if rank in ranks:
-                return "worker", c * self.num_workers_per_csx + ranks.index(rank)
-        raise PlanError(f"rank {rank}: not in a plan of {self.world_size} ranks")
+        if not 0 <= rank < self.world_size:
+            raise PlanError(f"rank {rank}: not in a plan of {self.world_size} ranks")
+        return self.roles()[rank]
 
     def summary(self):
         """The ranks in a few words: "7 MPI ranks (coordinator, 1 MemoryX, 1 SwarmX, 2 CS-2s, ...)"."""
@@ -73,7 +80,7 @@ class RankPlan:
         d["children"] = {str(k): v for k, v in self.children.items()}
         d["parent"] = {str(k): v for k, v in self.parent.items()}
         d["world_size"] = self.world_size
-        d["roles"] = [self.role_of(r)[0] for r in range(self.world_size)]
+        d["roles"] = [role for role, _ in self.roles()]
         return d
 
 
@@ -229,25 +236,59 @@ def micro_batch_table(params, model):
     return rows
 
 
-def describe(params):
-    """The plan of a validated params dict, with per-rank memory estimates: what `wse compile` prints."""
+def rank_memory(params, plan, model):
+    """{rank: bytes} of host memory each rank of ``plan`` holds (``perf.memory.rank_memory_bytes``)."""
     import numpy as np
 
+    from wse_core.perf.memory import rank_memory_bytes
+
+    seq = params.model.get("max_position_embeddings")
+    example = sum(int(np.prod(shape)) * np.dtype(dtype).itemsize for shape, dtype in model.example_layout(1, seq))
+    return rank_memory_bytes(plan, model, n_states=optimizer_states(params.optimizer), seq_len=seq,
+                             micro_batch_size=params.train_input.micro_batch_size, example_bytes=example)
+
+
+def check_host_memory(params, plan, *, hostfile=None, total=None):
+    """Refuse, in one line, a run whose ranks would hold more than this machine's memory (``total``
+    bytes; default: its physical memory) when they all run here (no hostfile): they would each die of
+    a MemoryError once started (a batch of 2^20 samples took its micro-batch as the wafer's largest,
+    415 GB of activations a CS-2 rank)."""
+    import os
+
+    from wse_core.nn import build_model
+
+    if hostfile is not None:
+        return
+    total = total or os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    memory = rank_memory(params, plan, build_model(params.model))
+    need = sum(memory.values())
+    if need <= total:
+        return
+    rank = max(memory, key=memory.get)
+    role, index = plan.role_of(rank)
+    by_batch = role in ("csx", "worker")  # what the largest rank holds grows with the micro-batch, else the model
+    what = (f"train_input.micro_batch_size: {params.train_input.micro_batch_size:,} samples a micro-batch"
+            if by_batch else "model")
+    raise PlanError(f"{what}: the ranks would hold {need / 1e9:,.1f} GB (rank {rank}, {role} {index}: "
+                    f"{memory[rank] / 1e9:,.1f} GB), more than this machine's {total / 1e9:,.1f} GB; use "
+                    f"{'a smaller micro-batch' if by_batch else 'a smaller model'}, or spread the ranks over several "
+                    "machines with --hostfile")
+
+
+def describe(params):
+    """The plan of a validated params dict, with per-rank memory estimates: what `wse compile` prints."""
     from wse_core.perf import Hardware
-    from wse_core.perf.memory import rank_memory_bytes, streaming_wafer
+    from wse_core.perf.memory import streaming_wafer
     from wse_core.perf.step import walk_step
     from wse_core.tree import cluster_sums_as_one
 
-    run, train, opt_cfg = params.runconfig, params.train_input, params.optimizer
+    run, train = params.runconfig, params.train_input
     plan, model = plan_for(params)
     unit_bytes = plan.unit_bytes
-    n_states = optimizer_states(opt_cfg)
     per_csx = -(-train.batch_size // run.num_csx)
     rounds = -(-per_csx // train.micro_batch_size)
     seq = params.model.get("max_position_embeddings")
-    example = sum(int(np.prod(shape)) * np.dtype(dtype).itemsize for shape, dtype in model.example_layout(1, seq))
-    memory = rank_memory_bytes(plan, model, n_states=n_states, seq_len=seq,
-                               micro_batch_size=train.micro_batch_size, example_bytes=example)
+    memory = rank_memory(params, plan, model)
     hw = Hardware.for_model(model, run.hardware)
 
     exact = cluster_sums_as_one(run.num_csx, rounds, run.swarmx_fanout)

@@ -186,14 +186,17 @@ class RunDir:
     def prepare(self, params, *, checkpoint=None):
         """Write ``run.json``, ``params.yaml`` and ``plan.json``; return the run dict.
 
-        Resumes from ``checkpoint`` if given, else from ``latest`` if there is one; metrics of
+        Resumes from ``checkpoint`` if given, else from ``latest`` if there is one; when ``latest`` is
+        missing or unreadable beside checkpoints, from the newest complete one, ``latest`` written again
+        and the run dict's ``recovered`` the line that says so (``data_tools.checkpoint.recover_latest``:
+        a run never starts afresh over checkpoints). Metrics of
         steps after the start step are dropped (they are about to be trained again). A checkpoint
         written under another numerics environment is refused in one line, unless
         ``runconfig.allow_numerics_change``: then the run dict's ``numerics_changed`` says what differs.
         """
         import yaml
 
-        from data_tools.checkpoint import LATEST, Checkpoint, clean_up
+        from data_tools.checkpoint import Checkpoint, clean_up, recover_latest
         from mpi_launch.plan import describe
         from wse_core.nn import build_model
         from wse_core.numerics import environment
@@ -202,8 +205,9 @@ class RunDir:
         self.logs.mkdir(parents=True, exist_ok=True)
         for stale in self.logs.glob("pid_rank_*"):
             stale.unlink()
-        if checkpoint is None and (self.path / LATEST).is_file():
-            checkpoint = self.path
+        recovered = None
+        if checkpoint is None:
+            checkpoint, recovered = recover_latest(self.path)
         start, ckpt_dir, numerics, changed = 0, None, environment(), []
         if checkpoint is not None:
             ckpt = Checkpoint(checkpoint)
@@ -212,7 +216,7 @@ class RunDir:
             changed = _check_numerics(ckpt, numerics, params.runconfig.allow_numerics_change)
         self.truncate_metrics(start)
         run = {"params": params.to_dict(), "start_step": start, "checkpoint": ckpt_dir, "numerics": numerics,
-               "numerics_changed": changed}
+               "numerics_changed": changed, "recovered": recovered}
         # every rank, the appliance and `wse bench faults` read them while the job starts: whole files
         write_text(self.run_json, json.dumps(run, indent=1))
         write_text(self.params_yaml, yaml.safe_dump(params.to_dict(), sort_keys=False))

@@ -40,6 +40,17 @@ def thaw(value):
 STRATEGIES = ("weight_streaming", "pipeline", "auto")
 POSITIVE = Number(0, open="low")
 
+# wse-cluster's bounds on a run's sizes: far beyond any real run, so that an absurd one is one line at
+# once, not minutes of laying out ranks (100,000 input workers per CS-2) or a MemoryError in every rank
+# (a batch of 10^9 samples). Steps times samples stays within an int64 (a stream's position).
+STEPS = Int(1, 10**9, bound="wse-cluster's bound on steps (real runs take at most a few million)")
+BATCH = Int(1, 1 << 20, bound="wse-cluster's bound on a batch's samples (real batches hold thousands)")
+CSX = Int(1, 2048, bound="wse-cluster's bound on CS-2s (Cerebras' largest clusters: 192 CS-2s, 2,048 CS-3s)")
+MEMORYX = Int(1, 2048, bound="wse-cluster's bound on MemoryX servers (each is a process)")
+WORKERS = Int(1, 64, bound="wse-cluster's bound on input workers per CS-2 (each is a process)")
+# A wait of 10^10 s would overflow threading's timeouts (TIMEOUT_MAX) in a rank, mid-run.
+SECONDS = Int(1, 7 * 24 * 3600, bound="wse-cluster's bound on a wait (a week)")
+
 
 def _paths(value, path):
     if isinstance(value, list) and value and all(isinstance(v, str) and v for v in value):
@@ -142,7 +153,7 @@ class TrainInput:
                                        None)
     mixture: tuple | None = key(Check(_mixture, "a list of {data_dir, weight}"), "datasets mixed in proportion: a list of {data_dir, weight} (Model Zoo's)",
                                 None)
-    batch_size: int = key(Int(1), "global batch size, dealt to the CS-2s and their micro-batches as evenly as it goes")
+    batch_size: int = key(BATCH, "global batch size, dealt to the CS-2s and their micro-batches as evenly as it goes")
     micro_batch_size: int | str | None = key(Check(_micro_batch, "a number of samples, auto, explore or none"),
                                              "samples per micro-batch: a number, auto (the default: the largest "
                                              "that fits), explore (wse compile only) or none", None)
@@ -158,8 +169,8 @@ class EvalInput:
                            "shuffle": Zoo.same((False,), "a shuffled evaluation set")}
 
     data_dir: str | tuple = key(Check(_paths, "a directory or a list of them"), "directory of HDF5 evaluation shards (or a list of them)")
-    batch_size: int = key(Int(1), "evaluation batch size")
-    micro_batch_size: int | None = key(Int(1), "samples per micro-batch", None)
+    batch_size: int = key(BATCH, "evaluation batch size")
+    micro_batch_size: int | None = key(BATCH, "samples per micro-batch", None)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -189,7 +200,7 @@ class OptimizerSpec:
     max_loss_scale: float | None = key(POSITIVE, "dynamic loss scaling: the largest scale (2^15; 2^31 for "
                                        "cbfloat16)", None)
     min_loss_scale: float | None = key(POSITIVE, "dynamic loss scaling: the smallest scale (2^-14)", None)
-    steps_per_increase: int | None = key(Int(1), "dynamic loss scaling: finite steps before the scale doubles "
+    steps_per_increase: int | None = key(STEPS, "dynamic loss scaling: finite steps before the scale doubles "
                                          "(2000)", None)
     adjust_learning_rate: MappingProxyType | None = key(
         Check(_lr_adjust, "a mapping of parameter groups to scales > 0"), "learning-rate scale per parameter "
@@ -232,29 +243,31 @@ class RunConfig:
         "steps_per_epoch": Zoo.not_built("training by epochs"),
     }
 
-    max_steps: int = key(Int(1), "training steps")
-    checkpoint_steps: int = key(Int(0), "save a checkpoint every N steps (0: only at the end)", 0)
+    max_steps: int = key(STEPS, "training steps")
+    checkpoint_steps: int = key(Int(0, STEPS.high, bound=STEPS.bound), "save a checkpoint every N steps (0: only at "
+                                "the end)", 0)
     save_initial_checkpoint: bool = key(Bool(), "also save before the first step", False)
-    log_steps: int = key(Int(1), "log every N steps", 1)
-    num_csx: int = key(Int(1), "CS-2 systems", 1)
+    log_steps: int = key(STEPS, "log every N steps", 1)
+    num_csx: int = key(CSX, "CS-2 systems", 1)
     execution_strategy: str = key(OneOf(*STRATEGIES), "weight_streaming, pipeline (one CS-2, every layer resident on the "
                                   "wafer) or auto (pipelined when the model fits and is faster)", "weight_streaming")
-    num_wgt_servers: int = key(Int(1), "MemoryX weight servers", 1)
-    num_workers_per_csx: int = key(Int(1), "input workers per CS-2", 1)
-    swarmx_fanout: int = key(Int(2), "children per SwarmX node", 2)
+    num_wgt_servers: int = key(MEMORYX, "MemoryX weight servers", 1)
+    num_workers_per_csx: int = key(WORKERS, "input workers per CS-2", 1)
+    swarmx_fanout: int = key(Int(2, CSX.high, bound="wse-cluster's bound on a SwarmX node's children (as on CS-2s)"),
+                             "children per SwarmX node", 2)
     model_dir: str = key(Text(), "where checkpoints, logs and metrics go", "model_dir")
     seed: int = key(Int(0), "seed of the model initialisation and of the dropout masks", 0)
-    eval_frequency: int | None = key(Int(1), "evaluate on eval_input every N steps and after the last (null: "
+    eval_frequency: int | None = key(STEPS, "evaluate on eval_input every N steps and after the last (null: "
                                      "never)", None)
-    eval_steps: int | None = key(Int(1), "batches of eval_input an evaluation reads (null: all of it)", None)
-    peer_timeout: int = key(Int(1), "seconds a silent peer is waited for beyond twice the longest step so far and "
+    eval_steps: int | None = key(STEPS, "batches of eval_input an evaluation reads (null: all of it)", None)
+    peer_timeout: int = key(SECONDS, "seconds a silent peer is waited for beyond twice the longest step so far and "
                             "a checkpoint's write (until a step has set the pace: beyond startup_timeout) before the "
                             "job ends; also how long a stopped rank is given", 20)
     hardware: MappingProxyType = key(Check(_hardware, "a system or a mapping of hardware constants"),
                                      "the emulated system (cs2, cs3) or constants over its own ({system: cs3, "
                                      "io_gbps: 1600}; wse_core.perf.Hardware; the precision is the model's)",
                                      factory=lambda: MappingProxyType({}))
-    startup_timeout: int = key(Int(1), "seconds every rank has to start (imports, connecting, loading its "
+    startup_timeout: int = key(SECONDS, "seconds every rank has to start (imports, connecting, loading its "
                                "checkpoint) before the job is ended", 300)
     allow_numerics_change: bool = key(Bool(), "resume from a checkpoint written under another numerics environment "
                                       "(BLAS kernel, numpy): the continuation's bits then differ from an "

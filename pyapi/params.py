@@ -9,9 +9,12 @@ number or a list of schedulers, got 'fast'``. A key whose default is null may be
 YAML is read by one loader (``parse_yaml``) for files and ``--set`` values alike: it refuses
 duplicate keys (naming the key path and both lines), a document that expands to more than
 ``MAX_VALUES`` values (an alias bomb) or nests deeper than ``MAX_DEPTH``; values in messages are
-shortened (``show``), so no message is ever larger than a line.
+shortened (``show``), so no message is ever larger than a line. A params file is a regular file of
+at most ``MAX_BYTES`` (``read``: a FIFO or a device is refused before a byte is read).
 """
 import copy
+import os
+import stat
 import warnings
 from dataclasses import fields
 from pathlib import Path
@@ -28,10 +31,15 @@ from wse_core.tree import cluster_sums_as_one
 MAX_VALUES = 100_000
 #: Levels of nesting a params document may have: a real one has four or five.
 MAX_DEPTH = 32
+#: Bytes a params file may have: a real one has a few kilobytes; more is not read (/dev/zero would fill memory).
+MAX_BYTES = 1 << 20
 #: Where `wse demo` (pyapi.demo) writes its data and params.yaml: in the directory it runs in. The example
 #: params files read that data by these relative paths, as every relative path of a params file is read: from
 #: the directory the command runs in.
 DEMO_DIR = Path("wse_demo")
+#: wse-cluster's bound on a CS-2's micro-batches a step: each is a round of the simulated clock's walk
+#: (16,384 of a 4-block GPT-2 took 10 s to lay out); real runs take tens.
+MAX_ROUNDS = 1_024
 
 
 
@@ -163,6 +171,12 @@ def _check_consistency(p, report):
         raise ParamsError(f"train_input.batch_size: {t['batch_size']} samples cannot feed runconfig.num_csx "
                           f"{r['num_csx']} CS-2s")
     _resolve_micro_batch(p, report)
+    per_csx = -(-t["batch_size"] // r["num_csx"])
+    rounds = -(-per_csx // t["micro_batch_size"])
+    if rounds > MAX_ROUNDS:
+        raise ParamsError(f"train_input.micro_batch_size: {t['micro_batch_size']} deals each CS-2's {per_csx:,} "
+                          f"samples in {rounds:,} micro-batches a step, more than {MAX_ROUNDS:,}, wse-cluster's bound "
+                          "on micro-batches (use larger ones, more CS-2s or a smaller batch)")
     if not report.compile_only:  # `wse compile` prints it in its plan ("bit-identical to the ...: no")
         _note_bits(p, report)
     if p["model"].get("fp16_type") == "cbfloat16" and p["model"].get("mixed_precision") \
@@ -371,10 +385,7 @@ def read(path):
     """A params YAML file (or a run directory's: ``params_file``) as plain data (a mapping), or a
     ParamsError naming the file."""
     p = params_file(path)
-    try:
-        data = p.read_bytes()
-    except OSError as exc:
-        raise ParamsError(f"{p}: cannot read ({exc.strerror})") from None
+    data = _read_bytes(p)
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError as exc:
@@ -389,6 +400,33 @@ def read(path):
         raise ParamsError(f"{p}: expected a mapping of sections (train_input, model, optimizer, runconfig; or "
                           f"trainer), got {'nothing' if raw is None else type(raw).__name__}")
     return raw
+
+
+#: What a path that is not a regular file is, for the message that refuses it.
+_KINDS = ((stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
+          (stat.S_ISSOCK, "a socket"), (stat.S_ISDIR, "a directory"))
+
+
+def _read_bytes(p):
+    """The bytes of the params file ``p``: a regular file, of at most MAX_BYTES. Opened without blocking
+    and checked before a byte is read: a FIFO would wait for a writer forever, a device never end."""
+    try:
+        fd = os.open(p, os.O_RDONLY | os.O_NONBLOCK)
+    except OSError as exc:
+        raise ParamsError(f"{p}: cannot read ({exc.strerror})") from None
+    with open(fd, "rb") as f:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            kind = next((name for test, name in _KINDS if test(mode)), "a special file")
+            raise ParamsError(f"{p}: {kind}, not a params file (a regular YAML file)")
+        try:
+            data = f.read(MAX_BYTES + 1)
+        except OSError as exc:
+            raise ParamsError(f"{p}: cannot read ({exc.strerror})") from None
+    if len(data) > MAX_BYTES:
+        raise ParamsError(f"{p}: more than {MAX_BYTES:,} bytes, wse-cluster's bound on a params file (a real one "
+                          "has a few kilobytes)")
+    return data
 
 
 def load(path, overrides=None, *, compile_only=False):

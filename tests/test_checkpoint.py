@@ -12,7 +12,7 @@ import h5py
 import numpy as np
 import pytest
 
-from data_tools.checkpoint import Checkpoint, clean_up, save_checkpoint
+from data_tools.checkpoint import Checkpoint, clean_up, recover_latest, save_checkpoint
 from data_tools.errors import CheckpointError
 from wse_core.nn import build_model
 from wse_core.optim import AdamW
@@ -214,6 +214,40 @@ def test_truncated_shard_and_missing_things(tmp_path):
     (tmp_path / "latest").write_text("checkpoint_9\n")
     with pytest.raises(CheckpointError, match=f"{tmp_path / 'latest'}: names 'checkpoint_9', which has no index.h5"):
         Checkpoint(tmp_path)
+
+
+def test_a_lost_latest_is_recovered_from_the_newest_complete_checkpoint_or_refused(tmp_path):
+    """`latest` missing (or unreadable) beside checkpoints: `wse fit` started afresh over them. A run
+    recovers it (``recover_latest``: the newest checkpoint that verifies, said in one line, ``latest``
+    written again); info and verify point at that checkpoint; with none complete, one line."""
+    _, params, state = model_state()
+    for step in (1, 2, 3):
+        save(tmp_path, step, params, state)
+    (tmp_path / "latest").unlink()
+    (tmp_path / "checkpoint_3" / "memoryx_0.h5").unlink()  # the newest is not complete
+    for action in ("info", "verify"):
+        proc = wse("checkpoint", action, str(tmp_path))
+        assert proc.returncode == 1 and proc.stderr.splitlines() == [
+            f"wse checkpoint: error: {tmp_path}: latest is missing; the newest complete checkpoint is checkpoint_2 "
+            f"(`wse fit` resumes from it and writes latest again; to read it now, give {tmp_path / 'checkpoint_2'})"]
+    (tmp_path / "latest").write_bytes(b"\xff\x00\n")  # a damaged disk's
+    with pytest.raises(CheckpointError, match=r": latest is unreadable \(not UTF-8 text\); the newest complete "):
+        Checkpoint(tmp_path)
+    where, said = recover_latest(tmp_path)
+    assert where == tmp_path / "checkpoint_2" and said == (
+        "latest was unreadable (not UTF-8 text): resuming from checkpoint_2 (step 2), the newest complete one; newer "
+        f"ones are not complete: {tmp_path / 'checkpoint_3' / 'memoryx_0.h5'}: missing")
+    assert (tmp_path / "latest").read_text() == "checkpoint_2\n" and Checkpoint(tmp_path).step == 2
+    assert recover_latest(tmp_path) == (tmp_path, None)  # latest is sound again: nothing to say
+    shutil.rmtree(tmp_path / "checkpoint_1")
+    shutil.rmtree(tmp_path / "checkpoint_2")
+    (tmp_path / "latest").unlink()
+    with pytest.raises(CheckpointError, match=re.escape(
+            f"{tmp_path}: latest is missing and no checkpoint in it is complete (the newest: "
+            f"{tmp_path / 'checkpoint_3' / 'memoryx_0.h5'}: missing); move them away to start afresh")):
+        recover_latest(tmp_path)
+    shutil.rmtree(tmp_path / "checkpoint_3")
+    assert recover_latest(tmp_path) == (None, None)  # nothing there: a first run
 
 
 def test_killed_writer_leaves_latest_intact(tmp_path):

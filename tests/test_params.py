@@ -298,3 +298,99 @@ def test_a_num_csx_whose_sums_are_its_own_is_said(num_csx, fanout, differ):
                      "single-process reference's and from those of 1, 2 or 4 CS-2s (the same bits need a power of "
                      "two of micro-batches per CS-2, and num_csx at most swarmx_fanout or both powers of two; "
                      "docs/design.md section 2)"] if differ else [])
+
+
+#: A size beyond wse-cluster's bounds -> what its one line says (each value a step past its bound).
+BEYOND = {
+    "model.num_hidden_layers=1025": "model.num_hidden_layers: 1025 is more than 1,024, wse-cluster's bound on layers",
+    "model.hidden_size=1048578": "model.hidden_size: 1048578 is more than 1,048,576, wse-cluster's bound on a width",
+    "model.num_heads=1048577": "model.num_heads: 1048577 is more than 1,048,576, wse-cluster's bound on a width",
+    "model.filter_size=1048577": "model.filter_size: 1048577 is more than 1,048,576, wse-cluster's bound on a width",
+    "model.vocab_size=4194305": "model.vocab_size: 4194305 is more than 4,194,304, wse-cluster's bound on a vocabulary",
+    "model.max_position_embeddings=16777217": "model.max_position_embeddings: 16777217 is more than 16,777,216, "
+                                              "wse-cluster's bound on positions",
+    "train_input.batch_size=1048577": "train_input.batch_size: 1048577 is more than 1,048,576, wse-cluster's bound "
+                                      "on a batch's samples",
+    "runconfig.max_steps=1000000001": "runconfig.max_steps: 1000000001 is more than 1,000,000,000, wse-cluster's "
+                                      "bound on steps",
+    "runconfig.checkpoint_steps=1000000001": "runconfig.checkpoint_steps: 1000000001 is more than 1,000,000,000",
+    "runconfig.num_csx=2049": "runconfig.num_csx: 2049 is more than 2,048, wse-cluster's bound on CS-2s",
+    "runconfig.num_wgt_servers=2049": "runconfig.num_wgt_servers: 2049 is more than 2,048, wse-cluster's bound on "
+                                      "MemoryX servers",
+    "runconfig.num_workers_per_csx=65": "runconfig.num_workers_per_csx: 65 is more than 64, wse-cluster's bound on "
+                                        "input workers per CS-2",
+    "runconfig.peer_timeout=604801": "runconfig.peer_timeout: 604801 is more than 604,800, wse-cluster's bound on a "
+                                     "wait",
+    "train_input.micro_batch_size=1": "train_input.micro_batch_size: 1 deals each CS-2's 1,025 samples in 1,025 "
+                                      "micro-batches a step, more than 1,024, wse-cluster's bound on micro-batches",
+}
+
+
+@pytest.mark.parametrize("override", BEYOND)
+def test_every_size_has_a_bound_that_names_itself(override):
+    """A size past its bound is one line naming the key, the bound and whose it is, before anything is
+    laid out: sizes no real run reaches, which took minutes to fail or all memory."""
+    raw = apply_overrides(BASE, ["train_input.batch_size=2050", override])
+    with pytest.raises(ParamsError) as err:
+        validate(raw)
+    assert str(err.value).startswith(BEYOND[override]) and "\n" not in str(err.value), str(err.value)
+
+
+def test_an_mlp_has_the_bound_on_layers_too():
+    """fc_mlp's layers are its hidden sizes and the classes' layer: as many as a decoder's blocks may be."""
+    mlp = {"name": "fc_mlp", "input_size": 4, "hidden_sizes": [2] * 1023, "num_classes": 2}
+    validate({**BASE, "model": mlp})
+    with pytest.raises(ParamsError, match=r"^model.hidden_sizes: 1,024 hidden layers and the last make more than "
+                                          r"1,024, wse-cluster's bound on layers"):
+        validate({**BASE, "model": {**mlp, "hidden_sizes": [2] * 1024}})
+
+
+def wse_cli(*args, cwd=None):
+    import subprocess
+    import sys
+
+    return subprocess.run([sys.executable, "-m", "pyapi.cli", *map(str, args)], capture_output=True, text=True,
+                          timeout=60, cwd=cwd)  # a bound only a hang reaches: each is refused within a second
+
+
+@pytest.mark.parametrize("command,override,said", [
+    ("compile", "model.num_hidden_layers=1000000", "model.num_hidden_layers: 1000000 is more than 1,024"),
+    ("fit", "model.num_hidden_layers=1000000", "model.num_hidden_layers: 1000000 is more than 1,024"),
+    ("compile", "runconfig.num_workers_per_csx=100000", "runconfig.num_workers_per_csx: 100000 is more than 64"),
+    ("compile", "train_input.batch_size=1000000000", "train_input.batch_size: 1000000000 is more than 1,048,576"),
+    ("fit", "train_input.batch_size=1000000000", "train_input.batch_size: 1000000000 is more than 1,048,576"),
+    ("compile", "runconfig.max_steps=" + "1" + "0" * 30, "runconfig.max_steps: 1000000000000000000000000000000 is "
+                                                         "more than 1,000,000,000"),
+])
+def test_issue_42s_sizes_are_refused_in_one_line(tmp_path, command, override, said):
+    """The fault campaign's sizes spun for minutes (a million decoder blocks, 100,000 input workers) or
+    were taken (a batch of 10^9 samples, whose ranks died of a MemoryError; 10^30 steps): one line each."""
+    f = tmp_path / "params.yaml"
+    f.write_text(yaml.safe_dump(BASE))
+    proc = wse_cli(command, f, "--set", override, "--set", f"runconfig.model_dir={tmp_path / 'run'}")
+    assert proc.returncode == 1 and proc.stderr.splitlines()[-1].startswith(f"wse {command}: error: {said}"), \
+        proc.stderr
+    assert not (tmp_path / "run").exists()
+
+
+def test_the_params_reader_reads_regular_files_only_and_up_to_a_size(tmp_path):
+    """`wse compile /dev/zero` read until memory ran out and a FIFO blocked forever: what is not a
+    regular file is refused before a byte is read, and a file past MAX_BYTES is read no further."""
+    import os
+
+    from pyapi.params import MAX_BYTES
+
+    fifo = tmp_path / "fifo.yaml"
+    os.mkfifo(fifo)  # no writer: opening it to read would wait forever
+    big = tmp_path / "big.yaml"
+    big.write_text(yaml.safe_dump(BASE) + "#" * MAX_BYTES)
+    for path, said in ((fifo, "a FIFO, not a params file (a regular YAML file)"),
+                       ("/dev/zero", "a character device, not a params file (a regular YAML file)"),
+                       (big, "more than 1,048,576 bytes, wse-cluster's bound on a params file (a real one has a "
+                             "few kilobytes)")):
+        for command in ("compile", "fit"):
+            proc = wse_cli(command, path)
+            assert proc.returncode == 1 and proc.stderr.splitlines() == [f"wse {command}: error: {path}: {said}"], \
+                proc.stderr
+    big.write_text(yaml.safe_dump(BASE) + "#" * (MAX_BYTES - len(yaml.safe_dump(BASE))))  # at the bound: read
+    assert load(big) == validate(BASE)

@@ -82,3 +82,39 @@ def test_wse_compile_counts_agree_with_their_nouns(tmp_path, num_csx, said):
     assert proc.returncode == 0, proc.stderr
     for part in said:
         assert part in proc.stdout, (part, proc.stdout)
+
+
+def test_a_run_whose_ranks_this_machine_cannot_hold_is_refused_before_they_start(tmp_path):
+    """A batch of 2^20 samples: `auto` took a micro-batch of half of it, and the CS-2 ranks died of a
+    MemoryError once started. Their memory (`wse compile`'s per-rank figures) beyond this machine's is
+    one line naming the micro-batch, before any rank starts; ranks spread over a hostfile's machines are
+    not held to this one's memory."""
+    import os
+
+    from data_tools.preprocess import preprocess_text
+    from mpi_launch.plan import check_host_memory, plan_for, rank_memory
+    from pyapi.params import apply_overrides, validate
+
+    spec = validate(apply_overrides(BASE, ["train_input.batch_size=1048576"]))
+    plan, model = plan_for(spec)
+    need = sum(rank_memory(spec, plan, model).values())
+    check_host_memory(spec, plan, total=need)
+    with pytest.raises(PlanError, match=r"^train_input.micro_batch_size: 524,288 samples a micro-batch: the ranks "
+                                        r"would hold [\d,.]+ GB \(rank 3, csx 0: [\d,.]+ GB\), more than this "
+                                        r"machine's [\d,.]+ GB; use a smaller micro-batch, or spread the ranks over "
+                                        r"several machines with --hostfile$"):
+        check_host_memory(spec, plan, total=need - 1)
+    check_host_memory(spec, plan, hostfile=tmp_path / "hosts", total=need - 1)
+    if need <= os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"):
+        return  # `wse fit` would run it here: what follows is for a machine it does not fit
+    (tmp_path / "a.txt").write_text("def f(x):\n    return x + 1\n" * 40)
+    preprocess_text([tmp_path / "a.txt"], tmp_path / "data", 16, progress=False)
+    f = tmp_path / "params.yaml"
+    f.write_text(yaml.safe_dump(BASE))
+    proc = subprocess.run([sys.executable, "-m", "pyapi.cli", "fit", str(f), "--set", "train_input.batch_size=1048576",
+                           "--set", f"train_input.data_dir={tmp_path / 'data'}", "--model_dir", str(tmp_path / "run")],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1 and proc.stderr.splitlines()[-1].startswith(
+        "wse fit: error: train_input.micro_batch_size: 524,288 samples a micro-batch: the ranks would hold "), \
+        proc.stderr
+    assert not (tmp_path / "run").exists()

@@ -101,16 +101,20 @@ def _is_number(v):
 
 
 class Int(Constraint):
-    """An integer (not a bool) in [low, high]."""
+    """An integer (not a bool) in [low, high]. With ``bound``, ``high`` is a limit of wse-cluster's, not
+    of the value's meaning: a size no real run reaches, refused at once where it would take minutes or
+    all memory to fail; ``bound`` names it for the message (``wse-cluster's bound on layers (...)``)."""
 
-    def __init__(self, low=1, high=None, *, none=False):
+    def __init__(self, low=1, high=None, *, bound=None, none=False):
         super().__init__(none=none)
-        self.low, self.high = low, high
-        self.expected = f"an integer >= {low}" if high is None else f"an integer in [{low}, {high}]"
+        self.low, self.high, self.bound = low, high, bound
+        self.expected = f"an integer >= {low}" if high is None or bound else f"an integer in [{low}, {high}]"
 
     def check(self, value, path):
         if not _is_int(value):
             raise TypeError(f"{path}: expected an integer, got {show(value)}")
+        if self.bound and value > self.high:
+            raise ValueError(f"{path}: {show(value)} is more than {self.high:,}, {self.bound}")
         if value < self.low or self.high is not None and value > self.high:
             raise self.fail(value, path)
         return int(value)

@@ -21,6 +21,14 @@ from wse_core.nn.precision import FORMATS
 POSITIVE = Number(0, open="low")
 RATE = Number(0, 1, open="high")
 
+# wse-cluster's bounds on a model's sizes: far beyond any real model, so that an absurd size is one line
+# at once (a million decoder blocks took minutes to lay out before anything failed). Real figures:
+# Llama 3.1 405B has 126 blocks, widths up to 53,248 (its filter) and 131,072 positions; Gemma 256,000 tokens.
+LAYERS = Int(1, 1_024, bound="wse-cluster's bound on layers (the deepest real models have about 130)")
+WIDTH = Int(1, 1 << 20, bound="wse-cluster's bound on a width (the widest real layers have about 50,000)")
+TOKENS = Int(1, 1 << 22, bound="wse-cluster's bound on a vocabulary (the largest real ones have about 256,000)")
+POSITIONS = Int(1, 1 << 24, bound="wse-cluster's bound on positions (the longest real contexts are about 10^7)")
+
 
 def _initializer(value, path):
     resolve_initializer(value, path)  # raises naming the key; the config keeps what was written
@@ -78,11 +86,11 @@ class ModelConfig:
 class DecoderConfig(ModelConfig):
     """What gpt2, gpt3 and llama share: sizes, embeddings, loss, initializers, dropout and muP."""
 
-    vocab_size: int = key(Int(1), "tokens in the vocabulary")
-    hidden_size: int = key(Int(1), "width of the residual stream")
-    num_hidden_layers: int = key(Int(1), "decoder blocks")
-    num_heads: int = key(Int(1), "attention heads (dividing hidden_size)")
-    max_position_embeddings: int = key(Int(1), "longest sequence")
+    vocab_size: int = key(TOKENS, "tokens in the vocabulary")
+    hidden_size: int = key(WIDTH, "width of the residual stream")
+    num_hidden_layers: int = key(LAYERS, "decoder blocks")
+    num_heads: int = key(WIDTH, "attention heads (dividing hidden_size)")
+    max_position_embeddings: int = key(POSITIONS, "longest sequence")
     layer_norm_epsilon: float = key(POSITIVE, "the norms' epsilon", 1e-5)
     share_embedding_weights: bool = key(Bool(), "the LM head is the token embedding (tied)", True)
     loss_scaling: str = key(OneOf("num_tokens", "batch_size"), "the loss is the sum over tokens divided by the "
@@ -161,7 +169,7 @@ class GPT2Config(DecoderConfig):
     }
 
     name: str = key(OneOf("gpt2", "gpt3"), "gpt2 or gpt3")
-    filter_size: int | None = key(Int(1), "feed-forward width (default: 4 hidden_size)", None)
+    filter_size: int | None = key(WIDTH, "feed-forward width (default: 4 hidden_size)", None)
     nonlinearity: str = key(OneOf("gelu", "gelu_new"), "gelu (exact, as Model Zoo by default) or gelu_new (GPT-2's "
                             "tanh approximation)", "gelu")
     sparsity: float = key(RATE, "fraction of zeros in each Linear weight (a fixed random mask)", 0.0)
@@ -181,7 +189,7 @@ class LlamaConfig(DecoderConfig):
     ZOO: ClassVar[dict] = _DECODER_ZOO
 
     name: str = key(OneOf("llama"), "llama")
-    filter_size: int = key(Int(1), "feed-forward width (SwiGLU's gate and up projections)")
+    filter_size: int = key(WIDTH, "feed-forward width (SwiGLU's gate and up projections)")
     position_embedding_type: str = key(Fixed("rotary", "llama"), "rotary", "rotary")
     norm_type: str = key(Fixed("rmsnorm", "llama"), "rmsnorm", "rmsnorm")
     nonlinearity: str = key(Fixed("swiglu", "llama"), "swiglu", "swiglu")
@@ -196,7 +204,7 @@ class LlamaConfig(DecoderConfig):
     extra_attention_params: dict | None = key(Check(_mapping(("num_kv_groups",)), "{num_kv_groups: N}"),
                                               "{num_kv_groups: N} with multiquery_attention (default: num_heads)",
                                               None)
-    rotary_dim: int | None = key(Int(1), "dimensions of each head rotated (default: the head size)", None)
+    rotary_dim: int | None = key(WIDTH, "dimensions of each head rotated (default: the head size)", None)
     rope_theta: float = key(POSITIVE, "the rotary base", 10000.0)
     pos_scaling_factor: float = key(POSITIVE, "position scaling factor", 1.0)
     pos_scaling_type: str = key(OneOf("linear", "llama3"), "linear or llama3 position scaling", "linear")
@@ -210,8 +218,8 @@ class LlamaConfig(DecoderConfig):
         extra = self.extra_attention_params or {}
         kv = extra["num_kv_groups"] if self.attention_module == "multiquery_attention" and "num_kv_groups" in extra \
             else self.num_heads
-        self._derive("extra_attention_params", {"num_kv_groups": Int(1)(kv, "model.extra_attention_params."
-                                                                          "num_kv_groups")})
+        self._derive("extra_attention_params", {"num_kv_groups": WIDTH(kv, "model.extra_attention_params."
+                                                                         "num_kv_groups")})
         if self.rotary_dim is None:
             self._derive("rotary_dim", self.hidden_size // self.num_heads)
         extra_args = self.pos_scaling_extra_args or None
@@ -238,14 +246,21 @@ class MLPConfig(ModelConfig):
     """fc_mlp: Dense layers of ``hidden_sizes`` with ``activation`` between them, then ``num_classes``."""
 
     name: str = key(OneOf("fc_mlp"), "fc_mlp")
-    input_size: int = key(Int(1), "features per sample")
-    hidden_sizes: list = key(ListOf(Int(1), expected="a list of integers"), "widths of the hidden layers",
+    input_size: int = key(WIDTH, "features per sample")
+    hidden_sizes: list = key(ListOf(WIDTH, expected="a list of integers"), "widths of the hidden layers",
                              factory=list)
-    num_classes: int = key(Int(2), "classes (the last layer's width)")
+    num_classes: int = key(Int(2, TOKENS.high, bound="wse-cluster's bound on classes (as on a vocabulary)"),
+                           "classes (the last layer's width)")
     activation: str = key(OneOf(*ACTIVATIONS, noun="activation"), "between the layers: relu, gelu (exact, erf) or "
                           "gelu_new (tanh)", "relu")
     sparsity: float = key(RATE, "fraction of zeros in each Linear weight (a fixed random mask)", 0.0)
     sparsity_seed: int = key(Int(0), "seed of the sparsity masks", 0)
+
+    def __post_init__(self):
+        super().__post_init__()
+        if len(self.hidden_sizes) + 1 > LAYERS.high:  # the Dense layers: one per hidden size, and the classes'
+            raise ValueError(f"model.hidden_sizes: {len(self.hidden_sizes):,} hidden layers and the last make more "
+                             f"than {LAYERS.high:,}, {LAYERS.bound}")
 
 
 @dataclass(frozen=True, kw_only=True)
