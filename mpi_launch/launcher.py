@@ -3,8 +3,10 @@ its failure named in one line, and nothing of it left running.
 
 ``launch`` starts mpiexec in a session of its own, hands it to a ``Watchdog`` that ends the job at
 the first fault, and ends it just the same when the launcher is told to stop (SIGTERM, SIGINT,
-SIGHUP: ``JobInterrupted``). Hydra's messages go to ``logs/mpiexec.log``, the supervisors' reports to
-``logs/watchdog.log``. ``job_processes`` finds what a job left running.
+SIGHUP: ``JobInterrupted``; a signal the launcher inherited as ignored, as ``nohup`` ignores SIGHUP,
+stays ignored). Hydra's messages go to ``logs/mpiexec.log``, the supervisors' reports to
+``logs/watchdog.log``. The coordinator's lines go to an ``Output``: a stream that fails (its reader
+left, its disk is full) is let go and the job goes on. ``job_processes`` finds what a job left running.
 """
 import os
 import signal
@@ -13,6 +15,7 @@ import sys
 import tempfile
 import threading
 import time
+import warnings
 from pathlib import Path
 
 from mpi_launch.mpiexec import hydra_env, mpi_env
@@ -32,6 +35,57 @@ def hydra_reason(stderr):
     return lines[-1] if lines else "mpiexec failed without a message"
 
 
+class OutputLost(UserWarning):
+    """The stream a job's lines went to failed (a full disk, an I/O error); the job went on without it."""
+
+
+class Output:
+    """Where a job's lines go: a caller's stream, written and flushed a line at a time, whose failure
+    never ends the job. Standard output is a view of a run, its record is in model_dir (metrics.jsonl,
+    checkpoints, logs/): `wse fit | head -3` ended a training at step 20 with nothing saved.
+
+    A stream that fails is let go: nothing more is written to it, and its descriptor is pointed at
+    /dev/null, so the caller's own last lines and Python's flush at exit do not fail on it again. A
+    reader who left (a broken pipe) is the user's choice and is not remarked on; any other failure
+    (`wse fit > /dev/full`) is said once, as an ``OutputLost`` warning naming the stream."""
+
+    def __init__(self, stream):
+        self.stream, self.lost = stream, False
+        self._lock = threading.Lock()  # the watchdog's thread and the caller's write whole lines
+
+    @classmethod
+    def of(cls, stream):
+        """``stream`` as an Output (itself if it is one)."""
+        return stream if isinstance(stream, cls) else cls(stream)
+
+    def write(self, text):
+        with self._lock:
+            if self.lost:
+                return
+            try:
+                self.stream.write(text)
+                self.stream.flush()
+            except (OSError, ValueError) as exc:  # ValueError: the stream was closed
+                self.lost = True
+                self._let_go(exc)
+
+    def _let_go(self, exc):
+        try:
+            null = os.open(os.devnull, os.O_WRONLY)
+            try:
+                os.dup2(null, self.stream.fileno())
+            finally:
+                os.close(null)
+        except (OSError, ValueError, AttributeError):
+            pass  # a stream without a descriptor of its own: only this Output stops writing to it
+        if not isinstance(exc, (BrokenPipeError, ConnectionResetError)):
+            name = getattr(self.stream, "name", None)
+            name = {"<stdout>": "standard output", "<stderr>": "standard error"}.get(name, name)
+            reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+            warnings.warn(f"{name if isinstance(name, str) else 'the output stream'}: {reason}: nothing more is "
+                          "written there; the job goes on", OutputLost, stacklevel=3)
+
+
 class JobInterrupted(BaseException):
     """The launcher was asked to stop (SIGTERM, SIGINT, SIGHUP) and ended the job."""
 
@@ -49,21 +103,14 @@ def launch(cmd, plan, run_dir, *, peer_timeout, startup_timeout, hostfile=None, 
     as a fault would (a caller in another thread: a cstorch loop left early).
 
     SIGTERM, SIGINT and SIGHUP end the job cleanly and raise JobInterrupted (from the main thread;
-    elsewhere only the caller's own KeyboardInterrupt handling applies).
+    elsewhere only the caller's own KeyboardInterrupt handling applies), unless the process ignores
+    them: `nohup wse fit ... &` must outlive the terminal. ``stream`` failing never ends the job (``Output``).
     """
+    out = Output.of(stream)
     log = open(run_dir.watchdog_log, "w")
-    said = threading.Lock()  # the watchdog's thread and this one write whole lines to the stream
 
-    def say(line):
-        with said:
-            stream.write(line)
-            stream.flush()
-
-    def ready(seconds):  # on the watchdog's thread, which must go on watching whatever becomes of the stream
-        try:
-            say(f"{plan.world_size} ranks ready in {seconds:.1f} s" + (f"; {next_up}" if next_up else "") + "\n")
-        except (OSError, ValueError):
-            pass  # the stream's reader left (or it was closed): this thread's next write meets it and says so
+    def ready(seconds):  # on the watchdog's thread
+        out.write(f"{plan.world_size} ranks ready in {seconds:.1f} s" + (f"; {next_up}" if next_up else "") + "\n")
 
     watchdog = Watchdog(plan, peer_timeout=peer_timeout, startup_timeout=startup_timeout, hostfile=hostfile,
                         log=log, on_ready=ready)
@@ -74,7 +121,8 @@ def launch(cmd, plan, run_dir, *, peer_timeout, startup_timeout, hostfile=None, 
 
     if threading.current_thread() is threading.main_thread():
         for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
-            previous[sig] = signal.signal(sig, interrupted)
+            if signal.getsignal(sig) is not signal.SIG_IGN:  # ignored by whoever started us: their choice
+                previous[sig] = signal.signal(sig, interrupted)
     try:
         with tempfile.TemporaryFile("w+") as err:
             proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, text=True, start_new_session=True,
@@ -100,7 +148,7 @@ def launch(cmd, plan, run_dir, *, peer_timeout, startup_timeout, hostfile=None, 
                     if line.startswith(("=", "YOUR APPLICATION TERMINATED")) or banner:
                         banner.append(line)
                     elif line.strip():
-                        say(line)
+                        out.write(line)
                 deadline = time.monotonic() + TEARDOWN_SECONDS
                 while proc.poll() is None and time.monotonic() < deadline:
                     time.sleep(0.05)
@@ -121,15 +169,26 @@ def launch(cmd, plan, run_dir, *, peer_timeout, startup_timeout, hostfile=None, 
                 watchdog.remove_shared_memory()
             err.seek(0)
             stderr = "".join(banner) + err.read()
-        run_dir.mpiexec_log.write_text(stderr)
+        # The logs are the job's record, not its outcome: a disk that filled up says so only when
+        # nothing else went wrong (a full disk's first victim, a rank's file, is the verdict).
+        unwritten = watchdog.log_error
+        try:
+            run_dir.mpiexec_log.write_text(stderr)
+        except OSError as exc:  # met writing, it names no file (a full disk)
+            unwritten = unwritten or OSError(exc.errno, exc.strerror, str(run_dir.mpiexec_log))
     finally:
-        log.close()
+        try:
+            log.close()
+        except OSError:
+            pass  # said by watchdog.log_error: its writes met the same failure
         for sig, handler in previous.items():
             signal.signal(sig, handler)
     if watchdog.verdict is not None:
         return code or 1, watchdog.verdict
     if code != 0:
         return code, hydra_reason(stderr)
+    if unwritten is not None:
+        raise unwritten
     return 0, None
 
 

@@ -29,8 +29,6 @@ tensor pipelines through the tree instead of being stored and forwarded whole at
 import contextlib
 import os
 import select
-import shutil
-import tempfile
 import threading
 import time
 
@@ -124,11 +122,11 @@ def chunks(a):
 
 
 class Bells:
-    """A doorbell for every rank of a job on one machine: a named pipe each rank sleeps on
-    (``wait``) and any peer writes a byte to (``ring``) after posting it a message (a SwarmX node
-    also after taking a tensor from it). A waiting rank then wakes when something is there for it,
-    not hundreds of times a second to look (docs/design.md section 3). A bell only wakes: nothing
-    depends on it being rung, a rank still tests at least every ``BELL_SLEEP``."""
+    """A doorbell for every rank of a job on one machine: a pipe each rank sleeps on (``wait``) and
+    any peer writes a byte to (``ring``) after posting it a message (a SwarmX node also after taking a
+    tensor from it). A waiting rank then wakes when something is there for it, not hundreds of times
+    a second to look (docs/design.md section 3). A bell only wakes: nothing depends on it being
+    rung, a rank still tests at least every ``BELL_SLEEP``."""
 
     def __init__(self, read_fd, write_fds):
         self._read, self._write = read_fd, write_fds
@@ -136,48 +134,35 @@ class Bells:
     @classmethod
     def open(cls, comm):
         """Every rank's bell (collective), or None when the ranks are not all on this machine (or
-        the pipes cannot be made: the ranks then wake to look, as without)."""
+        the pipes cannot be opened: the ranks then wake to look, as without).
+
+        Each rank makes an anonymous pipe and its peers open its read end's ``/proc/<pid>/fd/<n>``
+        for writing (a pipe opened there is opened as a named one would be). Nothing is ever named
+        in the file system: named pipes in a directory of /dev/shm were, and a job killed while they
+        were made (the launcher killed during start-up) left the directory behind."""
         node = comm.Split_type(MPI.COMM_TYPE_SHARED)
         one_machine = node.Get_size() == comm.Get_size()
         node.Free()
         if not one_machine:
             return None
-        where = None
-        if comm.rank == 0:
-            shm = "/dev/shm" if os.access("/dev/shm", os.W_OK) else None  # memory, not a disk
-            try:
-                where = tempfile.mkdtemp(prefix="wse-bells-", dir=shm)
-            except OSError:
-                pass
-        where = comm.bcast(where, root=0)
-        if where is None:
-            return None
-        fds = []
+        read, own = os.pipe()  # its own write end: the read end never sees an end of file
+        for fd in (read, own):
+            os.set_blocking(fd, False)
+        ok = read < 1024  # select's limit (poll and epoll would round a sleep up to 1 ms)
+        ends = comm.allgather((os.getpid(), read))
+        write = {comm.rank: own}
         try:
-            path = os.path.join(where, str(comm.rank))
-            os.mkfifo(path, 0o600)
-            fds.append(os.open(path, os.O_RDONLY | os.O_NONBLOCK))
-            fds.append(os.open(path, os.O_WRONLY | os.O_NONBLOCK))  # its own: never an end of file
-            ok = fds[0] < 1024  # select's limit (poll and epoll would round a sleep up to 1 ms)
-        except OSError:
+            for r, (pid, fd) in enumerate(ends):
+                if r != comm.rank:
+                    write[r] = os.open(f"/proc/{pid}/fd/{fd}", os.O_WRONLY | os.O_NONBLOCK)
+        except OSError:  # no /proc, or one that hides other processes' descriptors
             ok = False
         ok = comm.allreduce(ok, op=MPI.LAND)
-        write = {}
-        if ok:
-            try:
-                for r in range(comm.size):
-                    write[r] = fds[1] if r == comm.rank else os.open(os.path.join(where, str(r)),
-                                                                        os.O_WRONLY | os.O_NONBLOCK)
-            except OSError:
-                ok = False
-            ok = comm.allreduce(ok, op=MPI.LAND)
-        if comm.rank == 0:
-            shutil.rmtree(where, ignore_errors=True)  # the open pipes live on without their names
         if not ok:
-            for fd in set(fds) | set(write.values()):
+            for fd in {read, *write.values()}:
                 os.close(fd)
             return None
-        return cls(fds[0], write)
+        return cls(read, write)
 
     def ring(self, rank):
         """Wake ``rank`` (if it sleeps in ``wait``); a full pipe already holds a wake-up."""

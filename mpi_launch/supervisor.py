@@ -44,6 +44,10 @@ _SHM_PREFIX = "/dev/shm/mpich_shm_"
 #: The rank's report that MPI_Init is done: the supervisor reads the rank's mappings then (a rank
 #: that fails later, even importing its role, has its segment) and sends them to the watchdog.
 MPI_UP = "mpi_up"
+#: For tests of what only a moment of a job shows (a launcher killed between MPICH's segment and the
+#: rank's report of it): a supervised rank about to report this event stops itself first (SIGSTOP);
+#: its supervisor reports the stop as any other, and SIGCONT lets the rank go on.
+HOLD_ENV = "WSE_TEST_HOLD"
 
 _report_fd = None  # the child's end of the report pipe, once supervised
 
@@ -63,6 +67,8 @@ def report(event, **fields):
     when unsupervised."""
     if _report_fd is None:
         return
+    if os.environ.get(HOLD_ENV) == event:
+        os.kill(os.getpid(), signal.SIGSTOP)
     line = json.dumps({"event": event, "time": time.time(), **fields})
     if len(line) > _MAX_REPORT:
         fields = {k: (v[:_MAX_REPORT // 2] + "..." if isinstance(v, str) else v) for k, v in fields.items()}
@@ -234,6 +240,9 @@ class Supervisor:
                 return status
 
     def _kill(self, sig, resume=True):
+        # A rank killed before it reported MPI_UP has its segment all the same (the launcher killed
+        # during start-up): what it maps is read while it still maps it, and removed once it is gone.
+        self.shm |= _shm_files(self.child)
         try:
             os.kill(self.child, sig)
             if resume and sig != signal.SIGKILL:

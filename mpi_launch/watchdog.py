@@ -10,6 +10,7 @@ into incidents and ends the job on the first fault:
 * a rank stopped (SIGSTOP, a debugger) for ``peer_timeout`` seconds, or stopped while a peer
   timed out waiting;
 * a rank that lost its supervisor or its MPI proxy (``hydra_pmi_proxy`` killed, a host lost);
+  ``mpiexec`` killed, which takes every proxy and supervisor with it, is named instead;
 * start-up: a rank not ready within ``startup_timeout`` of the launch;
 * shutdown: a rank still running ``peer_timeout`` seconds after the coordinator finished;
 * a peer timeout (a rank waited too long for a peer) when nothing above explains it.
@@ -91,6 +92,7 @@ class Watchdog:
 
     def __init__(self, plan, *, peer_timeout, startup_timeout, hostfile=None, log=None, on_ready=None):
         self.plan, self.log = plan, log
+        self.log_error = None        # the OSError, naming the log, that stopped the record (a full disk)
         self.on_ready = on_ready     # called once, with the seconds since start, when every rank is ready
         self.peer_timeout, self.startup_timeout = float(peer_timeout), float(startup_timeout)
         self.token = secrets.token_hex(16)
@@ -145,13 +147,31 @@ class Watchdog:
                     break
             time.sleep(0.05)
         with self._lock:
-            if self.verdict is None and self.incidents:
-                self.verdict = self._cause().line
+            cause = self._cause()
+            if self.verdict is None and cause is not None:
+                self.verdict = cause.line
         return self.verdict
 
     def _cause(self):
+        """The incident that explains the others (None if nothing happened)."""
+        killed = self._mpiexec_killed()
+        if killed is not None:
+            return killed
+        if not self.incidents:
+            return None
         primaries = sorted((i for i in self.incidents if i.primary), key=lambda i: (not i.external, i.time))
         return primaries[0] if primaries else min(self.incidents)
+
+    def _mpiexec_killed(self):
+        """mpiexec killed by a signal from outside (the watchdog ends a job by killing it too, but
+        after ``ended_at`` is set): its proxies then kill every process they started, and the
+        supervisors' lost connections that follow are the echo, not the cause. Their incidents come
+        after mpiexec has died, so by the time one is decided its exit status is there."""
+        code = self.proc.poll() if self.proc is not None and self.ended_at is None else None
+        if code is None or code >= 0:
+            return None
+        return Incident(time.time(), True, None, f"mpiexec (pid {self.proc.pid}) was killed by signal {-code} "
+                                                 f"({signame(-code)}); its MPI proxies ended every rank", external=True)
 
     def remove_shared_memory(self):
         """The job is over: remove the MPICH shared-memory files its ranks on this host mapped. Only
@@ -266,8 +286,11 @@ class Watchdog:
     def _event(self, rank, msg):
         s, kind, t = self.ranks[rank], msg.get("event"), float(msg.get("time", time.time()))
         if self.log is not None:
-            self.log.write(json.dumps({k: v for k, v in msg.items() if k != "token"}) + "\n")
-            self.log.flush()
+            try:
+                self.log.write(json.dumps({k: v for k, v in msg.items() if k != "token"}) + "\n")
+                self.log.flush()
+            except OSError as exc:  # the record stops there; the watching must not (a full disk ended it)
+                self.log_error, self.log = OSError(exc.errno, exc.strerror, getattr(self.log, "name", "")), None
         if kind == "hello":
             s.pid, s.host, s.connected = msg.get("pid"), msg.get("host"), True
             s.processes = tuple(p for p in (msg.get("pid"), msg.get("supervisor"), msg.get("proxy")) if p)
@@ -382,7 +405,7 @@ class Watchdog:
         if self._decide_at is not None and now >= self._decide_at:
             with self._lock:
                 chosen = self._cause()
-            self.end(chosen.line)
+            self.end(chosen.line)  # an incident set _decide_at: there is a cause
 
 
 def _reachable_address(hostfile):

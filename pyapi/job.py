@@ -34,7 +34,7 @@ class FitResult:
 
 def _draw_loss(run_dir, stream):
     """The run's loss.png, from every step of its metrics.jsonl (a resumed run's earlier ones too), and a
-    line saying where it is."""
+    line saying where it is (``stream``: an ``Output``)."""
     from pyapi import plot
 
     try:
@@ -65,8 +65,12 @@ class Job:
         return Path(self.params.runconfig.model_dir)
 
     def compile(self):
+        """The rank plan and the memory estimates (``wse compile``); nothing runs. Data that is there
+        is checked as ``fit`` checks it (a plan of data the run would refuse is no plan); data not
+        there yet is left to the run."""
         from mpi_launch.plan import describe
 
+        self._check_inputs(present_only=True)
         return describe(self.params)
 
     def command(self, *, checkpoint_path=None, hostfile=None):
@@ -80,19 +84,25 @@ class Job:
         self._check_inputs()
         cmd, _ = self._command(hostfile, None)
         with RunDir(self.model_dir).lock("wse fit --dry-run") as run_dir:
-            run_dir.prepare(self.params, checkpoint=checkpoint_path)
+            run = run_dir.prepare(self.params, checkpoint=checkpoint_path)
+        if run["recovered"]:  # said apart from the output, which is the command alone
+            print(run["recovered"], file=sys.stderr)
         return cmd
 
     def _command(self, hostfile, cores):
         from mpi_launch.mpiexec import check_capacity, fit_command
+        from mpi_launch.plan import check_host_memory
 
         cmd, plan = fit_command(self.params, hostfile=hostfile, cores=cores)
         check_capacity(plan, hostfile=hostfile, cores=cores)
+        check_host_memory(self.params, plan, hostfile=hostfile)
         return cmd, plan
 
-    def fit(self, *, checkpoint_path=None, hostfile=None, cores=None, stream=sys.stdout, stop=None):
+    def fit(self, *, checkpoint_path=None, hostfile=None, cores=None, stream=None, stop=None):
         """Train; raise JobError with one line if any rank fails. A run that trained draws its loss curve
-        into model_dir/loss.png (``pyapi.plot``) and says so on ``stream``.
+        into model_dir/loss.png (``pyapi.plot``) and says so on ``stream`` (default: standard output;
+        a stream that fails, its reader gone or its disk full, is let go and the run goes on:
+        ``mpi_launch.launcher.Output``).
 
         ``cores``: how many of this machine's cores the job's CS-2 ranks share (default: all; the
         appliance gives each job its share of the pool). ``stop``: a threading.Event that ends the
@@ -102,10 +112,11 @@ class Job:
         SIGINT or SIGHUP to this process end the job's ranks and raise
         ``mpi_launch.launcher.JobInterrupted`` (when called from the main thread).
         """
+        from mpi_launch.launcher import Output, launch
         from mpi_launch.rundir import RunDir
-        from mpi_launch.launcher import launch
         from wse_core.nn import build_model
 
+        stream = Output.of(sys.stdout if stream is None else stream)
         self._check_inputs()
         cmd, plan = self._command(hostfile, cores)
         r = self.params.runconfig
@@ -117,7 +128,9 @@ class Job:
             run = run_dir.prepare(self.params, checkpoint=checkpoint_path)
             result = FitResult(self.model_dir, start_step=run["start_step"], end_step=r.max_steps,
                                checkpoint=run["checkpoint"])
-            if run["checkpoint"]:
+            if run["recovered"]:  # latest was missing: where the run resumes, and why there
+                stream.write(f"{run['recovered']}\n")
+            elif run["checkpoint"]:
                 stream.write(f"resuming from {Path(run['checkpoint']).name} (step {run['start_step']})\n")
             if run["numerics_changed"]:
                 changed = "; ".join(run["numerics_changed"])
@@ -131,7 +144,6 @@ class Job:
                 # Said as it happens: a 12 x 768 GPT-2 takes 10 s and more on 2 cores before its first
                 # step's line (ranks starting, weights initialised, the first step itself).
                 stream.write(f"starting {plan.summary()}\n")
-                stream.flush()
                 weights = (f"loading the weights of {Path(run['checkpoint']).name}" if run["checkpoint"] else
                            f"initialising {build_model(self.params.model).num_params():,} weights")
                 code, failure = launch(cmd, plan, run_dir, peer_timeout=r.peer_timeout,
@@ -192,11 +204,19 @@ class Job:
         return {"checkpoint": str(ckpt.dir), "step": ckpt.step, "eval_loss": r["loss"], "perplexity": r["perplexity"],
                 "accuracy": r["accuracy"], "examples": r["examples"], "tokens": r["tokens"]}
 
-    def _check_inputs(self):
-        """The training data, and the evaluation data when the run evaluates as it trains."""
-        self._check_data("train_input")
-        if self.params.runconfig.eval_frequency:
-            self._check_data("eval_input")
+    def _check_inputs(self, *, present_only=False):
+        """The training data, and the evaluation data when the run evaluates as it trains.
+        ``present_only``: only a section whose every directory is there (``compile``)."""
+        for section in ("train_input", "eval_input") if self.params.runconfig.eval_frequency else ("train_input",):
+            if not present_only or all(Path(d).exists() for d in self._data_dirs(section)):
+                self._check_data(section)
+
+    def _data_dirs(self, section):
+        """Every directory ``section`` reads: its data_dir, or its mixture's (each a directory or a list)."""
+        t = getattr(self.params, section)
+        mixture = getattr(t, "mixture", None)
+        given = [m["data_dir"] for m in mixture] if mixture is not None else [t.data_dir]
+        return [d for g in given for d in ([g] if isinstance(g, str) else g)]
 
     def _check_data(self, section):
         """Fail before any work starts if ``section``'s data cannot feed the model; return the Dataset
@@ -218,8 +238,7 @@ class Job:
                 fmt, shape, n, vocab = ds.format, ds.example_shape, ds.n_examples, ds.params.get("vocab_size")
                 columns = ds.columns
         except DataError as exc:  # the examples' data is the demo's: a new user's first error says what makes it
-            dirs = [m["data_dir"] for m in mixture] if mixture is not None else [t.data_dir]
-            hint = params_mod.demo_hint(d for given in dirs for d in ([given] if isinstance(given, str) else given))
+            hint = params_mod.demo_hint(self._data_dirs(section))
             if not hint:
                 raise
             raise DataError(f"{exc}{hint}") from None

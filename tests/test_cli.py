@@ -282,3 +282,47 @@ def test_each_shipped_example_compiles_without_a_warning_of_python(name, jobs):
     assert "simulated step" in proc.stdout, proc.stdout
 
 
+
+
+@pytest.mark.parametrize("problem", ["vocabulary", "sequence length", "format", "no examples", "eval data", "absent"])
+def test_compile_refuses_the_data_fit_refuses_and_plans_without_data(tmp_path, problem):
+    """`wse compile` ran none of the data checks of `wse fit`, and planned runs that could not train: data
+    that is there is checked as fit checks it, in the same line; data not there yet is left to the run."""
+    from test_data import modelzoo_dir
+
+    modelzoo_dir(tmp_path / "lm", vocab=50, seq=16)
+    model = {"name": "gpt2", "vocab_size": 64, "hidden_size": 16, "num_hidden_layers": 1, "num_heads": 2,
+             "max_position_embeddings": 16}
+    p = {"train_input": {"data_dir": str(tmp_path / "lm"), "batch_size": 2}, "model": model,
+         "optimizer": {"learning_rate": 1e-3}, "runconfig": {"max_steps": 1, "model_dir": str(tmp_path / "model")}}
+    if problem == "vocabulary":
+        model["vocab_size"] = 40
+    elif problem == "sequence length":
+        model["max_position_embeddings"] = 8
+    elif problem == "format":
+        p["model"] = {"name": "fc_mlp", "input_size": 16, "hidden_sizes": [8], "num_classes": 4}
+    elif problem == "no examples":
+        import h5py
+
+        modelzoo_dir(tmp_path / "empty")
+        with h5py.File(tmp_path / "empty" / "data-0.h5", "w") as f:
+            f["data"] = np.zeros((0, 3, 16), np.int32)
+        meta = json.loads((tmp_path / "empty" / "data_params.json").read_text())
+        meta["post-process"]["n_examples"] = 0
+        (tmp_path / "empty" / "data_params.json").write_text(json.dumps(meta))
+        p["train_input"]["data_dir"] = str(tmp_path / "empty")
+    elif problem == "eval data":
+        modelzoo_dir(tmp_path / "eval", vocab=80, seq=16)
+        p["eval_input"] = {"data_dir": str(tmp_path / "eval"), "batch_size": 2}
+        p["runconfig"]["eval_frequency"] = 1
+    else:
+        p["train_input"]["data_dir"] = str(tmp_path / "not made yet")
+    (tmp_path / "p.yaml").write_text(json.dumps(p))
+    fit, compiled = wse("fit", str(tmp_path / "p.yaml")), wse("compile", str(tmp_path / "p.yaml"))
+    assert fit.returncode == 1 and fit.stderr.startswith("wse fit: error: "), fit.stderr
+    assert not (tmp_path / "model").exists()
+    if problem == "absent":
+        assert compiled.returncode == 0 and "simulated step" in compiled.stdout, compiled.stderr
+    else:
+        assert compiled.returncode == 1 and compiled.stderr.splitlines() == [
+            fit.stderr.strip().replace("wse fit: ", "wse compile: ", 1)], (fit.stderr, compiled.stderr)

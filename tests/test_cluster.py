@@ -24,6 +24,7 @@ from data_tools.dataset import GlobalStream
 from data_tools.preprocess import preprocess_text
 from mpi_launch.plan import PlanError, describe
 from mpi_launch.rundir import RunDir
+from mpi_launch.supervisor import HOLD_ENV, MPI_UP
 from wse_core.nn import build_model, numpy_ops, reference_step
 from wse_core.numerics import differences, environment
 from pyapi.params import validate
@@ -472,6 +473,26 @@ def test_resume_continues_bit_identically_and_keeps_its_books(tmp_path, data, jo
         "(step, tensor table, SHA-256 entries, ...) does not match its metadata_sha256"), proc.stderr
 
 
+def test_a_lost_latest_resumes_from_the_newest_complete_checkpoint_bit_identically(tmp_path, data, jobs):
+    """`latest` removed after a run: `wse fit` initialised fresh weights and wrote over the checkpoints.
+    It resumes from the newest complete one, says so in one line, leaves the checkpoints it did not
+    make as they were, and ends with the bits of 4 uninterrupted steps."""
+    path, p = params_file(tmp_path, data, max_steps=4, checkpoint_steps=1)
+    proc = jobs.run("fit", path, "--num_csx", 2, "--set", "runconfig.max_steps=2")
+    assert proc.returncode == 0, proc.stderr
+    model_dir = tmp_path / "model"
+    (model_dir / "latest").unlink()
+    made = {d.name: (d / "index.h5").stat().st_mtime_ns for d in model_dir.glob("checkpoint_*")}
+    proc = jobs.run("fit", path, "--num_csx", 2)
+    assert proc.returncode == 0, proc.stderr
+    assert "latest was missing: resuming from checkpoint_2 (step 2), the newest complete one\n" in proc.stdout
+    assert "done: trained steps 3..4 from checkpoint_2 (2 steps)" in proc.stdout, proc.stdout
+    assert made == {name: (model_dir / name / "index.h5").stat().st_mtime_ns for name in made}
+    params, state, losses = reference(p, 4)
+    assert_bits(model_dir, params, state)
+    assert [(m["step"], m["loss"]) for m in RunDir(model_dir).read_metrics()] == list(enumerate(losses, 1))
+
+
 def test_a_full_disk_names_rank_and_file_keeps_the_last_checkpoint_and_the_run_resumes(tmp_path, data, jobs,
                                                                                        small_disk):
     """model_dir on a disk with room for about three checkpoints, one saved per step: the job ends
@@ -499,6 +520,140 @@ def test_a_full_disk_names_rank_and_file_keeps_the_last_checkpoint_and_the_run_r
     params, state, _ = reference(p, steps)
     assert_bits(model_dir, params, state)
     assert not [x.name for x in model_dir.iterdir() if x.name.startswith(".checkpoint_")]
+
+
+def test_a_disk_that_fills_between_checkpoints_names_the_rank_and_its_file(tmp_path, data, jobs, small_disk):
+    """model_dir's disk fills up while the job trains (the test fills it after step 1; no checkpoint
+    before the last step): the job ends naming the rank and the file it could not write, not with a
+    bare [Errno 28] from a log of the launcher's own that could not be written either."""
+    disk = small_disk(16 * 2**20)
+    path, _ = params_file(tmp_path, data, 4, max_steps=100000, log_steps=100000)
+    job = jobs.start("fit", path, "--num_csx", 2, "--model_dir", disk / "model")
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and not RunDir(disk / "model").read_metrics():
+        assert job.poll() is None, job.communicate()
+        time.sleep(0.1)
+    with open(disk / "filler", "wb", buffering=0) as f, pytest.raises(OSError, match="No space left"):
+        while True:
+            f.write(b"\1" * 65536)
+    code, line = ended(job)
+    m = re.fullmatch(r"wse fit: rank \d+ \(\w+ \d+\): OSError: \[Errno 28\] No space left on device: '(.+)'", line)
+    assert code == 1 and m and m.group(1).startswith(str(disk / "model")), line
+    assert not jobs.leftovers()
+
+
+def test_tensorboard_meeting_a_full_disk_is_the_coordinators_error_naming_it(small_disk):
+    """tensorboardX's writer thread died on a full disk and the coordinator's next scalars waited on its
+    full queue for ever: the coordinator flushes every step itself, and that flush fails naming where."""
+    import errno
+    import threading
+
+    pytest.importorskip("tensorboardX")
+    from mpi_launch.roles.coordinator import _BOARD_FLUSH_SECONDS, _flush, _summary_writer
+
+    disk = small_disk(256 * 1024)
+    writer = _summary_writer()(str(disk / "train"), flush_secs=_BOARD_FLUSH_SECONDS)
+    with open(disk / "filler", "wb", buffering=0) as f, pytest.raises(OSError, match="No space left"):
+        while True:
+            f.write(b"\1" * 4096)
+    met = []
+
+    def steps():  # a step's scalars, as the coordinator adds them
+        try:
+            for step in range(100000):
+                for key in ("loss", "grad_norm", "lr", "samples_per_s", "sim_step_s", "sim_samples_per_s"):
+                    writer.add_scalar(key, 1.0, step)
+                _flush(writer)
+        except OSError as exc:
+            met.append(exc)
+
+    coordinator = threading.Thread(target=steps, daemon=True)
+    coordinator.start()
+    coordinator.join(120)  # only a hang reaches this
+    assert met and met[0].errno == errno.ENOSPC and met[0].filename == str(disk / "train"), met
+
+
+def held_ranks(job, run_dir):
+    """{rank: pid} of a job started with WSE_TEST_HOLD, once every rank has stopped itself there (as
+    its supervisor reported)."""
+    deadline = time.monotonic() + 120  # only a hang reaches this
+    while not run_dir.plan_json.exists() and time.monotonic() < deadline:
+        assert job.poll() is None, job.communicate()
+        time.sleep(0.05)
+    for rank in range(len(json.loads(run_dir.plan_json.read_text())["plan"]["roles"])):
+        wait_for_event(run_dir, rank, "stopped", job)
+    events = [json.loads(x) for x in run_dir.watchdog_log.read_text().splitlines()]
+    return {e["rank"]: e["pid"] for e in events if e["event"] == "hello"}
+
+
+def test_nohup_keeps_a_job_through_the_hangup_it_ignores(tmp_path, data, jobs):
+    """`nohup wse fit ... &` and a logout: the SIGHUP nohup ignores stays ignored, and the job trains
+    to its end (the launcher took SIGHUP over and ended the job). Sent while every rank is held at
+    start-up (WSE_TEST_HOLD), so the launcher is surely running the job; then they go on."""
+    path, _ = params_file(tmp_path, data, 4, peer_timeout=300)
+    job = jobs.start("fit", path, "--num_csx", 2, env={**os.environ, HOLD_ENV: "ready"},
+                     preexec_fn=lambda: signal.signal(signal.SIGHUP, signal.SIG_IGN))
+    pids = held_ranks(job, RunDir(tmp_path / "model"))
+    job.send_signal(signal.SIGHUP)
+    for pid in pids.values():
+        os.kill(pid, signal.SIGCONT)
+    out, err = job.communicate(timeout=240)
+    assert job.returncode == 0 and f"done: trained steps 1..{STEPS}" in out, err
+
+
+def test_a_launcher_killed_during_start_up_leaves_no_shared_memory(tmp_path, data, jobs):
+    """SIGKILL of `wse fit` once MPICH has made its segment and before any rank reported it (every rank
+    held there, WSE_TEST_HOLD=mpi_up): the supervisors, which outlive the launcher, remove it."""
+    path, _ = params_file(tmp_path, data, 4, peer_timeout=300)
+    job = jobs.start("fit", path, "--num_csx", 2, env={**os.environ, HOLD_ENV: MPI_UP})
+    shm = set()
+    for pid in held_ranks(job, RunDir(tmp_path / "model")).values():
+        with open(f"/proc/{pid}/maps") as f:
+            shm |= {line.split()[-1] for line in f if "/dev/shm/mpich_shm_" in line}
+    assert shm
+    job.kill()
+    ended(job)
+    deadline = time.monotonic() + 60  # seconds when it works; only a leak reaches this
+    while jobs.leftovers() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not jobs.leftovers()
+    assert not [path for path in shm if os.path.exists(path)]
+
+
+def test_a_reader_that_leaves_does_not_end_the_training(tmp_path, data, jobs):
+    """`wse fit | head -3`: the job trains to its last step and checkpoint, saying nothing more, nor
+    anything on standard error (it ended at step ~20 with nothing in model_dir)."""
+    path, _ = params_file(tmp_path, data, 4, max_steps=30, log_steps=1)
+    job = jobs.start("fit", path, "--num_csx", 2)
+    lines = [job.stdout.readline() for _ in range(3)]
+    job.stdout.close()  # the lines after these meet a reader gone
+    _, err = job.communicate(timeout=240)
+    assert lines[-1].startswith("step     1/30") and job.returncode == 0 and err == "", (lines, err)
+    assert Checkpoint(tmp_path / "model").step == 30
+
+
+def fit_quietly(tmp_path, data, **popen):
+    """`wse fit` of STEPS steps with ``popen``'s standard output; its CompletedProcess, stderr captured."""
+    path, _ = params_file(tmp_path, data, 4)
+    return subprocess.run([sys.executable, "-m", "pyapi.cli", "fit", str(path), "--num_csx", "2"],
+                          stderr=subprocess.PIPE, text=True, timeout=240, start_new_session=True, **popen)
+
+
+def test_a_full_standard_output_is_named_and_the_job_trains_on(tmp_path, data, jobs):
+    """`wse fit > /dev/full`: one warning naming standard output (not a bare [Errno 28] that reads as
+    model_dir's disk), and the job trains to its end."""
+    with open("/dev/full", "w") as full:
+        proc = fit_quietly(tmp_path, data, stdout=full)
+    assert proc.returncode == 0 and proc.stderr == ("wse fit: warning: standard output: No space left on device: "
+                                                    "nothing more is written there; the job goes on\n"), proc.stderr
+    assert Checkpoint(tmp_path / "model").step == STEPS
+
+
+def test_a_closed_standard_output_is_no_traceback(tmp_path, data, jobs):
+    """`wse fit >&-`: nothing said (standard output was closed on purpose), and the job trains."""
+    proc = fit_quietly(tmp_path, data, preexec_fn=lambda: os.close(1))
+    assert proc.returncode == 0 and proc.stderr == "", proc.stderr
+    assert Checkpoint(tmp_path / "model").step == STEPS
 
 
 def test_bad_params_fail_before_mpiexec(tmp_path, data, jobs):

@@ -1012,3 +1012,55 @@ def test_an_operator_probe_compiles_only(tmp_path):
     lines = run(tmp_path, COMPAT)
     assert lines[-1] == "compat: 1 step, output [4, 3]", lines
     assert any(line.startswith("cstorch: compiled: the evaluation step captured") for line in lines), lines
+
+
+def test_a_killed_rank_under_the_front_end_is_one_line_of_its_own_type(tmp_path):
+    """A rank SIGKILLed under a script's loop: `python -m pyapi.cstorch` says the line `wse fit` says,
+    exit code 1, no traceback (it was one ending in RuntimeError; cstorch.JobError still is one). Every
+    rank is held at start-up (WSE_TEST_HOLD) when one of them is killed (a rank still starting would
+    meet the lost peer, and a peer's error blames a stopped rank)."""
+    import os
+    import signal
+    import time
+    from pathlib import Path
+
+    import pyapi.cstorch as cstorch
+    from mpi_launch.launcher import job_processes
+    from mpi_launch.supervisor import HOLD_ENV
+
+    def events():
+        log = next(tmp_path.glob("cerebras_logs/run_*/model/logs/watchdog.log"), None)
+        text = log.read_text() if log is not None else ""
+        return [json.loads(x) for x in text[:text.rfind("\n") + 1].splitlines()]  # whole lines
+
+    def held():
+        plan = next(tmp_path.glob("cerebras_logs/run_*/model/plan.json"), None)
+        return plan is not None and len({e["rank"] for e in events() if e["event"] == "stopped"}) == len(
+            json.loads(plan.read_text())["plan"]["roles"])
+
+    assert issubclass(cstorch.JobError, RuntimeError)
+    example = Path(__file__).resolve().parents[1] / "examples" / "cstorch_fc.py"
+    text = example.read_text()
+    assert "micro_batch_size=16)" in text
+    # held ranks are stopped ones: only a hang may outlast the time they are given
+    (tmp_path / "train.py").write_text(text.replace("micro_batch_size=16)", "micro_batch_size=16, peer_timeout=300)"))
+    job = subprocess.Popen([sys.executable, "-m", "pyapi.cstorch", "train.py", "CSX", "2", "2000", "0"], cwd=tmp_path,
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+                           env={**os.environ, HOLD_ENV: "ready"})
+    try:
+        deadline = time.monotonic() + 300  # only a hang reaches this
+        while not held():
+            assert job.poll() is None and time.monotonic() < deadline, job.communicate()
+            time.sleep(0.1)
+        rank = next(e["rank"] for e in events() if e["event"] == "stopped")
+        os.kill(next(e["pid"] for e in events() if e["event"] == "hello" and e["rank"] == rank), signal.SIGKILL)
+        _, err = job.communicate(timeout=300)
+    finally:
+        if job.poll() is None:
+            os.killpg(job.pid, signal.SIGKILL)
+    role = json.loads(next(tmp_path.glob("cerebras_logs/run_*/model/plan.json")).read_text())["plan"]["roles"][rank]
+    assert job.returncode == 1 and "Traceback" not in err, err
+    last = err.splitlines()[-1]
+    assert last.startswith(f"cstorch: rank {rank} ({role} ") and last.endswith(
+        "the process died (killed by signal 9 (SIGKILL))"), err
+    assert not job_processes(tmp_path)

@@ -2,6 +2,7 @@
 import json
 import socket
 import subprocess
+import sys
 import time
 
 import pytest
@@ -16,10 +17,11 @@ PLAN = make_plan(num_csx=2, num_wgt_servers=1, num_workers_per_csx=1, swarmx_fan
 class FakeSupervisor:
     """A supervisor's side of the connection: hello, then whatever the test says the rank did."""
 
-    def __init__(self, watchdog, rank, token=None):
+    def __init__(self, watchdog, rank, token=None, **hello):
         self.rank = rank
         self.sock = socket.create_connection(("127.0.0.1", watchdog.port))
-        self.send("hello", token=token or watchdog.token, pid=1000 + rank, supervisor=2000 + rank, host="h")
+        self.send("hello", **{"token": token or watchdog.token, "pid": 1000 + rank, "supervisor": 2000 + rank,
+                              "host": "h", **hello})
 
     def send(self, event, t=None, **fields):
         msg = {"event": event, "rank": self.rank, "time": time.time() if t is None else t, **fields}
@@ -141,6 +143,35 @@ def test_a_lost_mpi_proxy_is_named(watchdog):
     sups[5].send("proxy_lost")
     sups[5].send("exit", signal=9)
     assert verdict(watchdog) == "rank 5 (worker 0): its MPI process manager (hydra_pmi_proxy) on h died"
+
+
+def test_mpiexec_killed_is_named_not_the_supervisors_it_took_with_it(watchdog):
+    """SIGKILL of mpiexec: its proxies kill the supervisors they started, whose lost connections are
+    the echo; the verdict names mpiexec (it named a worker's lost supervisor)."""
+    sups = connect_all(watchdog)
+    watchdog.proc.kill()  # the fixture's stand-in for mpiexec
+    watchdog.proc.wait()
+    sups[5].sock.close()
+    sups[2].sock.close()
+    assert verdict(watchdog) == (f"mpiexec (pid {watchdog.proc.pid}) was killed by signal 9 (SIGKILL); its MPI "
+                                 "proxies ended every rank")
+
+
+def test_the_job_is_over_only_once_its_processes_on_this_host_have_exited(watchdog):
+    """``wait_gone``, which ``launch`` calls once the job is over: it returns only when the processes
+    the supervisors' hellos named on this host (rank, supervisor, MPI proxy) have exited. A process
+    killed takes a moment to exit on a loaded machine: a test that looked right after launch returned
+    found a SIGKILLed rank's supervisor still there."""
+    exiting = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(1)"])  # stands in for one
+    sup = FakeSupervisor(watchdog, 0, host=socket.gethostname(), pid=exiting.pid, supervisor=exiting.pid,
+                         proxy=exiting.pid)
+    deadline = time.monotonic() + 20  # only a hang reaches these bounds
+    while exiting.pid not in watchdog.ranks[0].processes and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert exiting.pid in watchdog.ranks[0].processes
+    watchdog.wait_gone(60)
+    assert exiting.poll() is not None
+    sup.sock.close()
 
 
 def test_a_connection_without_the_job_token_is_ignored(watchdog):

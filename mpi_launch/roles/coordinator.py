@@ -37,7 +37,8 @@ class Coordinator(Role):
 
             # On a resume, TensorBoard drops what earlier runs logged after the start step.
             purge = self.start_step + 1 if self.start_step else None
-            board = {name: SummaryWriter(str(self.model_dir / name), purge_step=purge) for name in ("train", "eval")}
+            board = {name: SummaryWriter(str(self.model_dir / name), purge_step=purge, flush_secs=_BOARD_FLUSH_SECONDS)
+                     for name in ("train", "eval")}
         except ImportError:
             board = None
             if self.start_step < self.max_steps:
@@ -164,6 +165,7 @@ class Coordinator(Role):
                             "loss_scale"):
                     if key in record:
                         board["train"].add_scalar(key, record[key], step + 1)
+                _flush(board["train"])
             if skipped:
                 self.log(f"step {step + 1}: gradients overflowed at loss scale {loss_scale:g}: the update is "
                          f"skipped, the scale is now {scaler.scale:g}")
@@ -200,6 +202,23 @@ def _say_overflows(overflows):
     print(f"{steps}: gradients overflowed, {'the update was' if n == 1 else 'their updates were'} skipped; "
           f"loss scale {before:g} -> {after:g}", flush=True)
     overflows.clear()
+
+
+#: How often TensorBoard's writer thread flushes its event file on its own: a day, so never in a step
+#: loop (the coordinator flushes every step, ``_flush``); its wait must fit epoll's limit of 24 days.
+_BOARD_FLUSH_SECONDS = 24 * 3600
+
+
+def _flush(writer):
+    """Write out what a TensorBoard writer holds, from the coordinator. tensorboardX writes from a
+    thread of its own, which a full disk ends (a traceback in mpiexec.log): the coordinator's next
+    scalars then waited on its full queue for ever. Flushed here every step (and never by that
+    thread), the file's buffer holds less than a step's events, so that thread's writes never reach
+    the disk and this call is what meets a full disk: the coordinator's error names the directory."""
+    try:
+        writer.flush()
+    except OSError as exc:
+        raise OSError(exc.errno, exc.strerror, writer.logdir) from None
 
 
 def _summary_writer():
@@ -258,6 +277,7 @@ class Evaluations:
             if self.board is not None:
                 for key in ("loss", "perplexity", "accuracy"):
                     self.board["eval"].add_scalar(key, r[key], step)
+                _flush(self.board["eval"])
             print(f"eval after step {step}: loss {r['loss']:.4f}  perplexity {r['perplexity']:.2f}  "
                   f"accuracy {r['accuracy']:.4f} ({r['examples']:,} examples)", flush=True)
 

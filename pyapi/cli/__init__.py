@@ -73,6 +73,7 @@ def build_parser(argv=()):
 
 
 def main(argv=None):
+    _open_closed_std_fds()
     try:
         code = _main(argv)
         sys.stdout.flush()  # here, where a reader that left is caught, rather than at exit
@@ -87,6 +88,21 @@ def main(argv=None):
         os.dup2(devnull, sys.stdout.fileno())  # nothing left to flush at exit
         os.close(devnull)
         return 1
+
+
+def _open_closed_std_fds():
+    """Open /dev/null on a standard descriptor its caller closed (`wse fit >&-`: nothing to say there).
+    Python has no sys.stdout then (a traceback at the first flush), and the first file opened later
+    would take the descriptor: a job's log would receive what is written to standard output."""
+    for fd, name, mode in ((0, "stdin", os.O_RDONLY), (1, "stdout", os.O_WRONLY), (2, "stderr", os.O_WRONLY)):
+        try:
+            os.fstat(fd)
+        except OSError:
+            null = os.open(os.devnull, mode)  # the lowest free descriptor: this one, the lower ones being open
+            if null != fd:
+                os.dup2(null, fd)
+                os.close(null)
+            setattr(sys, name, open(fd, "r" if fd == 0 else "w", closefd=False))
 
 
 def _stdout_gone():
@@ -109,12 +125,13 @@ def _main(argv):
     import warnings
 
     from data_tools.errors import DataWarning
+    from mpi_launch.launcher import OutputLost
     from pyapi.modelzoo import ParamsWarning
 
     default_show = warnings.showwarning
 
     def show(message, category, *rest, **kwargs):  # our warnings are one line, as errors are
-        if issubclass(category, (ParamsWarning, DataWarning)):
+        if issubclass(category, (ParamsWarning, DataWarning, OutputLost)):
             print(f"wse {args.command}: warning: {message}", file=sys.stderr)
         else:
             default_show(message, category, *rest, **kwargs)

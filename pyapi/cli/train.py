@@ -13,8 +13,6 @@ def _load_params(args):
 def _cmd_compile(args):
     import json
 
-    from mpi_launch.plan import describe
-
     if args.inference:
         if args.plot:
             raise ValueError("--plot: draws the training's layout, not with --inference")
@@ -23,9 +21,10 @@ def _cmd_compile(args):
         if getattr(args, flag) is not None:
             raise ValueError(f"--{flag}: only with --inference")
     from pyapi import params
+    from pyapi.job import Job
 
     spec, report = params.check(params.read(args.params), str(args.params), overrides(args), compile_only=True)
-    d = describe(spec)
+    d = Job(spec).compile()
     explore = report.micro_batch_mode == "explore"
     if explore:
         from mpi_launch.plan import micro_batch_table, plan_for
@@ -163,10 +162,12 @@ def _cmd_fit(args):
         print(f"wse fit: {exc}", file=sys.stderr)
         return 1
     except JobInterrupted as exc:
-        from data_tools.checkpoint import LATEST
+        from data_tools.checkpoint import CheckpointError, resolve
 
-        latest = job.model_dir / LATEST
-        kept = f"; the latest checkpoint is {latest.read_text().strip()}" if latest.is_file() else ""
+        try:
+            kept = f"; the latest checkpoint is {resolve(job.model_dir).name}"
+        except CheckpointError:  # none yet (or a `latest` that names none: the next run says so)
+            kept = ""
         print(f"wse fit: interrupted by {exc}: the job's ranks were stopped{kept}", file=sys.stderr)
         return 128 + exc.signal
     if result.steps_trained:
@@ -221,9 +222,10 @@ def add_validate(sub, chosen):
 
 def add_compile(sub, chosen):
     p = sub.add_parser("compile", help="print the rank plan and per-rank memory of a params file (no training)",
-                       description="Validate PARAMS and print the rank plan: roles, MemoryX layer ownership, "
-                                   "the SwarmX tree and estimated memory per rank; with --inference, the "
-                                   "simulated latency of serving the model instead. Nothing is launched.")
+                       description="Validate PARAMS (and its data, as wse fit does, where the data is there) and "
+                                   "print the rank plan: roles, MemoryX layer ownership, the SwarmX tree and "
+                                   "estimated memory per rank; with --inference, the simulated latency of serving "
+                                   "the model instead. Nothing is launched.")
     job_args(p, model_dir=False)
     p.add_argument("--json", action="store_true", help="print JSON")
     p.add_argument("--plot", metavar="PNG", help="draw the run as it will execute: weight streaming's cluster, "

@@ -35,7 +35,7 @@ from pyapi.cstorch.backend import (Backend, ClusterConfig, backend, compile, cur
                                    current_torch_device, use_cs)
 from pyapi.cstorch.step import (checkpoint_closure, current_executor, step_closure, summarize_scalar,  # noqa: E402
                                 summarize_tensor, trace)
-from pyapi.cstorch.errors import NotBuilt, NotBuiltAttribute  # noqa: E402, F401  (NotBuilt: what scripts catch)
+from pyapi.cstorch.errors import JobError, NotBuilt, NotBuiltAttribute  # noqa: E402, F401  (what scripts catch)
 from pyapi.cstorch.storage import load, save  # noqa: E402
 
 #: The release of Cerebras' API whose surface this package follows (docs/user-guide.md's table).

@@ -1,5 +1,18 @@
-"""The one-line refusal of what the emulator does not build."""
+"""The one-line errors of the front-end: the refusal of what the emulator does not build, and a
+cluster's job that failed."""
+from pyapi.errors import JobError as _JobError
 from wse_core.compiler import CompileError
+
+
+class JobError(_JobError):
+    """The cluster's job behind a loop failed. The message is the one line `wse fit` gives for the same
+    failure (the rank, its role, what happened), and ``python -m pyapi.cstorch`` prints it as that
+    line; ``log`` is the job's output. A RuntimeError, as the front-end raised before it had a type
+    (Cerebras' client raises its own ApplianceClientException kinds, of its appliance package)."""
+
+    def __init__(self, line, log):
+        super().__init__(line)
+        self.log = log
 
 
 class NotBuilt(CompileError, NotImplementedError):

@@ -35,7 +35,7 @@ from data_tools.files import write_text
 from pyapi.cstorch.backends import micro_batch_size as flagged_micro_batch_size
 from pyapi.cstorch.call import Call, traced_module
 from pyapi.cstorch.cpu import InProcess
-from pyapi.cstorch.errors import not_built
+from pyapi.cstorch.errors import JobError, not_built
 from pyapi.cstorch.step import handed, names_closures, ops_of, record, run_closures, with_values
 
 #: Seconds between looks at the job's metrics while a step is awaited (a sleep, not a spin: the
@@ -309,9 +309,9 @@ class Run:
                             handle.wait()
                         finally:  # a failed job's log says why
                             log.write(handle.logs())
-                except Exception as exc:  # the job's one line, said to the user's loop and in the log
+                except Exception as exc:  # the job's one line, said to the user's loop (JobError) and in the log
                     self.failure = str(exc)
-                    log.write(f"{exc}\n")
+                    file.write(f"{exc}\n")  # not through log: the loop's error says it, once
 
         self.thread = threading.Thread(target=run, name="wse-cstorch-job", daemon=True)
         self.thread.start()
@@ -417,8 +417,9 @@ class Run:
             self.thread.join(POLL_S)
             if not self.thread.is_alive() and not ready():
                 if self.failure is not None:
-                    raise RuntimeError(f"the cluster's job failed: {self.failure} (log: {self.dir / 'run.log'})")
-                raise RuntimeError(f"the cluster's job ended before {what} (log: {self.dir / 'run.log'})")
+                    raise JobError(self.failure, self.dir / "run.log")
+                raise JobError(f"the cluster's job ended before {what} (log: {self.dir / 'run.log'})",
+                               self.dir / "run.log")
 
     def _advance_cpu(self, step):
         while self.cpu.step < step:
@@ -489,7 +490,7 @@ class Run:
         if self.thread is not None:
             self.thread.join()
             if self.failure is not None:
-                raise RuntimeError(f"the cluster's job failed: {self.failure} (log: {self.dir / 'run.log'})")
+                raise JobError(self.failure, self.dir / "run.log")
         self.sync_weights(self.executor.num_steps)
 
     def close(self):
