@@ -78,7 +78,7 @@ def test_pipelined_is_faster_for_a_small_gpt2_and_not_from_some_size_on():
 
 
 def test_compile_shows_the_placement_and_the_choice(tmp_path):
-    params = {"train_input": {"data_dir": str(tmp_path), "batch_size": 16, "micro_batch_size": 2},
+    params = {"train_input": {"data_dir": str(tmp_path / "data"), "batch_size": 16, "micro_batch_size": 2},
               "model": {"name": "gpt2", "vocab_size": 257, "hidden_size": 64, "num_hidden_layers": 2, "num_heads": 2,
                         "max_position_embeddings": 64},
               "optimizer": {"learning_rate": 1e-3}, "runconfig": {"max_steps": 1}}

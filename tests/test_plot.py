@@ -190,7 +190,7 @@ def test_compile_draws_a_pipelined_run_as_its_placement_with_every_region_named(
 
 def test_wse_compile_plot_writes_the_picture_of_the_mode_the_run_takes(tmp_path, capsys):
     """`wse compile --plot`: a streamed run's picture and a pipelined run's differ; --inference refuses it."""
-    p = {"train_input": {"data_dir": str(tmp_path), "batch_size": 16, "micro_batch_size": 8},
+    p = {"train_input": {"data_dir": str(tmp_path / "data"), "batch_size": 16, "micro_batch_size": 8},
          "model": {"name": "gpt2", "vocab_size": 257, "hidden_size": 64, "num_hidden_layers": 2, "num_heads": 2,
                    "max_position_embeddings": 64},
          "optimizer": {"learning_rate": 1e-3}, "runconfig": {"max_steps": 1, "num_csx": 1}}
