@@ -19,9 +19,9 @@ A small GPT-2 trains through ``wse fit`` on 2 CS-2s (8 ranks: coordinator, 2 Mem
 * serve: a SIGKILL of a CS-2 rank of ``wse serve --num_csx 2`` while it idles, and a SIGSTOP of one
   mid-request: right when a request after it gets the undisturbed run's tokens (a request caught
   by the stop may fail, in bounded time, never hang).
-* front-end: a SIGKILL of a CS-2 rank under ``examples/cstorch_fc.py``: right when the script ends
-  in one line naming the rank (no traceback); each checkpoint it wrote before has the undisturbed
-  run's tensors.
+* front-end: a SIGKILL of a CS-2 rank under ``python -m pyapi.cstorch examples/cstorch_fc.py``: right
+  when the script ends in one line naming the rank (no traceback); each checkpoint it wrote before
+  has the undisturbed run's tensors.
 * appliance: a job submitted with one restart, a CS-2 rank of it SIGKILLed: right when its log
   names the rank and the job ends done with the undisturbed run's weights.
 * disk: the model_dir on a tmpfs that fills between checkpoints (root only): right when the line
@@ -410,7 +410,10 @@ class Campaign:
             where = self.work / f"front_end_{name}"
             where.mkdir()
             before = litter()
-            proc = subprocess.Popen([sys.executable, str(EXAMPLE), "CSX", "2", "200", "50"], cwd=where,
+            # Through `python -m pyapi.cstorch`, the runner that makes a failed job one line (a script run
+            # as `python script.py` ends in Python's own traceback, whose last line is the same).
+            proc = subprocess.Popen([sys.executable, "-m", "pyapi.cstorch", str(EXAMPLE), "CSX", "2", "200", "50"],
+                                    cwd=where,
                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                     start_new_session=True)
             if name == "killed":
