@@ -58,7 +58,8 @@ def add_bench(sub, chosen):
     """Add ``wse bench NAME`` to the command line's subparsers; only the chosen benchmark is imported."""
     p = sub.add_parser("bench", help="run a benchmark against a baseline measured in the same run",
                        description="Run a benchmark; print its table and optionally write JSON.")
-    bench_sub = p.add_subparsers(dest="bench", metavar="NAME", required=True)
+    bench_sub = p.add_subparsers(dest="bench", metavar="NAME", required=True,
+                                 help="the benchmark; `wse bench NAME --help` says what it measures")
     for name, (module_name, summary) in BENCHMARKS.items():
         if chosen != ("bench", name):  # only the chosen benchmark is imported, for its own options
             bench_sub.add_parser(name, help=summary, description=summary)

@@ -22,7 +22,7 @@ from mpi4py import MPI
 from mpi_launch import messaging as msg
 from mpi_launch.plan import make_plan
 from mpi_launch.protocol import GRADS, Layout
-from wse_core.tree import tree_sum
+from wse_core.microbatch import tree_sum
 
 
 def main(argv):

@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 
 from bench.harness import machine, table
+from wse_core.errors import JobError
 
 
 def add_arguments(parser):
@@ -47,7 +48,7 @@ def _wse(*argv):
     t0 = time.perf_counter()
     r = subprocess.run([sys.executable, "-m", "pyapi.cli", *map(str, argv)], capture_output=True, text=True)
     if r.returncode != 0:
-        raise RuntimeError(f"wse {' '.join(map(str, argv))}: {(r.stderr.strip().splitlines() or ['failed'])[-1]}")
+        raise JobError(f"wse {' '.join(map(str, argv))}: {(r.stderr.strip().splitlines() or ['failed'])[-1]}")
     return r.stdout, time.perf_counter() - t0
 
 

@@ -1,11 +1,11 @@
 """The PE-mesh simulator's speed, and BiCGSTAB cycles per iteration next to the SC20 figures.
 
     wse bench fabric [--json PATH] [--sizes 64x64,256x256,750x994] [--z 64] [--tile 16]
-                     [--bicgstab-max-pes 65536]
+                     [--bicgstab_max_pes 65536]
 
 For each fabric size: one 7-point stencil application (Z points per PE, the SC20 mapping), one
 GEMV and one SpMV (10% dense) with a TILE x TILE tile of A per PE, each checked against numpy,
-and (up to --bicgstab-max-pes PEs) two BiCGSTAB iterations for the stencil system. PE-cycles/s =
+and (up to --bicgstab_max_pes PEs) two BiCGSTAB iterations for the stencil system. PE-cycles/s =
 width x height x simulated cycles / wall seconds of the engine's run (building, compiling and
 host copies excluded). The baseline is numpy computing the same stencil in the same run: what one
 application costs when nothing is simulated. 750 x 994 is the WSE-2's usable program rectangle.
@@ -25,6 +25,7 @@ import time
 import numpy as np
 
 from bench.harness import machine, table
+from wse_core.errors import ConfigError
 
 # One BiCGSTAB iteration per mesh point: two stencils (13 flops each), five dot products (2 each),
 # the p, s, x and r updates (4 + 2 + 4 + 2): see wse_core.fabric.programs.bicgstab.bicgstab_program.
@@ -38,7 +39,7 @@ def add_arguments(parser):
     parser.add_argument("--sizes", default="64x64,256x256,750x994", help="comma-separated WxH fabric sizes")
     parser.add_argument("--z", type=int, default=64, help="stencil and BiCGSTAB points per PE")
     parser.add_argument("--tile", type=int, default=16, help="GEMV/SpMV tile of A per PE (TILE x TILE)")
-    parser.add_argument("--bicgstab-max-pes", type=int, default=256 * 256,
+    parser.add_argument("--bicgstab_max_pes", type=int, default=256 * 256,
                         help="run BiCGSTAB iterations on fabrics of at most this many PEs")
 
 
@@ -47,7 +48,7 @@ def _sizes(text):
     for part in str(text).split(","):
         w, _, h = part.partition("x")
         if not (w.isdigit() and h.isdigit()) or int(w) < 1 or int(h) < 1:
-            raise ValueError(f"--sizes: expected WxH with positive integers, got {part!r}")
+            raise ConfigError(f"--sizes: expected WxH with positive integers, got {part!r}")
         out.append((int(w), int(h)))
     return out
 
@@ -95,7 +96,7 @@ def run(args):
     from wse_core.fabric.programs.spmv import spmv
 
     if args.z < 1 or args.tile < 1:
-        raise ValueError(f"--z and --tile must be >= 1, got {args.z} and {args.tile}")
+        raise ConfigError(f"--z and --tile must be >= 1, got {args.z} and {args.tile}")
     result = {"benchmark": "fabric", "machine": machine(), "z": args.z, "tile": args.tile, "rows": [],
               "flops_per_point_per_iteration": FLOPS_PER_POINT}
     for w, h in _sizes(args.sizes):

@@ -50,6 +50,7 @@ from bench.bad_params import BAD_PARAMS
 from bench.harness import machine, table
 from mpi_launch.launcher import job_processes
 from mpi_launch.rundir import RunDir
+from wse_core.errors import JobError
 
 ROLES = ("coordinator", "memoryx", "swarmx", "csx", "worker")
 MODEL = {"name": "gpt2", "vocab_size": 257, "hidden_size": 32, "num_hidden_layers": 2, "num_heads": 2,
@@ -61,8 +62,7 @@ EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "cstorch_fc.py"
 def add_arguments(parser):
     parser.add_argument("--kills", type=int, default=4, help="SIGKILLs per role type")
     parser.add_argument("--seed", type=int, default=0, help="seed of the moments and victims")
-    for flag in ("--peer_timeout", "--peer-timeout"):
-        parser.add_argument(flag, dest="peer_timeout", type=int, default=5, help="runconfig.peer_timeout of the jobs")
+    parser.add_argument("--peer_timeout", type=int, default=5, help="runconfig.peer_timeout of the jobs")
     parser.add_argument("--steps", type=int, default=60, help="training steps of each job")
 
 
@@ -168,7 +168,7 @@ class Campaign:
         proc, self.reference = self.start(self.args.steps)
         code, line = self.finish(proc)
         if code != 0:
-            raise RuntimeError(f"the undisturbed job failed: {line}")
+            raise JobError(f"the undisturbed job failed: {line}")
         return time.monotonic() - t0
 
     def victim(self, plan, role):
@@ -314,7 +314,7 @@ class Campaign:
                 time.sleep(0.5)
                 expected = ask(10)
             if isinstance(expected, Exception):
-                raise RuntimeError(f"wse serve did not answer: {expected}")
+                raise JobError(f"wse serve did not answer: {expected}")
             for sig in (signal.SIGKILL, signal.SIGSTOP):
                 pid = self._serve_csx()
                 if sig == signal.SIGSTOP:  # mid-request: the request is on its way when the rank stops
@@ -366,7 +366,7 @@ class Campaign:
                 except (OSError, ValueError, KeyError):
                     continue  # a job still starting (or gone): look again
             time.sleep(0.1)
-        raise RuntimeError("no CS-2 rank of the inference job found")
+        raise JobError("no CS-2 rank of the inference job found")
 
     # -- the front-end ----------------------------------------------------------------------------------
     def front_end_trial(self):
@@ -425,7 +425,7 @@ class Campaign:
                                   "--state_dir", str(state), "--socket", str(sock)], capture_output=True, text=True,
                                  timeout=120)
         if started.returncode != 0:
-            raise RuntimeError(f"the appliance did not start: {started.stderr.strip()}")
+            raise JobError(f"the appliance did not start: {started.stderr.strip()}")
         try:
             self.n += 1
             model_dir = self.work / f"job{self.n}"

@@ -82,7 +82,8 @@ def add_arguments(parser):
 
 def predict(run):
     """The walk's samples/s for ``run``, and the micro-batch it used."""
-    from wse_core.nn import build_model, micro_batch_sizes
+    from wse_core.microbatch import MicroBatches
+    from wse_core.nn import build_model
     from wse_core.perf import Hardware
     from wse_core.perf.memory import largest_micro_batch
     from wse_core.perf.step import walk_step
@@ -90,7 +91,7 @@ def predict(run):
     model = build_model({**SHAPES[run.model], "max_position_embeddings": run.seq, "mixed_precision": True,
                          "fp16_type": "cbfloat16"})
     hw = Hardware.for_model(model, run.system)
-    micro = run.micro_batch or largest_micro_batch(model, micro_batch_sizes(run.batch, run.num_csx), run.seq, hw)
+    micro = run.micro_batch or largest_micro_batch(model, MicroBatches.even_sizes(run.batch, run.num_csx), run.seq, hw)
     step = walk_step(model, num_csx=run.num_csx, samples_per_csx=-(-run.batch // run.num_csx),
                      micro_batch_size=micro, seq_len=run.seq, hw=hw, batch_size=run.batch)
     return step, micro

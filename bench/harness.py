@@ -9,6 +9,17 @@ from pathlib import Path
 
 import numpy as np
 
+from wse_core.errors import ConfigError
+
+
+def numbers(text, flag, kind=int):
+    """The comma-separated numbers of an option (``--num_csx 1,2,4``); a ConfigError naming ``flag`` when
+    one is not a number, so `wse bench` says it in one line rather than int()'s bare ValueError."""
+    try:
+        return [kind(x) for x in str(text).split(",") if x.strip()]
+    except ValueError:
+        raise ConfigError(f"{flag}: expected numbers separated by commas, got {text!r}") from None
+
 
 def machine():
     """What the figures were measured on."""

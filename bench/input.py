@@ -22,7 +22,6 @@ import json
 import os
 import shutil
 import tempfile
-import time
 from pathlib import Path
 
 import h5py
@@ -34,6 +33,7 @@ from data_tools.dataset import Dataset, GlobalStream
 from data_tools.documents import discover_inputs, stdlib_sources
 from data_tools.lmdata import chunk_rows
 from data_tools.preprocess import _init_worker, _tokenize, plan_jobs, preprocess_text
+from wse_core.errors import ConfigError
 
 SEQ = 256
 VARIANTS = (lambda t: t, str.swapcase, lambda t: "\n".join(reversed(t.splitlines())),
@@ -43,8 +43,7 @@ VARIANTS = (lambda t: t, str.swapcase, lambda t: "\n".join(reversed(t.splitlines
 def add_arguments(parser):
     parser.add_argument("--data", metavar="DIR", help="an existing LM dataset: time reading it only")
     parser.add_argument("--mb", type=float, default=50.0, help="size of the generated corpus in MB (default 50)")
-    for flag in ("--batch_size", "--batch-size"):
-        parser.add_argument(flag, dest="batch_size", type=int, default=32, help="loader batch size")
+    parser.add_argument("--batch_size", type=int, default=32, help="loader batch size")
     parser.add_argument("--repeats", type=int, default=3, help="timed repetitions (median reported)")
 
 
@@ -202,8 +201,8 @@ def _epoch(data, batch_size, shuffle):
 
 def run(args):
     if args.batch_size < 1 or args.repeats < 1 or args.mb <= 0:
-        raise ValueError(f"--batch_size, --repeats and --mb must be positive, got {args.batch_size}, "
-                         f"{args.repeats} and {args.mb}")
+        raise ConfigError(f"--batch_size, --repeats and --mb must be positive, got {args.batch_size}, "
+                          f"{args.repeats} and {args.mb}")
     result = {"benchmark": "input", "machine": machine(), "batch_size": args.batch_size, "repeats": args.repeats}
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)

@@ -34,6 +34,7 @@ from pathlib import Path
 import numpy as np
 
 from bench.harness import machine, median_seconds, seconds, table
+from wse_core.errors import ConfigError, JobError
 from wse_core.nn import TransformerBlock, build_model, numpy_ops
 from wse_core.nn import ops as fused_ops
 from wse_core.nn.model import Model
@@ -138,7 +139,7 @@ def _torch_block(params, x, dy, threads, repeats, profile=False):
                                str(threads), *(["profile"] if profile else [])], env=env, capture_output=True, text=True)
         if proc.returncode != 0:
             last = (proc.stderr.strip().splitlines() or ["no output"])[-1]
-            raise RuntimeError(f"the PyTorch block failed: {last}")
+            raise JobError(f"the PyTorch block failed: {last}")
         out = np.load(dst)
         rows = {key: [(str(n), float(ms)) for n, ms in zip(out[f"ops{sfx}"], out[f"ms{sfx}"])]
                 for key, sfx in (("torch", ""), ("torch autocast bfloat16", "_bf16"))} if profile else None
@@ -147,7 +148,7 @@ def _torch_block(params, x, dy, threads, repeats, profile=False):
 
 def run(args):
     if args.repeats < 1:
-        raise ValueError(f"--repeats must be >= 1, got {args.repeats}")
+        raise ConfigError(f"--repeats must be >= 1, got {args.repeats}")
     from wse_core import openmp_info
 
     threads = openmp_info()["max_threads"]

@@ -13,6 +13,7 @@ import numpy as np
 
 from bench.harness import machine, median_seconds, table
 from wse_core._openmp import parallel_copy
+from wse_core.errors import ConfigError
 from wse_core.optim import AdamW
 
 HPARAMS = {"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.01}
@@ -41,7 +42,7 @@ def add_arguments(parser):
 def run(args):
     n, repeats = args.size, args.repeats
     if n < 1 or repeats < 1:
-        raise ValueError(f"--size and --repeats must be >= 1, got {n} and {repeats}")
+        raise ConfigError(f"--size and --repeats must be >= 1, got {n} and {repeats}")
     rng = np.random.default_rng(0)
     dtype = np.float32
     itemsize = np.dtype(dtype).itemsize

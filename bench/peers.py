@@ -24,7 +24,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-from bench.harness import machine, table
+from bench.harness import machine, numbers, table
+from wse_core.errors import ConfigError, JobError
 
 SKIP = 2
 BATCH = 16
@@ -38,8 +39,7 @@ MODELS = {
 
 def add_arguments(parser):
     parser.add_argument("--steps", type=int, default=10, help=f"training steps per run (the first {SKIP} are skipped)")
-    for flag in ("--num_csx", "--num-csx"):
-        parser.add_argument(flag, dest="num_csx", default="1,2,4", help="comma-separated CS-2 counts")
+    parser.add_argument("--num_csx", default="1,2,4", help="comma-separated CS-2 counts")
     parser.add_argument("--model", choices=sorted(MODELS), default="small", help="the GPT-2's size")
 
 
@@ -72,7 +72,7 @@ def _torch(src, tmp, mode):
     proc = subprocess.run([sys.executable, "-m", "bench._torch_peers", str(src), str(dst), mode],
                           capture_output=True, text=True, timeout=3600)
     if proc.returncode != 0:
-        raise RuntimeError(f"PyTorch {mode} run failed: {(proc.stderr.strip().splitlines() or ['?'])[-1]}")
+        raise JobError(f"PyTorch {mode} run failed: {(proc.stderr.strip().splitlines() or ['?'])[-1]}")
     return json.loads(dst.read_text())["seconds"][SKIP:]
 
 
@@ -100,9 +100,9 @@ def _wse(data, model, tmp, num_csx, steps):
 def run(args):
     from data_tools.preprocess import preprocess_text
 
-    counts = [int(x) for x in str(args.num_csx).split(",") if x]
+    counts = numbers(args.num_csx, "--num_csx")
     if args.steps <= SKIP or not counts or min(counts) < 1:
-        raise ValueError(f"--steps must be > {SKIP} and --num_csx positive integers")
+        raise ConfigError(f"--steps must be > {SKIP} and --num_csx positive integers")
     model = MODELS[args.model]
     result = {"benchmark": "peers", "machine": machine(), "model": args.model, "shape": model, "batch_size": BATCH,
               "steps": args.steps, "timed_steps": args.steps - SKIP, "runs": {}}

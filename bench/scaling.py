@@ -24,7 +24,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-from bench.harness import machine, table
+from bench.harness import machine, numbers, table
+from wse_core.errors import ConfigError
 
 SEQ = 2048
 #: (hidden, layers, heads, vocabulary) of the published shapes.
@@ -34,14 +35,11 @@ COUNTS = [1, 2, 4, 8, 16, 32, 64, 192]
 
 
 def add_arguments(parser):
-    for flag in ("--batch_per_csx", "--batch-per-csx"):
-        parser.add_argument(flag, dest="batch_per_csx", type=int, default=64,
-                            help="(a) sequences per CS-2 per step, held fixed")
-    for flag in ("--global_batch", "--global-batch"):
-        parser.add_argument(flag, dest="global_batch", type=int, default=512, help="(b) sequences per step, held fixed")
-    for flag in ("--micro_batch", "--micro-batch"):
-        parser.add_argument(flag, dest="micro_batch", type=int, default=None,
-                            help="sequences per micro-batch (default: as micro_batch_size: auto, the largest that fits)")
+    parser.add_argument("--batch_per_csx", type=int, default=64,
+                        help="(a) sequences per CS-2 per step, held fixed")
+    parser.add_argument("--global_batch", type=int, default=512, help="(b) sequences per step, held fixed")
+    parser.add_argument("--micro_batch", type=int, default=None,
+                        help="sequences per micro-batch (default: as micro_batch_size: auto, the largest that fits)")
     parser.add_argument("--plot", metavar="PNG", help="also draw the speed-ups")
     parser.add_argument("--real", default="1,2,4", help="CS-2 counts of the real wse fit runs ('' for none)")
     parser.add_argument("--system", default="cs2", choices=("cs2", "cs3"), help="the simulated system (default cs2)")
@@ -58,14 +56,14 @@ def model_of(shape):
 def _walk(model, n, per_csx, micro, seq, system="cs2"):
     """The walk of ``per_csx`` samples on each of ``n`` systems in micro-batches of ``micro`` (None: as
     ``micro_batch_size: auto`` takes them, the largest that fits the wafer)."""
-    from wse_core.nn import micro_batch_sizes
+    from wse_core.microbatch import MicroBatches
     from wse_core.perf import Hardware
     from wse_core.perf.memory import largest_micro_batch
     from wse_core.perf.step import walk_step
 
     hw = Hardware.for_model(model, system)
     if micro is None:
-        micro = largest_micro_batch(model, micro_batch_sizes(per_csx), seq, hw)
+        micro = largest_micro_batch(model, MicroBatches.even_sizes(per_csx), seq, hw)
     s = walk_step(model, num_csx=n, samples_per_csx=per_csx, micro_batch_size=min(micro, per_csx), seq_len=seq, hw=hw)
     return dict(s.to_dict(), micro_batch_size=min(micro, per_csx))
 
@@ -74,7 +72,7 @@ def _real_runs(counts, steps=8):
     """The small GPT-2 of `wse bench stream` through `wse fit`: median wall step and the walk's step."""
     from bench.stream import BATCH, MICRO, MODEL, SEQ as STREAM_SEQ, SKIP, _params
     from data_tools.preprocess import preprocess_text
-    from mpi_launch.plan import describe
+    from mpi_launch.resolved import describe
     from pyapi.job import Job
 
     out = {}
@@ -84,19 +82,20 @@ def _real_runs(counts, steps=8):
         for n in counts:
             print(f"wse fit with num_csx={n} ...", file=sys.stderr, flush=True)
             params = _params(data, Path(tmp) / f"csx{n}", n, steps)
+            job = Job(params)
             with open(Path(tmp) / f"fit{n}.log", "w") as log:
-                result = Job(params).fit(stream=log)
+                result = job.fit(stream=log)
             wall = statistics.median(m["step_seconds"] for m in result.metrics[SKIP:])
             clock = statistics.median(m["sim_step_s"] for m in result.metrics[SKIP:])
-            walk = describe(params)["simulated"]  # the same params: the same tree, batch and hardware
+            walk = describe(job.resolved)["simulated"]  # the same params: the same tree, batch and hardware
             out[str(n)] = {"wall_step_s": wall, "sim_step_s": clock, "walk_step_s": walk["step_s"]}
     return {"model": MODEL, "batch_size": BATCH, "micro_batch_size": MICRO, "runs": out}
 
 
 def run(args):
     if min(args.batch_per_csx, args.global_batch, args.micro_batch or 1) < 1:
-        raise ValueError("--batch_per_csx, --global_batch and --micro_batch must be >= 1")
-    real = [int(x) for x in str(args.real).split(",") if x.strip()]
+        raise ConfigError("--batch_per_csx, --global_batch and --micro_batch must be >= 1")
+    real = numbers(args.real, "--real")
     result = {"benchmark": "scaling", "machine": machine(), "seq": SEQ, "counts": COUNTS,
               "batch_per_csx": args.batch_per_csx, "global_batch": args.global_batch,
               "micro_batch": args.micro_batch, "models": {}}

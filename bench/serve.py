@@ -27,6 +27,7 @@ import urllib.request
 from pathlib import Path
 
 from bench.harness import machine, table
+from wse_core.errors import JobError
 
 #: Seconds the server may take to say it is ready (a bound only a hang reaches).
 READY_S = 120
@@ -75,7 +76,7 @@ def _serve(model_dir, prompts, new_tokens, clients, num_csx):
         line = proc.stdout.readline() if ready else ""
         if not line.startswith("serving "):
             log.seek(0)
-            raise RuntimeError(f"wse serve did not start within {READY_S} s: {line}{log.read()[-2000:]}")
+            raise JobError(f"wse serve did not start within {READY_S} s: {line}{log.read()[-2000:]}")
         url = line.split(" on ")[1].split(" ")[0] + "/completions"
         todo, done, failed, lock = list(enumerate(prompts)), {}, [], threading.Lock()
 
@@ -103,7 +104,7 @@ def _serve(model_dir, prompts, new_tokens, clients, num_csx):
             t.join()
         wall = time.perf_counter() - t0
         if failed:
-            raise RuntimeError(f"wse serve: {failed[0]}")
+            raise JobError(f"wse serve: {failed[0]}")
         return wall, [done[k] for k in range(len(prompts))]
     finally:
         proc.terminate()

@@ -19,12 +19,13 @@ from pathlib import Path
 
 import numpy as np
 
-from bench.harness import machine, median_seconds, table
+from bench.harness import machine, median_seconds, numbers, table
+from wse_core.errors import ConfigError
 from wse_core.sparse import CSRMatrix, sddmm, spmm, spmm_t, spmv
 
 
-def _floats(text):
-    return [float(x) for x in str(text).split(",") if x]
+def _floats(text, flag):
+    return numbers(text, flag, float)
 
 
 def add_arguments(parser):
@@ -76,9 +77,10 @@ def _copy_seconds(nbytes, repeats):
 
 
 def run(args):
-    m, widths, densities, r = args.size, [int(x) for x in _floats(args.n)], _floats(args.densities), args.repeats
+    m, r = args.size, args.repeats
+    widths, densities = [int(x) for x in _floats(args.n, "--n")], _floats(args.densities, "--densities")
     if m < 1 or r < 1 or not widths or not densities or not all(0 < d <= 1 for d in densities):
-        raise ValueError("--size and --repeats must be >= 1, densities in (0, 1]")
+        raise ConfigError("--size and --repeats must be >= 1, densities in (0, 1]")
     from threadpoolctl import threadpool_limits
 
     have_scipy = importlib.util.find_spec("scipy") is not None

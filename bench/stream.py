@@ -29,9 +29,8 @@ import tempfile
 import time
 from pathlib import Path
 
-import numpy as np
-
-from bench.harness import machine, table
+from bench.harness import machine, numbers, table
+from wse_core.errors import ConfigError, JobError
 
 MODEL = {"name": "gpt2", "vocab_size": 257, "hidden_size": 256, "num_hidden_layers": 4, "num_heads": 4,
          "max_position_embeddings": 128}
@@ -39,16 +38,14 @@ SEQ, BATCH, MICRO = 128, 16, 4
 SKIP = 3  # first steps: imports and first-touch allocation on every rank
 
 
-def _ints(text):
-    return [int(x) for x in str(text).split(",") if x]
+def _ints(text, flag="--num_csx"):
+    return numbers(text, flag)
 
 
 def add_arguments(parser):
     parser.add_argument("--steps", type=int, default=10, help=f"training steps per run (the first {SKIP} are skipped)")
-    for flag in ("--num_csx", "--num-csx"):
-        parser.add_argument(flag, dest="num_csx", default="1,2,4", help="comma-separated CS-2 counts")
-    for flag in ("--reduce_mib", "--reduce-mib"):
-        parser.add_argument(flag, dest="reduce_mib", default="1,4,16,64", help="buffer sizes of the reduce test (MiB)")
+    parser.add_argument("--num_csx", default="1,2,4", help="comma-separated CS-2 counts")
+    parser.add_argument("--reduce_mib", default="1,4,16,64", help="buffer sizes of the reduce test (MiB)")
     parser.add_argument("--repeats", type=int, default=7, help="repetitions of each reduce (median reported)")
 
 
@@ -133,22 +130,21 @@ def _reduce_bandwidth(num_csx, sizes, repeats):
     proc = run_mpi(ranks, [sys.executable, "-m", "bench._swarmx_reduce", num_csx, 2, repeats, *sizes],
                    timeout=900, env={"OMP_WAIT_POLICY": "PASSIVE"})
     if proc.returncode != 0:
-        raise RuntimeError(f"the reduce benchmark failed: {(proc.stderr.strip().splitlines() or ['?'])[-1]}")
+        raise JobError(f"the reduce benchmark failed: {(proc.stderr.strip().splitlines() or ['?'])[-1]}")
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
 def run(args):
     from data_tools.checkpoint import Checkpoint
     from data_tools.preprocess import preprocess_text
-    from mpi_launch.plan import plan_for
     from pyapi.job import Job
 
-    counts, sizes = _ints(args.num_csx), [float(x) for x in str(args.reduce_mib).split(",") if x]
+    counts, sizes = _ints(args.num_csx), numbers(args.reduce_mib, "--reduce_mib", float)
     if args.steps <= SKIP or not counts or min(counts) < 1 or args.repeats < 1:
-        raise ValueError(f"--steps must be > {SKIP}, --num_csx positive integers, --repeats >= 1")
+        raise ConfigError(f"--steps must be > {SKIP}, --num_csx positive integers, --repeats >= 1")
     for n in counts:
         if (BATCH // n) % MICRO or BATCH % n:
-            raise ValueError(f"--num_csx {n}: the global batch {BATCH} must split into micro-batches of {MICRO}")
+            raise ConfigError(f"--num_csx {n}: the global batch {BATCH} must split into micro-batches of {MICRO}")
     result = {"benchmark": "stream", "machine": machine(), "model": MODEL, "seq": SEQ, "batch_size": BATCH,
               "micro_batch_size": MICRO, "steps": args.steps, "timed_steps": args.steps - SKIP, "runs": {}}
     with tempfile.TemporaryDirectory() as tmp:
@@ -163,9 +159,10 @@ def run(args):
             print(f"wse fit with num_csx={n} ...", file=sys.stderr, flush=True)
             model_dir = Path(tmp) / f"csx{n}"
             params = _params(data, model_dir, n, args.steps)
+            job = Job(params)
             with open(Path(tmp) / f"fit{n}.log", "w") as out:
-                Job(params).fit(stream=out)
-            plan, _ = plan_for(params)
+                job.fit(stream=out)
+            plan = job.resolved.plan
             b = _breakdown(model_dir, plan)
             b.update(samples_per_s=BATCH / b["step"], ranks=plan.world_size)
             result["runs"][str(n)] = b

@@ -1,12 +1,15 @@
-"""The exceptions of data_tools: each message is one line naming the file, dataset and example at fault."""
+"""The exceptions of data_tools: each message is one line naming the file, dataset and example at fault.
+
+``DataError`` is the project's data kind (``wse_core.errors``), re-exported so ``data_tools.errors.
+DataError`` stays the name callers know; one class, so either name catches what the other raises.
+"""
+from wse_core.errors import DataError
+
+__all__ = ["CheckpointError", "DataError", "DataWarning"]
 
 
-class DataError(ValueError):
-    """A dataset file or input is missing, unreadable or malformed."""
-
-
-class CheckpointError(ValueError):
-    """A checkpoint is missing, incomplete or damaged."""
+class CheckpointError(DataError):
+    """A checkpoint is missing, incomplete or damaged (a DataError, so a ValueError, as before)."""
 
 
 class DataWarning(UserWarning):

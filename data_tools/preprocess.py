@@ -316,6 +316,47 @@ def _pool(processes, tokenizer, jsonl_key):
     return pool
 
 
+class _Shards:
+    """The dataset's files, cut from the token stream as it grows and handed to the writer in order.
+
+    Unshuffled, file k holds stream tokens [k*P*S, (k+1)*P*S] (its last is also the next file's
+    first) and goes out as soon as the stream holds it; shuffled (``seed``), every example waits for
+    the whole stream. ``spill``: the stream's parts are spill files, deleted once written."""
+
+    def __init__(self, out, writer, seq_len, samples_per_file, pad_id, compression, seed, spill):
+        self.out, self.writer, self.compression, self.seed, self.spill = out, writer, compression, seed, spill
+        self.s, self.pad_id, self.samples_per_file = seq_len, pad_id, samples_per_file
+        self.per_file = samples_per_file * seq_len  # stream tokens each file advances
+        self.entries = []  # data_params.json's "files": each file's name and example count
+        self.stream, self.written = _TokenStream(), 0  # written: where the next file starts in the stream
+
+    def add(self, source, n):
+        """Append a job's ``n`` tokens; write every file they complete."""
+        self.stream.add(source, n)
+        while self.seed is None and self.stream.end - self.written > self.per_file:
+            pieces = self.stream.slice(self.written, self.written + self.per_file + 1)
+            self.written += self.per_file
+            spent = self.stream.drop_before(self.written)
+            self._write(pieces, self.samples_per_file, spent if self.spill else ())
+
+    def finish(self):
+        """Write the rest of the stream: its tail (unshuffled), or all of it shuffled."""
+        stream, written, s = self.stream, self.written, self.s
+        if self.seed is None:
+            if stream.end - written >= 2:
+                self._write(stream.slice(written, stream.end), n_packed(stream.end - written, s))
+            return
+        every = pack(gather(stream.slice(0, stream.end)), s, self.pad_id)
+        every = every[np.random.default_rng(self.seed).permutation(len(every))]
+        for lo in range(0, len(every), self.samples_per_file):
+            self._write(every[lo:lo + self.samples_per_file], len(every[lo:lo + self.samples_per_file]))
+
+    def _write(self, pieces, n_examples, spent=()):
+        name = f"data-{len(self.entries):05d}.h5"
+        self.entries.append({"name": name, "n_examples": n_examples})
+        self.writer.submit(self.out / name, pieces, self.s, self.pad_id, self.compression, spent)
+
+
 def preprocess_text(inputs, output_dir, max_seq_length, *, tokenizer="byte", samples_per_file=None,
                     processes=1, seed=None, jsonl_key="text", compression=DEFAULT_COMPRESSION, overwrite=False,
                     progress=True):
@@ -335,8 +376,6 @@ def preprocess_text(inputs, output_dir, max_seq_length, *, tokenizer="byte", sam
     jobs = plan_jobs(files)
     total_bytes = sum(Path(f).stat().st_size for f in files)
     bar = Progress(total_bytes) if progress else None
-    s, per_file = max_seq_length, samples_per_file * max_seq_length  # stream tokens each file advances
-    shards, stream, written = [], _TokenStream(), 0  # written: where the next file starts in the stream
     n_tokens = nbytes = 0
 
     pool = writer = spill = None
@@ -344,40 +383,18 @@ def preprocess_text(inputs, output_dir, max_seq_length, *, tokenizer="byte", sam
         # Fork the workers before any thread exists; then the writer.
         pool = _pool(processes, tok, jsonl_key) if processes > 1 else None
         writer = _Writer(pool, depth=2 * processes)
-
-        def write(pieces, n_examples, spent=()):
-            name = f"data-{len(shards):05d}.h5"
-            shards.append({"name": name, "n_examples": n_examples})
-            writer.submit(out / name, pieces, s, tok.eot_id, compression, spent)
-
-        if pool is None:
-            _init_worker(tok, jsonl_key)
-            results = ((ids, len(ids), size) for ids, size in map(_tokenize, jobs))
-        else:
-            spill = Path(tempfile.mkdtemp(prefix=".tokens-", dir=out))
-            results = _in_order(pool, jobs, 2 * processes, spill)
+        shards = _Shards(out, writer, max_seq_length, samples_per_file, tok.eot_id, compression, seed,
+                         spill=pool is not None)
+        results, spill = _tokenized(jobs, pool, 2 * processes, tok, jsonl_key, out)
         for source, n, size in results:
-            stream.add(source, n)
             n_tokens += n
             nbytes += size
-            while seed is None and stream.end - written > per_file:
-                # File k holds stream tokens [k*P*S, (k+1)*P*S]: the last one is also the next file's first.
-                pieces = stream.slice(written, written + per_file + 1)
-                written += per_file
-                spent = stream.drop_before(written)
-                write(pieces, samples_per_file, spent if pool else ())
+            shards.add(source, n)
             if bar:
                 bar.update(nbytes, n_tokens)
         if n_tokens < 2:
             raise DataError(f"--input {' '.join(map(str, inputs))}: no text found (all inputs are empty)")
-        if seed is None:
-            if stream.end - written >= 2:
-                write(stream.slice(written, stream.end), n_packed(stream.end - written, s))
-        else:
-            every = pack(gather(stream.slice(0, stream.end)), s, tok.eot_id)
-            every = every[np.random.default_rng(seed).permutation(len(every))]
-            for lo in range(0, len(every), samples_per_file):
-                write(every[lo:lo + samples_per_file], len(every[lo:lo + samples_per_file]))
+        shards.finish()
         writer.finish()
     except BrokenProcessPool as exc:
         raise DataError(f"--output_dir {out}: a worker process died (killed, or out of memory); the dataset "
@@ -391,7 +408,26 @@ def preprocess_text(inputs, output_dir, max_seq_length, *, tokenizer="byte", sam
             shutil.rmtree(spill, ignore_errors=True)
     if bar:
         bar.update(nbytes, n_tokens, force=True)
-    params = {
+    params = _lm_params(tok, shards.entries, n_tokens, nbytes, max_seq_length=max_seq_length, compression=compression,
+                        seed=seed, input_files=len(files), t0=t0)
+    write_text(out / DATA_PARAMS, json.dumps(params, indent=2) + "\n")
+    return params
+
+
+def _tokenized(jobs, pool, ahead, tok, jsonl_key, out):
+    """(source, tokens, input bytes) of each job, in job order: ids tokenized here without a pool, spill
+    files written by its workers with one (``ahead`` jobs at most submitted and not yet taken); and the
+    spill directory (None without a pool) to remove after."""
+    if pool is None:
+        _init_worker(tok, jsonl_key)
+        return ((ids, len(ids), size) for ids, size in map(_tokenize, jobs)), None
+    spill = Path(tempfile.mkdtemp(prefix=".tokens-", dir=out))
+    return _in_order(pool, jobs, ahead, spill), spill
+
+
+def _lm_params(tok, shards, n_tokens, nbytes, *, max_seq_length, compression, seed, input_files, t0):
+    """data_params.json of an LM dataset (``shards``: each file's name and example count)."""
+    return {
         "format": "lm",
         "n_examples": sum(sh["n_examples"] for sh in shards),
         "n_tokens": n_tokens,
@@ -403,13 +439,11 @@ def preprocess_text(inputs, output_dir, max_seq_length, *, tokenizer="byte", sam
         "max_seq_length": max_seq_length,
         "compression": compression,
         "seed": seed,
-        "input_files": len(files),
+        "input_files": input_files,
         "input_bytes": nbytes,
         "files": shards,
         "seconds": time.perf_counter() - t0,
     }
-    write_text(out / DATA_PARAMS, json.dumps(params, indent=2) + "\n")
-    return params
 
 
 def preprocess_arrays(npz_path, output_dir, *, samples_per_file=None, compression=DEFAULT_COMPRESSION,

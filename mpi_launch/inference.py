@@ -32,6 +32,7 @@ from mpi_launch.plan import make_plan
 from mpi_launch.rundir import RunDir
 from mpi_launch.spec import RunConfig
 from wse_core.checks import plural
+from wse_core.errors import ConfigError, JobError
 
 #: The socket the coordinator connects to, in the job's directory (mode 0700: only its user reaches it).
 SOCKET = "engine.sock"
@@ -50,8 +51,9 @@ _KEPT_NAME = re.compile(rf"\d{{8}}-\d{{6}}-{PREFIX}\w+")
 PEER_TIMEOUT = next(f.default for f in fields(RunConfig) if f.name == "peer_timeout")
 
 
-class InferenceJobError(RuntimeError):
-    """The inference job could not start, or failed (one line naming the rank, or what is wrong)."""
+class InferenceJobError(JobError):
+    """The inference job could not start, or failed (one line naming the rank, or what is wrong; a
+    RuntimeError)."""
 
 
 def spec(model, source, kind, *, num_csx=1, num_wgt_servers=1, swarmx_fanout=2, max_streams=16, placement=None,
@@ -168,7 +170,7 @@ class ClusterEngine:
             self._end()
             raise self._failed() from None
         if reply[0] == "error":
-            raise ValueError(reply[1])
+            raise ConfigError(reply[1])
         return reply[1]
 
     def add(self, prompt, max_new_tokens, sampling=None, stop_ids=()):
@@ -176,8 +178,8 @@ class ClusterEngine:
 
         most = self.spec["max_streams"]
         if len(self._live) >= most:
-            raise ValueError(f"max_streams: {most} sequences are generating, as many as this inference job was placed "
-                             "for (their KV caches counted against SRAM); start it with a larger max_streams")
+            raise ConfigError(f"max_streams: {most} sequences are generating, as many as this inference job was placed "
+                              "for (their KV caches counted against SRAM); start it with a larger max_streams")
         i = self._call("add", list(map(int, prompt)), max_new_tokens, sampling or GREEDY, tuple(stop_ids))
         self._live.add(i)
         return i

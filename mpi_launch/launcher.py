@@ -114,68 +114,12 @@ def launch(cmd, plan, run_dir, *, peer_timeout, startup_timeout, hostfile=None, 
 
     watchdog = Watchdog(plan, peer_timeout=peer_timeout, startup_timeout=startup_timeout, hostfile=hostfile,
                         log=log, on_ready=ready)
-    previous = {}
-
-    def interrupted(sig, frame):
-        raise JobInterrupted(sig)
-
-    if threading.current_thread() is threading.main_thread():
-        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
-            if signal.getsignal(sig) is not signal.SIG_IGN:  # ignored by whoever started us: their choice
-                previous[sig] = signal.signal(sig, interrupted)
+    previous = _trap_stop_signals()
     try:
-        with tempfile.TemporaryFile("w+") as err:
-            proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, text=True, start_new_session=True,
-                                    env=mpi_env(1, {"OMP_WAIT_POLICY": "PASSIVE", **watchdog.env(),
-                                                   **hydra_env(run_dir.hwloc_xml)}))
-            watchdog.start(proc)
-            stopper = None
-            if stop is not None:
-                ended = threading.Event()  # the job is over: the stopper ends before the watchdog stops
-
-                def watch_stop():
-                    while not ended.is_set() and proc.poll() is None:
-                        if stop.wait(0.2):  # a sleep between looks at the job, not a spin
-                            if not ended.is_set():
-                                watchdog.end("the job was stopped before its last step (its caller asked)")
-                            return
-
-                stopper = threading.Thread(target=watch_stop, name="wse-launch-stop", daemon=True)
-                stopper.start()
-            banner = []  # hydra's failure banner comes on stdout; it goes to logs/mpiexec.log
-            try:
-                for line in proc.stdout:
-                    if line.startswith(("=", "YOUR APPLICATION TERMINATED")) or banner:
-                        banner.append(line)
-                    elif line.strip():
-                        out.write(line)
-                deadline = time.monotonic() + TEARDOWN_SECONDS
-                while proc.poll() is None and time.monotonic() < deadline:
-                    time.sleep(0.05)
-                if proc.poll() is None:  # mpiexec outlived its ranks: end it
-                    watchdog.end()
-                code = proc.wait()
-                watchdog.conclude()
-            except BaseException:
-                watchdog.end()
-                proc.wait()
-                raise
-            finally:
-                if stopper is not None:
-                    ended.set()
-                    stopper.join()
-                watchdog.stop()
-                watchdog.wait_gone(TEARDOWN_SECONDS)
-                watchdog.remove_shared_memory()
-            err.seek(0)
-            stderr = "".join(banner) + err.read()
+        code, stderr = _run_watched(cmd, run_dir, watchdog, out, stop)
         # The logs are the job's record, not its outcome: a disk that filled up says so only when
         # nothing else went wrong (a full disk's first victim, a rank's file, is the verdict).
-        unwritten = watchdog.log_error
-        try:
-            run_dir.mpiexec_log.write_text(stderr)
-        except OSError as exc:  # met writing, it names no file (a full disk)
-            unwritten = unwritten or OSError(exc.errno, exc.strerror, str(run_dir.mpiexec_log))
+        unwritten = _write_mpiexec_log(run_dir, stderr, watchdog.log_error)
     finally:
         try:
             log.close()
@@ -190,6 +134,101 @@ def launch(cmd, plan, run_dir, *, peer_timeout, startup_timeout, hostfile=None, 
     if unwritten is not None:
         raise unwritten
     return 0, None
+
+
+def _trap_stop_signals():
+    """Make SIGTERM, SIGINT and SIGHUP raise JobInterrupted (from the main thread only: Python runs
+    handlers there); return the handlers they replaced, for the caller to put back."""
+    previous = {}
+
+    def interrupted(sig, frame):
+        raise JobInterrupted(sig)
+
+    if threading.current_thread() is threading.main_thread():
+        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+            if signal.getsignal(sig) is not signal.SIG_IGN:  # ignored by whoever started us: their choice
+                previous[sig] = signal.signal(sig, interrupted)
+    return previous
+
+
+def _run_watched(cmd, run_dir, watchdog, out, stop):
+    """mpiexec from start to exit under ``watchdog``, the coordinator's lines to ``out``; return its
+    exit code and what hydra said (its failure banner, then its stderr). The watchdog is stopped and
+    the job's shared memory removed however it ends."""
+    with tempfile.TemporaryFile("w+") as err:
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, text=True, start_new_session=True,
+                                env=mpi_env(1, {"OMP_WAIT_POLICY": "PASSIVE", **watchdog.env(),
+                                               **hydra_env(run_dir.hwloc_xml)}))
+        watchdog.start(proc)
+        stopper, ended = _start_stopper(stop, proc, watchdog)
+        try:
+            banner = _stream_lines(proc, out)
+            code = _await_exit(proc, watchdog)
+            watchdog.conclude()
+        except BaseException:
+            watchdog.end()
+            proc.wait()
+            raise
+        finally:
+            if stopper is not None:
+                ended.set()
+                stopper.join()
+            watchdog.stop()
+            watchdog.wait_gone(TEARDOWN_SECONDS)
+            watchdog.remove_shared_memory()
+        err.seek(0)
+        return code, "".join(banner) + err.read()
+
+
+def _start_stopper(stop, proc, watchdog):
+    """A thread that ends the job once ``stop`` is set, and the event that tells it the job is over
+    (set it, then join the thread, before the watchdog stops); (None, None) without ``stop``."""
+    if stop is None:
+        return None, None
+    ended = threading.Event()
+
+    def watch_stop():
+        while not ended.is_set() and proc.poll() is None:
+            if stop.wait(0.2):  # a sleep between looks at the job, not a spin
+                if not ended.is_set():
+                    watchdog.end("the job was stopped before its last step (its caller asked)")
+                return
+
+    stopper = threading.Thread(target=watch_stop, name="wse-launch-stop", daemon=True)
+    stopper.start()
+    return stopper, ended
+
+
+def _stream_lines(proc, out):
+    """Write mpiexec's standard output to ``out`` until it closes; return hydra's failure banner (it
+    comes on stdout, and from its first line on everything goes to logs/mpiexec.log instead)."""
+    banner = []
+    for line in proc.stdout:
+        if line.startswith(("=", "YOUR APPLICATION TERMINATED")) or banner:
+            banner.append(line)
+        elif line.strip():
+            out.write(line)
+    return banner
+
+
+def _await_exit(proc, watchdog):
+    """mpiexec's exit code, once its output has closed; ended if it outlives its ranks by TEARDOWN_SECONDS."""
+    deadline = time.monotonic() + TEARDOWN_SECONDS
+    while proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    if proc.poll() is None:  # mpiexec outlived its ranks: end it
+        watchdog.end()
+    return proc.wait()
+
+
+def _write_mpiexec_log(run_dir, stderr, unwritten):
+    """Write hydra's messages to logs/mpiexec.log; return the first failure to write the job's logs
+    (``unwritten``: the watchdog's), or None."""
+    try:
+        run_dir.mpiexec_log.write_text(stderr)
+    except OSError as exc:  # met writing, it names no file (a full disk)
+        unwritten = unwritten or OSError(exc.errno, exc.strerror, str(run_dir.mpiexec_log))
+    return unwritten
 
 
 def job_processes(marker):

@@ -36,6 +36,7 @@ import numpy as np
 from mpi4py import MPI
 
 from mpi_launch.protocol import HEADER, Layout
+from wse_core.errors import JobError
 
 #: A step is a chain of waits (a header, then its tensor, hop after hop, for every micro-batch), each
 #: ending up to one sleep after its message came: with 1 ms, a small GPT-2's step of 4 micro-batches
@@ -75,11 +76,11 @@ CHUNK_FLOATS = 1 << 18
 IDLE, MOVED, DONE = 0, 1, 2
 
 
-class PeerTimeout(RuntimeError):
+class PeerTimeout(JobError):
     """A peer did not answer in time (it stopped, hung, or died without the job noticing)."""
 
 
-class PeerLost(RuntimeError):
+class PeerLost(JobError):
     """An exchange with a peer failed in MPI: usually the echo of that peer's death."""
 
 
@@ -483,7 +484,7 @@ class Link:
 
     def reducing(self, shapes_dtypes, kids, dests, phase, unit, what, sends, combine=None):
         """``reduce`` as a lane (``Lanes``): its sends go to ``sends``; returns the sums."""
-        from wse_core.tree import tree_sum
+        from wse_core.microbatch import tree_sum
 
         comm = self.comm
         combine = combine or tree_sum

@@ -12,9 +12,11 @@ import sys
 import sysconfig
 from pathlib import Path
 
+from wse_core.errors import JobError
 
-class MPILaunchError(RuntimeError):
-    """mpiexec is missing, or an MPI job failed or timed out (the message is one line)."""
+
+class MPILaunchError(JobError):
+    """mpiexec is missing, or an MPI job failed or timed out (the message is one line; a RuntimeError)."""
 
 
 def find_mpiexec():
@@ -83,14 +85,6 @@ def run_mpi(nranks, argv, *, timeout, threads_per_rank=1, env=None):
         proc.communicate()
         raise MPILaunchError(f"MPI job `{' '.join(cmd)}` did not finish within {timeout} s; killed") from None
     return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
-
-
-def fit_command(params, *, hostfile=None, cores=None):
-    """The mpiexec command line of a training job, and its plan (``job_command``)."""
-    from mpi_launch.plan import plan_for
-
-    plan, _ = plan_for(params)
-    return job_command(plan, params.runconfig.model_dir, hostfile=hostfile, cores=cores), plan
 
 
 def job_command(plan, run_dir, *, hostfile=None, cores=None):

@@ -11,6 +11,7 @@ Run by hand, without a watchdog, a failing rank aborts the whole job itself (``M
 import sys
 
 from mpi_launch import supervisor
+from wse_core.errors import JobError
 
 #: Seconds a failed, supervised rank waits for the watchdog to end the job before aborting it itself.
 _ABORT_AFTER = 60.0
@@ -33,7 +34,6 @@ def main(argv=None):
     from mpi4py import MPI
 
     supervisor.report(supervisor.MPI_UP)
-    from mpi_launch.plan import plan_for
 
     comm = MPI.COMM_WORLD
     role, index = ("unknown", 0)
@@ -47,14 +47,16 @@ def main(argv=None):
             plan = plan_of(run["inference"])
             make = lambda role, index: ROLES[role](comm, plan, run["inference"], run_dir, index)  # noqa: E731
         else:
+            from mpi_launch.resolved import ResolvedRun
             from mpi_launch.roles import ROLES
             from mpi_launch.spec import RunSpec
 
-            params = RunSpec.from_dict(run["params"])
-            plan, _ = plan_for(params)
-            make = lambda role, index: ROLES[role](comm, plan, params, run, index, bells)  # noqa: E731
+            # The launcher's plan, strategy and micro-batches, obeyed as written; the model built here once.
+            resolved = ResolvedRun.from_json(run["resolved"], RunSpec.from_dict(run["params"]))
+            plan = resolved.plan
+            make = lambda role, index: ROLES[role](comm, resolved, run, index, bells)  # noqa: E731
         if comm.size != plan.world_size:
-            raise RuntimeError(f"started with {comm.size} ranks, the plan needs {plan.world_size}")
+            raise JobError(f"started with {comm.size} ranks, the plan needs {plan.world_size}")
         role, index = plan.role_of(comm.rank)
         from mpi_launch.messaging import Bells
 

@@ -183,8 +183,9 @@ class RunDir:
         write_text(self.metrics, "".join(json.dumps(r) + "\n" for r in kept))
 
     # -- preparing a run -----------------------------------------------------------------------
-    def prepare(self, params, *, checkpoint=None):
-        """Write ``run.json``, ``params.yaml`` and ``plan.json``; return the run dict.
+    def prepare(self, resolved, *, checkpoint=None):
+        """Write ``run.json`` (the spec and the ``ResolvedRun`` the ranks obey), ``params.yaml`` and
+        ``plan.json`` of a ``mpi_launch.resolved.ResolvedRun``; return the run dict.
 
         Resumes from ``checkpoint`` if given, else from ``latest`` if there is one; when ``latest`` is
         missing or unreadable beside checkpoints, from the newest complete one, ``latest`` written again
@@ -197,8 +198,7 @@ class RunDir:
         import yaml
 
         from data_tools.checkpoint import Checkpoint, clean_up, recover_latest
-        from mpi_launch.plan import describe
-        from wse_core.nn import build_model
+        from mpi_launch.resolved import describe
         from wse_core.numerics import environment
 
         clean_up(self.path)  # what a killed or failed save left (this job holds the lock)
@@ -212,15 +212,16 @@ class RunDir:
         if checkpoint is not None:
             ckpt = Checkpoint(checkpoint)
             start, ckpt_dir = ckpt.step, str(ckpt.dir.resolve())
-            ckpt.check_model(build_model(params.model))
-            changed = _check_numerics(ckpt, numerics, params.runconfig.allow_numerics_change)
+            ckpt.check_model(resolved.model)
+            changed = _check_numerics(ckpt, numerics, resolved.spec.runconfig.allow_numerics_change)
         self.truncate_metrics(start)
-        run = {"params": params.to_dict(), "start_step": start, "checkpoint": ckpt_dir, "numerics": numerics,
-               "numerics_changed": changed, "recovered": recovered}
+        params = resolved.spec
+        run = {"params": params.to_dict(), "resolved": resolved.to_json(), "start_step": start,
+               "checkpoint": ckpt_dir, "numerics": numerics, "numerics_changed": changed, "recovered": recovered}
         # every rank, the appliance and `wse bench faults` read them while the job starts: whole files
         write_text(self.run_json, json.dumps(run, indent=1))
         write_text(self.params_yaml, yaml.safe_dump(params.to_dict(), sort_keys=False))
-        write_text(self.plan_json, json.dumps(describe(params), indent=1))
+        write_text(self.plan_json, json.dumps(describe(resolved), indent=1))
         return run
 
     def read_run(self):

@@ -17,6 +17,7 @@ from types import MappingProxyType
 from typing import ClassVar
 
 from wse_core.checks import Bool, Check, Int, Number, OneOf, Text, Zoo, key, show
+from wse_core.errors import ConfigError
 
 
 def freeze(value):
@@ -56,14 +57,14 @@ def _paths(value, path):
     if isinstance(value, list) and value and all(isinstance(v, str) and v for v in value):
         return value
     if not isinstance(value, str) or not value:
-        raise ValueError(f"{path}: expected a directory or a non-empty list of directories, got {show(value)}")
+        raise ConfigError(f"{path}: expected a directory or a non-empty list of directories, got {show(value)}")
     return value
 
 
 def _micro_batch(value, path):
     if value in ("auto", "explore", "none") or isinstance(value, int) and not isinstance(value, bool) and value >= 1:
         return value
-    raise ValueError(f"{path}: expected a number of samples, auto, explore or none, got {show(value)}")
+    raise ConfigError(f"{path}: expected a number of samples, auto, explore or none, got {show(value)}")
 
 
 def _mixture(value, path):
@@ -72,10 +73,10 @@ def _mixture(value, path):
             and isinstance(m["data_dir"], str) and m["data_dir"] and isinstance(m["weight"], (int, float))
             and not isinstance(m["weight"], bool) and 0 <= m["weight"] < math.inf for m in value)
             and any(m["weight"] > 0 for m in value)):
-        raise ValueError(f"{path}: expected a list of {{data_dir: DIR, weight: number >= 0}}, some weight > 0, "
-                         f"got {show(value)}")
+        raise ConfigError(f"{path}: expected a list of {{data_dir: DIR, weight: number >= 0}}, some weight > 0, "
+                          f"got {show(value)}")
     if any("data_subset" in m for m in value):
-        raise ValueError(f"{path}: data_subset is not built (use each directory whole)")
+        raise ConfigError(f"{path}: data_subset is not built (use each directory whole)")
     return value
 
 
@@ -83,7 +84,7 @@ def _learning_rate(value, path):
     from wse_core.optim import make_schedule
 
     if isinstance(value, str):
-        raise ValueError(f"{path}: expected a number or a list of schedulers, got {show(value)}")
+        raise ConfigError(f"{path}: expected a number or a list of schedulers, got {show(value)}")
     make_schedule(value, key=path)
     return value
 
@@ -91,7 +92,7 @@ def _learning_rate(value, path):
 def _betas(value, path):
     if not (isinstance(value, (list, tuple)) and len(value) == 2
             and all(isinstance(b, (int, float)) and not isinstance(b, bool) and 0 <= b < 1 for b in value)):
-        raise ValueError(f"{path}: expected two numbers in [0, 1), got {show(value)}")
+        raise ConfigError(f"{path}: expected two numbers in [0, 1), got {show(value)}")
     return value
 
 
@@ -99,13 +100,13 @@ def _loss_scale(value, path):
     if value == "dynamic":
         return value
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
-        raise ValueError(f"{path}: expected a number > 0 or dynamic, got {show(value)}")
+        raise ConfigError(f"{path}: expected a number > 0 or dynamic, got {show(value)}")
     return value
 
 
 def _lr_adjust(value, path):
     if not isinstance(value, dict):
-        raise ValueError(f"{path}: expected a mapping of parameter groups to scales > 0, got {show(value)}")
+        raise ConfigError(f"{path}: expected a mapping of parameter groups to scales > 0, got {show(value)}")
     for group, scale in value.items():
         POSITIVE(scale, f"{path}.{group}")
     return value
@@ -118,7 +119,7 @@ def _hardware(value, path):
     if isinstance(value, str):
         value = {"system": value}
     if not isinstance(value, dict):
-        raise ValueError(f"{path}: expected a system (cs2, cs3) or a mapping of hardware constants, got {show(value)}")
+        raise ConfigError(f"{path}: expected a system (cs2, cs3) or a mapping of hardware constants, got {show(value)}")
     Hardware.from_params(value)
     return value
 
@@ -131,10 +132,10 @@ OPTIMIZERS_NOT_BUILT = ("lamb", "adafactor", "lion", "adadelta", "adagrad", "ada
 def _optimizer_type(value, path):
     Text()(value, path)
     if value.lower() in OPTIMIZERS_NOT_BUILT:
-        raise ValueError(f"{path}: {value} is one of Model Zoo's optimizers that wse-cluster does not implement "
-                         "(implemented: SGD, Adam, AdamW)")
+        raise ConfigError(f"{path}: {value} is one of Model Zoo's optimizers that wse-cluster does not implement "
+                          "(implemented: SGD, Adam, AdamW)")
     if value.lower() not in ("sgd", "adam", "adamw"):
-        raise ValueError(f"{path}: unknown optimizer {show(value)} (known: SGD, Adam, AdamW)")
+        raise ConfigError(f"{path}: unknown optimizer {show(value)} (known: SGD, Adam, AdamW)")
     return value
 
 

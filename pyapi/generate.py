@@ -14,6 +14,8 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from wse_core.errors import ConfigError
+
 #: Tokens a prompt gets when none are asked (fewer when the model holds fewer positions).
 DEFAULT_NEW_TOKENS = 64
 
@@ -83,11 +85,11 @@ class Generator:
             try:
                 self._recompute = Recompute(model, weights)  # refuses, in one line, a model that cannot generate
             except ValueError as exc:
-                raise ValueError(f"{source}: {exc}") from None
+                raise ConfigError(f"{source}: {exc}") from None
             self.capacity, self.vocab_size = self._recompute.capacity, self._recompute.vocab_size
         elif not getattr(model, "is_lm", False) or not hasattr(model, "infer"):
-            raise ValueError(f"{source}: model {model.config['name']}: generating is built for the language models "
-                             "(gpt2, gpt3, llama, and compiled PyTorch models of token ids)")
+            raise ConfigError(f"{source}: model {model.config['name']}: generating is built for the language models "
+                              "(gpt2, gpt3, llama, and compiled PyTorch models of token ids)")
         else:
             self.capacity, self.vocab_size = model.config["max_position_embeddings"], model.config["vocab_size"]
         self.model, self.weights, self.tokenizer = model, weights, tokenizer
@@ -127,7 +129,7 @@ class Generator:
         ckpt = Checkpoint(checkpoint_path if checkpoint_path is not None else path)
         params = yaml.safe_load(ckpt.params_yaml) or {}
         if "model" not in params:
-            raise ValueError(f"{ckpt.dir}: its params name no model")
+            raise DataError(f"{ckpt.dir}: its params name no model")
         model = build_model(params["model"])
         weights = ckpt.dense(ckpt.load(model.param_names)[0])
         data = params.get("train_input") or {}
@@ -153,14 +155,14 @@ class Generator:
 
         if getattr(self.model, "family", None) == "torch":
             if num_csx is not None:
-                raise ValueError("--num_csx: a compiled PyTorch model generates in this process only (its graph "
-                                 "has no KV cache to place on the wafers)")
+                raise ConfigError("--num_csx: a compiled PyTorch model generates in this process only (its graph "
+                                  "has no KV cache to place on the wafers)")
             return Engine(self.model, runner=self._recompute.fresh())
         if num_csx is None:
             return Engine(self.model, self.weights)
         if self.kind is None:
-            raise ValueError(f"{self.source or 'this model'}: a model given as weights in memory runs in this process "
-                             "only; load it from a checkpoint or a Hugging Face directory to run it on CS-2s")
+            raise ConfigError(f"{self.source or 'this model'}: a model given as weights in memory runs in this process "
+                              "only; load it from a checkpoint or a Hugging Face directory to run it on CS-2s")
         from mpi_launch.inference import LOGS, ClusterEngine
 
         options = {"log_dir": self.home / LOGS, **{k: v for k, v in options.items() if v is not None}}
@@ -170,7 +172,7 @@ class Generator:
         """A prompt's ids: a text through the tokenizer, after ``bos_id``; a list of ids as given."""
         if isinstance(prompt, str):
             if self.tokenizer is None:
-                raise ValueError(f"a text prompt needs a tokenizer ({self.why_no_tokenizer}); give token ids instead")
+                raise ConfigError(f"a text prompt needs a tokenizer ({self.why_no_tokenizer}); give token ids instead")
             return ([] if self.bos_id is None else [self.bos_id]) + list(self.tokenizer.encode(prompt))
         return [int(i) for i in prompt]
 
@@ -183,8 +185,8 @@ class Generator:
         if asked is None:
             return min(DEFAULT_NEW_TOKENS, most)
         if asked > most:
-            raise ValueError(f"max_new_tokens: {asked}; the model holds {self.capacity} positions "
-                             f"(model.max_position_embeddings), so at most {most} tokens follow a prompt")
+            raise ConfigError(f"max_new_tokens: {asked}; the model holds {self.capacity} positions "
+                              f"(model.max_position_embeddings), so at most {most} tokens follow a prompt")
         return asked
 
     def generate(self, prompts, max_new_tokens=None, *, temperature=0.0, top_k=0, top_p=1.0, seed=0, on_token=None,

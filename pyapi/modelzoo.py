@@ -30,6 +30,7 @@ from dataclasses import fields
 
 from mpi_launch.spec import SECTIONS
 from wse_core.checks import plural, show
+from wse_core.errors import ConfigError
 
 #: Activations of gated feed-forward layers: llama's (swiglu), not built for gpt2.
 LLAMA_NONLINEARITIES = ("swiglu", "geglu", "reglu", "relu", "silu", "leaky_relu")
@@ -144,7 +145,7 @@ def _leaves(d, prefix=""):
 def _scheduler_to_flat(entry, where):
     """``{LinearLR: {...}}`` (trainer layout) -> ``{scheduler: LinearLR, ...}``, nested lists included."""
     if not (isinstance(entry, dict) and len(entry) == 1 and isinstance(next(iter(entry.values())), dict)):
-        raise ValueError(f"{where}: expected one mapping {{SchedulerName: {{...}}}}, got {show(entry)}")
+        raise ConfigError(f"{where}: expected one mapping {{SchedulerName: {{...}}}}, got {show(entry)}")
     (name, args), = entry.items()
     # The flat spelling: LinearLR -> Linear.
     out = {"scheduler": name[:-2] if str(name).endswith("LR") else name, **args}
@@ -173,22 +174,11 @@ def flatten(raw, origins=None):
     (``trainer.init.model``), so what is said of a key names it as the file does (``KeyReport.in_file``).
     """
     origins = {} if origins is None else origins
-    trainer = raw["trainer"]
-    if isinstance(trainer, list):
-        if len(trainer) != 1:
-            raise ValueError(f"trainer: a list of {len(trainer)} training phases; wse-cluster runs one "
-                             "(give one trainer, or one file per phase)")
-        trainer = trainer[0].get("trainer") if isinstance(trainer[0], dict) else None
-    if not isinstance(trainer, dict):
-        raise ValueError(f"trainer: expected a mapping with init and fit, got {show(trainer)}")
-    t = copy.deepcopy(trainer)
-    flat, unknown = {}, []
-    for section in raw:
-        if section != "trainer":
-            unknown.append(section)
+    t = copy.deepcopy(_one_trainer(raw["trainer"]))
+    flat, unknown = {}, [section for section in raw if section != "trainer"]
     init = t.pop("init", None) or {}
     if not isinstance(init, dict):
-        raise ValueError(f"trainer.init: expected a mapping, got {show(init)}")
+        raise ConfigError(f"trainer.init: expected a mapping, got {show(init)}")
     for tpath, fpath in INIT_HOMES:
         value, found = _pop(init, tpath)
         if found:
@@ -197,45 +187,77 @@ def flatten(raw, origins=None):
     model = init.pop("model", None)
     if model is not None:
         if not isinstance(model, dict):
-            raise ValueError(f"trainer.init.model: expected a mapping, got {show(model)}")
+            raise ConfigError(f"trainer.init.model: expected a mapping, got {show(model)}")
         origins["model"] = "trainer.init.model"
         for k, v in model.items():  # model keys are the same in both layouts (mixed_precision too)
             flat.setdefault("model", {})[k] = v
-    opt = init.pop("optimizer", None)
-    if opt is not None:
-        if not (isinstance(opt, dict) and len(opt) == 1 and isinstance(next(iter(opt.values())), (dict, type(None)))):
-            raise ValueError("trainer.init.optimizer: expected one mapping {OptimizerName: {...}}, "
-                             f"got {show(opt)}")
-        (name, args), = opt.items()
-        flat.setdefault("optimizer", {}).update({"optimizer_type": name, **(args or {})})
-        origins.update({"optimizer": f"trainer.init.optimizer.{name}",
-                        "optimizer.optimizer_type": "trainer.init.optimizer"})
-    scheds = init.pop("schedulers", None)
-    if scheds is not None:
-        if isinstance(scheds, dict):
-            scheds = [scheds]
-        if not isinstance(scheds, list):
-            raise ValueError(f"trainer.init.schedulers: expected a list of schedulers, got {show(scheds)}")
-        lr = [_scheduler_to_flat(s, f"trainer.init.schedulers[{i}]") for i, s in enumerate(scheds)]
-        if len(lr) > 1:  # several top-level schedulers in Model Zoo's trainer are chained
-            lr = [dict(s, main_scheduler="chained") for s in lr]
-        elif str(lr[0]["scheduler"]).lower() == "sequential" and set(lr[0]) == {"scheduler", "schedulers"}:
-            lr = lr[0]["schedulers"]  # the flat layout's list is a SequentialLR without milestones
-        if "learning_rate" in flat.get("optimizer", {}):
-            raise ValueError("trainer.init.schedulers: given beside the optimizer's learning_rate; give one")
-        flat.setdefault("optimizer", {})["learning_rate"] = lr[0] if len(lr) == 1 else lr
-        origins["optimizer.learning_rate"] = "trainer.init.schedulers"
+    _optimizer_to_flat(init.pop("optimizer", None), flat, origins)
+    _schedulers_to_flat(init.pop("schedulers", None), flat, origins)
     sparsity = init.pop("sparsity", None)
     if sparsity is not None:
         flat["sparsity"] = sparsity
         origins["sparsity"] = "trainer.init.sparsity"
-    callbacks = init.pop("callbacks", None) or []
+    _callbacks_to_flat(init.pop("callbacks", None) or [], flat, unknown, origins)
+    unknown += [f"trainer.init.{p}" for p in _leaves(init)]
+    _dataloaders_to_flat(t, flat, unknown, origins)
+    t.pop("validate_all", None)  # the dataloaders of Model Zoo's validate_all command, not of a fit
+    unknown += [f"trainer.{p}" for p in _leaves(t)]
+    return flat, unknown
+
+
+def _one_trainer(trainer):
+    """The one trainer of ``raw["trainer"]``: a mapping, or a list of one phase (``[{trainer: {...}}]``)."""
+    if isinstance(trainer, list):
+        if len(trainer) != 1:
+            raise ConfigError(f"trainer: a list of {len(trainer)} training phases; wse-cluster runs one "
+                              "(give one trainer, or one file per phase)")
+        trainer = trainer[0].get("trainer") if isinstance(trainer[0], dict) else None
+    if not isinstance(trainer, dict):
+        raise ConfigError(f"trainer: expected a mapping with init and fit, got {show(trainer)}")
+    return trainer
+
+
+def _optimizer_to_flat(opt, flat, origins):
+    """``trainer.init.optimizer`` (``{OptimizerName: {...}}``) into the flat ``optimizer`` section."""
+    if opt is None:
+        return
+    if not (isinstance(opt, dict) and len(opt) == 1 and isinstance(next(iter(opt.values())), (dict, type(None)))):
+        raise ConfigError("trainer.init.optimizer: expected one mapping {OptimizerName: {...}}, "
+                          f"got {show(opt)}")
+    (name, args), = opt.items()
+    flat.setdefault("optimizer", {}).update({"optimizer_type": name, **(args or {})})
+    origins.update({"optimizer": f"trainer.init.optimizer.{name}",
+                    "optimizer.optimizer_type": "trainer.init.optimizer"})
+
+
+def _schedulers_to_flat(scheds, flat, origins):
+    """``trainer.init.schedulers`` into the flat ``optimizer.learning_rate`` (one scheduler or a list)."""
+    if scheds is None:
+        return
+    if isinstance(scheds, dict):
+        scheds = [scheds]
+    if not isinstance(scheds, list):
+        raise ConfigError(f"trainer.init.schedulers: expected a list of schedulers, got {show(scheds)}")
+    lr = [_scheduler_to_flat(s, f"trainer.init.schedulers[{i}]") for i, s in enumerate(scheds)]
+    if len(lr) > 1:  # several top-level schedulers in Model Zoo's trainer are chained
+        lr = [dict(s, main_scheduler="chained") for s in lr]
+    elif str(lr[0]["scheduler"]).lower() == "sequential" and set(lr[0]) == {"scheduler", "schedulers"}:
+        lr = lr[0]["schedulers"]  # the flat layout's list is a SequentialLR without milestones
+    if "learning_rate" in flat.get("optimizer", {}):
+        raise ConfigError("trainer.init.schedulers: given beside the optimizer's learning_rate; give one")
+    flat.setdefault("optimizer", {})["learning_rate"] = lr[0] if len(lr) == 1 else lr
+    origins["optimizer.learning_rate"] = "trainer.init.schedulers"
+
+
+def _callbacks_to_flat(callbacks, flat, unknown, origins):
+    """``trainer.init.callbacks`` into their flat homes (CALLBACK_HOMES, GlobalFlags' as runconfig keys);
+    a callback or flag with no home goes to ``unknown``."""
     if not isinstance(callbacks, list):
-        raise ValueError(f"trainer.init.callbacks: expected a list, got {show(callbacks)}")
+        raise ConfigError(f"trainer.init.callbacks: expected a list, got {show(callbacks)}")
     for i, cb in enumerate(callbacks):
         if not (isinstance(cb, dict) and len(cb) == 1):
-            raise ValueError(f"trainer.init.callbacks[{i}]: expected one mapping {{CallbackName: {{...}}}}, "
-                             f"got {show(cb)}")
+            raise ConfigError(f"trainer.init.callbacks[{i}]: expected one mapping {{CallbackName: {{...}}}}, "
+                              f"got {show(cb)}")
         (name, args), = cb.items()
         args = args or {}
         if name == "GlobalFlags":  # hardware/debug flags of a real system: kept to be named as tuning
@@ -251,28 +273,29 @@ def flatten(raw, origins=None):
                     origins[CALLBACK_HOMES[name][flag]] = f"trainer.init.callbacks[{i}].{name}.{flag}"
         else:
             unknown.append(f"trainer.init.callbacks[{i}].{name}")
-    unknown += [f"trainer.init.{p}" for p in _leaves(init)]
+
+
+def _dataloaders_to_flat(t, flat, unknown, origins):
+    """``trainer.fit``'s dataloaders and ``trainer.validate``'s into ``train_input``/``eval_input``, popped
+    from ``t``; what else those two sections hold goes to ``unknown``."""
     fit = t.pop("fit", None) or {}
     for key, section in (("train_dataloader", "train_input"), ("val_dataloader", "eval_input")):
         value = fit.pop(key, None)
         if value is not None:
             if not isinstance(value, dict):
-                raise ValueError(f"trainer.fit.{key}: expected a mapping, got {show(value)}")
+                raise ConfigError(f"trainer.fit.{key}: expected a mapping, got {show(value)}")
             flat[section] = {**value, **flat.get(section, {})}
             origins[section] = f"trainer.fit.{key}"
-    unknown += [f"trainer.fit.{p}" for p in _leaves(fit)]
+    unknown.extend(f"trainer.fit.{p}" for p in _leaves(fit))
     validate = t.pop("validate", None) or {}
     val = validate.pop("val_dataloader", None)
     if val is not None and "eval_input" not in flat:
         flat["eval_input"] = dict(val)
         origins["eval_input"] = "trainer.validate.val_dataloader"
     elif val is not None and {k: v for k, v in flat["eval_input"].items() if k != "micro_batch_size"} != val:
-        raise ValueError("trainer.validate.val_dataloader: differs from trainer.fit.val_dataloader; wse-cluster "
-                         "evaluates on one eval_input")
-    unknown += [f"trainer.validate.{p}" for p in _leaves(validate)]
-    t.pop("validate_all", None)  # the dataloaders of Model Zoo's validate_all command, not of a fit
-    unknown += [f"trainer.{p}" for p in _leaves(t)]
-    return flat, unknown
+        raise ConfigError("trainer.validate.val_dataloader: differs from trainer.fit.val_dataloader; wse-cluster "
+                          "evaluates on one eval_input")
+    unknown.extend(f"trainer.validate.{p}" for p in _leaves(validate))
 
 
 def to_trainer(flat):
@@ -346,6 +369,7 @@ class KeyReport:
         self.compile_only = False      # laid out, not run (wse compile): micro_batch_size: explore allowed
         self.micro_batch_mode = None   # "number", "auto", "explore" or "none": how the params gave it
         self.origins = {}   # a trainer-layout file's: flat path (or prefix) -> its path in the file (``flatten``)
+        self.model = None   # the model the params build, built once (``mpi_launch.resolved``)
 
     def in_file(self, path):
         """A key's path as the file spells it: ``trainer.init.loop.max_steps`` for ``runconfig.max_steps``

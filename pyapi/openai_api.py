@@ -15,6 +15,7 @@ from pathlib import Path
 from aiohttp import web
 
 from wse_core.checks import Bool, Check, Constraint, Int, Number, Text, default_of, did_you_mean, key, show
+from wse_core.errors import ConfigError, ConfigTypeError
 from wse_core.nn.generate import GREEDY, Sampling
 
 
@@ -51,7 +52,7 @@ class Unserved(Constraint):
     def check(self, value, path):
         if any(value == a and isinstance(value, bool) == isinstance(a, bool) for a in self.accepted):
             return value
-        raise ValueError(f"{path}: {self.why}, got {show(value)}")
+        raise ConfigError(f"{path}: {self.why}, got {show(value)}")
 
 
 def _prompts(value, path):
@@ -65,27 +66,28 @@ def _prompts(value, path):
         return value
     if ids(value):
         return [value]
-    raise TypeError(f"{path}: expected a string, a list of strings, a list of token ids or a list of such lists, "
-                    f"got {show(value)}")
+    raise ConfigTypeError(f"{path}: expected a string, a list of strings, a list of token ids or a list of such lists, "
+                          f"got {show(value)}")
 
 
 def _messages(value, path):
     """OpenAI's chat ``messages``: objects with a role and a text content (text parts are joined, as a
     model of text reads them); the other keys go to the template as given."""
     if not isinstance(value, list) or not value:
-        raise TypeError(f"{path}: expected a non-empty list of messages, got {show(value)}")
+        raise ConfigTypeError(f"{path}: expected a non-empty list of messages, got {show(value)}")
     out = []
     for i, m in enumerate(value):
         if not isinstance(m, dict) or not isinstance(m.get("role"), str):
-            raise TypeError(f"{path}[{i}]: expected an object with a role, got {show(m)}")
+            raise ConfigTypeError(f"{path}[{i}]: expected an object with a role, got {show(m)}")
         content = m.get("content")
         if isinstance(content, list):
             if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
                        for p in content):
-                raise ValueError(f"{path}[{i}].content: only text parts are served, got {show(content)}")
+                raise ConfigError(f"{path}[{i}].content: only text parts are served, got {show(content)}")
             m = dict(m, content="".join(p["text"] for p in content))
         elif content is not None and not isinstance(content, str):
-            raise TypeError(f"{path}[{i}].content: expected a string or a list of text parts, got {show(content)}")
+            raise ConfigTypeError(f"{path}[{i}].content: expected a string or a list of text parts, "
+                                  f"got {show(content)}")
         out.append(m)
     return out
 
@@ -93,7 +95,7 @@ def _messages(value, path):
 def _stream_options(value, path):
     if not isinstance(value, dict) or set(value) - {"include_usage"} or \
             not isinstance(value.get("include_usage", False), bool):
-        raise ValueError(f"{path}: expected {{\"include_usage\": true or false}}, got {show(value)}")
+        raise ConfigError(f"{path}: expected {{\"include_usage\": true or false}}, got {show(value)}")
     return value
 
 
@@ -102,13 +104,13 @@ def _stops(value, path):
     stops = [value] if isinstance(value, str) else value
     if not isinstance(stops, list) or not 1 <= len(stops) <= 4 or \
             not all(isinstance(s, str) and s for s in stops):
-        raise TypeError(f"{path}: expected a non-empty string or a list of 1 to 4 of them, got {show(value)}")
+        raise ConfigTypeError(f"{path}: expected a non-empty string or a list of 1 to 4 of them, got {show(value)}")
     return stops
 
 
 def _any_text(value, path):
     if not isinstance(value, str):
-        raise TypeError(f"{path}: expected a string, got {show(value)}")
+        raise ConfigTypeError(f"{path}: expected a string, got {show(value)}")
     return value
 
 

@@ -24,7 +24,8 @@ import yaml
 from mpi_launch.spec import SECTIONS, RunSpec
 from pyapi import modelzoo
 from wse_core.checks import check_fields, did_you_mean, plural, show
-from wse_core.tree import cluster_sums_as_one
+from wse_core.errors import ConfigError, PlanError
+from wse_core.microbatch import MicroBatches, share
 
 #: Values (scalars, lists, mappings; an alias counted each time it is used) a params document may
 #: expand to: a real one has a few hundred; an alias bomb has billions.
@@ -43,8 +44,8 @@ MAX_ROUNDS = 1_024
 
 
 
-class ParamsError(ValueError):
-    """A params file is unreadable or a key is unknown, missing or of the wrong type.
+class ParamsError(ConfigError):
+    """A params file is unreadable or a key is unknown, missing or of the wrong type (a ValueError).
 
     ``report`` (a ``modelzoo.KeyReport``, when the keys were sorted) holds every key's fate."""
 
@@ -139,7 +140,8 @@ def _validate_flat(raw, report, problems):
         from wse_core.nn import build_model
 
         try:
-            out["model"] = build_model(raw["model"]).config
+            report.model = build_model(raw["model"])  # the run's model, built once (mpi_launch.resolved)
+            out["model"] = report.model.config
             for key in raw["model"]:
                 report.fates.setdefault(f"model.{key}", "honoured")
         except (TypeError, ValueError) as exc:
@@ -149,7 +151,7 @@ def _validate_flat(raw, report, problems):
     if not problems:
         try:
             _check_consistency(out, report)
-        except ParamsError as exc:
+        except (ParamsError, PlanError) as exc:  # a micro-batch the wafer cannot take (check_wafer) too
             problems.append(str(exc))
     if len(problems) == 1:
         raise ParamsError(problems[0], report)
@@ -171,8 +173,8 @@ def _check_consistency(p, report):
         raise ParamsError(f"train_input.batch_size: {t['batch_size']} samples cannot feed runconfig.num_csx "
                           f"{r['num_csx']} CS-2s")
     _resolve_micro_batch(p, report)
-    per_csx = -(-t["batch_size"] // r["num_csx"])
-    rounds = -(-per_csx // t["micro_batch_size"])
+    batches = MicroBatches(t["batch_size"], t["micro_batch_size"], r["num_csx"])
+    per_csx, rounds = batches.per_csx, batches.rounds
     if rounds > MAX_ROUNDS:
         raise ParamsError(f"train_input.micro_batch_size: {t['micro_batch_size']} deals each CS-2's {per_csx:,} "
                           f"samples in {rounds:,} micro-batches a step, more than {MAX_ROUNDS:,}, wse-cluster's bound "
@@ -184,10 +186,8 @@ def _check_consistency(p, report):
         raise ParamsError("optimizer.loss_scaling_factor: cbfloat16 needs dynamic loss scaling (as in Model Zoo): "
                           "set loss_scaling_factor: dynamic")
     if p["optimizer"]["adjust_learning_rate"]:
-        from wse_core.nn import build_model
-
         try:
-            build_model(p["model"]).lr_factors(p["optimizer"]["adjust_learning_rate"])
+            report.model.lr_factors(p["optimizer"]["adjust_learning_rate"])
         except ValueError as exc:
             raise ParamsError(str(exc)) from None
     if r["eval_frequency"] is not None and "eval_input" not in p:
@@ -198,17 +198,16 @@ def _check_consistency(p, report):
 def _resolve_micro_batch(p, report):
     """Turn ``train_input.micro_batch_size`` into a number of samples (docs/design.md section 8,
     "Micro-batching" and "Wafer memory"), one of the sizes that deal the batch evenly
-    (``wse_core.nn.micro_batch_sizes``): a number as given, or the next of those sizes up (said);
+    (``MicroBatches.even_sizes``): a number as given, or the next of those sizes up (said);
     ``none`` each CS-2's share; ``auto`` (or no key) the largest size whose micro-batch fits a wafer
     in weight streaming, the share itself whenever it fits (a pipelined run keeps the share);
     ``explore`` as ``auto``, for ``wse compile`` only, which then prints every candidate."""
-    from wse_core.nn import build_model, micro_batch_sizes
+    from mpi_launch.resolved import check_wafer
     from wse_core.perf import Hardware
-    from wse_core.perf.memory import largest_micro_batch, streaming_wafer
 
     t, r = p["train_input"], p["runconfig"]
-    per_csx = -(-t["batch_size"] // r["num_csx"])
-    sizes = micro_batch_sizes(t["batch_size"], r["num_csx"])
+    per_csx = share(t["batch_size"], r["num_csx"])
+    sizes = MicroBatches.even_sizes(t["batch_size"], r["num_csx"])
     given = t["micro_batch_size"]
     report.micro_batch_mode = given if isinstance(given, str) else ("auto" if given is None else "number")
     if given == "explore" and not report.compile_only:
@@ -228,17 +227,11 @@ def _resolve_micro_batch(p, report):
     if given == "none" or r["execution_strategy"] == "pipeline":
         t["micro_batch_size"] = per_csx
         return
-    model = build_model(p["model"])
-    seq = p["model"].get("max_position_embeddings")
     try:
-        hw = Hardware.for_model(model, r["hardware"])
+        hw = Hardware.for_model(report.model, r["hardware"])
     except ValueError as exc:
         raise ParamsError(str(exc)) from None
-    best = largest_micro_batch(model, sizes, seq, hw)
-    if best is None:
-        w = streaming_wafer(model, 1, seq, hw)
-        raise ParamsError(f"train_input.micro_batch_size: {given or 'auto'}: not even one sample fits a CS-2's wafer "
-                          f"in weight streaming ({w.need / 1e9:.1f} GB of its {w.capacity / 1e9:.1f} GB usable SRAM)")
+    best = check_wafer(report.model, t["batch_size"], r["num_csx"], None, p["model"].get("max_position_embeddings"), hw)
     t["micro_batch_size"] = best
     if best != per_csx:
         report.notes.append(f"train_input.micro_batch_size: {given or 'auto'} chose {best}: the largest that fits a "
@@ -270,12 +263,12 @@ def parse_override(item):
 def _note_bits(p, report):
     """Say when the run's micro-batches are summed in an order of their own, so its weights will not have
     the bits of the single-process reference nor of another num_csx (docs/design.md section 2, the
-    determinism contract (a); ``wse_core.tree.cluster_sums_as_one``): `--num_csx 3` trains, but not as
+    determinism contract (a); ``MicroBatches.sums_as_one``): `--num_csx 3` trains, but not as
     1, 2 or 4 CS-2s do, and a user comparing them should not have to find that out."""
     t, r = p["train_input"], p["runconfig"]
-    per_csx = -(-t["batch_size"] // r["num_csx"])
-    rounds = -(-per_csx // t["micro_batch_size"])
-    if not cluster_sums_as_one(r["num_csx"], rounds, r["swarmx_fanout"]):
+    batches = MicroBatches(t["batch_size"], t["micro_batch_size"], r["num_csx"])
+    rounds = batches.rounds
+    if not batches.sums_as_one(r["swarmx_fanout"]):
         report.notes.append(
             f"runconfig.num_csx: {r['num_csx']} CS-2s ({plural(rounds, 'micro-batch')} each, SwarmX fan-out "
             f"{r['swarmx_fanout']}) sum the gradients in another order than one process: the weights' bits differ "
@@ -429,7 +422,9 @@ def _read_bytes(p):
     return data
 
 
-def load(path, overrides=None, *, compile_only=False):
-    """Read, override and validate a params YAML file of either layout (or a run directory's): its ``RunSpec``."""
+def load(path, overrides=None, *, compile_only=False, with_report=False):
+    """Read, override and validate a params YAML file of either layout (or a run directory's): its ``RunSpec``
+    (with ``with_report``, also the ``KeyReport``, which holds the model the validation built)."""
     path = params_file(path)
-    return check(read(path), str(path), overrides, compile_only=compile_only)[0]
+    spec, report = check(read(path), str(path), overrides, compile_only=compile_only)
+    return (spec, report) if with_report else spec

@@ -13,6 +13,7 @@ from pathlib import Path
 from data_tools.files import replacing
 from mpi_launch.rundir import RunDir
 from wse_core.checks import plural
+from wse_core.errors import ConfigError, DataError
 
 
 def read_run(path):
@@ -20,11 +21,11 @@ def read_run(path):
     those with an ``eval_loss``. A ValueError naming the directory when it is not a run, or has no step yet."""
     run = RunDir(path)
     if not run.metrics.is_file():
-        raise ValueError(f"{path}: not a run directory (no {run.metrics.name} in it)")
+        raise DataError(f"{path}: not a run directory (no {run.metrics.name} in it)")
     records = run.read_metrics()
     steps = [r for r in records if "loss" in r]
     if not steps:
-        raise ValueError(f"{run.metrics}: no training step in it yet")
+        raise DataError(f"{run.metrics}: no training step in it yet")
     return steps, [r for r in records if "eval_loss" in r]
 
 
@@ -73,12 +74,12 @@ def save(fig, path):
     viewer that reloads it never reads half a picture; return ``path``."""
     path = Path(path)
     if not path.parent.is_dir():
-        raise ValueError(f"{path}: no directory {path.parent} to write it in")
+        raise ConfigError(f"{path}: no directory {path.parent} to write it in")
     with replacing(path) as tmp:
         try:
             fig.savefig(tmp, format=path.suffix[1:] or "png", dpi=110)
         except ValueError as exc:  # matplotlib's "Format 'x' is not supported (supported formats: ...)"
-            raise ValueError(f"{path}: {exc}") from None
+            raise ConfigError(f"{path}: {exc}") from None
     return path
 
 

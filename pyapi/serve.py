@@ -38,6 +38,7 @@ from mpi_launch.inference import InferenceJobError
 from pyapi.generate import Generator, TextPieces, finish_reason
 from pyapi.openai_api import NO_CHAT, ApiError, ChatRequest, ChatTemplate, CompletionRequest, read, sampling_of
 from wse_core.checks import Int, plural, show
+from wse_core.errors import ConfigError, DataError
 
 
 # -- the engine thread -----------------------------------------------------------------------------
@@ -216,8 +217,8 @@ class Server:
 
     def __init__(self, generator, name, *, limits=None, api_key=None, chat=(None, NO_CHAT), cluster=None):
         if generator.tokenizer is None:
-            raise ValueError(f"{generator.why_no_tokenizer}: the server answers in text, so it needs the "
-                             "model's tokenizer")
+            raise DataError(f"{generator.why_no_tokenizer}: the server answers in text, so it needs the "
+                            "model's tokenizer")
         self.gen, self.name, self.api_key = generator, name, api_key
         self.capacity = generator.capacity
         self.limits = (limits or Limits()).resolved(self.capacity)
@@ -258,9 +259,9 @@ class Server:
             family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0][0]
             sock = socket.create_server((host, port), family=family)
         except socket.gaierror as exc:
-            raise ValueError(f"--host {host}: {exc.strerror}") from None
+            raise ConfigError(f"--host {host}: {exc.strerror}") from None
         except OSError as exc:  # create_server's own message repeats the address; the system's says it once
-            raise ValueError(f"--host {host} --port {port}: {os.strerror(exc.errno) if exc.errno else exc}") from None
+            raise ConfigError(f"--host {host} --port {port}: {os.strerror(exc.errno) if exc.errno else exc}") from None
         try:
             self.batcher.start()  # an inference job on CS-2s starts here; its failure is one line
             asyncio.run(self._serve(sock, on_ready))

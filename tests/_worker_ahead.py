@@ -16,8 +16,8 @@ import numpy as np
 from mpi4py import MPI
 
 from data_tools.dataset import GlobalStream
-from mpi_launch.plan import plan_for
 from mpi_launch.protocol import DATA
+from mpi_launch.resolved import ResolvedRun
 from mpi_launch.roles.base import Role
 from mpi_launch.roles.worker import InputWorker
 from mpi_launch.rundir import RunDir
@@ -29,13 +29,12 @@ AWAY_S = 2.0
 def main(run_dir):
     comm = MPI.COMM_WORLD
     run = RunDir(run_dir).read_run()
-    params = RunSpec.from_dict(run["params"])
-    plan, _ = plan_for(params)
-    role, index = plan.role_of(comm.rank)
+    resolved = ResolvedRun.from_json(run["resolved"], RunSpec.from_dict(run["params"]))
+    role, index = resolved.plan.role_of(comm.rank)
     if role == "worker":
-        Noting(comm, plan, params, run, index).run()
+        Noting(comm, resolved, run, index).run()
     elif role == "csx":
-        take(comm, plan, params, run)
+        take(comm, resolved, run)
     MPI.Finalize()
 
 
@@ -47,9 +46,10 @@ class Noting(InputWorker):
         os.replace(tmp, self.model_dir / "worker_step")  # never read half written
 
 
-def take(comm, plan, params, run):
-    me = Role(comm, plan, params, run, 0)  # the tag layout and batch geometry of the real CS-2
-    (worker,) = plan.workers[0]
+def take(comm, resolved, run):
+    me = Role(comm, resolved, run, 0)  # the tag layout and batch geometry of the real CS-2
+    params = resolved.spec
+    (worker,) = resolved.plan.workers[0]
     stream = GlobalStream(params.train_input.data_dir, shuffle=params.train_input.shuffle,
                           seed=params.train_input.shuffle_seed)
 

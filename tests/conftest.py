@@ -16,6 +16,12 @@ def rng():
     return np.random.default_rng(1234)
 
 
+def _default_sigint():
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 class Jobs:
     """`wse` commands started as jobs of a test: each in a session of its own, and every process they
     leave behind killed at the end of the test (a failed or timed-out test leaks no ranks)."""
@@ -27,8 +33,11 @@ class Jobs:
         import subprocess
         import sys
 
+        # SIGINT as a terminal's user gives it, whatever pytest inherited: a shell's background job
+        # (`pytest &`) ignores it, and `wse fit` keeps an ignored signal ignored, as nohup's users expect.
         return subprocess.Popen([sys.executable, "-m", "pyapi.cli", *map(str, args)], stdout=subprocess.PIPE,
-                                stderr=subprocess.PIPE, text=True, start_new_session=True, **kwargs)
+                                stderr=subprocess.PIPE, text=True, start_new_session=True,
+                                preexec_fn=_default_sigint, **kwargs)
 
     def run(self, *args, timeout=240, **kwargs):
         """Run to completion (a generous timeout that only a hang reaches); return a CompletedProcess.

@@ -1,5 +1,8 @@
 """The `wse` command line: version, help, doctor (a real 2-rank MPI job) and bench."""
+import argparse
+import functools
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -109,6 +112,127 @@ def test_unknown_command_is_one_clear_error():
 def test_a_mistyped_command_is_answered_with_the_closest_one(argv, said):
     proc = wse(*argv)
     assert proc.returncode == 2 and proc.stderr.splitlines()[-1].endswith(said), proc.stderr
+
+
+@functools.lru_cache(maxsize=None)
+def every_parser():
+    """(words, parser) of every command down to its actions (`wse checkpoint info`), each parser built as
+    for its own command line (a benchmark's options and `wse fabric run` are added only for theirs)."""
+    from pyapi.cli import build_parser
+
+    out, todo = [], [()]
+    while todo:
+        words = todo.pop(0)
+        parser = build_parser(list(words))
+        for word in words:
+            parser = subcommands(parser)[word]
+        out.append((words, parser))
+        todo += [words + (name,) for name in subcommands(parser)]
+    return tuple(out)
+
+
+def subcommands(parser):
+    return next((a.choices for a in parser._actions if isinstance(a, argparse._SubParsersAction)), {})
+
+
+#: What names the code rather than what it does: a module, a page of the design notes.
+INTERNALS = re.compile(r"\b(wse_core|pyapi|mpi_launch|data_tools|bench)\.\w|docs/\w+\.md|JOB_BYTES")
+
+
+def test_every_command_says_what_it_does_and_what_its_arguments_are():
+    """Every command and action has a description, every positional argument (the command's name too) a
+    help text, and none of them names the code behind it."""
+    walked = every_parser()
+    assert {"fit", "compile", "appliance start", "data preprocess", "checkpoint info", "fabric run",
+            "bench peers"} <= {" ".join(words) for words, _ in walked}
+    for words, parser in walked:
+        assert parser.description and parser.description.strip(), f"wse {' '.join(words)}: no description"
+        for action in parser._actions:
+            if not action.option_strings:
+                assert action.help, f"wse {' '.join(words)}: {action.metavar or action.dest} has no help"
+        if words[:1] == ("bench",) and len(words) == 2:
+            continue  # a benchmark's help is its module's docstring: the method behind its figures, code named
+        said = "\n".join([parser.description, *(a.help or "" for a in parser._actions)])
+        assert not INTERNALS.search(said), f"wse {' '.join(words)}: {INTERNALS.search(said)[0]}"
+
+
+def test_every_option_of_several_words_takes_both_spellings():
+    """--num_csx and --num-csx on every command, the commands plugged in too: the same option, the same
+    value; help shows the underscore spelling only."""
+    def value(action):
+        """A value the action takes that is not its default."""
+        return next(str(v) for v in (action.choices or ("11", "12")) if str(v) != str(action.default))
+
+    def given(action, spelling):
+        return [spelling] if action.nargs == 0 else [spelling, value(action)]
+
+    checked = 0
+    for words, parser in every_parser():
+        if subcommands(parser):
+            continue  # a group: its actions are commands of their own
+        for action in parser._actions:
+            for name in [s for s in action.option_strings if s.startswith("--") and re.search(r"\w[-_]\w", s)]:
+                under, hyphen = "--" + name[2:].replace("-", "_"), "--" + name[2:].replace("_", "-")
+                assert under in action.option_strings and hyphen not in action.option_strings, name
+                rest = [value(a) for a in parser._actions if not a.option_strings]
+                for other in parser._actions:
+                    if other.required and other.option_strings and other is not action:
+                        rest += given(other, other.option_strings[0])
+                parsed = [vars(parser.parse_args(rest + given(action, spelling))) for spelling in (under, hyphen)]
+                assert parsed[0] == parsed[1] and parsed[0][action.dest] != action.default, (words, name)
+                checked += 1
+    assert checked > 40
+
+
+def test_bare_wse_prints_the_help():
+    """`wse` alone answers as `wse --help` does: the help on standard output, exit 0."""
+    bare, helped = wse(), wse("--help")
+    assert bare.returncode == 0 and bare.stdout == helped.stdout and bare.stdout.startswith("usage: wse ")
+    assert bare.stderr == ""
+
+
+@pytest.mark.parametrize("argv,said", [
+    (["fit", "p.yaml", "--bogus"], "wse fit: error: unrecognized arguments: --bogus"),
+    (["fit", "p.yaml", "--num-csx", "two"], "wse fit: error: argument --num_csx: invalid int value: 'two'"),
+    (["checkpoint", "info", "x", "--bogus"], "wse checkpoint info: error: unrecognized arguments: --bogus"),
+    (["appliance", "start", "--num_csx"], "wse appliance start: error: argument --num_csx: expected one argument")])
+def test_a_mistake_in_a_commands_arguments_is_answered_with_its_usage(argv, said, capsys):
+    """The usage printed with the error is the command's (and its action's), not the top level's."""
+    with pytest.raises(SystemExit) as exit:
+        main(argv)
+    err = capsys.readouterr().err
+    command = said.split(":")[0]
+    assert exit.value.code == 2 and err.startswith(f"usage: {command} [-h]") and err.splitlines()[-1] == said, err
+
+
+@pytest.mark.parametrize("extra", [[], ["--set", "train_input.micro_batch_size=explore"], ["--inference"],
+                                   ["--inference", "--batch", "4", "--prompt-tokens", "16", "--new_tokens", "8"]])
+def test_job_compile_returns_the_report_wse_compile_prints(extra, monkeypatch):
+    """`Job(...).compile()` is `wse compile`: the same lines, the same JSON, the figures readable as fields
+    (a training's, with every micro-batch size when the params explore them, or serving's)."""
+    from pyapi.job import CompileReport, InferenceReport, Job
+
+    monkeypatch.chdir(EXAMPLES.parent)  # the examples' data directories are the repository root's
+    argv = ["compile", "examples/gpt2_small.yaml", "--num_csx", "4", *extra]
+    text, as_json = (subprocess.run([sys.executable, "-m", "pyapi.cli", *argv, *more], capture_output=True,
+                                    text=True, timeout=120) for more in ([], ["--json"]))
+    assert text.returncode == 0 and as_json.returncode == 0, text.stderr + as_json.stderr
+    explore = "--set" in extra  # the file's micro_batch_size is auto, which explore searches from
+    job = Job.from_yaml("examples/gpt2_small.yaml", num_csx=4)
+    if "--inference" in extra:
+        sizes = dict(batch=4, prompt_tokens=16, new_tokens=8) if "--batch" in extra else {}
+        report = job.compile(inference=True, **sizes)
+        assert isinstance(report, InferenceReport)
+        assert f"time per output token {report.latency.tpot_s * 1e3:.3f} ms" in text.stdout
+        assert f"{report.latency.tokens_per_s_user:.1f} tokens/s per user" in text.stdout
+    else:
+        report = job.compile(explore=explore)
+        assert isinstance(report, CompileReport) and (report.micro_batches is not None) == explore
+        assert f"{report.model['parameters']:,} parameters" in text.stdout
+        assert f"{report.plan['world_size']} MPI ranks" in text.stdout
+        assert f"{report.step_s * 1e3:.3f} ms, {report.samples_per_s:.1f} samples/s" in text.stdout
+        assert report["plan"]["roles"] == report.plan["roles"]  # read as the dict compile() returned before
+    assert text.stdout == f"{report}\n" and json.loads(as_json.stdout) == json.loads(json.dumps(report.to_dict()))
 
 
 def test_a_benchmark_sets_the_process_up_before_its_kernels_load():

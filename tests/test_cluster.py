@@ -2,6 +2,7 @@
 
 One file over ~500 lines: every test here starts real MPI jobs from the same few params and
 fixtures (a dataset, a reference run), so the cluster's promises are read in one place."""
+import collections
 import json
 import math
 import os
@@ -22,7 +23,8 @@ from conftest import read_events
 from data_tools.checkpoint import Checkpoint
 from data_tools.dataset import GlobalStream
 from data_tools.preprocess import preprocess_text
-from mpi_launch.plan import PlanError, describe
+from mpi_launch.plan import PlanError
+from mpi_launch.resolved import describe, resolve
 from mpi_launch.rundir import RunDir
 from mpi_launch.supervisor import HOLD_ENV, MPI_UP
 from wse_core.nn import build_model, numpy_ops, reference_step
@@ -94,10 +96,10 @@ def reference(p, steps, results=None, num_csx=1):
     return params, state, losses
 
 
-def fit_matches_reference(jobs, tmp_path, path, p, num_csx, steps=STEPS, results=None):
+def fit_matches_reference(jobs, tmp_path, path, p, num_csx, steps=STEPS, results=None, env=None):
     """`wse fit` of ``path`` on ``num_csx`` CS-2s ends with the reference's weights, optimizer state and
     losses (``p``: the flat params the file holds); returns the finished process and the metrics."""
-    proc = jobs.run("fit", path, "--num_csx", num_csx)
+    proc = jobs.run("fit", path, "--num_csx", num_csx, env=env)
     assert proc.returncode == 0, proc.stderr
     params, state, losses = reference(p, steps, results, num_csx)
     assert_bits(tmp_path / "model", params, state)
@@ -124,8 +126,8 @@ def test_auto_takes_the_micro_batch_that_fits_the_wafer_and_trains_with_the_refe
     path.write_text(yaml.safe_dump(p))
     assert validate(p).train_input.micro_batch_size == 2
     with pytest.raises(PlanError, match="the largest that fits and deals the 4 samples each CS-2 gets evenly is 2"):
-        describe(validate(dict(p, train_input=dict(p["train_input"], micro_batch_size=4),
-                               runconfig=dict(p["runconfig"], num_csx=2))))
+        resolve(validate(dict(p, train_input=dict(p["train_input"], micro_batch_size=4),
+                              runconfig=dict(p["runconfig"], num_csx=2))))
     resolved = dict(p, train_input=dict(p["train_input"], micro_batch_size=2))
     _, metrics = fit_matches_reference(jobs, tmp_path, path, resolved, 2)
     assert_clock_agrees_with_the_walk(metrics, p, 2)
@@ -146,11 +148,27 @@ def test_a_batch_that_does_not_divide_is_dealt_evenly_with_the_references_bits(t
 
 @pytest.mark.parametrize("num_csx,workers", [(1, 1), (2, 2), (4, 1)])
 def test_bit_identical_to_the_reference(tmp_path, data, jobs, num_csx, workers):
-    """Weights and optimizer state after 3 steps equal the single-process reference, bit for bit."""
+    """Weights and optimizer state after 3 steps equal the single-process reference, bit for bit. The
+    run is resolved once: the launcher builds the model once, and each rank once (it obeys the plan in
+    run.json), counted by the audit event ``build_model`` raises."""
     path, p = params_file(tmp_path, data, num_workers_per_csx=workers)
-    _, metrics = fit_matches_reference(jobs, tmp_path, path, p, num_csx)
+    hook, builds = tmp_path / "hook", tmp_path / "builds.txt"
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text(
+        "import os, sys\n"
+        "def count(event, args):\n"
+        "    if event == 'wse.build_model':\n"
+        f"        with open({str(builds)!r}, 'a') as f:\n"
+        "            f.write(f'{os.getpid()} {sys.argv[0]}\\n')\n"
+        "sys.addaudithook(count)\n")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(hook), os.environ.get("PYTHONPATH")])))
+    _, metrics = fit_matches_reference(jobs, tmp_path, path, p, num_csx, env=env)
     assert (tmp_path / "model" / "plan.json").exists() and any((tmp_path / "model" / "logs").iterdir())
     assert_clock_agrees_with_the_walk(metrics, p, num_csx)
+    per_process = collections.Counter(builds.read_text().splitlines())
+    ranks = len(json.loads((tmp_path / "model" / "plan.json").read_text())["plan"]["roles"])
+    assert sorted(per_process.values()) == [1] * (ranks + 1), per_process  # the launcher and every rank
+    assert sum("pyapi" in line for line in per_process) == 1
 
 
 def test_a_mixture_trains_as_the_reference_reads_it(tmp_path, data, jobs):
@@ -189,7 +207,7 @@ def test_steps_longer_than_the_peer_timeout_train(tmp_path, jobs):
 def assert_clock_agrees_with_the_walk(metrics, p, num_csx):
     """The ranks' simulated clocks give the step the analytical walk gives (what `wse compile`
     prints), within 5%; the parts that do not depend on the run are the walk's."""
-    walk = describe(validate(dict(p, runconfig=dict(p["runconfig"], num_csx=num_csx))))["simulated"]
+    walk = describe(resolve(validate(dict(p, runconfig=dict(p["runconfig"], num_csx=num_csx)))))["simulated"]
     sim = metrics[-1]
     assert abs(sim["sim_step_s"] - walk["step_s"]) <= 0.05 * walk["step_s"], (sim, walk)
     assert sim["sim_samples_per_s"] == pytest.approx(p["train_input"]["batch_size"] / sim["sim_step_s"])
@@ -377,10 +395,9 @@ def test_a_pipelined_run_has_the_bits_of_weight_streaming_and_checkpoints_cross(
     assert metrics[0]["sim_stream_s"] == 0.0 and metrics[2]["sim_stream_s"] > 0  # pipelined, streamed
     # The pipelined clock: a step of the pipeline model (plus the two control hops of 2 us); the first
     # step of a run (step 4 resumes) has no update before it: the last run's update was in its own clock.
-    from mpi_launch.plan import strategy
     from pyapi.params import validate
 
-    placement = strategy(validate(p), build_model(p["model"]))[2]
+    placement = resolve(validate(p)).placement
     assert metrics[1]["sim_step_s"] == pytest.approx(placement.step_s + 4e-6, rel=1e-9)
     assert metrics[3]["sim_step_s"] == pytest.approx(placement.step_s - placement.update_s + 4e-6, rel=1e-9)
 
@@ -759,13 +776,11 @@ def test_an_input_worker_runs_a_bounded_number_of_steps_ahead_of_its_cs2(tmp_pat
     into the CS-2's queue of unexpected messages (over TCP that queue has no bound: step 0 took 36 s
     with 30,000 steps); every later micro-batch arrives whole and in order (tests/_worker_ahead.py)."""
     from mpi_launch.mpiexec import run_mpi
-    from mpi_launch.plan import plan_for
-
     _, p = params_file(tmp_path, data, 8, max_steps=40, num_csx=1, num_workers_per_csx=1)
-    params = validate(p)
-    RunDir(tmp_path / "model").prepare(params)
+    run = resolve(validate(p))
+    RunDir(tmp_path / "model").prepare(run)
     program = Path(__file__).with_name("_worker_ahead.py")
-    proc = run_mpi(plan_for(params)[0].world_size, [sys.executable, program, tmp_path / "model"], timeout=300)
+    proc = run_mpi(run.plan.world_size, [sys.executable, program, tmp_path / "model"], timeout=300)
     assert proc.returncode == 0, proc.stderr
     assert json.loads(proc.stdout.strip().splitlines()[-1]) == {"worker_done": 0}
 

@@ -17,7 +17,7 @@ from torch.nn import functional as F  # noqa: E402
 from torch.utils.flop_counter import FlopCounterMode  # noqa: E402
 
 from wse_core.compiler import CompileError, accumulate, add, capture, combine, partition, run_step  # noqa: E402
-from wse_core.tree import tree_sum  # noqa: E402
+from wse_core.microbatch import tree_sum  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 BATCH = 8  # samples in a global batch; micro-batches of 2 make 4 of them

@@ -12,6 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from mpi_launch.resolved import resolve
 from wse_core.nn import build_model
 from wse_core.nn.gemm import CHUNK_ROWS
 
@@ -70,14 +71,14 @@ def test_a_resume_under_another_blas_kernel_is_refused_in_one_line_unless_allowe
     other = dict(here, blas_kernel="Prescott" if here["blas_kernel"] != "Prescott" else "Haswell")
     params = _checkpointed_run(tmp_path, other)
     with pytest.raises(MPILaunchError) as err:
-        RunDir(tmp_path / "model").prepare(params)
+        RunDir(tmp_path / "model").prepare(resolve(params))
     assert str(err.value) == (
         f"{tmp_path / 'model' / 'checkpoint_2'}: written under another numerics environment (BLAS kernel "
         f"{other['blas_kernel']} -> {here['blas_kernel']}): resuming here would not give an uninterrupted run's "
         "bits; set runconfig.allow_numerics_change: true (--set runconfig.allow_numerics_change=true) to resume "
         "anyway")
     allowed = _checkpointed_run(tmp_path / "allowed", other, allow_numerics_change=True)
-    run = RunDir(tmp_path / "allowed" / "model").prepare(allowed)
+    run = RunDir(tmp_path / "allowed" / "model").prepare(resolve(allowed))
     assert run["start_step"] == 2 and run["numerics_changed"] == [
         f"BLAS kernel {other['blas_kernel']} -> {here['blas_kernel']}"]
     assert run["numerics"] == here and RunDir(tmp_path / "allowed" / "model").read_run() == run
@@ -90,9 +91,9 @@ def test_a_resume_in_the_same_numerics_environment_or_from_an_unrecorded_one_goe
     from wse_core.numerics import environment
 
     same = dict(environment(), blas_threads=64, variables={"OMP_NUM_THREADS": "64"})
-    assert RunDir(tmp_path / "model").prepare(_checkpointed_run(tmp_path, same))["numerics_changed"] == []
+    assert RunDir(tmp_path / "model").prepare(resolve(_checkpointed_run(tmp_path, same)))["numerics_changed"] == []
     params = _checkpointed_run(tmp_path / "old", None)
-    assert RunDir(tmp_path / "old" / "model").prepare(params)["start_step"] == 2
+    assert RunDir(tmp_path / "old" / "model").prepare(resolve(params))["start_step"] == 2
 
 
 def _prange_bodies(source):

@@ -264,7 +264,7 @@ def test_a_set_without_its_equals_sign_is_one_line_and_exit_1(tmp_path):
             "around =)"], proc.stderr
     proc = subprocess.run([sys.executable, "-m", "pyapi.cli", "compile", str(f), "--set", "runconfig.max_steps=5",
                            "extra"], capture_output=True, text=True, timeout=60)
-    assert proc.returncode == 2 and proc.stderr.splitlines()[-1] == "wse: error: unrecognized arguments: extra"
+    assert proc.returncode == 2 and proc.stderr.splitlines()[-1] == "wse compile: error: unrecognized arguments: extra"
 
 
 def test_a_run_directory_stands_for_its_params_and_another_directory_is_named(tmp_path):

@@ -80,7 +80,7 @@ def test_a_run_is_timed_at_its_models_precision(fp16_type):
     """The simulated clock's precision is the model's (model.mixed_precision), as `wse compile` and the
     ranks build their Hardware: the same model in float32 streams 4 bytes a value on the fp32 lanes,
     in any 16-bit format 2 bytes on the fp16 lanes, and their weight-streaming steps differ."""
-    from mpi_launch.plan import describe
+    from mpi_launch.resolved import describe, resolve
     from pyapi.params import validate
     from wse_core.nn import build_model
 
@@ -88,9 +88,9 @@ def test_a_run_is_timed_at_its_models_precision(fp16_type):
         model = {"name": "gpt2", "vocab_size": 257, "hidden_size": 64, "num_hidden_layers": 2, "num_heads": 2,
                  "max_position_embeddings": 64, **precision}
         optimizer = {"learning_rate": 1e-3, "loss_scaling_factor": "dynamic"}  # cbfloat16 needs it
-        return describe(validate({"train_input": {"data_dir": "d", "batch_size": 16, "micro_batch_size": 2},
-                                  "model": model, "optimizer": optimizer,
-                                  "runconfig": {"max_steps": 1, "num_csx": 2}})), build_model(model)
+        return describe(resolve(validate({"train_input": {"data_dir": "d", "batch_size": 16, "micro_batch_size": 2},
+                                          "model": model, "optimizer": optimizer,
+                                          "runconfig": {"max_steps": 1, "num_csx": 2}}))), build_model(model)
 
     (f32, model), (f16, _) = compiled(), compiled(mixed_precision=True, fp16_type=fp16_type)
     streamed = sum(int(np.prod(model.param_specs[n].shape)) for names in model.unit_params for n in names)

@@ -52,7 +52,8 @@ def test_the_seeds_boundary_about_a_billion_parameters_fit_a_wafer():
 
 
 def test_pipeline_refuses_a_model_that_does_not_fit_in_one_line():
-    from mpi_launch.plan import PlanError, strategy
+    from mpi_launch.plan import PlanError
+    from mpi_launch.resolved import resolve
     from pyapi.params import validate
 
     p = validate({"train_input": {"data_dir": "d", "batch_size": 64, "micro_batch_size": 1},
@@ -62,7 +63,7 @@ def test_pipeline_refuses_a_model_that_does_not_fit_in_one_line():
                   "runconfig": {"max_steps": 1, "execution_strategy": "pipeline"}})
     with pytest.raises(PlanError, match=r"^runconfig.execution_strategy: pipeline: the model does not fit one wafer: "
                                         r"needs 73.6 GB .* use weight streaming$"):
-        strategy(p, build_model(p.model))
+        resolve(p)
 
 
 def test_pipelined_is_faster_for_a_small_gpt2_and_not_from_some_size_on():

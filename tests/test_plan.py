@@ -2,6 +2,7 @@
 import json
 import subprocess
 import sys
+import warnings
 
 import pytest
 import yaml
@@ -92,19 +93,19 @@ def test_a_run_whose_ranks_this_machine_cannot_hold_is_refused_before_they_start
     import os
 
     from data_tools.preprocess import preprocess_text
-    from mpi_launch.plan import check_host_memory, plan_for, rank_memory
+    from mpi_launch.resolved import check_host_memory, rank_memory, resolve
     from pyapi.params import apply_overrides, validate
 
     spec = validate(apply_overrides(BASE, ["train_input.batch_size=1048576"]))
-    plan, model = plan_for(spec)
-    need = sum(rank_memory(spec, plan, model).values())
-    check_host_memory(spec, plan, total=need)
+    run = resolve(spec)
+    need = sum(rank_memory(run).values())
+    check_host_memory(run, total=need)
     with pytest.raises(PlanError, match=r"^train_input.micro_batch_size: 524,288 samples a micro-batch: the ranks "
                                         r"would hold [\d,.]+ GB \(rank 3, csx 0: [\d,.]+ GB\), more than this "
                                         r"machine's [\d,.]+ GB; use a smaller micro-batch, or spread the ranks over "
                                         r"several machines with --hostfile$"):
-        check_host_memory(spec, plan, total=need - 1)
-    check_host_memory(spec, plan, hostfile=tmp_path / "hosts", total=need - 1)
+        check_host_memory(run, total=need - 1)
+    check_host_memory(run, hostfile=tmp_path / "hosts", total=need - 1)
     if need <= os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"):
         return  # `wse fit` would run it here: what follows is for a machine it does not fit
     (tmp_path / "a.txt").write_text("def f(x):\n    return x + 1\n" * 40)
@@ -118,3 +119,23 @@ def test_a_run_whose_ranks_this_machine_cannot_hold_is_refused_before_they_start
         "wse fit: error: train_input.micro_batch_size: 524,288 samples a micro-batch: the ranks would hold "), \
         proc.stderr
     assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("overrides", [[], ["runconfig.num_csx=1", "runconfig.execution_strategy=pipeline"],
+                                       ["runconfig.num_csx=1", "model.hidden_size=4096"]])
+def test_the_resolved_run_the_ranks_read_from_run_json_is_the_launchers(overrides):
+    """What run.json holds of a resolved run (a streamed one; a pipelined one; one whose pipelined
+    placement does not fit, its times NaN) comes back through JSON as the launcher resolved it."""
+    from mpi_launch.resolved import ResolvedRun, resolve
+    from pyapi.params import apply_overrides, validate
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # auto's choice of micro-batch, said
+        run = resolve(validate(apply_overrides(BASE, overrides)))
+    d = json.loads(json.dumps(run.to_json()))
+    assert d == run.to_json()
+    back = ResolvedRun.from_json(d, run.spec, run.model)
+    for name in ("plan", "strategy", "why", "batches"):
+        assert getattr(back, name) == getattr(run, name), name
+    assert back.placement.regions == run.placement.regions
+    assert json.dumps(back.placement.to_dict()) == json.dumps(run.placement.to_dict())  # NaN as NaN

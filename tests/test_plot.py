@@ -11,7 +11,7 @@ from matplotlib.patches import Rectangle
 from matplotlib.text import Text
 
 from bench.scaling import COUNTS, figure as scaling_figure
-from mpi_launch.plan import describe
+from mpi_launch.resolved import describe, resolve
 from pyapi import plot
 from pyapi.cli import main
 from pyapi.params import validate
@@ -143,12 +143,12 @@ def test_fit_leaves_its_loss_curve_and_a_picture_that_fails_does_not_fail_the_ru
 
 def compile_report(**runconfig):
     """`wse compile`'s report of a small GPT-2, whose embedding gets a stripe of two columns when pipelined."""
-    return describe(validate({
+    return describe(resolve(validate({
         "train_input": {"data_dir": "unused", "batch_size": 16, "micro_batch_size": 4},
         "model": {"name": "gpt2", "vocab_size": 257, "hidden_size": 128, "num_hidden_layers": 4, "num_heads": 4,
                   "max_position_embeddings": 64},
         "optimizer": {"optimizer_type": "AdamW", "learning_rate": 1e-3},
-        "runconfig": {"max_steps": 1, **runconfig}}))
+        "runconfig": {"max_steps": 1, **runconfig}})))
 
 
 def test_compile_draws_a_weight_streamed_run_as_weight_streaming():

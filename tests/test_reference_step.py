@@ -5,9 +5,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from wse_core.nn import accumulate, build_model, micro_batch_ranges, micro_batch_sizes, reference_step
+from wse_core.microbatch import MicroBatches, tree_sum
+from wse_core.nn import accumulate, build_model, reference_step
 from wse_core.optim import AdamW
-from wse_core.tree import tree_sum
 
 EOT = 256
 TINY_GPT2 = {"name": "gpt2", "vocab_size": 257, "hidden_size": 64, "num_hidden_layers": 2, "num_heads": 4,
@@ -91,15 +91,15 @@ def test_tied_embedding_gradient_is_the_sum():
 
 
 def test_a_batch_is_dealt_to_its_micro_batches_as_evenly_as_it_goes():
-    assert micro_batch_ranges(8, 2) == micro_batch_ranges(8, 2, num_csx=4) == [(0, 2), (2, 4), (4, 6), (6, 8)]
-    assert micro_batch_ranges(6, 4) == [(0, 3), (3, 6)]                        # 2 rounds of at most 4
-    assert micro_batch_ranges(9, 3, num_csx=2) == [(0, 3), (3, 5), (5, 7), (7, 9)]
-    assert micro_batch_sizes(673, 2)[-4:] == [85, 113, 169, 337]              # Cerebras' own example
+    assert MicroBatches(8, 2).ranges == MicroBatches(8, 2, num_csx=4).ranges == [(0, 2), (2, 4), (4, 6), (6, 8)]
+    assert MicroBatches(6, 4).ranges == [(0, 3), (3, 6)]                        # 2 rounds of at most 4
+    assert MicroBatches(9, 3, num_csx=2).ranges == [(0, 3), (3, 5), (5, 7), (7, 9)]
+    assert MicroBatches.even_sizes(673, 2)[-4:] == [85, 113, 169, 337]              # Cerebras' own example
     for args, match in [((6, 7), "micro_batch_size: 7 is not between 1 and the 6 samples of a CS-2"),
                         ((6, 1, 7), "batch_size: 6 samples cannot feed 7 CS-2s"),
                         ((3, 1, 2), "micro_batch_size: 1 makes 4 micro-batches of a batch of 3 samples")]:
         with pytest.raises(ValueError, match=match):
-            micro_batch_ranges(*args)
+            MicroBatches(*args)
     model = build_model(TINY_GPT2)
     batch = next(lm_batches(stdlib_tokens(), 6, 32))
     loss, tokens, _, _ = accumulate(model, model.init_params(0), batch, micro_batch_size=4)

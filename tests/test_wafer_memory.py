@@ -7,7 +7,8 @@ import sys
 import pytest
 import yaml
 
-from mpi_launch.plan import PlanError, describe
+from mpi_launch.plan import PlanError
+from mpi_launch.resolved import describe, resolve
 from pyapi.params import ParamsError, validate
 
 
@@ -22,10 +23,10 @@ def compiled(model, batch_size, micro_batch_size=None, num_csx=1, **runconfig):
     train = {"data_dir": "d", "batch_size": batch_size}
     if micro_batch_size is not None:
         train["micro_batch_size"] = micro_batch_size
-    return describe(validate({"train_input": train, "model": model,
+    return describe(resolve(validate({"train_input": train, "model": model,
                               "optimizer": {"learning_rate": 1e-4, "loss_scaling_factor": "dynamic"},
                               "runconfig": {"max_steps": 1, "num_csx": num_csx,
-                                            "execution_strategy": "weight_streaming", **runconfig}}))
+                                            "execution_strategy": "weight_streaming", **runconfig}})))
 
 
 # What ran on real CS-2s, with the micro-batch each CS-2 computed at once: Model Zoo's shipped configs

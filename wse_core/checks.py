@@ -5,14 +5,18 @@ arrays the kernels' Python wrappers take (the kernels trust their inputs).
 Every params section (``mpi_launch.spec``), every model family's config (``wse_core.nn.config``),
 every scheduler (``wse_core.optim.schedules``), the optimizers' arguments and the appliance's requests
 are checked by these constraints, so one kind of value is described one way everywhere: a failure
-is a ``TypeError`` (a value of the wrong type) or a ``ValueError`` (of the right type, out of range)
-whose one line starts with the key path: ``model.num_heads: expected an integer >= 1, got 0``.
+is a ``ConfigError`` (``wse_core.errors``: a ``ValueError``, of the right type and out of range) or a
+``ConfigTypeError`` (also a ``TypeError``: a value of the wrong type) whose one line starts with the
+key path: ``model.num_heads: expected an integer >= 1, got 0``. The array checks below are for
+programs calling the kernels, not for a user's values: their TypeError and ValueError are a bug's.
 """
 import math
 import reprlib
 from dataclasses import MISSING, field, fields
 
 import numpy as np
+
+from wse_core.errors import ConfigError, ConfigTypeError
 
 FLOAT_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
 
@@ -88,7 +92,7 @@ class Constraint:
     def describe(self):
         return self.expected + (" (or null)" if self.none else "")
 
-    def fail(self, value, path, error=ValueError):
+    def fail(self, value, path, error=ConfigError):
         return error(f"{path}: expected {self.describe()}, got {show(value)}")
 
 
@@ -112,9 +116,9 @@ class Int(Constraint):
 
     def check(self, value, path):
         if not _is_int(value):
-            raise TypeError(f"{path}: expected an integer, got {show(value)}")
+            raise ConfigTypeError(f"{path}: expected an integer, got {show(value)}")
         if self.bound and value > self.high:
-            raise ValueError(f"{path}: {show(value)} is more than {self.high:,}, {self.bound}")
+            raise ConfigError(f"{path}: {show(value)} is more than {self.high:,}, {self.bound}")
         if value < self.low or self.high is not None and value > self.high:
             raise self.fail(value, path)
         return int(value)
@@ -141,7 +145,7 @@ class Number(Constraint):
 
     def check(self, value, path):
         if not _is_number(value):
-            raise TypeError(f"{path}: expected a number, got {show(value)}")
+            raise ConfigTypeError(f"{path}: expected a number, got {show(value)}")
         v = float(value)
         if not math.isfinite(v) or (self.low is not None and (v <= self.low if self.low_open else v < self.low)) \
                 or (self.high is not None and (v >= self.high if self.high_open else v > self.high)):
@@ -154,7 +158,7 @@ class Bool(Constraint):
 
     def check(self, value, path):
         if not isinstance(value, bool):
-            raise self.fail(value, path, TypeError)
+            raise self.fail(value, path, ConfigTypeError)
         return value
 
 
@@ -181,7 +185,7 @@ class OneOf(Constraint):
         if any(value == o and type(value) is type(o) for o in self.options):
             return value
         if self.noun:
-            raise ValueError(f"{path}: unknown {self.noun} {show(value)} ({did_you_mean(value, self.options)})")
+            raise ConfigError(f"{path}: unknown {self.noun} {show(value)} ({did_you_mean(value, self.options)})")
         raise self.fail(value, path)
 
 
@@ -195,7 +199,7 @@ class Fixed(Constraint):
 
     def check(self, value, path):
         if value != self.value or type(value) is not type(self.value):
-            raise ValueError(f"{path}: {self.who} is built with {show(self.value)}, got {show(value)}")
+            raise ConfigError(f"{path}: {self.who} is built with {show(self.value)}, got {show(value)}")
         return value
 
 
@@ -210,7 +214,7 @@ class ListOf(Constraint):
     def check(self, value, path):
         if not isinstance(value, (list, tuple)) or self.length is not None and len(value) != self.length \
                 or not value and not self.empty:
-            raise self.fail(value, path, TypeError if not isinstance(value, (list, tuple)) else ValueError)
+            raise self.fail(value, path, ConfigTypeError if not isinstance(value, (list, tuple)) else ConfigError)
         return [self.item(v, f"{path}[{i}]") for i, v in enumerate(value)]
 
 
@@ -254,14 +258,14 @@ def check_fields(cls, given, path, problems=None):
 
     for name in given:
         if name not in known:
-            problem(ValueError(f"{path}.{_short(name)}: unknown key ({did_you_mean(name, sorted(known))})"))
+            problem(ConfigError(f"{path}.{_short(name)}: unknown key ({did_you_mean(name, sorted(known))})"))
     for name, f in known.items():
         default = default_of(f)
         value = given.get(name, MISSING)
         try:
             if value is MISSING or value is None and default is None:
                 if default is MISSING:
-                    raise ValueError(f"{path}.{name}: missing ({f.metadata['help']})")
+                    raise ConfigError(f"{path}.{name}: missing ({f.metadata['help']})")
                 out[name] = default
             else:
                 out[name] = f.metadata["check"](value, f"{path}.{name}")

@@ -7,7 +7,7 @@ the step as a story). Each role's docstring names the rows it sends and receives
 
 Every rank talks through its ``messaging.Link`` (``base.Role.link``): the communicator, the job's
 tag layout and how long it waits for a peer. All sends are non-blocking and all waits go through
-the link (``messaging.poll``: sleeps, never spins). Every sum follows ``wse_core.tree``, so the
+the link (``messaging.poll``: sleeps, never spins). Every sum follows ``wse_core.microbatch``'s tree, so the
 weights are bit-identical to the single-process reference step for num_csx = 1, 2, 4, ...
 (power-of-two fan-out). Every rank also keeps the emulated hardware's simulated time
 (``base.Role.clock``; docs/design.md section 8) by the table's clock rules.

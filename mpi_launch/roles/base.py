@@ -1,6 +1,8 @@
-"""What every role shares: the rank's link (``messaging.Link``: the communicator, the job's tag
-layout, how long it waits for a peer), the plan, the params, the model, logs, and the simulated
-clock with the ports of the links this rank keeps (docs/design.md section 8)."""
+"""What every role shares: ``BaseRole``, a rank's role in any job, training or inference (the rank's
+link, ``messaging.Link``: the communicator, the job's tag layout, how long it waits for a peer; the
+plan, the model, the log), and ``Role``, a role of a training job (the params, the step's
+micro-batches, the simulated clock with the ports of the links this rank keeps: docs/design.md
+section 8). An inference job's roles build on ``BaseRole`` too (``roles.inference.InferenceRole``)."""
 import json
 import time
 
@@ -17,35 +19,57 @@ from mpi_launch.rundir import LineLog, RunDir
 SAVE_BYTES_PER_S = 50e6
 
 
-class Role:
-    def __init__(self, comm, plan, params, run, index, bells=None):
-        from wse_core.nn import build_model
+class BaseRole:
+    """What a rank's role holds in any job: the communicator, the plan, its index among the ranks of
+    its kind, the model (a ``wse_core.nn.Model``, built once by the rank) with its streaming units and
+    which MemoryX owns each parameter, the run directory and the rank's log there. Its link
+    (``self.link``) is the subclass's to open, once it knows its tag layout (``layout``) and how long a
+    first wait may take."""
+
+    def __init__(self, comm, plan, model, run_dir, index):
+        self.comm, self.plan, self.index, self.rank = comm, plan, index, comm.rank
+        self.model = model
+        self.units, self.unit_params = self.model.units, self.model.unit_params
+        self.shapes = {n: s.shape for n, s in self.model.param_specs.items()}
+        self.param_owner = param_owners(self.unit_params, plan.unit_owner)
+        self.run_dir = run_dir
+        self.log_file = LineLog(run_dir.rank_log(self.rank))
+
+    def layout(self, micro_batches):
+        """The job's tag layout (``Layout.for_job``): this model's units and arrays, ``micro_batches`` a step."""
+        return Layout.for_job(units=len(self.units), micro_batches=micro_batches,
+                              arrays_per_unit=max(len(p) for p in self.unit_params))
+
+    def log(self, text):
+        self.log_file.write(f"{time.strftime('%H:%M:%S')} {text}\n")
+
+    def unit_layout(self, u):
+        """Shapes and dtypes of unit u's weights (or gradients) on the wire: 16-bit patterns in a
+        mixed-precision run (``Precision.wire_dtype``), float32 otherwise."""
+        return [(self.shapes[n], self.model.precision.wire_dtype) for n in self.unit_params[u]]
+
+
+class Role(BaseRole):
+    """A role of a training job: the run the launcher resolved (``mpi_launch.resolved.ResolvedRun``:
+    the params, the plan, the model, the step's micro-batches), the run's start and end, the simulated
+    clock, and how long a peer may stay silent (``step_done``)."""
+
+    def __init__(self, comm, resolved, run, index, bells=None):
         from wse_core.perf import Hardware
         from wse_core.perf.clock import Clock
         from wse_core.perf.step import stream_bytes
 
-        self.comm, self.plan, self.params, self.run_info, self.index = comm, plan, params, run, index
-        self.rank = comm.rank
-        self.model = build_model(params.model)
-        self.units = self.model.units
-        self.unit_params = self.model.unit_params
-        self.run_dir = RunDir(params.runconfig.model_dir)
+        params, plan = resolved.spec, resolved.plan
+        super().__init__(comm, plan, resolved.model, RunDir(params.runconfig.model_dir), index)
+        self.resolved, self.params, self.run_info = resolved, params, run
         self.model_dir = self.run_dir.path
         self.max_steps = params.runconfig.max_steps
         self.start_step = run["start_step"]
-        from wse_core.nn.reference import micro_batch_ranges
-
-        t = params.train_input
-        self.batch_size, self.mbs = t.batch_size, t.micro_batch_size
-        # The step's micro-batches in the global batch's order; each CS-2 computes n_micro of them.
-        self.ranges = micro_batch_ranges(self.batch_size, self.mbs, plan.num_csx)
-        self.n_micro = len(self.ranges) // plan.num_csx
-        self.param_owner = param_owners(self.unit_params, plan.unit_owner)
-        self.shapes = {n: s.shape for n, s in self.model.param_specs.items()}
-        self.log_file = LineLog(self.run_dir.rank_log(self.rank))
+        # The step's micro-batches; each CS-2 computes n_micro of them (its rounds).
+        self.batches = resolved.batches
+        self.batch_size, self.mbs, self.n_micro = self.batches.batch_size, self.batches.size, self.batches.rounds
         self._timing_file = None
-        layout = Layout.for_job(units=len(self.units), micro_batches=self.n_micro,
-                                arrays_per_unit=max(len(p) for p in self.unit_params))
+        layout = self.layout(self.n_micro)
         # Simulated time: the hardware (at the model's precision), this rank's clock, and the bytes
         # each unit streams.
         self.hw = Hardware.for_model(self.model, params.runconfig.hardware)
@@ -53,7 +77,7 @@ class Role:
         self.unit_stream_bytes = stream_bytes(self.model, self.hw.bytes_per_value)
         # How long a peer may stay silent (step_done): until a step has set the pace, as long as
         # ranks may take to start, plus peer_timeout; a checkpoint's write is allowed for throughout.
-        from mpi_launch.plan import optimizer_states
+        from mpi_launch.resolved import optimizer_states
 
         r = params.runconfig
         checkpoint_bytes = sum(plan.unit_bytes) * (1 + optimizer_states(params.optimizer))
@@ -65,10 +89,8 @@ class Role:
 
     def round_range(self, m, csx=None):
         """(first, end) samples, in the step's global batch, of the micro-batch CS-2 ``csx`` (this
-        rank's index by default) computes in round m (``wse_core.tree.micro_batch_of``)."""
-        from wse_core.tree import micro_batch_of
-
-        return self.ranges[micro_batch_of(m, self.index if csx is None else csx, self.plan.num_csx)]
+        rank's index by default) computes in round m (``MicroBatches.range_of``)."""
+        return self.batches.range_of(m, self.index if csx is None else csx)
 
     def round_size(self, m, csx=None):
         lo, hi = self.round_range(m, csx)
@@ -110,9 +132,6 @@ class Role:
     def _for_a_checkpoint(self):
         return f" + {self._save_s:.1f} s to write a checkpoint" if self._save_s >= 0.05 else ""
 
-    def log(self, text):
-        self.log_file.write(f"{time.strftime('%H:%M:%S')} {text}\n")
-
     def timing(self, step, **fields):
         """One JSON line per step in ``logs/timing_rank_<r>.jsonl``: where this rank's time went.
 
@@ -122,11 +141,6 @@ class Role:
         if self._timing_file is None:
             self._timing_file = LineLog(self.run_dir.timing_log(self.rank))
         self._timing_file.write(json.dumps({"step": step + 1, **fields}) + "\n")
-
-    def unit_layout(self, u):
-        """Shapes and dtypes of unit u's weights (or gradients) on the wire: 16-bit patterns in a
-        mixed-precision run (``Precision.wire_dtype``), float32 otherwise."""
-        return [(self.shapes[n], self.model.precision.wire_dtype) for n in self.unit_params[u]]
 
     def seq_len(self):
         """Tokens per example of the training data (read once, from its metadata)."""

@@ -1,7 +1,9 @@
 """The roles of an inference job (docs/design.md section 2, "Inference on the cluster"): the
 generation ``Engine`` on the coordinator, its forward passes on the CS-2s, the weights from MemoryX
 through the SwarmX tree. ``mpi_launch.inference`` plans and starts the job and talks to its
-coordinator.
+coordinator. The machines have training's names with ``Inference`` before them
+(``InferenceCoordinator``, ``InferenceMemoryX``, ``InferenceSwarmX``, ``InferenceCS2``), and share
+training's base (``roles.base.BaseRole``).
 
 Two placements, chosen by ``wse_core.perf.inference`` when the job is planned:
 
@@ -21,6 +23,7 @@ hours; the watchdog still ends the job if any rank dies), never spinning (``mess
 
 Messages: the table ``mpi_launch.protocol.INFER``.
 """
+import dataclasses
 import math
 import time
 from multiprocessing.connection import Client
@@ -28,33 +31,26 @@ from multiprocessing.connection import Client
 import numpy as np
 
 from mpi_launch import messaging as msg
-from mpi_launch.plan import param_owners
-from mpi_launch.protocol import CONTROL, DATA, FWD_WEIGHTS, LOGITS, REPORT, Layout
-from mpi_launch.rundir import LineLog
+from mpi_launch.protocol import CONTROL, DATA, FWD_WEIGHTS, LOGITS, REPORT, Pass, Rows, Stop
+from mpi_launch.roles.base import BaseRole
+from wse_core.nn import build_model
 
 
-class InferenceRole:
-    """What every rank of an inference job shares: its link, the plan, the model and the job's spec
-    (``mpi_launch.inference.spec``)."""
+class InferenceRole(BaseRole):
+    """What every rank of an inference job shares besides ``BaseRole``: the job's spec
+    (``mpi_launch.inference.spec``), its placement, and the pace of its passes."""
 
     def __init__(self, comm, plan, spec, run_dir, index):
-        from wse_core.nn import build_model
-
-        self.comm, self.plan, self.spec, self.index, self.rank = comm, plan, spec, index, comm.rank
-        self.model = build_model(spec["model"])
-        self.units, self.unit_params = self.model.units, self.model.unit_params
-        self.shapes = {n: s.shape for n, s in self.model.param_specs.items()}
+        super().__init__(comm, plan, build_model(spec["model"]), run_dir, index)
+        self.spec = spec
         self.streamed = spec["placement"] == "streamed"
-        self.param_owner = param_owners(self.unit_params, plan.unit_owner)
-        layout = Layout.for_job(units=len(self.units), micro_batches=1,
-                                arrays_per_unit=max(len(p) for p in self.unit_params))
+        layout = self.layout(1)
         # Until a pass has set the pace, a wait may hold the job's start-up (MemoryX reading the
         # weights, their crossing the tree), as a training job's first step does (roles.base).
         peer, start = spec["peer_timeout"], spec["startup_timeout"]
         self.link = msg.Link(comm, layout, start + peer, f"--peer_timeout {peer:g} s + the start-up's {start:g} s, "
                                                          "until a pass has set the pace")
         self._began, self._uncounted, self._longest, self._per_token = None, True, None, 0.0
-        self.log_file = LineLog(run_dir.rank_log(self.rank))
 
     def pace(self, tokens=0):
         """Before a pass of ``tokens`` tokens (0: not known to this rank): how long this rank's waits in it
@@ -83,18 +79,23 @@ class InferenceRole:
         if tokens:
             self._per_token = max(self._per_token, took / tokens)
 
-    def log(self, text):
-        self.log_file.write(f"{time.strftime('%H:%M:%S')} {text}\n")
-
-    def unit_layout(self, u):
-        return [(self.shapes[n], self.model.precision.wire_dtype) for n in self.unit_params[u]]
-
     def next_order(self, source, tag, what):
         """The next message from ``source``, waited for as long as it takes (never spinning)."""
         return self.link.recv_object(source, tag, what, timeout=math.inf)
 
+    def stream_passes(self, stream):
+        """Run ``stream``, what a MemoryX or SwarmX node does with the weights: once (resident), or at
+        each of the coordinator's passes (streamed); either way until the coordinator's Stop."""
+        if not self.streamed:
+            stream()
+        while not isinstance(self.next_order(self.plan.coordinator, self.link.tag(CONTROL),
+                                             "the coordinator (next pass)"), Stop):
+            self.pace()
+            stream()
+            self.paced()
 
-class Coordinator(InferenceRole):
+
+class InferenceCoordinator(InferenceRole):
     """Runs the Engine (sampling, continuous batching, ends of sequences) for the process that started
     the job, over a Unix socket (``multiprocessing.connection``): ("add", prompt, max_new_tokens,
     sampling, stop_ids) answers the sequence's id or a ValueError's line; ("cancel", id); ("step",)
@@ -131,9 +132,9 @@ class Coordinator(InferenceRole):
         for their rows (resident: the first, which hands the end on)."""
         tag = self.link.tag(CONTROL)
         for rank in self.plan.memoryx + self.plan.swarmx:
-            self.comm.send({"stop": True}, dest=rank, tag=tag)  # INFER["pass"]
+            self.comm.send(Stop(), dest=rank, tag=tag)  # INFER["pass"]
         for rank in self.plan.csx if self.streamed else self.plan.csx[:1]:
-            self.comm.send({"stop": True}, dest=rank, tag=tag)  # INFER["rows"]
+            self.comm.send(Stop(), dest=rank, tag=tag)  # INFER["rows"]
 
 
 class _ClusterRunner:
@@ -171,19 +172,19 @@ class _ClusterRunner:
         logits = np.empty((len(active), self.vocab_size), np.float32)
         if role.streamed:
             for rank in role.plan.memoryx + role.plan.swarmx:
-                role.comm.send({"stop": False}, dest=rank, tag=tag(CONTROL))  # INFER["pass"]
+                role.comm.send(Pass(), dest=rank, tag=tag(CONTROL))  # INFER["pass"]
             rows = {c: [k for k, i in enumerate(active) if self.home[i] == c] for c in range(role.plan.num_csx)}
             for c, rank in enumerate(role.plan.csx):
-                role.comm.send({"x": ids[rows[c]], "active": [active[k] for k in rows[c]], "t": t,  # INFER["rows"]
-                                "added": [i for i, h in self.added if h == c],
-                                "removed": [i for i, h in self.removed if h == c]}, dest=rank, tag=tag(CONTROL))
+                role.comm.send(Rows(x=ids[rows[c]], active=[active[k] for k in rows[c]], t=t,  # INFER["rows"]
+                                    added=[i for i, h in self.added if h == c],
+                                    removed=[i for i, h in self.removed if h == c]), dest=rank, tag=tag(CONTROL))
             for c, rank in enumerate(role.plan.csx):
                 got = link.recv_object(rank, tag(REPORT, 0, LOGITS), f"CS-2 rank {rank} (logits)")  # INFER["logits"]
                 if rows[c]:
                     logits[rows[c]] = got
         else:
-            role.comm.send({"x": ids, "active": list(active), "t": t, "added": [i for i, _ in self.added],
-                            "removed": [i for i, _ in self.removed]}, dest=role.plan.csx[0], tag=tag(CONTROL))
+            role.comm.send(Rows(x=ids, active=list(active), t=t, added=[i for i, _ in self.added],
+                                removed=[i for i, _ in self.removed]), dest=role.plan.csx[0], tag=tag(CONTROL))
             last = role.plan.csx[-1]
             logits[:] = link.recv_object(last, tag(REPORT, 0, LOGITS), f"CS-2 rank {last} (logits)")
         self.added, self.removed = [], []
@@ -191,7 +192,7 @@ class _ClusterRunner:
         return logits
 
 
-class WeightStore(InferenceRole):
+class InferenceMemoryX(InferenceRole):
     """A MemoryX server: loads the weights it owns from the job's source and streams them down the
     tree, once (resident) or for every pass (streamed), in the model's precision."""
 
@@ -200,7 +201,7 @@ class WeightStore(InferenceRole):
         wire = {n: self.model.precision.to_wire(w) for n, w in _load(self.spec, owned).items()}
         uses = [(u, i, n) for u, names in enumerate(self.unit_params) for i, n in enumerate(names)
                 if self.param_owner[n] == self.index]
-        root, coordinator = self.plan.swarmx_root, self.plan.coordinator
+        root = self.plan.swarmx_root
 
         def send():
             reqs = []
@@ -208,15 +209,10 @@ class WeightStore(InferenceRole):
                 reqs += self.link.isend_arrays([wire[n]], root, FWD_WEIGHTS, u, index=i)  # INFER["weights"]
             self.link.wait_all(reqs, f"SwarmX root rank {root} (weights)")
 
-        if not self.streamed:
-            send()
-        while not self.next_order(coordinator, self.link.tag(CONTROL), "the coordinator (next pass)")["stop"]:
-            self.pace()
-            send()
-            self.paced()
+        self.stream_passes(send)
 
 
-class Relay(InferenceRole):
+class InferenceSwarmX(InferenceRole):
     """A SwarmX node: relays every unit's weights to its children, chunk by chunk, as they land."""
 
     def run(self):
@@ -234,15 +230,10 @@ class Relay(InferenceRole):
                 keep.append(arrays)
             self.link.wait_all(sends, f"children {kids} of SwarmX rank {me} (weights)")
 
-        if not self.streamed:
-            relay()
-        while not self.next_order(self.plan.coordinator, self.link.tag(CONTROL), "the coordinator (next pass)")["stop"]:
-            self.pace()
-            relay()
-            self.paced()
+        self.stream_passes(relay)
 
 
-class Wafer(InferenceRole):
+class InferenceCS2(InferenceRole):
     """A CS-2 of an inference job: its units' weights (resident: kept from the start; streamed: taken
     again every pass) and its sequences' KV caches; runs its units on each pass's rows."""
 
@@ -260,26 +251,27 @@ class Wafer(InferenceRole):
         self.log(f"units {first}..{end - 1} ({self.spec['placement']})")
         while True:
             order = self.next_order(source, self.link.tag(tag_in), f"rank {source} (the next pass)")
-            if order.get("stop"):
+            if isinstance(order, Stop):
                 if not last:
                     self.comm.send(order, dest=csx[c + 1], tag=self.link.tag(DATA))
                 return
-            tokens = math.prod(order["x"].shape[:2])  # ids (rows, t), or the activations of them
+            tokens = math.prod(order.x.shape[:2])  # ids (rows, t), or the activations of them
             self.pace(tokens)
             if self.streamed:
                 weights = self._weights(first, end)
-            for i in order["removed"]:
+            for i in order.removed:
                 kv.remove(i)
-            for i in order["added"]:
+            for i in order.added:
                 kv.add(i)
-            x = order["x"]
-            if order["active"]:
-                x = self.model.infer_units(weights, x, kv, order["active"], first, end, order["t"])
+            x = order.x
+            if order.active:
+                x = self.model.infer_units(weights, x, kv, order.active, first, end, order.t)
             if last:
-                self.comm.send(np.ascontiguousarray(x[:, -1]) if order["active"] else None,  # INFER["logits"]
+                self.comm.send(np.ascontiguousarray(x[:, -1]) if order.active else None,  # INFER["logits"]
                                dest=coordinator, tag=self.link.tag(REPORT, 0, LOGITS))
             else:
-                self.comm.send(dict(order, x=x), dest=csx[c + 1], tag=self.link.tag(DATA))  # INFER["activations"]
+                self.comm.send(dataclasses.replace(order, x=x), dest=csx[c + 1],  # INFER["activations"]
+                               tag=self.link.tag(DATA))
             self.paced(tokens)
 
     def _weights(self, first, end):
@@ -309,4 +301,5 @@ def _load(spec, names):
     return ckpt.dense(ckpt.load(names)[0])
 
 
-ROLES = {"coordinator": Coordinator, "memoryx": WeightStore, "swarmx": Relay, "csx": Wafer}
+ROLES = {"coordinator": InferenceCoordinator, "memoryx": InferenceMemoryX, "swarmx": InferenceSwarmX,
+         "csx": InferenceCS2}

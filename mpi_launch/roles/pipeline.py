@@ -18,59 +18,38 @@ import time
 
 import numpy as np
 
-from mpi_launch.protocol import CONTROL, DATA, LOSS, NORMS, REPORT, STEP_TIME
+from mpi_launch.protocol import (CONTROL, DATA, LOSS, NORMS, REPORT, STEP_TIME, Control, LossReport, LossScale, Norms,
+                                 StepTime)
 from mpi_launch.roles.memoryx import MemoryX
 
 
 class PipelinedCS2(MemoryX):
+    """Computes each step itself (``_compute_step``: its data in, the reference step's forward, loss
+    and backward, the reports out), then takes the coordinator's control as a MemoryX does."""
+
     def run(self):
-        from mpi_launch.plan import strategy
-        from wse_core.nn.reference import accumulate
-        from wse_core.optim import sum_of_squares
         from wse_core.optim.loss_scale import LossScaler
 
         self.setup(list(self.model.param_names))
-        placement = strategy(self.params, self.model)[2]
-        compute_s, update_s = placement.step_s - placement.update_s, placement.update_s
+        placement = self.resolved.placement
+        self._compute_s, update_s = placement.step_s - placement.update_s, placement.update_s
         scaler = LossScaler.from_params(self.params.optimizer, self.model.config.get("fp16_type"))
-        loss_scale = scaler.scale  # a static scale never changes; a dynamic one comes each step
-        workers, w = self.plan.workers[0], self.plan.num_workers_per_csx
-        seq = self.seq_len() if self.model.is_lm else None
-        coordinator, clock, lat = self.plan.coordinator, self.clock, self.hw.swarmx_hop_latency_s
-        tag = self.link.tag
+        # A static scale never changes; a dynamic one comes each step.
+        self._dynamic, self._loss_scale = scaler.dynamic, scaler.scale
+        self._seq = self.seq_len() if self.model.is_lm else None
+        clock, lat = self.clock, self.hw.swarmx_hop_latency_s
         self._controls = []
         for step in range(self.start_step - 1, self.max_steps):
             if step >= self.start_step:
                 t0 = time.perf_counter()
-                raw, reqs = [], []
-                for m in range(self.n_micro):
-                    a = [np.empty(shape, dtype) for shape, dtype in self.model.example_layout(self.round_size(m), seq)]
-                    raw.append(a)
-                    reqs += [self.comm.Irecv(x, source=workers[m % w], tag=tag(DATA, m, i)) for i, x in enumerate(a)]
-                self.link.wait_all(reqs, f"input workers {workers} (micro-batches of step {step})")
-                t_data = time.perf_counter() - t0
-                batch = self.model.batch_of([np.concatenate([r[i] for r in raw]) for i in range(len(raw[0]))])
-                if scaler.dynamic:
-                    loss_scale = self._control("loss_scale", step)["loss_scale"]
-                loss_sum, n_tokens, unit_grads, values = accumulate(
-                    self.model, self.model.compute_weights(self.weights), batch, self.mbs,
-                    dropout=(self.params.runconfig.seed, step + 1), loss_scale=loss_scale)
-                grads = self.model.combine_unit_grads(unit_grads)
-                clock.advance(compute_s)
-                send = self.link.send_object
-                # the micro-batches' values each (the coordinator combines them as the CS-2s' in their order)
-                send({"loss_sums": [loss_sum], "tokens": n_tokens, "values": values, "t": clock.now}, coordinator,
-                     tag(REPORT, 0, LOSS))
-                send({"sumsq": [(n, sum_of_squares(grads[n])) for n in self.owned], "t": clock.now,
-                      "left": clock.now}, coordinator, tag(REPORT, 0, NORMS))
-                send({"compute": compute_s, "waited": 0.0}, coordinator, tag(REPORT, 0, STEP_TIME))
+                t_data, loss_sum, n_tokens, grads = self._compute_step(step, t0)
                 t_compute = time.perf_counter() - t0 - t_data
-            control = self._control("lr", step)
-            clock.receive(control["t"] + lat)
+            control = self._control(Control, step)
+            clock.receive(control.t + lat)
             if step >= self.start_step:
                 t_opt = time.perf_counter()
                 self.apply(control, grads, step, self.owned)
-                if not control["skip"]:
+                if not control.skip:
                     clock.advance(update_s)
                 self.timing(step, seconds=time.perf_counter() - t0, data_wait=t_data, compute=t_compute,
                             optimizer=time.perf_counter() - t_opt)
@@ -79,11 +58,44 @@ class PipelinedCS2(MemoryX):
             if step >= self.start_step:
                 self.step_done(step)
 
-    def _control(self, key, step):
-        """The coordinator's next CONTROL message holding ``key``: this rank gets both the CS-2's
-        (the loss scale) and the MemoryX server's (the update), in the order they were sent."""
-        while not any(key in c for c in self._controls):
+    def _compute_step(self, step, t0):
+        """The step begun at ``t0``: its micro-batches from the input workers, the reference step's
+        forward, loss and backward on them, and the reports of a CS-2 and of a MemoryX to the
+        coordinator. Returns the seconds waited for data, the loss sum, its tokens and the gradients."""
+        from wse_core.nn.reference import accumulate
+        from wse_core.optim import sum_of_squares
+
+        model, tag, coordinator, clock = self.model, self.link.tag, self.plan.coordinator, self.clock
+        workers, w = self.plan.workers[0], self.plan.num_workers_per_csx
+        raw, reqs = [], []
+        for m in range(self.n_micro):
+            a = [np.empty(shape, dtype) for shape, dtype in model.example_layout(self.round_size(m), self._seq)]
+            raw.append(a)
+            reqs += [self.comm.Irecv(x, source=workers[m % w], tag=tag(DATA, m, i)) for i, x in enumerate(a)]
+        self.link.wait_all(reqs, f"input workers {workers} (micro-batches of step {step})")
+        t_data = time.perf_counter() - t0
+        batch = model.batch_of([np.concatenate([r[i] for r in raw]) for i in range(len(raw[0]))])
+        if self._dynamic:
+            self._loss_scale = self._control(LossScale, step).scale
+        loss_sum, n_tokens, unit_grads, values = accumulate(
+            model, model.compute_weights(self.weights), batch, self.mbs,
+            dropout=(self.params.runconfig.seed, step + 1), loss_scale=self._loss_scale)
+        grads = model.combine_unit_grads(unit_grads)
+        clock.advance(self._compute_s)
+        send = self.link.send_object
+        # the micro-batches' values each (the coordinator combines them as the CS-2s' in their order)
+        send(LossReport(loss_sums=[loss_sum], tokens=n_tokens, values=values, t=clock.now), coordinator,
+             tag(REPORT, 0, LOSS))
+        send(Norms(sumsq=[(n, sum_of_squares(grads[n])) for n in self.owned], t=clock.now, left=clock.now),
+             coordinator, tag(REPORT, 0, NORMS))
+        send(StepTime(compute=self._compute_s, waited=0.0), coordinator, tag(REPORT, 0, STEP_TIME))
+        return t_data, loss_sum, n_tokens, grads
+
+    def _control(self, kind, step):
+        """The coordinator's next CONTROL message of type ``kind``: this rank gets both the CS-2's
+        (``LossScale``) and the MemoryX server's (``Control``), in the order they were sent."""
+        while not any(isinstance(c, kind) for c in self._controls):
             self._controls.append(self.link.recv_object(self.plan.coordinator, self.link.tag(CONTROL),
                                                         f"the coordinator (step {step})"))
-        i = next(i for i, c in enumerate(self._controls) if key in c)
+        i = next(i for i, c in enumerate(self._controls) if isinstance(c, kind))
         return self._controls.pop(i)

@@ -1,5 +1,5 @@
 """A SwarmX node: broadcasts weights down its subtree and sums gradients on their way up, for every
-micro-batch of a step in the order of ``wse_core.perf.step.micro_batch_schedule``.
+micro-batch of a step in the order of ``wse_core.microbatch.micro_batch_schedule``.
 
 Simulated time: a node keeps the port of the link above it (the root: one per MemoryX server),
 which carries weights down and gradient sums up in the order this program handles their headers;
@@ -13,15 +13,13 @@ the headers wait for, so a CS-2 ahead of the other is not held back by it before
 Its messages (``mpi_launch.protocol``): it relays STEP["forward weights"], STEP["recompute weights"]
 and STEP["backward weights"] down and sums STEP["gradients"] up."""
 from mpi_launch.messaging import Lanes
-from mpi_launch.protocol import BWD_WEIGHTS, FWD_WEIGHTS, GRADS, RCP_WEIGHTS
+from mpi_launch.protocol import GRADS, WEIGHTS_PHASE
 from mpi_launch.roles.base import Role
-
-PHASE = {"forward": FWD_WEIGHTS, "recompute": RCP_WEIGHTS, "backward": BWD_WEIGHTS}
 
 
 class SwarmX(Role):
     def run(self):
-        from wse_core.perf.step import micro_batch_schedule
+        from wse_core.microbatch import micro_batch_schedule
 
         me = self.plan.swarmx[self.index]
         self._kids = self.plan.children[me]
@@ -59,9 +57,10 @@ class SwarmX(Role):
         for _ in range(self.n_micro):
             for kind, u in schedule:
                 above, port = self._above(u)
-                h = yield from link.header(above, PHASE[kind], u, f"rank {above} (weights of {self.units[u].name})")
+                h = yield from link.header(above, WEIGHTS_PHASE[kind], u,
+                                           f"rank {above} (weights of {self.units[u].name})")
                 header, _ = port.carry(self.unit_stream_bytes[u], (h["first"], h["last"]))
-                sends += [link.send_header(k, PHASE[kind], u, header) for k in kids]
+                sends += [link.send_header(k, WEIGHTS_PHASE[kind], u, header) for k in kids]
                 if pending is not None:
                     yield from self._gradient_header(pending, sends)
                 pending = u if kind == "backward" else None
@@ -93,7 +92,7 @@ class SwarmX(Role):
         if kind == "recompute":
             return None
         sources = self._sources(u)
-        return (yield from self.link.relaying(self.unit_layout(u), sources, self._kids, PHASE[kind], u,
+        return (yield from self.link.relaying(self.unit_layout(u), sources, self._kids, WEIGHTS_PHASE[kind], u,
                                               f"weights of {self.units[u].name} from rank(s) {sorted(set(sources))}",
                                               sends))
 

@@ -1,5 +1,5 @@
 """The input worker: reads its CS-2's micro-batches from the global stream and sends them ahead
-(CS-2 c's round m is the step's micro-batch ``wse_core.tree.micro_batch_of(m, c, num_csx)``).
+(CS-2 c's round m is the step's micro-batch ``wse_core.microbatch.MicroBatches.index(m, c)``).
 
 It sends STEP["data"] (``mpi_launch.protocol``). Its messages carry no simulated time: input is
 prefetched and small beside the weights, so the model takes it as there when a step starts

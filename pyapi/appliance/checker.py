@@ -56,7 +56,7 @@ def check_params(raw, pool_csx, cores):
     import warnings
 
     from mpi_launch.mpiexec import check_capacity
-    from mpi_launch.plan import plan_for
+    from mpi_launch.resolved import resolve
     from pyapi.params import validate
 
     if isinstance(raw, dict) and set(raw) == {"serve"}:
@@ -67,7 +67,7 @@ def check_params(raw, pool_csx, cores):
     r = spec.runconfig
     if r.num_csx > pool_csx:
         return {"error": f"runconfig.num_csx: {r.num_csx} CS-2s asked, the appliance has {pool_csx}"}
-    check_capacity(plan_for(spec)[0], cores=cores_for(r.num_csx, pool_csx, cores))
+    check_capacity(resolve(spec).plan, cores=cores_for(r.num_csx, pool_csx, cores))
     return {"params": spec.to_dict(), "num_csx": r.num_csx, "max_steps": r.max_steps,
             "model_dir": str(r.model_dir)}
 

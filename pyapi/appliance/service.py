@@ -37,6 +37,7 @@ from pyapi.appliance.requests import check_path, printable
 from pyapi.appliance.server import IDLE_SECONDS, Server, answering, listen, user_name
 from pyapi.appliance.store import Store
 from wse_core.checks import plural
+from wse_core.errors import ConfigError
 
 _LOG_CHUNK = 65536
 
@@ -57,7 +58,7 @@ class Service:
 
     def __init__(self, state_dir, socket_path=None, num_csx=4):
         if not isinstance(num_csx, int) or num_csx < 1:
-            raise ValueError(f"--num_csx: expected a positive integer, got {num_csx!r}")
+            raise ConfigError(f"--num_csx: expected a positive integer, got {num_csx!r}")
         os.umask(0o077)  # the job records, logs and service log are the service's alone
         self.state_dir = Path(state_dir).absolute()
         self.socket_path = Path(socket_path).absolute() if socket_path else self.state_dir / SOCKET_NAME

@@ -21,6 +21,7 @@ from pathlib import Path
 
 from mpi_launch.rundir import RunDir
 from pyapi.appliance.errors import ApplianceError
+from wse_core.errors import ConfigError
 
 NAME_PREFIX = "wse-"
 _FIELDS = ("id", "name", "state", "user", "elapsed", "comment")
@@ -67,17 +68,16 @@ def submit(job, *, max_restarts=0, name=None):
     """Check ``job``, write its params and script into model_dir, ``sbatch`` it; return (Slurm id, script path)."""
     import yaml
 
-    from mpi_launch.plan import plan_for
     from wse_core.numerics import numerics_variables
 
     if not 0 <= max_restarts <= 100:
-        raise ValueError(f"--max_restarts: expected 0..100, got {max_restarts}")
+        raise ConfigError(f"--max_restarts: expected 0..100, got {max_restarts}")
     job._check_inputs()
     model_dir = job.model_dir.absolute()
     for what, path in (("model_dir", model_dir), ("the current directory", Path.cwd())):
         if not str(path).isprintable() or any(c.isspace() for c in str(path)):
-            raise ValueError(f"{what}: {str(path)!r} has spaces or control characters, which #SBATCH lines "
-                             "cannot carry; use another")
+            raise ConfigError(f"{what}: {str(path)!r} has spaces or control characters, which #SBATCH lines "
+                              "cannot carry; use another")
     name = re.sub(r"[^\w.-]", "_", name or model_dir.name)[:64]
     run_dir = RunDir(model_dir)
     run_dir.logs.mkdir(parents=True, exist_ok=True)
@@ -86,7 +86,7 @@ def submit(job, *, max_restarts=0, name=None):
     d["runconfig"]["model_dir"] = str(model_dir)
     frozen.write_text(yaml.safe_dump(d, sort_keys=False))
     path = run_dir.slurm_job_sh
-    path.write_text(script(job, world_size=plan_for(job.params)[0].world_size, max_restarts=max_restarts, name=name,
+    path.write_text(script(job, world_size=job.resolved.plan.world_size, max_restarts=max_restarts, name=name,
                            numerics=numerics_variables()))
     out = _run(["sbatch", "--parsable", str(path)])
     if out.returncode != 0:

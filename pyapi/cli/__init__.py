@@ -12,7 +12,7 @@ Each command group is a module that adds its subparser(s) and holds the function
     data        data preprocess|inspect|verify
     checkpoint  checkpoint info|verify|convert|from-hf
     fabric      fabric run
-    options     what several of them share (an option under both spellings, a job's arguments)
+    options     what several of them share (the parser and its spelling rule, a job's arguments)
 
 Commands of the layer above plug in through the entry-point group ``wse.commands`` (a function
 ``add(subparsers, chosen)``): ``wse bench NAME`` is the bench package's, so nothing here imports
@@ -21,13 +21,12 @@ a benchmark (tests/test_imports.py).
 Here: the top-level parser, and main() with its one-line errors and exit codes. The modules import
 nothing heavy at import time, so `wse --help` stays quick (tests/test_cli.py).
 """
-import argparse
 import importlib.metadata
 import os
 import sys
 
-from mpi_launch import MPILaunchError
 from pyapi.cli import appliance, checkpoint, data, doctor, fabric, generate, params, plot, serve, train
+from pyapi.cli.options import Parser
 
 #: The subcommands in the order `wse --help` lists them.
 _COMMANDS = (doctor.add_doctor, doctor.add_demo, train.add_fit, appliance.add_appliance, appliance.add_submit,
@@ -45,27 +44,17 @@ def _version():
         return "unknown (not installed)"
 
 
-class _Parser(argparse.ArgumentParser):
-    """argparse's parser, answering a mistyped choice with the closest one (`wse fitt`: did you mean
-    fit?) rather than the list of all. (Python 3.14's ``suggest_on_error`` does this; we support 3.10.)"""
-
-    def _check_value(self, action, value):
-        if action.choices is not None and value not in action.choices:
-            from wse_core.checks import did_you_mean
-
-            raise argparse.ArgumentError(action, f"invalid choice: {value!r} "
-                                                 f"({did_you_mean(value, list(action.choices))})")
-
-
 def build_parser(argv=()):
     """The argument parser for ``argv``: the modules behind long help texts and benchmark options are
     imported only for the subcommand ``argv`` names, so ``wse --help`` stays quick."""
     chosen = tuple(argv[:2])
-    parser = _Parser(
+    parser = Parser(
         prog="wse",
-        description="wse-cluster: an emulated wafer-scale cluster (CS-2 systems, MemoryX, SwarmX) on CPUs and MPI.")
+        description="wse-cluster: an emulated wafer-scale cluster (CS-2 systems, MemoryX, SwarmX) on CPUs and MPI.",
+        epilog="An option of several words takes either spelling: --num_csx or --num-csx.")
     parser.add_argument("--version", action="version", version=f"wse-cluster {_version()}")
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True,
+                                help="what to do; `wse COMMAND --help` says how")
     plugged = {ep.name: ep for ep in importlib.metadata.entry_points(group=PLUGINS)}  # once each, by name
     for add in (*_COMMANDS, *(plugged[name].load() for name in sorted(plugged))):
         add(sub, chosen)
@@ -121,6 +110,12 @@ def _stdout_gone():
 def _main(argv):
     argv = sys.argv[1:] if argv is None else list(argv)
     parser = build_parser(argv)
+    if not argv:
+        # Bare `wse` asks what there is, as `wse --help` does, and gets the same answer: the help on standard
+        # output (`wse | less` pages it) and exit 0. Nothing was asked that failed; an error and exit 2 would
+        # only add a line that sends the user to --help.
+        parser.print_help()
+        return 0
     args, extra = parser.parse_known_args(argv)  # parse_args, but for what a --set's mistake leaves over
     import warnings
 
@@ -137,24 +132,25 @@ def _main(argv):
             default_show(message, category, *rest, **kwargs)
 
     warnings.showwarning = show
-    from pyapi.appliance.client import ApplianceError
-    from pyapi.job import JobError
+    from wse_core.errors import WseError  # here, not at the top: `wse --help` loads no wse_core
 
     try:
         if extra:
-            # `--set k 5`: argparse would blame the 5 with the top-level usage (exit 2); the --set missing its
+            # `--set k 5`: argparse would blame the 5 with the command's usage (exit 2); the --set missing its
             # = is the mistake, a value's, so it is one line and exit 1 as every params problem is.
             from pyapi.params import parse_override
 
             for item in getattr(args, "set", None) or ():
                 parse_override(item)
-            parser.error(f"unrecognized arguments: {' '.join(extra)}")
+            parser.chosen(args).error(f"unrecognized arguments: {' '.join(extra)}")  # with `wse fit`'s usage
         from wse_core import configure_process
 
         configure_process()
         return args.func(args)
-    except (ValueError, TypeError, OSError, MPILaunchError, ApplianceError, JobError) as exc:
-        # User-facing failures are one line; WSE_DEBUG=1 shows the traceback behind it.
+    except (WseError, OSError) as exc:
+        # User-facing failures are one line; WSE_DEBUG=1 shows the traceback behind it. Only the project's
+        # root (wse_core.errors: a bad option, file or plan, a failed job) and the system's errors: a plain
+        # ValueError or TypeError is a bug's, and keeps its traceback so it is reported rather than obeyed.
         if os.environ.get("WSE_DEBUG") or (isinstance(exc, BrokenPipeError) and _stdout_gone()):
             raise  # main() ends quietly when the reader of our output left
         print(f"wse {args.command}: error: {exc}", file=sys.stderr)

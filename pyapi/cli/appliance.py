@@ -3,7 +3,7 @@ import os
 import sys
 
 from pyapi.appliance.jobs import JobState
-from pyapi.cli.options import job_args, opt, overrides, print_json_or_lines
+from pyapi.cli.options import job_args, overrides, print_json_or_lines
 
 SOCKET_HELP = ("the appliance's socket (default: $WSE_APPLIANCE_SOCKET, else this user's own appliance, else "
                "/var/lib/wse-appliance/appliance.sock)")
@@ -63,6 +63,7 @@ def _cmd_appliance_status(args):
 
 def _cmd_submit(args):
     from pyapi.job import Job
+    from wse_core.errors import ConfigError
 
     job = Job.from_yaml(args.params, model_dir=args.model_dir, overrides=overrides(args))
     if args.slurm:
@@ -70,8 +71,8 @@ def _cmd_submit(args):
 
         for flag, given in (("--priority", args.priority), ("--follow", args.follow), ("--socket", args.socket)):
             if given:
-                raise ValueError(f"{flag}: not with --slurm (Slurm orders its queue by its own policy; "
-                                 "`wse logs --slurm JOB` prints the output)")
+                raise ConfigError(f"{flag}: not with --slurm (Slurm orders its queue by its own policy; "
+                                  "`wse logs --slurm JOB` prints the output)")
         job_id, script = slurm.submit(job, max_restarts=args.max_restarts, name=args.name)
         print(f"submitted Slurm job {job_id} ({job.params.runconfig.num_csx} CS-2s, model_dir {job.model_dir}); "
               f"script {script}")
@@ -171,18 +172,26 @@ def add_appliance(sub, chosen):
                        description="The appliance: a long-running service owning a pool of emulated CS-2s. Users "
                                    "queue jobs on it with `wse submit`, and list, follow and cancel them with "
                                    "`wse jobs`, `wse logs`, `wse cancel`; each sees only their own jobs.")
-    ap_sub = p.add_subparsers(dest="appliance_command", metavar="ACTION", required=True)
-    ap = ap_sub.add_parser("start", help="start the service (in the background unless --foreground)")
-    opt(ap, "--num_csx", type=int, default=4, metavar="N", help="CS-2s in the pool (default 4)")
+    ap_sub = p.add_subparsers(dest="appliance_command", metavar="ACTION", required=True,
+                              help="`wse appliance ACTION --help` says more")
+    ap = ap_sub.add_parser("start", help="start the service (in the background unless --foreground)",
+                           description="Start the appliance with a pool of --num_csx emulated CS-2s, in the "
+                                       "background (it prints its pid and socket and returns) or, with "
+                                       "--foreground, in this process until it is stopped. The jobs its last stop "
+                                       "interrupted resume.")
+    ap.add_argument("--num_csx", type=int, default=4, metavar="N", help="CS-2s in the pool (default 4)")
     ap.add_argument("--socket", metavar="PATH", help="where it listens (default: STATE_DIR/appliance.sock)")
-    opt(ap, "--state_dir", metavar="DIR", help="its job records and logs (default: /var/lib/wse-appliance "
-                                               "for root, ~/.local/state/wse-appliance for others)")
+    ap.add_argument("--state_dir", metavar="DIR", help="its job records and logs (default: /var/lib/wse-appliance "
+                                                       "for root, ~/.local/state/wse-appliance for others)")
     ap.add_argument("--foreground", action="store_true", help="run in this process (for systemd and the like)")
     ap.set_defaults(func=_cmd_appliance_start)
-    for name, func, text in (("stop", _cmd_appliance_stop, "stop the service; running jobs resume at its next "
-                                                           "start"),
-                             ("status", _cmd_appliance_status, "the pool: CS-2s free, jobs queued and running")):
-        ap = ap_sub.add_parser(name, help=text)
+    for name, func, text, description in (
+            ("stop", _cmd_appliance_stop, "stop the service; running jobs resume at its next start",
+             "Stop the appliance (its owner or root): its running jobs are stopped, to resume from their latest "
+             "checkpoint when it is started again. Returns once the service has exited."),
+            ("status", _cmd_appliance_status, "the pool: CS-2s free, jobs queued and running",
+             "Print the appliance's pool: its CS-2s, how many are free, and the jobs queued and running.")):
+        ap = ap_sub.add_parser(name, help=text, description=description)
         ap.add_argument("--socket", metavar="PATH", help=SOCKET_HELP)
         if name == "status":
             ap.add_argument("--json", action="store_true", help="print JSON")
@@ -196,7 +205,7 @@ def add_submit(sub, chosen):
                                    "resumes from MODEL_DIR/latest, and is restarted from its latest checkpoint "
                                    "after a fault up to --max_restarts times.")
     job_args(p)
-    opt(p, "--max_restarts", type=int, default=0, metavar="R", help="restarts after a fault (default 0)")
+    p.add_argument("--max_restarts", type=int, default=0, metavar="R", help="restarts after a fault (default 0)")
     p.add_argument("--priority", type=int, default=0, metavar="P",
                    help="higher runs first; first come, first served within a priority (default 0)")
     p.add_argument("--name", help="the job's name in `wse jobs` (default: model_dir's name)")
@@ -207,7 +216,10 @@ def add_submit(sub, chosen):
 
 
 def add_jobs(sub, chosen):
-    p = sub.add_parser("jobs", help="your jobs on the appliance: state, CS-2s, step, loss, simulated and wall time")
+    p = sub.add_parser("jobs", help="your jobs on the appliance: state, CS-2s, step, loss, simulated and wall time",
+                       description="List your jobs on the appliance (or, with --slurm, your wse jobs on Slurm): "
+                                   "each one's state, CS-2s, step, latest loss, simulated and wall time, restarts "
+                                   "and name; a failed, cancelled or waiting job's reason below it.")
     p.add_argument("--json", action="store_true", help="print JSON")
     p.add_argument("--slurm", action="store_true", help="your wse jobs on Slurm (squeue and sacct)")
     p.add_argument("--socket", metavar="PATH", help=SOCKET_HELP)
@@ -215,8 +227,11 @@ def add_jobs(sub, chosen):
 
 
 def add_logs(sub, chosen):
-    p = sub.add_parser("logs", help="a job's log; -f follows it until the job ends")
-    p.add_argument("job", type=int, metavar="JOB")
+    p = sub.add_parser("logs", help="a job's log; -f follows it until the job ends",
+                       description="Print the output of one of your jobs so far (a training job's is what `wse "
+                                   "fit` prints). With -f, follow it as it grows until the job ends; the exit "
+                                   "status is then the job's: 0 if it finished, 1 otherwise.")
+    p.add_argument("job", type=int, metavar="JOB", help="the job's id, as `wse submit` and `wse jobs` print it")
     p.add_argument("-f", "--follow", action="store_true", help="follow until the job ends")
     p.add_argument("--slurm", action="store_true", help="JOB is a Slurm job id")
     p.add_argument("--socket", metavar="PATH", help=SOCKET_HELP)
@@ -224,8 +239,10 @@ def add_logs(sub, chosen):
 
 
 def add_cancel(sub, chosen):
-    p = sub.add_parser("cancel", help="cancel a queued job, or stop a running one cleanly")
-    p.add_argument("job", type=int, metavar="JOB")
+    p = sub.add_parser("cancel", help="cancel a queued job, or stop a running one cleanly",
+                       description="Cancel one of your jobs: a queued job leaves the queue; a running job's "
+                                   "processes are stopped, and the checkpoints it wrote stay in its model_dir.")
+    p.add_argument("job", type=int, metavar="JOB", help="the job's id, as `wse submit` and `wse jobs` print it")
     p.add_argument("--slurm", action="store_true", help="JOB is a Slurm job id (scancel)")
     p.add_argument("--socket", metavar="PATH", help=SOCKET_HELP)
     p.set_defaults(func=_cmd_cancel)

@@ -64,30 +64,41 @@ def _cmd_checkpoint_from_hf(args):
     return 0
 
 
+_PATH_HELP = "a model_dir (its latest checkpoint), a checkpoint directory or its index.h5"
+
+
 def add_checkpoint(sub, chosen):
     p = sub.add_parser("checkpoint", help="inspect, verify and convert checkpoints",
                        description="Inspect, verify and convert checkpoints (a model_dir, a checkpoint "
                                    "directory or its index.h5).")
-    ck_sub = p.add_subparsers(dest="checkpoint_command", metavar="ACTION", required=True)
-    cp = ck_sub.add_parser("info", help="step, shards, tensors, loader position")
-    cp.add_argument("path", metavar="PATH")
+    ck_sub = p.add_subparsers(dest="checkpoint_command", metavar="ACTION", required=True,
+                              help="`wse checkpoint ACTION --help` says more")
+    cp = ck_sub.add_parser("info", help="step, shards, tensors, loader position",
+                           description="Print what a checkpoint holds: its step, its shards and their sizes, the "
+                                       "tensors, where the data loader stood, and the numerics environment and "
+                                       "params of the run that wrote it.")
+    cp.add_argument("path", metavar="PATH", help=_PATH_HELP)
     cp.add_argument("--json", action="store_true", help="print JSON")
     cp.set_defaults(func=_cmd_checkpoint_info)
-    cp = ck_sub.add_parser("verify", help="check SHA-256 of every shard; exit 1 naming the damaged tensor")
-    cp.add_argument("path", metavar="PATH")
+    cp = ck_sub.add_parser("verify", help="check SHA-256 of every shard; exit 1 naming the damaged tensor",
+                           description="Check every shard of a checkpoint against the SHA-256 sums written with "
+                                       "it; exit 1 naming the damaged tensor.")
+    cp.add_argument("path", metavar="PATH", help=_PATH_HELP)
     cp.set_defaults(func=_cmd_checkpoint_verify)
     cp = ck_sub.add_parser("convert", help="write the weights as npz, h5, a torch state_dict or a Hugging Face "
-                                           "directory")
-    cp.add_argument("path", metavar="PATH")
+                                           "directory",
+                           description="Write a checkpoint's weights in another format: one .npz or .h5 file, a "
+                                       "PyTorch state_dict, or a directory transformers loads (--to hf).")
+    cp.add_argument("path", metavar="PATH", help=_PATH_HELP)
     cp.add_argument("--to", required=True, choices=["npz", "h5", "torch", "hf"],
                     help="hf: a directory with config.json and model.safetensors (GPT2LMHeadModel, LlamaForCausalLM) "
                          "and the training data's tokenizer (AutoTokenizer)")
-    cp.add_argument("--output", required=True, metavar="FILE")
+    cp.add_argument("--output", required=True, metavar="FILE", help="the file (with --to hf, the directory) to write")
     cp.set_defaults(func=_cmd_checkpoint_convert)
     cp = ck_sub.add_parser("from-hf", help="a checkpoint a run can start from, from a Hugging Face model directory",
                            description="Read DIR (config.json, *.safetensors of a GPT2LMHeadModel or "
                                        "LlamaForCausalLM) and write a step-0, weights-only checkpoint into "
                                        "--output (a model_dir); print the model section a run on it needs.")
-    cp.add_argument("path", metavar="DIR")
-    cp.add_argument("--output", required=True, metavar="MODEL_DIR")
+    cp.add_argument("path", metavar="DIR", help="a Hugging Face model directory")
+    cp.add_argument("--output", required=True, metavar="MODEL_DIR", help="the model_dir to write the checkpoint into")
     cp.set_defaults(func=_cmd_checkpoint_from_hf)

@@ -31,15 +31,21 @@ def add_fabric(sub, chosen):
     p = sub.add_parser("fabric", help="run a reference program on the simulated PE mesh",
                        description="Dataflow PE-mesh simulator: run a reference program, check it against numpy, "
                                    "report cycles and per-PE activity.")
-    fab_sub = p.add_subparsers(dest="fabric_command", metavar="ACTION", required=True)
+    fab_sub = p.add_subparsers(dest="fabric_command", metavar="ACTION", required=True,
+                               help="`wse fabric ACTION --help` says more")
     if chosen[:1] == ("fabric",):  # the programs' registry loads numpy: only for the command that uses it
         # As for a benchmark (bench.add_bench), the process is set up before the registry loads numpy.
         from wse_core import configure_process
         from wse_core.fabric.programs import PROGRAMS, options
 
         configure_process()
-        fp = fab_sub.add_parser("run", help=f"run KERNEL ({', '.join(PROGRAMS)}); report its error and cycles")
-        fp.add_argument("kernel", metavar="KERNEL", choices=list(PROGRAMS))
+        fp = fab_sub.add_parser("run", help=f"run KERNEL ({', '.join(PROGRAMS)}); report its error and cycles",
+                                description="Run a reference program on a WIDTH x HEIGHT mesh of simulated PEs "
+                                            "with random input, check its output against numpy, and report the "
+                                            "largest error and the cycles it took (--heatmap draws each PE's "
+                                            "activity).")
+        fp.add_argument("kernel", metavar="KERNEL", choices=list(PROGRAMS),
+                        help=f"the program: {', '.join(PROGRAMS)}")
         fp.add_argument("--width", type=int, default=16, help="PEs along x")
         fp.add_argument("--height", type=int, default=16, help="PEs along y")
         for flag, (kind, default, text) in options().items():

@@ -7,16 +7,17 @@ def _cmd_generate(args):
 
     from pyapi.generate import Generator
     from wse_core.checks import plural
+    from wse_core.errors import ConfigError
 
     prompts = list(args.prompt or [])
     if args.prompt_file:
         try:
             with open(args.prompt_file, encoding="utf-8") as f:
                 prompts += [line.rstrip("\n") for line in f if line.strip()]
-        except OSError as exc:
-            raise ValueError(f"--prompt_file {args.prompt_file}: {exc.strerror}") from None
+        except (OSError, UnicodeDecodeError) as exc:  # a file that is not text is the user's to fix, in a line
+            raise ConfigError(f"--prompt_file {args.prompt_file}: {getattr(exc, 'strerror', None) or exc}") from None
     if not prompts:
-        raise ValueError("give a prompt: --prompt TEXT or --prompt_file FILE")
+        raise ConfigError("give a prompt: --prompt TEXT or --prompt_file FILE")
     gen = Generator.load(args.model, args.checkpoint_path)
     new = gen.new_tokens(args.max_new_tokens)
     stream = len(prompts) == 1 and not args.json
@@ -59,7 +60,8 @@ def add_generate(sub, chosen):
                        description="Generate text from a model_dir (its latest checkpoint), a checkpoint or a "
                                    "Hugging Face directory, with the training data's tokenizer; greedy unless "
                                    "--temperature is given. One prompt is printed as its tokens come.")
-    p.add_argument("model", help="a model_dir, a checkpoint directory, or a Hugging Face model directory")
+    p.add_argument("model", metavar="MODEL",
+                   help="a model_dir, a checkpoint directory, or a Hugging Face model directory")
     p.add_argument("--checkpoint_path", help="a checkpoint of the model_dir other than its latest")
     p.add_argument("--prompt", action="append", help="a prompt (repeat for several)")
     p.add_argument("--prompt_file", help="a file of prompts, one per line")

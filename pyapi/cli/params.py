@@ -1,18 +1,21 @@
 """`wse params convert|keys`: Model Zoo params files in the other layout, and each key's fate."""
 import sys
 
+from pyapi.cli.options import PARAMS_HELP
+
 
 def _cmd_params_convert(args):
     import yaml
 
     from pyapi import modelzoo
     from pyapi.params import read
+    from wse_core.errors import ConfigError
 
     raw = read(args.params)
     if modelzoo.is_trainer_layout(raw):
         out, dropped = modelzoo.flatten(raw)
         if dropped:
-            raise ValueError(f"{args.params}: keys with no place in the flat layout: {', '.join(dropped)}")
+            raise ConfigError(f"{args.params}: keys with no place in the flat layout: {', '.join(dropped)}")
         layout = "flat (train_input, model, optimizer, runconfig)"
     else:
         out, dropped = modelzoo.to_trainer(raw)
@@ -67,14 +70,19 @@ def add_params(sub, chosen):
     p = sub.add_parser("params", help="read Model Zoo params files: each key's fate, and the other layout",
                        description="Model Zoo's two params layouts (flat: train_input/model/optimizer/runconfig; "
                                    "trainer: trainer.init/trainer.fit) and what wse-cluster does with each key.")
-    pa_sub = p.add_subparsers(dest="params_command", metavar="ACTION", required=True)
-    pp = pa_sub.add_parser("convert", help="write PARAMS in the other layout (flat <-> trainer)")
-    pp.add_argument("params", metavar="PARAMS", help="params YAML file")
+    pa_sub = p.add_subparsers(dest="params_command", metavar="ACTION", required=True,
+                              help="`wse params ACTION --help` says more")
+    pp = pa_sub.add_parser("convert", help="write PARAMS in the other layout (flat <-> trainer)",
+                           description="Write PARAMS in Model Zoo's other layout: a flat file as trainer.init/"
+                                       "trainer.fit, a trainer file as train_input/model/optimizer/runconfig. Keys "
+                                       "with no place in the other layout are named: dropped with a warning on the "
+                                       "way to the trainer layout, refused on the way to the flat one.")
+    pp.add_argument("params", metavar="PARAMS", help=PARAMS_HELP)
     pp.add_argument("-o", "--output", metavar="FILE", help="write here (default: standard output)")
     pp.set_defaults(func=_cmd_params_convert)
     pp = pa_sub.add_parser("keys", help="the fate of every key: honoured, tuning (warned) or refused",
                            description="Print each key of PARAMS with its fate; exit 1 if any is refused.")
-    pp.add_argument("params", metavar="PARAMS", help="params YAML file")
+    pp.add_argument("params", metavar="PARAMS", help=PARAMS_HELP)
     pp.add_argument("--set", action="append", metavar="KEY.PATH=VALUE", help="override a params value (repeatable)")
     pp.add_argument("--json", action="store_true", help="print JSON")
     pp.set_defaults(func=_cmd_params_keys)

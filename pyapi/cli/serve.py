@@ -6,8 +6,10 @@ def _cmd_serve(args):
     import os
     import sys
 
+    from wse_core.errors import ConfigError
+
     if importlib.util.find_spec("aiohttp") is None:
-        raise ValueError("the optional 'aiohttp' package is not installed (pip install 'wse-cluster[serve]')")
+        raise ConfigError("the optional 'aiohttp' package is not installed (pip install 'wse-cluster[serve]')")
     from pyapi.serve import Limits, Server
 
     api_key = args.api_key or os.environ.get("WSE_API_KEY") or None
@@ -34,15 +36,16 @@ def _submit(args, given, api_key):
     import sys
 
     from pyapi.appliance.client import Client
+    from wse_core.errors import ConfigError
 
     if args.api_key is not None:
-        raise ValueError("--api_key: not with --submit (the appliance keeps no secrets in its job table); the "
-                         "job serves 127.0.0.1 only, or the --host you give")
+        raise ConfigError("--api_key: not with --submit (the appliance keeps no secrets in its job table); the "
+                          "job serves 127.0.0.1 only, or the --host you give")
     if api_key is not None:
         print("wse serve: WSE_API_KEY is not sent with --submit: the job serves without an API key",
               file=sys.stderr)
     if args.num_csx is None:
-        raise ValueError("--submit: give --num_csx, the CS-2s the job holds from the appliance's pool")
+        raise ConfigError("--submit: give --num_csx, the CS-2s the job holds from the appliance's pool")
     checkpoint = args.checkpoint_path and os.path.abspath(args.checkpoint_path)
     serve = {"model": args.model, "checkpoint_path": checkpoint, "num_csx": args.num_csx, "host": args.host,
              "port": args.port, "placement": args.placement, "peer_timeout": args.peer_timeout,
@@ -77,8 +80,8 @@ def add_serve(sub, chosen):
                                    "directory at /v1/completions (and /v1/chat/completions when its tokenizer has "
                                    "a chat template), with continuous batching of the requests of the moment. "
                                    "Prints one line when ready; SIGINT or SIGTERM stops it.")
-    p.add_argument("model", help="a model_dir, a checkpoint directory, or a Hugging Face model directory; its "
-                                 "directory's name is the model's name in the API")
+    p.add_argument("model", metavar="MODEL", help="a model_dir, a checkpoint directory, or a Hugging Face model "
+                                                  "directory; its directory's name is the model's name in the API")
     p.add_argument("--checkpoint_path", help="a checkpoint of the model_dir other than its latest")
     p.add_argument("--host", default="127.0.0.1", help="the address to listen on (default 127.0.0.1: this machine "
                                                        "only; 0.0.0.0 opens it to the network)")

@@ -18,6 +18,7 @@ import contextlib
 from pyapi.cstorch import step as step_mod
 from pyapi.cstorch.errors import not_built, refusing
 from pyapi.cstorch.step import recording
+from wse_core.errors import ConfigError, DataError
 
 #: The 16-bit format ``set_half_dtype`` set ("float16", "bfloat16", "cbfloat16"), or None (float32);
 #: it lives in ``step`` (``step_mod.half_dtype``), which reads it when a step is captured.
@@ -78,7 +79,7 @@ class GradScaler:
     def load_state_dict(self, state_dict):
         """A saved ``state_dict()``: a run resuming from its step scales as the run that saved it did."""
         if not isinstance(state_dict, dict):
-            raise ValueError("GradScaler.load_state_dict: expected the dict GradScaler.state_dict() gave")
+            raise DataError("GradScaler.load_state_dict: expected the dict GradScaler.state_dict() gave")
         self.loaded = dict(state_dict)
 
     def resumed_state(self):
@@ -100,8 +101,8 @@ def _format(dtype, who="cstorch.amp.set_half_dtype"):
         return dtype
     if isinstance(dtype, torch.dtype) and dtype in (torch.float16, torch.bfloat16):
         return str(dtype).replace("torch.", "")
-    raise ValueError(f"{who}: {dtype!r} is not a half dtype (give \"float16\", \"bfloat16\", "
-                     "\"cbfloat16\", torch.float16 or torch.bfloat16)")
+    raise ConfigError(f"{who}: {dtype!r} is not a half dtype (give \"float16\", \"bfloat16\", "
+                      "\"cbfloat16\", torch.float16 or torch.bfloat16)")
 
 
 def _torch_dtype(fmt):
@@ -180,7 +181,7 @@ def optimizer_step(loss, optimizer, grad_scaler, max_gradient_norm=None, max_gra
     if max_gradient_value is not None:
         raise not_built("optimizer_step(max_gradient_value=...)", "max_gradient_norm: the global L2 norm")
     if max_gradient_norm is not None and max_gradient_norm < 0:
-        raise ValueError(f"cstorch.amp.optimizer_step: max_gradient_norm: expected >= 0, got {max_gradient_norm}")
+        raise ConfigError(f"cstorch.amp.optimizer_step: max_gradient_norm: expected >= 0, got {max_gradient_norm}")
     grad_scaler.scale(loss).backward()
     grad_scaler.unscale_(optimizer)
     grad_scaler.step(optimizer)

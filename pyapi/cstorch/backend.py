@@ -5,6 +5,7 @@ from pathlib import Path
 
 from pyapi.cstorch.distributed import ClusterConfig, CSConfig
 from pyapi.cstorch.errors import not_built
+from wse_core.errors import ConfigError
 
 _current = None
 
@@ -92,7 +93,7 @@ def backend(backend_type=None, *, artifact_dir=None, cluster_config=None, num_cs
     if kind not in ("CSX", "CPU"):
         raise not_built(f"cstorch.backend({backend_type!r})", "backends CSX and CPU")
     if compile_only and validate_only:
-        raise ValueError("cstorch.backend: give one of compile_only and validate_only")
+        raise ConfigError("cstorch.backend: give one of compile_only and validate_only")
     if retrace_every_iteration:
         raise not_built("retrace_every_iteration=True", "one graph, captured on the first step")
     tuning = [k for k, v in (("compile_dir", compile_dir), ("drop_data", drop_data),
@@ -111,10 +112,10 @@ def backend(backend_type=None, *, artifact_dir=None, cluster_config=None, num_cs
         raise TypeError(f"cstorch.backend: cluster_config: expected a cstorch.distributed.ClusterConfig, got "
                         f"{type(cluster_config).__name__}")
     elif num_csx is not None and num_csx != cluster_config.num_csx:
-        raise ValueError(f"cstorch.backend: num_csx {num_csx} beside cluster_config.num_csx "
-                         f"{cluster_config.num_csx}; give one")
+        raise ConfigError(f"cstorch.backend: num_csx {num_csx} beside cluster_config.num_csx "
+                          f"{cluster_config.num_csx}; give one")
     if kind == "CPU" and (cluster_config.num_csx != 1 or appliance):
-        raise ValueError("cstorch.backend(\"CPU\"): one process, no CS-2s; give num_csx and appliance to \"CSX\"")
+        raise ConfigError("cstorch.backend(\"CPU\"): one process, no CS-2s; give num_csx and appliance to \"CSX\"")
     _current = Backend(kind, artifact_dir or "cerebras_logs", cluster_config, runconfig, micro_batch_size, appliance)
     _current.compile_only, _current.validate_only = bool(compile_only), bool(validate_only)
     _say_ignored(cluster_config, "cstorch.distributed.ClusterConfig")

@@ -82,7 +82,7 @@ class _Backends:
 backends = _Backends()
 
 
-def micro_batch_size():
+def flagged_micro_batch_size():
     """The micro-batch the flags set: an integer, or None (the backend's default)."""
     value = backends.csx.performance.micro_batch_size
     if value in (None, "auto"):

@@ -17,6 +17,7 @@ import threading
 from dataclasses import dataclass, field
 
 from pyapi.cstorch.errors import not_built, refusing
+from wse_core.errors import ConfigError
 
 # Fields of Cerebras' ClusterConfig that locate or size a real cluster's services; the emulated
 # cluster is this machine's ranks, so they are accepted and said to mean nothing here.
@@ -133,7 +134,7 @@ def get_streaming_batch_size(effective_batch_size, global_rank=None):
         raise not_built("get_streaming_batch_size(global_rank=...)", "the calling streamer's own batch size")
     if isinstance(effective_batch_size, bool) or not isinstance(effective_batch_size, int) \
             or effective_batch_size < 1:
-        raise ValueError(f"get_streaming_batch_size: expected a batch size >= 1, got {effective_batch_size!r}")
+        raise ConfigError(f"get_streaming_batch_size: expected a batch size >= 1, got {effective_batch_size!r}")
     return effective_batch_size if _streaming.rank is None else _streaming.share
 
 

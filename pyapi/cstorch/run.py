@@ -32,11 +32,12 @@ import numpy as np
 import yaml
 
 from data_tools.files import write_text
-from pyapi.cstorch.backends import micro_batch_size as flagged_micro_batch_size
+from pyapi.cstorch.backends import flagged_micro_batch_size
 from pyapi.cstorch.call import Call, traced_module
 from pyapi.cstorch.cpu import InProcess
 from pyapi.cstorch.errors import JobError, not_built
 from pyapi.cstorch.step import handed, names_closures, ops_of, record, run_closures, with_values
+from wse_core.errors import ConfigError, DataError
 
 #: Seconds between looks at the job's metrics while a step is awaited (a sleep, not a spin: the
 #: ranks need the cores).
@@ -228,11 +229,11 @@ class Run:
                 self._start_eval(graph)
             return
         if len(rec.optimizers) != 1:
-            raise ValueError(f"the traced step called optimizer.step() on {len(rec.optimizers)} optimizers; "
-                             "it trains with one")
+            raise ConfigError(f"the traced step called optimizer.step() on {len(rec.optimizers)} optimizers; "
+                              "it trains with one")
         if rec.loss is None:
-            raise ValueError(f"{fn.__name__}: calls optimizer.step() but no loss.backward() (or "
-                             "cstorch.amp.optimizer_step): nothing to train")
+            raise ConfigError(f"{fn.__name__}: calls optimizer.step() but no loss.backward() (or "
+                              "cstorch.amp.optimizer_step): nothing to train")
         optimizer = rec.optimizers[0]
         _check_trained(model, optimizer)
         self.batch_norms = graph.batch_norms
@@ -271,8 +272,8 @@ class Run:
         model = {"name": "torch", "program": program}
         if rec.fp16_type is not None:  # cstorch.amp: a half dtype set, or autocast() in the step
             if rec.fp16_type == "cbfloat16" and optimizer.get("loss_scaling_factor") != "dynamic":
-                raise ValueError("cstorch.amp: the half dtype cbfloat16 needs dynamic loss scaling (as in Model Zoo): "
-                                 "step with cstorch.amp.GradScaler(loss_scale='dynamic')")
+                raise ConfigError("cstorch.amp: the half dtype cbfloat16 needs dynamic loss scaling (as in Model Zoo): "
+                                  "step with cstorch.amp.GradScaler(loss_scale='dynamic')")
             model.update(mixed_precision=True, fp16_type=rec.fp16_type)
         data = self.dir / "data"
         data.mkdir()
@@ -323,11 +324,11 @@ class Run:
             print(f"cstorch: {'compiled' if self.backend.compile_only else 'validated'}: the evaluation step captured "
                   f"as {len(graph.outputs)} output(s); nothing ran", flush=True)
         elif self.backend.compile_only:
-            from mpi_launch.plan import describe
+            from mpi_launch.resolved import describe, resolve
             from pyapi.params import validate
             from wse_core.checks import plural
 
-            d = describe(validate(self.params))
+            d = describe(resolve(validate(self.params)))
             sim, plan = d["simulated"], d["plan"]
             print(f"cstorch: compiled: {plural(len(d['model']['units']), 'streaming unit')}, "
                   f"{plural(plan['num_csx'], 'CS-2')}, "
@@ -463,8 +464,8 @@ class Run:
             st = self.optimizer.state.get(p, {})
             missing = [k for k in names if k not in st]
             if missing:
-                raise ValueError(f"optimizer.load_state_dict: the state of model.{n.removeprefix('model.')} has no "
-                                 f"{missing[0]!r} (a {self.params['optimizer']['optimizer_type']} resumes from one)")
+                raise DataError(f"optimizer.load_state_dict: the state of model.{n.removeprefix('model.')} has no "
+                                f"{missing[0]!r} (a {self.params['optimizer']['optimizer_type']} resumes from one)")
             state[n] = {k: np.ascontiguousarray(st[k].detach().cpu().numpy(), dtype=np.float32) for k in names}
         return weights, state
 
@@ -515,13 +516,13 @@ def _resumed_step(optimizer, checkpoint_steps):
     ``last_epoch``, when loaded, must agree."""
     steps = {int(st["step"]) for st in optimizer.state.values() if "step" in st}
     if len(steps) > 1:
-        raise ValueError(f"optimizer.load_state_dict: the parameters' states are of steps {sorted(steps)}; a run "
-                         "resumes from one step")
+        raise DataError(f"optimizer.load_state_dict: the parameters' states are of steps {sorted(steps)}; a run "
+                        "resumes from one step")
     start = steps.pop() if steps else 0
     sched = optimizer.lr_scheduler
     if sched is not None and sched.last_epoch not in (0, start):
-        raise ValueError(f"lr_scheduler.load_state_dict: last_epoch {sched.last_epoch}, the optimizer's state is of "
-                         f"step {start}: load both from one checkpoint")
+        raise DataError(f"lr_scheduler.load_state_dict: last_epoch {sched.last_epoch}, the optimizer's state is of "
+                        f"step {start}: load both from one checkpoint")
     if start and checkpoint_steps and start % checkpoint_steps:
         raise not_built(f"DataExecutor(checkpoint_steps={checkpoint_steps}) resuming from step {start}",
                         "checkpoint_steps that divide the step resumed from (the cluster checkpoints at its "

@@ -19,6 +19,7 @@ import numpy as np
 from data_tools.checkpoint import intact, metadata_sha256, tensor_entry
 from data_tools.errors import CheckpointError
 from data_tools.files import replacing
+from wse_core.errors import DataError
 
 FORMAT = "cstorch-state-2"
 #: Written before every tensor had its SHA-256: loaded unchecked, and said so.
@@ -79,14 +80,14 @@ def load(path, map_location=None, **kwargs):
         with open(p, "rb") as f:
             start = f.read(len(HDF5_SIGNATURE))
     except OSError as exc:
-        raise ValueError(f"cstorch.load: {p}: cannot read ({exc.strerror})") from None
+        raise DataError(f"cstorch.load: {p}: cannot read ({exc.strerror})") from None
     # A file cut inside the signature (or empty) is a truncated HDF5 file, not a torch one.
     if not HDF5_SIGNATURE.startswith(start):  # a torch.save'd file, as Cerebras' load reads them
         try:
             return torch.load(p, map_location=map_location, **kwargs)
         except Exception as exc:  # the unpickler's many errors: one line naming the file
-            raise ValueError(f"cstorch.load: {p}: neither a state cstorch.save wrote nor a torch.save file "
-                             f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})") from None
+            raise DataError(f"cstorch.load: {p}: neither a state cstorch.save wrote nor a torch.save file "
+                            f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})") from None
     try:
         with h5py.File(p, "r") as f:
             arrays, values = _read(p, f)

@@ -36,6 +36,7 @@ from torch.export.graph_signature import InputKind
 from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 
 from wse_core.compiler.errors import CompileError, module_of, op_name, source_line
+from wse_core.errors import ConfigError
 
 
 class Step(nn.Module):
@@ -105,7 +106,7 @@ def capture(module, example_inputs, loss_fn=None, *, micro_batch=None):
     batch = _check_batch(tuple(example_inputs))
     n = len(batch[0])
     if micro_batch is not None and not 1 <= micro_batch <= n:
-        raise ValueError(f"micro_batch: expected 1 to {n} (the example's samples), got {micro_batch}")
+        raise ConfigError(f"micro_batch: expected 1 to {n} (the example's samples), got {micro_batch}")
     step = Step(module, loss_fn)
     for path, m in step.named_modules():
         if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.training and m.track_running_stats \
@@ -134,10 +135,10 @@ def capture(module, example_inputs, loss_fn=None, *, micro_batch=None):
 
 def _check_batch(batch):
     if not batch or not all(isinstance(t, torch.Tensor) and t.dim() >= 1 for t in batch):
-        raise ValueError("example_inputs: expected a non-empty tuple of tensors with a batch dimension first")
+        raise ConfigError("example_inputs: expected a non-empty tuple of tensors with a batch dimension first")
     sizes = [len(t) for t in batch]
     if len(set(sizes)) > 1:
-        raise ValueError(f"example_inputs: every input needs the same batch size, got {sizes}")
+        raise ConfigError(f"example_inputs: every input needs the same batch size, got {sizes}")
     return batch
 
 

@@ -1,8 +1,10 @@
 """The compiler's error, and how its one-line messages name a graph node: module path, op, source line."""
+from wse_core.errors import ConfigError
 
 
-class CompileError(ValueError):
-    """A model, loss or batch the compiler refuses; the message names the module path and the op."""
+class CompileError(ConfigError):
+    """A model, loss or batch the compiler refuses; the message names the module path and the op. A
+    ConfigError: the model is the user's code, to change (a ValueError, as before)."""
 
 
 def module_of(node):

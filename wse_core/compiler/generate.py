@@ -20,6 +20,7 @@ import torch
 
 from wse_core.compiler import runner as unit_runner
 from wse_core.compiler.model import one_thread
+from wse_core.errors import ConfigError
 
 #: Ops between the logits and the loss that only reshape, slice or copy them (the logits are what
 #: the first other op makes: the head's product, or a log-softmax, whose sampling is the same).
@@ -37,8 +38,8 @@ def logits_unit(unit):
     while node is not None and node.op == "call_function" and any(k in str(node.target) for k in PASS_THROUGH):
         node = next((a for a in node.args if isinstance(a, torch.fx.Node)), None)
     if node is None:  # a placeholder is fine: the logits came from the unit before the tail
-        raise ValueError("the compiled model's loss reads no logits: generating needs a language model whose step "
-                         "is loss(model(ids), labels)")
+        raise ConfigError("the compiled model's loss reads no logits: generating needs a language model whose step "
+                          "is loss(model(ids), labels)")
     graph.output((node,))
     graph.erase_node(out)
     graph.eliminate_dead_code()
@@ -52,7 +53,7 @@ class Recompute:
 
     def __init__(self, model, params):
         if not model.is_lm:
-            raise ValueError("generating from a compiled model needs one of token ids (an lm dataset's layout)")
+            raise ConfigError("generating from a compiled model needs one of token ids (an lm dataset's layout)")
         self.model = model
         (_, x_shape), _ = model.program["inputs"]
         self.capacity = int(x_shape[0])
@@ -63,8 +64,8 @@ class Recompute:
         a = self._logits([1, 2, 3], pad=0)  # sets vocab_size from the logits' shape
         b = self._logits([1, 2, 3], pad=self.vocab_size - 1)
         if not np.array_equal(a, b):
-            raise ValueError("the compiled model is not causal: the logits at a position change with the tokens "
-                             "after it, so it cannot generate")
+            raise ConfigError("the compiled model is not causal: the logits at a position change with the tokens "
+                              "after it, so it cannot generate")
 
     def fresh(self):
         """A runner of the same model, tail and weights with no sequences (checked once, when made)."""
@@ -91,7 +92,7 @@ class Recompute:
         """The logits after the last of ``tokens``: the step's units on them alone, padded with ``pad``."""
         model, n = self.model, len(tokens)
         if n > self.capacity:
-            raise ValueError(f"{n} positions exceed the compiled model's {self.capacity}")
+            raise ConfigError(f"{n} positions exceed the compiled model's {self.capacity}")
         ids = np.full((1, 3, self.capacity), pad, np.int32)
         ids[0, 0, :n] = tokens
         x = model.first_input(model.batch_of([ids]), np.float32)
@@ -103,8 +104,8 @@ class Recompute:
             (logits,), _ = unit_runner.unit_forward(self.tail, weights, x, x["input"], None)
         if logits.dim() != 3 or logits.shape[:2] != (1, self.capacity) or \
                 self.vocab_size not in (None, logits.shape[2]):
-            raise ValueError(f"the compiled model's loss reads values of shape {list(logits.shape)}, not logits "
-                             f"[batch, {self.capacity}, vocab]: generating needs a language model whose step is "
-                             "loss(model(ids), labels)")
+            raise ConfigError(f"the compiled model's loss reads values of shape {list(logits.shape)}, not logits "
+                              f"[batch, {self.capacity}, vocab]: generating needs a language model whose step is "
+                              "loss(model(ids), labels)")
         self.vocab_size = int(logits.shape[2])
         return logits[0, n - 1].to(torch.float32).numpy().copy()

@@ -31,6 +31,7 @@ from torch import fx
 from torch.export.graph_signature import InputKind
 
 from wse_core.compiler.errors import CompileError, module_of, op_name
+from wse_core.errors import ConfigError, DataError
 
 aten = torch.ops.aten
 
@@ -56,7 +57,7 @@ class Loss:
         value = self.counter(*inputs)
         value = float(value.detach()) if isinstance(value, torch.Tensor) else float(value)
         if value != int(value):
-            raise ValueError(f"{self.op}: the loss's divisor is {value} on a micro-batch, not a count of terms")
+            raise ConfigError(f"{self.op}: the loss's divisor is {value} on a micro-batch, not a count of terms")
         return int(value)
 
     def weights(self, batch, ranges):
@@ -66,8 +67,8 @@ class Loss:
         counts = [self.count(tuple(t[lo:hi] for t in batch)) for lo, hi in ranges]
         total = sum(counts)
         if total == 0:
-            raise ValueError("batch: the loss counts no term in the whole batch (every target ignored, or a mask "
-                             "of zeros), so the loss is undefined")
+            raise DataError("batch: the loss counts no term in the whole batch (every target ignored, or a mask "
+                            "of zeros), so the loss is undefined")
         return [count / total for count in counts]
 
     def check_additive(self, example, where):

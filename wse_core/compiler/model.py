@@ -44,6 +44,7 @@ import torch
 from wse_core.compiler.loss import Loss
 from wse_core.compiler import runner
 from wse_core.compiler.runner import dropout_seed
+from wse_core.errors import ConfigError, DataError
 from wse_core.nn.layers import ParamSpec
 from wse_core.nn.model import Model
 from wse_core.perf.model import UnitWork
@@ -81,7 +82,7 @@ def load_program(path):
     try:
         st = os.stat(path)
     except FileNotFoundError:
-        raise ValueError(f"model.program: {path}: no such file") from None
+        raise ConfigError(f"model.program: {path}: no such file") from None
     return _load_program(os.path.abspath(path), st.st_mtime_ns, st.st_size)
 
 
@@ -90,10 +91,10 @@ def _load_program(path, mtime_ns, size):
     try:
         program = torch.load(path, weights_only=False)
     except Exception as exc:  # a pickle of anything: name the file, not the unpickler's frame
-        raise ValueError(f"model.program: {path}: not a compiled program ({type(exc).__name__}: "
-                         f"{str(exc).splitlines()[0] if str(exc) else ''})") from None
+        raise DataError(f"model.program: {path}: not a compiled program ({type(exc).__name__}: "
+                        f"{str(exc).splitlines()[0] if str(exc) else ''})") from None
     if not isinstance(program, dict) or program.get("format") != FORMAT:
-        raise ValueError(f"model.program: {path}: not a program of format {FORMAT} (wse_core.compiler.save_program)")
+        raise DataError(f"model.program: {path}: not a program of format {FORMAT} (wse_core.compiler.save_program)")
     return program
 
 
@@ -159,8 +160,8 @@ class TorchModel(Model):
     def lr_factors(self, adjust=None):
         """Each parameter's learning-rate factor: its optimizer group's (``save_program``'s groups)."""
         if adjust:
-            raise ValueError("optimizer.adjust_learning_rate: a compiled PyTorch model takes its optimizer's "
-                             "parameter groups instead")
+            raise ConfigError("optimizer.adjust_learning_rate: a compiled PyTorch model takes its optimizer's "
+                              "parameter groups instead")
         return {n: self.groups.get(n, (1.0, True))[0] for n in self.param_names}
 
     # -- batches ------------------------------------------------------------------------------
@@ -199,19 +200,19 @@ class TorchModel(Model):
         (its shapes are fixed but for the batch); a tensor dataset's columns are the step's inputs."""
         words = {"lm": "LM", "arrays": "array", "tensors": "tensor"}
         if fmt != self.layout:
-            raise ValueError(f"{where} is {words[fmt]} data; this compiled model reads {words[self.layout]} data "
-                             f"(its step takes {self._inputs_text()})")
+            raise ConfigError(f"{where} is {words[fmt]} data; this compiled model reads {words[self.layout]} data "
+                              f"(its step takes {self._inputs_text()})")
         if self.layout == "tensors":
             got = [(dtype, shape) for _, dtype, shape in columns or []]
             if got != [(dtype, shape) for _, dtype, shape in self.columns]:
                 shown = ", ".join(f"{d} {list(s)}" for d, s in got)
-                raise ValueError(f"{where}: examples of {shown}; this compiled model was captured on "
-                                 f"{self._inputs_text()} a sample")
+                raise ConfigError(f"{where}: examples of {shown}; this compiled model was captured on "
+                                  f"{self._inputs_text()} a sample")
             return
         want = self.example_layout(1)[0][0][1:]
         if tuple(example_shape) != tuple(want):
-            raise ValueError(f"{where}: examples of shape {list(example_shape)}; this compiled model was captured "
-                             f"on {list(want)} (capture it on the data's shape)")
+            raise ConfigError(f"{where}: examples of shape {list(example_shape)}; this compiled model was captured "
+                              f"on {list(want)} (capture it on the data's shape)")
 
     def _inputs_text(self):
         return ", ".join(f"{str(d).replace('torch.', '')} {list(s)}" for d, s in self.program["inputs"])
@@ -237,8 +238,8 @@ class TorchModel(Model):
         """An evaluation (a forward pass without dropout keys) runs a graph that draws no random numbers:
         one captured in eval mode, or without dropout. ValueError otherwise."""
         if self.program["random"]:
-            raise ValueError("evaluating a compiled model whose graph draws random numbers (dropout in training "
-                             "mode): call model.eval() before the evaluation loop")
+            raise ConfigError("evaluating a compiled model whose graph draws random numbers (dropout in training "
+                              "mode): call model.eval() before the evaluation loop")
 
     def forward(self, params, batch, drop=None):
         if drop is None:
@@ -322,7 +323,7 @@ class TorchModel(Model):
         sum, a value per sample theirs in order, a value the batch does not enter the first's, a
         BatchNorm's statistic the tree sum of each micro-batch's times its weight in M sequential
         updates at momentum m, m (1 - m)^(M - 1 - j)."""
-        from wse_core.tree import tree_sum
+        from wse_core.microbatch import tree_sum
 
         out = []
         for i, rule in enumerate(self.torch_units[-1].values):

@@ -8,7 +8,7 @@ the unit that made them (added in reverse unit order when several units read one
 accumulates in ``.grad``: that sum would be sequential, not the tree.
 
 Sums, in the orders the cluster will use (docs/design.md section 2): per unit, the micro-batch
-gradients are summed as the balanced pairwise tree over micro-batch index (``wse_core.tree``), as
+gradients are summed as the balanced pairwise tree over micro-batch index (``wse_core.microbatch``), as
 CS-2s owning contiguous runs of micro-batches and SwarmX above them will; then a parameter several
 units read (a tied embedding) gets their sums added on its owner, from the last unit to the first.
 
@@ -27,8 +27,7 @@ import contextlib
 import numpy as np
 import torch
 
-from wse_core.nn.reference import micro_batch_ranges
-from wse_core.tree import tree_reduce
+from wse_core.microbatch import MicroBatches, tree_reduce
 
 
 def dropout_seed(seed, step, micro_batch, unit):
@@ -52,7 +51,7 @@ def accumulate(units, params, batch, micro_batch_size, *, step, seed, lo=0, hi=N
     sizes = {len(t) for t in batch}
     if len(sizes) != 1:
         raise ValueError(f"batch: every input needs the same batch size, got {[len(t) for t in batch]}")
-    ranges = micro_batch_ranges(sizes.pop(), micro_batch_size)
+    ranges = MicroBatches(sizes.pop(), micro_batch_size).ranges
     weights = units[-1].loss.weights(batch, ranges)  # from the global batch, as the coordinator counts
     hi = len(ranges) if hi is None else hi
 

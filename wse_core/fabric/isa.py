@@ -4,6 +4,8 @@ program that cannot run raises. The builder (``program``), the compiler (``run``
 """
 from dataclasses import dataclass, replace
 
+from wse_core.errors import ConfigError
+
 PORTS = {"N": 0, "E": 1, "S": 2, "W": 3, "RAMP": 4}
 NUM_COLORS = 24
 MAX_TASKS = 32
@@ -15,8 +17,9 @@ OPCODES = {"FMOV": 0, "FADD": 1, "FSUB": 2, "FMUL": 3, "FMAC": 4, "FNEG": 5, "FM
 DTYPES = ("float32", "int32")
 
 
-class FabricError(ValueError):
-    """A program that cannot run as written; the message names the PE (x, y), color or task."""
+class FabricError(ConfigError):
+    """A program that cannot run as written; the message names the PE (x, y), color or task. A
+    ConfigError: the program is what its user wrote and changes (a ValueError, as before)."""
 
 
 

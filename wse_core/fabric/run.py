@@ -12,51 +12,70 @@ _OPPOSITE = {0: 2, 1: 3, 2: 0, 3: 1}
 _NAMES = {v: k for k, v in PORTS.items()}
 
 
+def _by_pe(table, colors, P):
+    """A route table [color, y, x] as the engine's flat [y, x, used color] (zeros when no color is used)."""
+    # [y, x, color] order: a PE's colors are adjacent in the engine's queues.
+    return np.ascontiguousarray(table[colors].transpose(1, 2, 0)).reshape(-1) if colors else np.zeros(P, np.uint8)
+
+
+def _check_routes(program, colors):
+    """Routes must lead somewhere that accepts them: raise FabricError naming the first PE whose route
+    sends a color off the fabric's edge, or to a neighbour whose route for it does not accept it."""
+    for c in colors:
+        txc, rxc = program.tx[c], program.rx[c]
+        for port, (dx, dy) in _DIRS.items():
+            sends = (txc & (1 << port)) != 0
+            if not sends.any():
+                continue
+            off = np.zeros_like(sends)
+            if dx == 1:
+                off[:, -1] = True
+            elif dx == -1:
+                off[:, 0] = True
+            elif dy == 1:
+                off[-1, :] = True
+            else:
+                off[0, :] = True
+            bad = sends & off
+            if bad.any():
+                y, x = np.argwhere(bad)[0]
+                raise FabricError(f"PE ({x}, {y}) color {c}: routes {_NAMES[port]} off the edge of the fabric")
+            accepts = (np.roll(rxc, (-dy, -dx), axis=(0, 1)) & (1 << _OPPOSITE[port])) != 0
+            bad = sends & ~accepts
+            if bad.any():
+                y, x = np.argwhere(bad)[0]
+                raise FabricError(f"PE ({x}, {y}) color {c}: routes {_NAMES[port]} to PE ({x + dx}, {y + dy}), "
+                                  f"whose route for color {c} does not accept {_NAMES[_OPPOSITE[port]]}")
+
+
 class Compiled:
     """The program as arrays; owns the PEs' memory between host copies and runs."""
 
     def __init__(self, program):
         f = program.fabric
         self.fabric, self.program = f, program
-        W, H = f.width, f.height
+        P = f.width * f.height
         used = (program.rx != 0) | (program.tx != 0)
         colors = [c for c in range(used.shape[0]) if used[c].any()]
         self.colors = colors
         cmap = {c: i for i, c in enumerate(colors)}
-        C = max(1, len(colors))
-        self.C = C
-        P = W * H
-        # [y, x, color] order: a PE's colors are adjacent in the engine's queues.
-        self.rx = np.ascontiguousarray(program.rx[colors].transpose(1, 2, 0)).reshape(-1) if colors else np.zeros(P, np.uint8)
-        self.tx = np.ascontiguousarray(program.tx[colors].transpose(1, 2, 0)).reshape(-1) if colors else np.zeros(P, np.uint8)
-        # Routes must lead somewhere that accepts them.
-        for c in colors:
-            txc, rxc = program.tx[c], program.rx[c]
-            for port, (dx, dy) in _DIRS.items():
-                sends = (txc & (1 << port)) != 0
-                if not sends.any():
-                    continue
-                off = np.zeros_like(sends)
-                if dx == 1:
-                    off[:, -1] = True
-                elif dx == -1:
-                    off[:, 0] = True
-                elif dy == 1:
-                    off[-1, :] = True
-                else:
-                    off[0, :] = True
-                bad = sends & off
-                if bad.any():
-                    y, x = np.argwhere(bad)[0]
-                    raise FabricError(f"PE ({x}, {y}) color {c}: routes {_NAMES[port]} off the edge of the fabric")
-                accepts = (np.roll(rxc, (-dy, -dx), axis=(0, 1)) & (1 << _OPPOSITE[port])) != 0
-                bad = sends & ~accepts
-                if bad.any():
-                    y, x = np.argwhere(bad)[0]
-                    raise FabricError(f"PE ({x}, {y}) color {c}: routes {_NAMES[port]} to PE ({x + dx}, {y + dy}), "
-                                      f"whose route for color {c} does not accept {_NAMES[_OPPOSITE[port]]}")
-        # Code: one table per code region.
-        codes = program.codes
+        self.C = max(1, len(colors))
+        self.rx = _by_pe(program.rx, colors, P)
+        self.tx = _by_pe(program.tx, colors, P)
+        _check_routes(program, colors)
+        self._set_code(self._encode_tasks(cmap))
+        self.pe_code = program.code_id.reshape(-1).copy()
+        words = np.array([c.words for c in program.codes] + [0], np.int64)[self.pe_code]   # -1 -> 0 words
+        self.mem_off = np.concatenate([[0], np.cumsum(words)[:-1]]).astype(np.int64)
+        off = int(words.sum())
+        self.mem = np.zeros(max(off, 1), np.float32)
+        self.active = np.zeros(P, np.uint32)
+        self.blocked = np.zeros(P, np.uint32)
+        self.cycles = 0
+
+    def _encode_tasks(self, cmap):
+        """Fill the task tables (one per code region); return every task's instructions as encoded rows."""
+        codes = self.program.codes
         self.task_color = np.full(len(codes) * MAX_TASKS, -1, np.int32)
         self.task_start = np.zeros(len(codes) * MAX_TASKS, np.int32)
         self.task_len = np.zeros(len(codes) * MAX_TASKS, np.int32)
@@ -68,7 +87,7 @@ class Compiled:
             names = list(code.tasks)
             self.task_index.append({n: i for i, n in enumerate(names)})
             self.ntasks[k] = len(names)
-            y0, x0 = np.argwhere(program.code_id == k)[0]
+            y0, x0 = np.argwhere(self.program.code_id == k)[0]
             pes = [(int(x0), int(y0))]   # named in errors: the region's first PE
             for t, name in enumerate(names):
                 color, body = code.tasks[name]
@@ -79,6 +98,10 @@ class Compiled:
                 self.task_len[k * MAX_TASKS + t] = len(body)
                 for ins in body:
                     rows.append(self._encode(ins, code, names, pes, cmap, k))
+        return rows
+
+    def _set_code(self, rows):
+        """The encoded rows as the engine's instruction columns."""
         if not rows:  # the engine takes the address of row 0; a program without code gets one unused row
             rows.append((0, 1, [K_NONE] * 3, [0] * 3, [1] * 3, [0.0] * 3, -1, 0, [0] * 3, (0, 0, 0, 0)))
         n = len(rows)
@@ -92,14 +115,6 @@ class Compiled:
         self.asyn = np.array([r[7] for r in rows], np.uint8)
         self.iarg = np.array([r[8] for r in rows], np.int64).reshape(n, 3)
         self.ranges = np.array([r[9] for r in rows], np.int64).reshape(n, 4)
-        self.pe_code = program.code_id.reshape(-1).copy()
-        words = np.array([c.words for c in codes] + [0], np.int64)[self.pe_code]   # -1 -> 0 words
-        self.mem_off = np.concatenate([[0], np.cumsum(words)[:-1]]).astype(np.int64)
-        off = int(words.sum())
-        self.mem = np.zeros(max(off, 1), np.float32)
-        self.active = np.zeros(P, np.uint32)
-        self.blocked = np.zeros(P, np.uint32)
-        self.cycles = 0
 
     def _need_route(self, k, color, *, tx=False, rx=False, what):
         """Every PE of code region k delivers ``color`` to its core (tx) or accepts it from the core (rx)."""

@@ -10,9 +10,8 @@ from wse_core.nn.layers import Dense, Embedding, LMHead, ParamSpec, TransformerB
 from wse_core.nn.llama import Llama
 from wse_core.nn.mlp import Classifier
 from wse_core.nn.model import LanguageModel, Model
-from wse_core.nn.reference import StepResult, accumulate, micro_batch_ranges, micro_batch_sizes, reference_step
+from wse_core.nn.reference import StepResult, accumulate, reference_step
 
 __all__ = ["Unit", "ParamSpec", "Embedding", "TransformerBlock", "LMHead", "Dense", "Model", "LanguageModel",
            "GPT2", "Llama", "Classifier",
-           "build_model", "StepResult", "accumulate", "micro_batch_ranges", "micro_batch_sizes",
-           "reference_step"]
+           "build_model", "StepResult", "accumulate", "reference_step"]

@@ -15,6 +15,7 @@ from typing import ClassVar
 
 from wse_core.checks import (Bool, Check, Fixed, Int, ListOf, Number, OneOf, Text, Zoo, check_fields, key,
                              show)
+from wse_core.errors import ConfigError, ConfigTypeError
 from wse_core.nn.init import resolve_initializer
 from wse_core.nn.precision import FORMATS
 
@@ -38,7 +39,7 @@ def _initializer(value, path):
 def _mapping(names):
     def check(value, path):
         if not isinstance(value, Mapping) or set(value) - set(names):
-            raise ValueError(f"{path}: expected {{{', '.join(f'{n}: ...' for n in names)}}}, got {show(value)}")
+            raise ConfigError(f"{path}: expected {{{', '.join(f'{n}: ...' for n in names)}}}, got {show(value)}")
         return dict(value)
     return check
 
@@ -68,7 +69,7 @@ class ModelConfig:
     def from_params(cls, section):
         """The config of a ``model`` section (a mapping): checked, defaults filled in."""
         if not isinstance(section, Mapping):
-            raise TypeError(f"model: expected a mapping, got {type(section).__name__}")
+            raise ConfigTypeError(f"model: expected a mapping, got {type(section).__name__}")
         return cls(**check_fields(cls, section, "model"))
 
     def __post_init__(self):
@@ -121,15 +122,15 @@ class DecoderConfig(ModelConfig):
     def __post_init__(self):
         super().__post_init__()
         if self.hidden_size % self.num_heads:
-            raise ValueError(f"model.num_heads: {self.num_heads} does not divide model.hidden_size {self.hidden_size}")
+            raise ConfigError(f"model.num_heads: {self.num_heads} does not divide model.hidden_size {self.hidden_size}")
         if self.loss_scaling == "num_tokens" and self.loss_weight != 1.0:
-            raise ValueError(f"model.loss_weight: {show(self.loss_weight)} has no effect with loss_scaling: "
-                             "num_tokens (Model Zoo ignores it too); remove it, or use loss_scaling: batch_size")
+            raise ConfigError(f"model.loss_weight: {show(self.loss_weight)} has no effect with loss_scaling: "
+                              "num_tokens (Model Zoo ignores it too); remove it, or use loss_scaling: batch_size")
         if (self.mup_base_hidden_size is None) != (self.mup_base_filter_size is None):
-            raise ValueError("model.mup_base_hidden_size: muP needs both mup_base_hidden_size and "
-                             "mup_base_filter_size")
+            raise ConfigError("model.mup_base_hidden_size: muP needs both mup_base_hidden_size and "
+                              "mup_base_filter_size")
         if self.mup_base_hidden_size is not None and self.output_logits_scale is not None:
-            raise ValueError("model.output_logits_scale: given beside muP's base sizes, which set it; give one")
+            raise ConfigError("model.output_logits_scale: given beside muP's base sizes, which set it; give one")
         for name in ("attention_dropout_rate", "embedding_dropout_rate"):
             if getattr(self, name) is None:
                 self._derive(name, self.dropout_rate)
@@ -227,8 +228,8 @@ class LlamaConfig(DecoderConfig):
         if self.pos_scaling_type == "llama3":
             need = ("low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
             if set(extra_args or ()) != set(need):
-                raise ValueError(f"model.pos_scaling_extra_args: llama3 scaling needs exactly {', '.join(need)}, "
-                                 f"got {show(extra_args or {})}")
+                raise ConfigError(f"model.pos_scaling_extra_args: llama3 scaling needs exactly {', '.join(need)}, "
+                                  f"got {show(extra_args or {})}")
 
     @property
     def position_scaling(self):
@@ -259,8 +260,8 @@ class MLPConfig(ModelConfig):
     def __post_init__(self):
         super().__post_init__()
         if len(self.hidden_sizes) + 1 > LAYERS.high:  # the Dense layers: one per hidden size, and the classes'
-            raise ValueError(f"model.hidden_sizes: {len(self.hidden_sizes):,} hidden layers and the last make more "
-                             f"than {LAYERS.high:,}, {LAYERS.bound}")
+            raise ConfigError(f"model.hidden_sizes: {len(self.hidden_sizes):,} hidden layers and the last make more "
+                              f"than {LAYERS.high:,}, {LAYERS.bound}")
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -3,9 +3,11 @@
 ``build_model({"name": "gpt2", "vocab_size": 257, ...})`` returns a ``Model``; unknown keys and
 bad values raise ``ValueError``/``TypeError`` naming the key (``model.num_heads: ...``).
 """
+import sys
 from collections.abc import Mapping
 
 from wse_core.checks import did_you_mean, show
+from wse_core.errors import ConfigError, ConfigTypeError
 from wse_core.nn import ops as fused_ops
 from wse_core.nn.gpt import build_gpt2
 from wse_core.nn.llama import build_llama
@@ -31,8 +33,9 @@ FAMILIES = {"gpt2": build_gpt2, "gpt3": build_gpt2, "llama": build_llama, "fc_ml
 def build_model(cfg, ops=fused_ops):
     """Build a ``Model`` from the ``model`` section of the params (a plain dict)."""
     if not isinstance(cfg, Mapping):
-        raise TypeError(f"model: expected a mapping, got {type(cfg).__name__}")
+        raise ConfigTypeError(f"model: expected a mapping, got {type(cfg).__name__}")
     name = cfg.get("name")
+    sys.audit("wse.build_model", name)  # how often a process builds its model (tests/test_resolved.py counts)
     if isinstance(name, str) and name in FAMILIES:
         return FAMILIES[name](cfg, ops)
-    raise ValueError(f"model.name: unknown model {show(name)} ({did_you_mean(name, tuple(FAMILIES))})")
+    raise ConfigError(f"model.name: unknown model {show(name)} ({did_you_mean(name, tuple(FAMILIES))})")

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from wse_core.checks import Int, Number
+from wse_core.errors import ConfigError
 from wse_core.nn.kv import KVCache
 
 
@@ -67,14 +68,14 @@ def check_prompts(prompts, capacity, vocab_size):
     for k, p in enumerate(prompts):
         a = np.asarray(p, dtype=np.int64).reshape(-1)
         if a.size == 0:
-            raise ValueError(f"prompt {k}: empty (give it at least one token)")
+            raise ConfigError(f"prompt {k}: empty (give it at least one token)")
         bad = a[(a < 0) | (a >= vocab_size)]
         if bad.size:
-            raise ValueError(f"prompt {k}: token id {int(bad[0])} outside the model's vocabulary [0, {vocab_size}) "
-                             "(model.vocab_size)")
+            raise ConfigError(f"prompt {k}: token id {int(bad[0])} outside the model's vocabulary [0, {vocab_size}) "
+                              "(model.vocab_size)")
         if a.size >= capacity:
-            raise ValueError(f"prompt {k}: {a.size} tokens; the model holds {capacity} positions "
-                             f"(model.max_position_embeddings), so at most {capacity - 1} leave room for one more")
+            raise ConfigError(f"prompt {k}: {a.size} tokens; the model holds {capacity} positions "
+                              f"(model.max_position_embeddings), so at most {capacity - 1} leave room for one more")
         out.append(a.astype(np.int32))
     return out
 

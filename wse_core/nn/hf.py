@@ -11,6 +11,8 @@ Plain numpy: transformers itself is needed only to load what this writes.
 """
 import numpy as np
 
+from wse_core.errors import ConfigError, DataError
+
 _GELU = {"gelu": "gelu", "gelu_new": "gelu_new"}   # transformers' activation names for ours
 
 
@@ -31,8 +33,8 @@ def to_hf(config, weights):
     L = config["num_hidden_layers"]
     if config.get("embeddings_scale", 1.0) != 1.0 or (config.get("output_logits_scale") or 1.0) != 1.0 \
             or config.get("scale_qk_dot_by_d") or config.get("mup_base_hidden_size"):
-        raise ValueError("model: muP's embeddings_scale, output_logits_scale and scale_qk_dot_by_d have no place in "
-                         "transformers' GPT-2 and LLaMA configs")
+        raise ConfigError("model: muP's embeddings_scale, output_logits_scale and scale_qk_dot_by_d have no place in "
+                          "transformers' GPT-2 and LLaMA configs")
     if name in ("gpt2", "gpt3"):
         cfg = {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "vocab_size": config["vocab_size"],
                "n_positions": config["max_position_embeddings"], "n_ctx": config["max_position_embeddings"],
@@ -56,12 +58,12 @@ def to_hf(config, weights):
         out["lm_head.weight"] = weights["wte.weight" if config["share_embedding_weights"] else "lm_head.weight"]
         return cfg, out
     if name != "llama":
-        raise ValueError(f"model.name: {name} has no Hugging Face counterpart here (gpt2, gpt3, llama have)")
+        raise ConfigError(f"model.name: {name} has no Hugging Face counterpart here (gpt2, gpt3, llama have)")
     heads, kv = config["num_heads"], config["extra_attention_params"]["num_kv_groups"]
     head_dim = config["hidden_size"] // heads
     if config["rotary_dim"] != head_dim:
-        raise ValueError(f"model.rotary_dim: {config['rotary_dim']} is not the head size {head_dim}; "
-                         "LlamaForCausalLM rotates whole heads")
+        raise ConfigError(f"model.rotary_dim: {config['rotary_dim']} is not the head size {head_dim}; "
+                          "LlamaForCausalLM rotates whole heads")
     cfg = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": config["vocab_size"],
            "hidden_size": config["hidden_size"], "intermediate_size": config["filter_size"],
            "num_hidden_layers": L, "num_attention_heads": heads, "num_key_value_heads": kv, "head_dim": head_dim,
@@ -105,13 +107,13 @@ def from_hf(cfg, tensors):
 
     def need(name):
         if name not in f32:
-            raise ValueError(f"model.safetensors: no tensor {name!r} (a {kind} checkpoint needs it)")
+            raise DataError(f"model.safetensors: no tensor {name!r} (a {kind} checkpoint needs it)")
         return f32[name]
 
     if kind == "gpt2":
         act = cfg.get("activation_function", "gelu_new")
         if act not in _GELU:
-            raise ValueError(f"config.json: activation_function {act!r} is not built (gelu, gelu_new are)")
+            raise DataError(f"config.json: activation_function {act!r} is not built (gelu, gelu_new are)")
         L = cfg["n_layer"]
         tied = bool(cfg.get("tie_word_embeddings", True))
         model = {"name": "gpt2", "vocab_size": cfg["vocab_size"], "hidden_size": cfg["n_embd"], "num_hidden_layers": L,
@@ -133,9 +135,9 @@ def from_hf(cfg, tensors):
             w["lm_head.weight"] = need("lm_head.weight")
         return model, w
     if kind != "llama":
-        raise ValueError(f"config.json: model_type {kind!r} is not built (gpt2 and llama are)")
+        raise DataError(f"config.json: model_type {kind!r} is not built (gpt2 and llama are)")
     if cfg.get("attention_bias") or cfg.get("mlp_bias") or cfg.get("hidden_act", "silu") != "silu":
-        raise ValueError("config.json: biases or an activation other than silu are not built for llama")
+        raise DataError("config.json: biases or an activation other than silu are not built for llama")
     heads, L = cfg["num_attention_heads"], cfg["num_hidden_layers"]
     kv = cfg.get("num_key_value_heads") or heads
     rope = dict(_get(cfg, "rope_parameters", "rope_scaling", default={}) or {})
@@ -153,7 +155,7 @@ def from_hf(cfg, tensors):
     elif kind_of_rope == "linear":
         model.update(pos_scaling_type="linear", pos_scaling_factor=float(rope["factor"]))
     elif kind_of_rope != "default":
-        raise ValueError(f"config.json: rope scaling {kind_of_rope!r} is not built (linear and llama3 are)")
+        raise DataError(f"config.json: rope scaling {kind_of_rope!r} is not built (linear and llama3 are)")
     w = {"wte.weight": need("model.embed_tokens.weight"), "norm_f.weight": need("model.norm.weight")}
     for i in range(L):
         p, h = f"blocks.{i}.", f"model.layers.{i}."

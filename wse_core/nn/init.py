@@ -5,6 +5,7 @@ from collections.abc import Mapping
 import numpy as np
 
 from wse_core.checks import show
+from wse_core.errors import ConfigError, ConfigTypeError
 
 
 #: Model Zoo's initializers by name, as ``model.initializer`` & co. spell them: their keys and defaults
@@ -38,28 +39,30 @@ def draw(init, shape, rng):
 def resolve_initializer(value, key):
     """A ``model.*initializer`` mapping (``{name: truncated_normal, std: 0.02}``) as a resolved tuple."""
     if not isinstance(value, Mapping):
-        raise TypeError(f"{key}: expected a mapping with a name (one of {', '.join(INITIALIZERS)}), got {show(value)}")
+        raise ConfigTypeError(f"{key}: expected a mapping with a name (one of {', '.join(INITIALIZERS)}), "
+                              f"got {show(value)}")
     name = value.get("name")
     if name not in INITIALIZERS:
-        raise ValueError(f"{key}.name: expected one of {', '.join(INITIALIZERS)}, got {show(name)}")
+        raise ConfigError(f"{key}.name: expected one of {', '.join(INITIALIZERS)}, got {show(name)}")
     args = dict(INITIALIZERS[name])
     for k, v in value.items():
         if k == "name":
             continue
         if k not in args:
-            raise ValueError(f"{key}.{k}: not a key of {name} (keys: {', '.join(args) or 'none'})")
+            raise ConfigError(f"{key}.{k}: not a key of {name} (keys: {', '.join(args) or 'none'})")
         if isinstance(v, bool) or not isinstance(v, (int, float)) or not np.isfinite(v):
-            raise ValueError(f"{key}.{k}: expected a number, got {show(v)}")
+            raise ConfigError(f"{key}.{k}: expected a number, got {show(v)}")
         args[k] = float(v)
     if name in ("normal", "truncated_normal") and not args["std"] > 0:
-        raise ValueError(f"{key}.std: expected a number > 0, got {show(args['std'])}")
+        raise ConfigError(f"{key}.std: expected a number > 0, got {show(args['std'])}")
     if name == "truncated_normal":
         args["a"] = -2 * args["std"] if args["a"] is None else args["a"]
         args["b"] = 2 * args["std"] if args["b"] is None else args["b"]
         if not args["a"] < args["mean"] < args["b"]:
-            raise ValueError(f"{key}: expected a < mean < b, got a={args['a']:g}, mean={args['mean']:g}, b={args['b']:g}")
+            raise ConfigError(f"{key}: expected a < mean < b, got a={args['a']:g}, mean={args['mean']:g}, "
+                              f"b={args['b']:g}")
     if name == "uniform" and not args["a"] < args["b"]:
-        raise ValueError(f"{key}: expected a < b, got a={args['a']:g}, b={args['b']:g}")
+        raise ConfigError(f"{key}: expected a < b, got a={args['a']:g}, b={args['b']:g}")
     return (name, *args.values())
 
 

@@ -21,6 +21,7 @@ import math
 
 import numpy as np
 
+from wse_core.errors import ConfigError
 from wse_core.nn import attention
 from wse_core.nn import ops as fused_ops
 from wse_core.nn.config import LlamaConfig
@@ -51,8 +52,8 @@ class Rotary:
 
     def __init__(self, head_dim, rotary_dim, theta, max_positions, scaling=None):
         if rotary_dim % 2 or not 0 < rotary_dim <= head_dim:
-            raise ValueError(f"model.rotary_dim: expected an even number in [2, {head_dim}] (the head size), "
-                             f"got {rotary_dim}")
+            raise ConfigError(f"model.rotary_dim: expected an even number in [2, {head_dim}] (the head size), "
+                              f"got {rotary_dim}")
         self.dim = rotary_dim
         positions = np.arange(max_positions, dtype=np.float64)
         if scaling and scaling["type"] == "linear":
@@ -98,8 +99,8 @@ class LlamaBlock(Unit):
     def __init__(self, index, hidden_size, num_heads, num_kv_heads, filter_size, eps, rotary, ops=fused_ops,
                  init=None, dropout=0.0, attention_dropout=0.0):
         if num_heads % num_kv_heads:
-            raise ValueError(f"model.extra_attention_params.num_kv_groups: {num_kv_heads} does not divide "
-                             f"model.num_heads {num_heads}")
+            raise ConfigError(f"model.extra_attention_params.num_kv_groups: {num_kv_heads} does not divide "
+                              f"model.num_heads {num_heads}")
         self.name, self.p, self.index = f"blocks.{index}", f"blocks.{index}.", index
         self.hidden, self.heads, self.kv_heads, self.filter, self.eps = hidden_size, num_heads, num_kv_heads, \
             filter_size, eps

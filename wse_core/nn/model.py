@@ -10,6 +10,7 @@ import zlib
 
 import numpy as np
 
+from wse_core.errors import ConfigError, DataError
 from wse_core.nn import ops as fused_ops
 from wse_core.nn.init import draw
 from wse_core.nn.gemm import products_in
@@ -95,14 +96,16 @@ class Model:
         adjust = {**self._mup_lr_scales(), **dict(adjust or {})}
         for group in adjust:
             if group not in LR_GROUPS:
-                raise ValueError(f"optimizer.adjust_learning_rate.{group}: unknown group (known: {', '.join(LR_GROUPS)})")
+                raise ConfigError(f"optimizer.adjust_learning_rate.{group}: unknown group "
+                                  f"(known: {', '.join(LR_GROUPS)})")
         factors = {}
         for name, spec in self.param_specs.items():
             g = spec.lr_group
             scales = {adjust[k] for k in adjust if g is not None and (k == g or (k == "decoder_kernel"
                                                                                  and g.startswith("decoder_")))}
             if len(scales) > 1:
-                raise ValueError(f"optimizer.adjust_learning_rate: {name} is in groups with different scales {sorted(scales)}")
+                raise ConfigError(f"optimizer.adjust_learning_rate: {name} is in groups with different scales "
+                                  f"{sorted(scales)}")
             factors[name] = float(scales.pop()) if scales else 1.0
         return factors
 
@@ -134,8 +137,8 @@ class Model:
         "arrays" or "tensors"), examples of ``example_shape`` and ``vocab_size`` (or None) cannot feed
         this model; ``columns``: the dataset's [(name, dtype, example shape)]."""
         if fmt != "arrays":
-            raise ValueError(f"{where} is {'LM' if fmt == 'lm' else 'tensor'} data; {self.config['name']} needs an "
-                             "array dataset")
+            raise ConfigError(f"{where} is {'LM' if fmt == 'lm' else 'tensor'} data; {self.config['name']} needs an "
+                              "array dataset")
 
     def batch_of(self, arrays):
         """The batch dict of examples as ``example_layout`` lays them out."""
@@ -262,24 +265,24 @@ class LanguageModel(Model):
             if a.shape != ids.shape:
                 raise ValueError(f"batch[{key!r}]: expected shape {ids.shape}, got {a.shape}")
         if ids.shape[1] > cfg["max_position_embeddings"]:
-            raise ValueError(f"batch['input_ids']: sequence length {ids.shape[1]} exceeds "
-                             f"model.max_position_embeddings {cfg['max_position_embeddings']}")
+            raise DataError(f"batch['input_ids']: sequence length {ids.shape[1]} exceeds "
+                            f"model.max_position_embeddings {cfg['max_position_embeddings']}")
         if ids.size and (ids.min() < 0 or ids.max() >= cfg["vocab_size"]):
-            raise ValueError(f"batch['input_ids']: ids must be in [0, {cfg['vocab_size']}), "
-                             f"got {ids.min()}..{ids.max()}")
+            raise DataError(f"batch['input_ids']: ids must be in [0, {cfg['vocab_size']}), "
+                            f"got {ids.min()}..{ids.max()}")
         return ids.shape[0]
 
     def check_dataset(self, fmt, example_shape, vocab_size, where, columns=None):
         c = self.config
         if fmt != "lm":
-            raise ValueError(f"{where} is {'an array' if fmt == 'arrays' else 'a tensor'} dataset; {c['name']} needs "
-                             "LM data")
+            raise ConfigError(f"{where} is {'an array' if fmt == 'arrays' else 'a tensor'} dataset; {c['name']} needs "
+                              "LM data")
         if example_shape[-1] > c["max_position_embeddings"]:
-            raise ValueError(f"model.max_position_embeddings: {c['max_position_embeddings']} is shorter than the "
-                             f"max_seq_length {example_shape[-1]} of {where}")
+            raise ConfigError(f"model.max_position_embeddings: {c['max_position_embeddings']} is shorter than the "
+                              f"max_seq_length {example_shape[-1]} of {where}")
         if vocab_size is not None and vocab_size > c["vocab_size"]:
-            raise ValueError(f"model.vocab_size: {c['vocab_size']} is smaller than the vocabulary {vocab_size} of "
-                             f"{where} (its data_params.json)")
+            raise ConfigError(f"model.vocab_size: {c['vocab_size']} is smaller than the vocabulary {vocab_size} of "
+                              f"{where} (its data_params.json)")
 
     def batch_of(self, arrays):
         a = arrays[0] if isinstance(arrays, (list, tuple)) else arrays
@@ -291,8 +294,8 @@ class LanguageModel(Model):
         for name, x in (("input id", ids), ("label", labels)):
             if x.size and (x.min() < 0 or x.max() >= v):
                 bad = int(x.max()) if x.max() >= v else int(x.min())
-                raise ValueError(f"{name} {bad} outside the model's vocabulary [0, {v}) (model.vocab_size): the data "
-                                 "was tokenized with another vocabulary")
+                raise DataError(f"{name} {bad} outside the model's vocabulary [0, {v}) (model.vocab_size): the data "
+                                "was tokenized with another vocabulary")
         return batch
 
     def first_input(self, batch, dtype):

@@ -142,8 +142,8 @@ class Precision:
         return a if self.format is None else self.format.decode(a)
 
     def wire_sum(self, pieces):
-        """The tree sum (``wse_core.tree.tree_sum`` order) of wire arrays, as a wire array."""
-        from wse_core.tree import tree_sum
+        """The tree sum (``wse_core.microbatch.tree_sum`` order) of wire arrays, as a wire array."""
+        from wse_core.microbatch import tree_sum
 
         if self.format is None:
             return tree_sum(pieces)

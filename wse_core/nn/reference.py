@@ -4,7 +4,7 @@ One step on a global batch of B samples split into micro-batches of ``micro_batc
 
 1. every micro-batch runs forward, loss and backward (``Model.forward_backward``);
 2. per unit, micro-batch gradients are summed as a balanced pairwise tree in micro-batch index
-   order (``wse_core.tree``), as SwarmX summing each round's micro-batches over the CS-2s and MemoryX
+   order (``wse_core.microbatch``), as SwarmX summing each round's micro-batches over the CS-2s and MemoryX
    adding the rounds will; loss sums and token counts likewise;
 3. a parameter used by several units (a tied embedding) gets their sums added in unit order;
 4. the loss is the mean over the masked-in tokens N of the global batch, so the gradient is the
@@ -19,9 +19,10 @@ from dataclasses import dataclass, field
 
 import math
 
+from wse_core.errors import DataError
 from wse_core.nn.layers import DropoutKey
 from wse_core.optim import clip_coefficient, global_norm
-from wse_core.tree import tree_reduce, tree_sum
+from wse_core.microbatch import MicroBatches, tree_reduce, tree_sum
 
 
 @dataclass
@@ -41,43 +42,13 @@ class StepResult:
     micro_batches: int = 1
 
 
-def micro_batch_ranges(batch_size, micro_batch_size, num_csx=1):
-    """[(lo, hi), ...] of a step's micro-batches, in the global batch's order (docs/design.md section
-    8, "Micro-batching"): each of the ``num_csx`` CS-2s computes R = ceil(ceil(B / num_csx) /
-    micro_batch_size) of them (CS-2 c's round r is micro-batch ``wse_core.tree.micro_batch_of(r, c,
-    num_csx)``), and the B samples are dealt to the num_csx x R micro-batches as evenly as they go:
-    the first B mod (num_csx x R) one sample larger. A batch that divides evenly gives micro-batches of
-    ``micro_batch_size`` each."""
-    per_csx = -(-batch_size // num_csx)
-    if not 1 <= num_csx <= batch_size:
-        raise ValueError(f"batch_size: {batch_size} samples cannot feed {num_csx} CS-2s")
-    if not 1 <= micro_batch_size <= per_csx:
-        raise ValueError(f"micro_batch_size: {micro_batch_size} is not between 1 and the {per_csx} samples "
-                         f"of a CS-2 (batch_size / num_csx, rounded up)")
-    n = num_csx * -(-per_csx // micro_batch_size)
-    if n > batch_size:
-        raise ValueError(f"micro_batch_size: {micro_batch_size} makes {n} micro-batches of a batch of {batch_size} samples")
-    size, extra = divmod(batch_size, n)
-    bounds = [j * size + min(j, extra) for j in range(n + 1)]
-    return list(zip(bounds[:-1], bounds[1:]))
-
-
-def micro_batch_sizes(batch_size, num_csx=1):
-    """The micro-batch sizes that deal a batch evenly (``micro_batch_ranges``), smallest first: each
-    CS-2's share (B / num_csx, rounded up) over a whole number of rounds, rounded up, as Cerebras
-    takes them (a size between two of these computes no fewer rounds than the larger one)."""
-    per_csx = -(-batch_size // num_csx)
-    sizes = {-(-per_csx // k) for k in range(1, per_csx + 1)}
-    return sorted(b for b in sizes if num_csx * -(-per_csx // b) <= batch_size)
-
-
 def accumulate(model, params, batch, micro_batch_size, lo=0, hi=None, *, num_csx=1, dropout=None, loss_scale=1.0):
-    """Tree sum of micro-batches [lo, hi) of ``batch`` (``micro_batch_ranges`` for ``num_csx`` CS-2s):
+    """Tree sum of micro-batches [lo, hi) of ``batch`` (``MicroBatches`` for ``num_csx`` CS-2s):
     (loss_sum, n_tokens, unit_grads, each micro-batch's ``Model.step_values`` in order).
 
     ``dropout``: (seed, step) of the dropout masks (training), or None (no dropout); the gradients
     are of the loss times ``loss_scale``, each partial sum in the model's precision."""
-    ranges = micro_batch_ranges(model.check_batch(batch), micro_batch_size, num_csx)
+    ranges = MicroBatches(model.check_batch(batch), micro_batch_size, num_csx).ranges
     hi = len(ranges) if hi is None else hi
 
     def leaf(i):
@@ -90,10 +61,11 @@ def accumulate(model, params, batch, micro_batch_size, lo=0, hi=None, *, num_csx
     return tree_reduce(lo, hi, leaf, add)
 
 
-def apply_update(model, params, opt_state, optimizer, grads, grad_scale, *, step, lr, lr_factors=None):
-    """Update every parameter in place with its gradient times ``grad_scale``, in ``param_names`` order,
-    at ``lr`` times its ``lr_factors`` entry (``Model.lr_factors``; 1 by default)."""
-    for name in model.param_names:
+def apply_update(model, params, opt_state, optimizer, grads, grad_scale, *, step, lr, lr_factors=None, names=None):
+    """Update every parameter (or those of ``names``: a MemoryX's own) in place with its gradient times
+    ``grad_scale``, in ``param_names`` order, at ``lr`` times its ``lr_factors`` entry (``Model.lr_factors``;
+    1 by default). The one update rule: the reference step's, and MemoryX's on the cluster."""
+    for name in model.param_names if names is None else names:
         factor = 1.0 if lr_factors is None else lr_factors[name]
         optimizer.update(params[name], grads[name], opt_state[name], step=step, lr=lr * factor,
                          grad_scale=grad_scale, name=name, decay=model.param_specs[name].decay)
@@ -108,12 +80,12 @@ def reference_step(model, params, opt_state, optimizer, batch, *, micro_batch_si
     weights). ``scaler`` (an ``optim.LossScaler``) scales the loss, and with dynamic scaling skips
     a step whose gradient norm is not finite. ``lr_factors`` scale each parameter's learning rate
     (``Model.lr_factors``: Model Zoo's ``adjust_learning_rate``). ``num_csx``: the CS-2s the batch is
-    laid out for (``micro_batch_ranges``), when it does not divide evenly."""
+    laid out for (``MicroBatches``), when it does not divide evenly."""
     loss_scale = 1.0 if scaler is None else scaler.scale
     loss_sum, n_tokens, unit_grads, values = accumulate(model, model.compute_weights(params), batch, micro_batch_size,
                                                         num_csx=num_csx, dropout=(seed, step), loss_scale=loss_scale)
     if n_tokens < 1:
-        raise ValueError("batch: the loss mask selects no token, so the loss is undefined")
+        raise DataError("batch: the loss mask selects no token, so the loss is undefined")
     grads = model.combine_unit_grads(unit_grads)
     lr = optimizer.lr if lr is None else lr
     divisor = model.loss_divisor(n_tokens, len(next(iter(batch.values()))))
@@ -143,7 +115,7 @@ def evaluate(model, weights, dataset, micro_batch_size, n_examples=None):
         sums.append(loss_sum)
         tokens += n_tokens
     if tokens == 0:
-        raise ValueError("the loss mask selects no token, so the loss is undefined")
+        raise DataError("the loss mask selects no token, so the loss is undefined")
     loss = tree_sum(sums) / tokens
     return {"loss": loss, "perplexity": math.exp(min(loss, 700.0)), "accuracy": correct / tokens,
             "examples": n, "tokens": tokens}

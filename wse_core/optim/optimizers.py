@@ -19,6 +19,7 @@ import numpy as np
 
 from wse_core.optim import _kernels
 from wse_core.checks import Number, check_float_array, check_like, show
+from wse_core.errors import ConfigError, ConfigTypeError
 
 
 class Optimizer:
@@ -84,9 +85,9 @@ class SGD(Optimizer):
         self.dampening = Number(0, 1)(dampening, "dampening")
         self.weight_decay = Number(0)(weight_decay, "weight_decay")
         if not isinstance(nesterov, bool):
-            raise TypeError(f"nesterov: expected true or false, got {show(nesterov)}")
+            raise ConfigTypeError(f"nesterov: expected true or false, got {show(nesterov)}")
         if nesterov and (self.momentum == 0.0 or self.dampening != 0.0):
-            raise ValueError("nesterov: requires momentum > 0 and dampening = 0")
+            raise ConfigError("nesterov: requires momentum > 0 and dampening = 0")
         self.nesterov = nesterov
         self.state_names = ("momentum_buffer",) if self.momentum != 0.0 else ()
 
@@ -111,7 +112,7 @@ class Adam(Optimizer):
     def __init__(self, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0):
         super().__init__(lr)
         if not isinstance(betas, (tuple, list)) or len(betas) != 2:
-            raise TypeError(f"betas: expected two numbers (beta1, beta2), got {show(betas)}")
+            raise ConfigTypeError(f"betas: expected two numbers (beta1, beta2), got {show(betas)}")
         self.betas = (Number(0, 1, open="high")(betas[0], "betas[0]"),
                       Number(0, 1, open="high")(betas[1], "betas[1]"))
         self.eps = Number(0)(eps, "eps")
@@ -141,10 +142,10 @@ def make_optimizer(optimizer_type, **hparams):
     """Build an optimizer by name (``"SGD"``, ``"Adam"``, ``"AdamW"``; any case) and hyperparameters."""
     cls = _OPTIMIZERS.get(str(optimizer_type).lower())
     if cls is None:
-        raise ValueError(f"optimizer_type: unknown optimizer {show(optimizer_type)} "
-                         f"(known: SGD, Adam, AdamW)")
+        raise ConfigError(f"optimizer_type: unknown optimizer {show(optimizer_type)} "
+                          f"(known: SGD, Adam, AdamW)")
     known = [k for k in inspect.signature(cls.__init__).parameters if k != "self"]
     for key in hparams:
         if key not in known:
-            raise ValueError(f"{key}: not a {cls.__name__} hyperparameter (known: {', '.join(known)})")
+            raise ConfigError(f"{key}: not a {cls.__name__} hyperparameter (known: {', '.join(known)})")
     return cls(**hparams)

@@ -24,6 +24,7 @@ from collections.abc import Mapping
 from dataclasses import MISSING, dataclass, fields
 
 from wse_core.checks import Bool, Int, Number, OneOf, show
+from wse_core.errors import ConfigError, ConfigTypeError
 
 
 class Schedule:
@@ -347,13 +348,13 @@ def _class_of(name, key):
     if n in ("chainedscheduler", "chainedlr"):
         return Chained
     if n == "lambda" or n == "lambdalr":
-        raise ValueError(f"{key}.scheduler: {show(name)} needs a Python function; it cannot be given in a params file")
+        raise ConfigError(f"{key}.scheduler: {show(name)} needs a Python function; it cannot be given in a params file")
     if n == "scaleperparam" or n == "scaleperparamlr":
-        raise ValueError(f"{key}.scheduler: {show(name)} (per-parameter-group rates, adjust_learning_rate) is not "
-                         "built yet")
+        raise ConfigError(f"{key}.scheduler: {show(name)} (per-parameter-group rates, adjust_learning_rate) is not "
+                          "built yet")
     cls = _SCHEDULERS.get(n) or (_SCHEDULERS.get(n[:-2]) if n.endswith("lr") else None)
     if cls is None:
-        raise ValueError(f"{key}.scheduler: unknown scheduler {show(name)} (known: {_KNOWN})")
+        raise ConfigError(f"{key}.scheduler: unknown scheduler {show(name)} (known: {_KNOWN})")
     return cls
 
 
@@ -361,15 +362,15 @@ def _value(cls, name, v, where):
     """One checked argument of a scheduler."""
     if name == "schedulers":
         if not isinstance(v, (list, tuple)) or not v:
-            raise ValueError(f"{where}: expected a non-empty list of schedulers, got {show(v)}")
+            raise ConfigError(f"{where}: expected a non-empty list of schedulers, got {show(v)}")
         return tuple(_one(s, f"{where}[{i}]", i == len(v) - 1) for i, s in enumerate(v))
     if name in ("milestones", "learning_rates"):
         if not isinstance(v, (list, tuple)) or not v:
-            raise ValueError(f"{where}: expected a non-empty list, got {show(v)}")
+            raise ConfigError(f"{where}: expected a non-empty list, got {show(v)}")
         if name == "milestones":
             ms = [Int(1)(x, f"{where}[{i}]") for i, x in enumerate(v)]
             if any(b <= a for a, b in zip(ms, ms[1:])):
-                raise ValueError(f"{where}: expected increasing steps, got {show(v)}")
+                raise ConfigError(f"{where}: expected increasing steps, got {show(v)}")
             return tuple(ms)
         return tuple(Number(0)(x, f"{where}[{i}]") for i, x in enumerate(v))
     return _ARGS.get(name, Number(0))(v, where)
@@ -377,9 +378,9 @@ def _value(cls, name, v, where):
 
 def _one(spec, key, last):
     if not isinstance(spec, Mapping):
-        raise TypeError(f"{key}: expected a number or a mapping with a 'scheduler' key, got {show(spec)}")
+        raise ConfigTypeError(f"{key}: expected a number or a mapping with a 'scheduler' key, got {show(spec)}")
     if "scheduler" not in spec:
-        raise ValueError(f"{key}.scheduler: missing (one of {_KNOWN})")
+        raise ConfigError(f"{key}.scheduler: missing (one of {_KNOWN})")
     cls = _class_of(spec["scheduler"], key)
     names = [f.name for f in fields(cls)]
     kwargs = {}
@@ -390,9 +391,9 @@ def _one(spec, key, last):
         if name not in names and k in ("initial_learning_rate", "learning_rate"):  # one rate, two spellings
             name = "learning_rate" if "learning_rate" in names else "initial_learning_rate"
         if name not in names:
-            raise ValueError(f"{key}.{k}: unknown key for {cls.__name__} (known: {', '.join(names)})")
+            raise ConfigError(f"{key}.{k}: unknown key for {cls.__name__} (known: {', '.join(names)})")
         if name in kwargs:
-            raise ValueError(f"{key}.{k}: given twice (as {name} and an alias of it)")
+            raise ConfigError(f"{key}.{k}: given twice (as {name} and an alias of it)")
         kwargs[name] = _value(cls, name, v, f"{key}.{k}")
     required = [f.name for f in fields(cls) if f.default is MISSING]
     if not last:
@@ -401,19 +402,19 @@ def _one(spec, key, last):
     for name in required:
         if name not in kwargs:
             if name == "total_iters" and "total_iters" not in names:
-                raise ValueError(f"{key}: {cls.__name__} has no end, so it can only be the last of a sequence")
-            raise ValueError(f"{key}.{name}: missing for {cls.__name__}")
+                raise ConfigError(f"{key}: {cls.__name__} has no end, so it can only be the last of a sequence")
+            raise ConfigError(f"{key}.{name}: missing for {cls.__name__}")
     if cls is PiecewiseConstant and len(kwargs["learning_rates"]) != len(kwargs["milestones"]) + 1:
-        raise ValueError(f"{key}.learning_rates: expected one more value than milestones "
-                         f"({len(kwargs['milestones'])}), got {len(kwargs['learning_rates'])}")
+        raise ConfigError(f"{key}.learning_rates: expected one more value than milestones "
+                          f"({len(kwargs['milestones'])}), got {len(kwargs['learning_rates'])}")
     if cls is Sequential and kwargs.get("milestones") is not None:
         if len(kwargs["milestones"]) != len(kwargs["schedulers"]) - 1:
-            raise ValueError(f"{key}.milestones: expected {len(kwargs['schedulers']) - 1} (one fewer than the "
-                             f"schedulers), got {len(kwargs['milestones'])}")
+            raise ConfigError(f"{key}.milestones: expected {len(kwargs['schedulers']) - 1} (one fewer than the "
+                              f"schedulers), got {len(kwargs['milestones'])}")
     if cls is OneCycle and kwargs.get("pct_start", 0.3) * kwargs.get("total_steps", 1000) <= 1:
-        raise ValueError(f"{key}.pct_start: pct_start x total_steps must exceed 1 (the warm-up has no steps)")
+        raise ConfigError(f"{key}.pct_start: pct_start x total_steps must exceed 1 (the warm-up has no steps)")
     if cls is CosineAnnealingWarmRestarts and kwargs.get("T_mult", 1) != 1:
-        raise ValueError(f"{key}.T_mult: only 1 is supported (as in Model Zoo), got {kwargs['T_mult']}")
+        raise ConfigError(f"{key}.T_mult: only 1 is supported (as in Model Zoo), got {kwargs['T_mult']}")
     return cls(**kwargs)
 
 
@@ -424,7 +425,7 @@ def make_schedule(spec, key="learning_rate"):
         return Constant(Number(0)(spec, key))
     if isinstance(spec, (list, tuple)):
         if not spec:
-            raise ValueError(f"{key}: expected at least one scheduler, got an empty list")
+            raise ConfigError(f"{key}: expected at least one scheduler, got an empty list")
         chained = any(isinstance(s, Mapping) and str(s.get("main_scheduler", "")).lower() in ("chained", "chainedlr")
                       for s in spec)
         scheds = tuple(_one(s, f"{key}[{i}]", chained or i == len(spec) - 1) for i, s in enumerate(spec))

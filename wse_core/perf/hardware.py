@@ -11,6 +11,7 @@ The precision is no constant of the hardware but the model's (``model.mixed_prec
 from dataclasses import asdict, dataclass, fields, replace
 
 from wse_core.checks import Number, OneOf
+from wse_core.errors import ConfigError
 
 #: The systems a run may name, as the constants in which each differs from the CS-2 defaults of
 #: ``Hardware`` (docs/design.md section 8, "Systems"). The CS-3 (WSE-3), with its sources:
@@ -120,12 +121,12 @@ class Hardware:
         if isinstance(overrides, str):
             overrides = {"system": overrides}
         if "precision" in overrides:
-            raise ValueError("runconfig.hardware.precision: the precision is the model's "
-                             "(model.mixed_precision, model.fp16_type); remove this key")
+            raise ConfigError("runconfig.hardware.precision: the precision is the model's "
+                              "(model.mixed_precision, model.fp16_type); remove this key")
         known = {f.name for f in fields(cls)} - {"precision"}
         for key in overrides:
             if key not in known:
-                raise ValueError(f"runconfig.hardware.{key}: unknown constant (known: {', '.join(sorted(known))})")
+                raise ConfigError(f"runconfig.hardware.{key}: unknown constant (known: {', '.join(sorted(known))})")
         system = overrides.get("system", "cs2")
         OneOf(*SYSTEMS)(system, "runconfig.hardware.system")
         return replace(cls(precision=precision, system=system, **SYSTEMS[system]), **overrides)

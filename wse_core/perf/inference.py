@@ -64,6 +64,8 @@ import math
 from dataclasses import asdict, dataclass, field, replace
 
 from wse_core.checks import plural
+from wse_core.errors import ConfigError, PlanError
+from wse_core.microbatch import share
 from wse_core.perf.calibration import ALLREDUCE_COEF, BROADCAST_COEF, GEMV_COEF
 from wse_core.perf.clock import Port
 from wse_core.perf.hardware import Hardware
@@ -180,14 +182,15 @@ def _region(unit, floor, share, sequences, cache_len, hw):
 
 def _check(model, batch, prompt_tokens, new_tokens):
     if not getattr(model, "is_lm", False):
-        raise ValueError(f"inference: model {model.config.get('name')} is not a language model: it generates no tokens")
+        raise ConfigError(f"inference: model {model.config.get('name')} is not a language model: it generates no "
+                          "tokens")
     for name, value in (("batch", batch), ("prompt_tokens", prompt_tokens), ("new_tokens", new_tokens)):
         if not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name}: expected a whole number >= 1, got {value!r}")
+            raise ConfigError(f"{name}: expected a whole number >= 1, got {value!r}")
     most = model.config["max_position_embeddings"]
     if prompt_tokens + new_tokens > most:
-        raise ValueError(f"prompt_tokens {prompt_tokens} + new_tokens {new_tokens}: {prompt_tokens + new_tokens} "
-                         f"positions exceed the model's {most} (model.max_position_embeddings)")
+        raise ConfigError(f"prompt_tokens {prompt_tokens} + new_tokens {new_tokens}: {prompt_tokens + new_tokens} "
+                          f"positions exceed the model's {most} (model.max_position_embeddings)")
 
 
 def serve(model, *, batch, prompt_tokens, new_tokens, num_csx=1, hw=None, placement=None):
@@ -203,7 +206,7 @@ def serve(model, *, batch, prompt_tokens, new_tokens, num_csx=1, hw=None, placem
     unit_kv = [unit_kv_bytes(u, positions, hw) for u in model.units]
     capacity = hw.program_width * hw.program_height * hw.pe_memory_bytes * hw.pe_memory_usable
     fits = {"resident": lambda b: _resident_groups(weights, unit_kv, b, num_csx, capacity) is not None,
-            "streamed": lambda b: kv * math.ceil(b / num_csx) + 2 * max(weights) <= capacity}
+            "streamed": lambda b: kv * share(b, num_csx) + 2 * max(weights) <= capacity}
     most = {name: _most(fit) for name, fit in fits.items()}
     where = plural(num_csx, "CS-2")
     total = sum(weights) + batch * kv
@@ -214,14 +217,14 @@ def serve(model, *, batch, prompt_tokens, new_tokens, num_csx=1, hw=None, placem
             (f"they and the KV caches need {total / 1e9:.3g} GB, more than the {num_csx * capacity / 1e9:.3g} GB of "
              f"usable SRAM of {where}")
     elif placement == "resident" and num_csx > len(model.units):
-        raise ValueError(f"placement resident: {num_csx} CS-2s for the model's {len(model.units)} units; each wafer "
-                         f"holds at least one: use at most {len(model.units)} CS-2s, or stream the weights")
+        raise PlanError(f"placement resident: {num_csx} CS-2s for the model's {len(model.units)} units; each wafer "
+                        f"holds at least one: use at most {len(model.units)} CS-2s, or stream the weights")
     elif placement in fits:
         because = f"placement {placement}"
     else:
-        raise ValueError(f"placement: expected resident or streamed, got {placement!r}")
+        raise ConfigError(f"placement: expected resident or streamed, got {placement!r}")
     if not fits[placement](batch):
-        raise ValueError(_refusal(placement, batch, positions, kv, sum(weights), max(weights), num_csx * capacity,
+        raise PlanError(_refusal(placement, batch, positions, kv, sum(weights), max(weights), num_csx * capacity,
                                   where, most))
     cache_len = prompt_tokens + new_tokens / 2
     run = _resident if placement == "resident" else _streamed
@@ -311,7 +314,7 @@ def _resident(model, weights, unit_kv, batch, prompt_tokens, cache_len, num_csx,
 
 def _streamed(model, weights, unit_kv, batch, prompt_tokens, cache_len, num_csx, capacity, hw):
     units = model.units
-    per_csx = math.ceil(batch / num_csx)
+    per_csx = share(batch, num_csx)
     last = len(units) - 1
     decode = [unit_seconds(decode_work(u, per_csx, cache_len), hw)["forward"] for u in units]
     prefill = [unit_seconds(unit_work(u, 1, 1 if i == last else prompt_tokens), hw)["forward"]

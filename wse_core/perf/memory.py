@@ -1,8 +1,8 @@
 """Memory: what each emulated rank holds (host memory of this emulator's processes, what
 ``wse compile`` prints per rank) and what a CS-2's wafer would hold. See docs/design.md section 8."""
-import math
 from dataclasses import asdict, dataclass
 
+from wse_core.microbatch import checkpoint_interval
 from wse_core.perf.hardware import Hardware
 
 
@@ -57,11 +57,6 @@ def unit_output_floats(unit, samples, seq_len):
     if isinstance(unit, Dense):
         return samples * unit.out_features
     return samples * seq_len * unit.hidden
-
-
-def checkpoint_interval(n_units):
-    """Units per recomputed segment: ceil(sqrt(n)), which keeps the fewest boundaries (n/k + k)."""
-    return max(1, math.ceil(math.sqrt(n_units)))
 
 
 @dataclass

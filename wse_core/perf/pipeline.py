@@ -29,6 +29,7 @@ from dataclasses import asdict, dataclass, field, replace
 
 import numpy as np
 
+from wse_core.microbatch import share
 from wse_core.perf.hardware import Hardware
 from wse_core.perf.memory import unit_activation_floats
 from wse_core.perf.model import unit_seconds, unit_work
@@ -173,7 +174,7 @@ def choose(model, *, batch_size, micro_batch_size, seq_len=None, n_states=2, hw=
     from wse_core.perf.step import walk_step
 
     hw = hw or Hardware.for_model(model)
-    p = place(model, micro_batch_size=micro_batch_size, micro_batches=-(-batch_size // micro_batch_size),
+    p = place(model, micro_batch_size=micro_batch_size, micro_batches=share(batch_size, micro_batch_size),
               seq_len=seq_len, n_states=n_states, hw=hw)
     ws = walk_step(model, num_csx=1, samples_per_csx=batch_size, micro_batch_size=micro_batch_size,
                    seq_len=seq_len, hw=hw)

@@ -7,7 +7,7 @@ It does not import it: ``wse_core`` sits below ``mpi_launch``, and the walk need
 rules, which it follows through ``perf.clock.Port.carry`` as the ranks do, not its tags or payloads.
 What the walk adds to the table:
 
-* A step is its micro-batches one after another, each through ``micro_batch_schedule``: forward,
+* A step is its micro-batches one after another, each through ``wse_core.microbatch.micro_batch_schedule``: forward,
   then segment by segment a recompute and the backward (docs/design.md section 8, "Micro-batching").
 * Ports serialise what crosses them (each is busy until its last byte has left), in the order the
   ranks' programs send: the weights of each item of the schedule (STEP["forward weights"],
@@ -30,9 +30,9 @@ What the walk adds to the table:
 import math
 from dataclasses import asdict, dataclass, field
 
+from wse_core.microbatch import micro_batch_schedule, share
 from wse_core.perf.clock import Port
 from wse_core.perf.hardware import Hardware
-from wse_core.perf.memory import checkpoint_interval
 from wse_core.perf.model import memoryx_update_seconds, unit_seconds, unit_work
 
 #: Values per message of a tensor through the tree: the ranks' chunk (mpi_launch.messaging.CHUNK_FLOATS
@@ -80,25 +80,6 @@ def balance(sizes, parts):
 def stream_bytes(model, itemsize):
     """Bytes streamed for each unit: every parameter it uses (a tied one with each unit that uses it)."""
     return model.stream_bytes(itemsize)
-
-
-def micro_batch_schedule(n_units):
-    """What a CS-2 does with one micro-batch, in order, as (kind, unit) (docs/design.md section 8,
-    "Micro-batching"): "forward" every unit; then segment by segment from the last
-    (``perf.memory.checkpoint_interval`` units each), "recompute" the segment's forward from its
-    checkpoint (not the last segment's, whose activations are still on the wafer) and "backward" its
-    units in reverse. Every item streams its unit's weights in (STEP["forward weights"],
-    STEP["recompute weights"], STEP["backward weights"]); a backward item sends the unit's
-    gradients out (STEP["gradients"])."""
-    k = checkpoint_interval(n_units)
-    starts = list(range(0, n_units, k))
-    items = [("forward", u) for u in range(n_units)]
-    for lo in reversed(starts):
-        segment = range(lo, min(lo + k, n_units))
-        if lo != starts[-1]:
-            items += [("recompute", u) for u in segment]
-        items += [("backward", u) for u in reversed(segment)]
-    return items
 
 
 def step_bytes(model, itemsize):
@@ -155,7 +136,7 @@ def walk_step(model, *, num_csx, samples_per_csx, micro_batch_size, seq_len=None
     hw = hw or Hardware.for_model(model)
     fanout = swarmx_fanout or hw.swarmx_fanout
     depth = tree_depth(num_csx, fanout)
-    n_micro = -(-samples_per_csx // micro_batch_size)
+    n_micro = share(samples_per_csx, micro_batch_size)
     cost = [unit_seconds(unit_work(u, micro_batch_size, seq_len), hw) for u in model.units]
     schedule = micro_batch_schedule(len(cost))
     items = [(m, kind, u) for m in range(n_micro) for kind, u in schedule]

@@ -21,6 +21,7 @@ or the loop's end). ``load_state_dict`` of one makes the next run resume from it
 from pyapi.cstorch import step as step_mod
 from pyapi.cstorch.errors import not_built, refusing
 from pyapi.cstorch.optim import lr_scheduler  # noqa: F401
+from wse_core.errors import ConfigError, DataError
 
 BUILT = "built: SGD, Adam, AdamW"
 
@@ -104,24 +105,24 @@ class Optimizer:
         """The state of ``state_dict`` (``state_dict()``'s, saved and loaded) for this optimizer's parameters."""
         groups = state_dict.get("param_groups") if isinstance(state_dict, dict) else None
         if not isinstance(groups, list) or not isinstance(state_dict.get("state"), dict):
-            raise ValueError(f"{type(self).__name__}.load_state_dict: expected an optimizer's state_dict() "
-                             "({'state': ..., 'param_groups': ...})")
+            raise DataError(f"{type(self).__name__}.load_state_dict: expected an optimizer's state_dict() "
+                            "({'state': ..., 'param_groups': ...})")
         sizes = [len(g["params"]) for g in self.param_groups]
         if [len(g.get("params", ())) for g in groups] != sizes:
-            raise ValueError(f"{type(self).__name__}.load_state_dict: the state has groups of "
-                             f"{[len(g.get('params', ())) for g in groups]} parameters, this optimizer {sizes}")
+            raise DataError(f"{type(self).__name__}.load_state_dict: the state has groups of "
+                            f"{[len(g.get('params', ())) for g in groups]} parameters, this optimizer {sizes}")
         by_index = [p for g in self.param_groups for p in g["params"]]
         state = {}
         for i, st in state_dict["state"].items():
             i = int(i)  # a state saved by cstorch.save comes back with its indices as text
             if not 0 <= i < len(by_index) or not isinstance(st, dict):
-                raise ValueError(f"{type(self).__name__}.load_state_dict: state {i}: not one of this optimizer's "
-                                 f"{len(by_index)} parameters")
+                raise DataError(f"{type(self).__name__}.load_state_dict: state {i}: not one of this optimizer's "
+                                f"{len(by_index)} parameters")
             p = by_index[i]
             for name, value in st.items():
                 if name != "step" and tuple(value.shape) != tuple(p.shape):
-                    raise ValueError(f"{type(self).__name__}.load_state_dict: state {i} {name}: shape "
-                                     f"{list(value.shape)}, the parameter's {list(p.shape)}")
+                    raise DataError(f"{type(self).__name__}.load_state_dict: state {i} {name}: shape "
+                                    f"{list(value.shape)}, the parameter's {list(p.shape)}")
             state[p] = dict(st)
         self.state = state
 
@@ -174,12 +175,12 @@ def configure_optimizer(optimizer_type, params, **kwargs):
     accepted = set(inspect.signature(cls.__init__).parameters) - {"self", "params"}
     unused = sorted(set(kwargs) - accepted)
     if unused:
-        raise ValueError(f"cstorch.optim.configure_optimizer: {cls.__name__} takes no {', '.join(unused)}")
+        raise ConfigError(f"cstorch.optim.configure_optimizer: {cls.__name__} takes no {', '.join(unused)}")
     if isinstance(lr, str):  # YAML reads 1e-4 as a string
         try:
             lr = float(lr)
         except ValueError:
-            raise ValueError(f"cstorch.optim.configure_optimizer: learning_rate {lr!r} is not a number") from None
+            raise ConfigError(f"cstorch.optim.configure_optimizer: learning_rate {lr!r} is not a number") from None
     kwargs["lr"] = lr if isinstance(lr, (int, float)) else kwargs.get("lr", 0.1)
     return cls(params, **kwargs)
 
@@ -199,8 +200,8 @@ def configure_lr_scheduler(optimizer, learning_rate, adjust_learning_rate=None):
     milestones, at = [], 0
     for i, spec in enumerate(specs[:-1]):
         if "total_iters" not in spec:
-            raise ValueError(f"configure_lr_scheduler: learning_rate[{i}]: a scheduler followed by another needs "
-                             "its total_iters (where the next one starts)")
+            raise ConfigError(f"configure_lr_scheduler: learning_rate[{i}]: a scheduler followed by another needs "
+                              "its total_iters (where the next one starts)")
         at += int(spec["total_iters"])
         milestones.append(at)
     return lr_scheduler.SequentialLR(optimizer, made, milestones)
@@ -208,7 +209,7 @@ def configure_lr_scheduler(optimizer, learning_rate, adjust_learning_rate=None):
 
 def _scheduler(optimizer, spec):
     if not isinstance(spec, dict) or "scheduler" not in spec:
-        raise ValueError(f"configure_lr_scheduler: expected {{'scheduler': name, ...}}, got {spec!r}")
+        raise ConfigError(f"configure_lr_scheduler: expected {{'scheduler': name, ...}}, got {spec!r}")
     name = str(spec.pop("scheduler"))
     key = name.lower().removesuffix("lr")
     classes = {c.__name__.lower().removesuffix("lr"): c for c in (

@@ -5,6 +5,7 @@ Its ``state_dict()`` holds ``last_epoch``, the steps the script has seen (the sc
 of the step, so a resumed run needs nothing else of it); after each step the optimizer's groups
 hold the next step's rate, as torch's do (``get_last_lr``)."""
 from pyapi.cstorch.errors import not_built, refusing
+from wse_core.errors import DataError
 
 
 class LRScheduler:
@@ -23,7 +24,7 @@ class LRScheduler:
 
     def load_state_dict(self, state_dict):
         if not isinstance(state_dict, dict) or not isinstance(state_dict.get("last_epoch"), int):
-            raise ValueError(f"{type(self).__name__}.load_state_dict: expected {{'last_epoch': steps trained}}")
+            raise DataError(f"{type(self).__name__}.load_state_dict: expected {{'last_epoch': steps trained}}")
         self.last_epoch, self.seen = state_dict["last_epoch"], None
 
     def spec(self):

@@ -18,6 +18,7 @@ import torch  # pyapi.cstorch needs it (its __init__ says so): SyntheticDataset 
 
 from pyapi.cstorch import step as step_mod
 from pyapi.cstorch.errors import not_built, refusing
+from wse_core.errors import ConfigError, DataError, PlanError
 
 
 class DataLoader:
@@ -38,8 +39,8 @@ class DataLoader:
                 if len(out) == n:
                     break
             if len(out) == before:
-                raise ValueError(f"DataLoader: {getattr(self.input_fn, '__name__', 'input_fn')}() made a loader "
-                                 "that yields no batch")
+                raise DataError(f"DataLoader: {getattr(self.input_fn, '__name__', 'input_fn')}() made a loader "
+                                "that yields no batch")
         return out
 
     def __len__(self):
@@ -55,7 +56,7 @@ class SyntheticDataset(torch.utils.data.IterableDataset):
         super().__init__()
         if num_samples is not None and (isinstance(num_samples, bool) or not isinstance(num_samples, int)
                                         or num_samples < 1):
-            raise ValueError(f"SyntheticDataset: num_samples: expected an integer >= 1 or None, got {num_samples!r}")
+            raise ConfigError(f"SyntheticDataset: num_samples: expected an integer >= 1 or None, got {num_samples!r}")
         self.sample_spec, self.num_samples = sample_spec, num_samples
 
     def __iter__(self):
@@ -79,8 +80,8 @@ def compute_num_steps(dataloader, initial_step=0, num_steps=None, max_steps=None
     given = [k for k, v in (("num_steps", num_steps), ("max_steps", max_steps), ("num_epochs", num_epochs))
              if v is not None]
     if len(given) != 1:
-        raise ValueError(f"compute_num_steps: give one of num_steps, max_steps and num_epochs (got "
-                         f"{', '.join(given) or 'none'})")
+        raise ConfigError(f"compute_num_steps: give one of num_steps, max_steps and num_epochs (got "
+                          f"{', '.join(given) or 'none'})")
     if grad_accum_steps != 1:
         raise not_built("compute_num_steps(grad_accum_steps=...)", "micro-batches: cstorch.backend(..., "
                         "micro_batch_size=...)")
@@ -92,7 +93,7 @@ def compute_num_steps(dataloader, initial_step=0, num_steps=None, max_steps=None
         per_epoch = steps_per_epoch if steps_per_epoch is not None else len(dataloader)
         total = num_epochs * per_epoch - initial_step
     if not isinstance(total, int) or total < 1:
-        raise ValueError(f"compute_num_steps: {total!r} steps left to run (initial_step {initial_step})")
+        raise ConfigError(f"compute_num_steps: {total!r} steps left to run (initial_step {initial_step})")
     return total
 
 
@@ -183,7 +184,7 @@ class DataExecutor:
         for name, value, least in (("num_steps", self.num_steps, 1), ("checkpoint_steps", checkpoint_steps, 0),
                                    ("activation_steps", activation_steps, 1)):
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < least):
-                raise ValueError(f"DataExecutor: {name}: expected an integer >= {least}, got {value!r}")
+                raise ConfigError(f"DataExecutor: {name}: expected an integer >= {least}, got {value!r}")
         self.checkpoint_steps = checkpoint_steps
         self.activation_steps = activation_steps or 1
         self.cs_config, self.writer = cs_config, writer
@@ -276,7 +277,7 @@ class DataExecutor:
 
         n, w_count = config.num_csx, config.workers
         if size < n:
-            raise ValueError(f"DataLoader: batches of {size} samples cannot feed {n} CS-2s")
+            raise PlanError(f"DataLoader: batches of {size} samples cannot feed {n} CS-2s")
         shares = [size // n + (c < size % n) for c in range(n)]
         count = n * w_count
         made = {}
@@ -294,10 +295,10 @@ class DataExecutor:
         for rank, batches in made.items():
             for b in batches:
                 if len(b.leaves[0]) != shares[rank // w_count]:
-                    raise ValueError(f"DataLoader: streamer {rank} (CS-2 {rank // w_count}) made a batch of "
-                                     f"{len(b.leaves[0])} samples; a streamer makes its CS-2's share of the batch, "
-                                     f"{shares[rank // w_count]} (cstorch.distributed.get_streaming_batch_size), or "
-                                     f"the whole batch, {size}")
+                    raise DataError(f"DataLoader: streamer {rank} (CS-2 {rank // w_count}) made a batch of "
+                                    f"{len(b.leaves[0])} samples; a streamer makes its CS-2's share of the batch, "
+                                    f"{shares[rank // w_count]} (cstorch.distributed.get_streaming_batch_size), or "
+                                    f"the whole batch, {size}")
         return [Batch.joined([made[c * w_count + t % w_count][t // w_count] for c in range(n)], t + 1)
                 for t in range(self.num_steps)]
 
@@ -319,12 +320,12 @@ class Batch:
                 where = f"{whose} {number}" + ("" if path == "the batch" else f"'s {path}")
                 raise not_built(f"DataLoader: {where} is {kind}", "batches whose leaves are tensors, batch first")
         if not self.leaves:
-            raise ValueError(f"DataLoader: {whose} {number} holds no tensor")
+            raise DataError(f"DataLoader: {whose} {number} holds no tensor")
         sizes = {len(t) for t in self.leaves}
         if len(sizes) > 1:
-            raise ValueError(f"DataLoader: {whose} {number}'s tensors have batch sizes "
-                             f"{', '.join(f'{p} {len(t)}' for p, t in zip(self.paths, self.leaves))}: a batch's "
-                             "tensors share their first dimension")
+            raise DataError(f"DataLoader: {whose} {number}'s tensors have batch sizes "
+                            f"{', '.join(f'{p} {len(t)}' for p, t in zip(self.paths, self.leaves))}: a batch's "
+                            "tensors share their first dimension")
 
     @classmethod
     def joined(cls, parts, number):
@@ -334,7 +335,7 @@ class Batch:
         first = parts[0]
         for p in parts[1:]:
             if p.spec != first.spec:
-                raise ValueError(f"DataLoader: the streamers' batches of step {number} differ in structure")
+                raise DataError(f"DataLoader: the streamers' batches of step {number} differ in structure")
         leaves = [torch.cat([p.leaves[i] for p in parts]) for i in range(len(first.leaves))]
         return cls(tree_unflatten(leaves, first.spec), number)
 
@@ -345,16 +346,16 @@ def check_batches(batches):
     first = batches[0]
     for b in batches[1:]:
         if b.spec != first.spec:
-            raise ValueError(f"DataLoader: batch {b.number} holds {', '.join(b.paths)}, batch 1 "
-                             f"{', '.join(first.paths)}: the captured step takes one structure")
+            raise DataError(f"DataLoader: batch {b.number} holds {', '.join(b.paths)}, batch 1 "
+                            f"{', '.join(first.paths)}: the captured step takes one structure")
         if len(b.leaves[0]) != len(first.leaves[0]):  # a graph captured once runs one batch size
-            raise ValueError(f"DataLoader: batch {b.number} has {len(b.leaves[0])} samples, batch 1 has "
-                             f"{len(first.leaves[0])}: the captured step takes one batch size (drop_last=True)")
+            raise DataError(f"DataLoader: batch {b.number} has {len(b.leaves[0])} samples, batch 1 has "
+                            f"{len(first.leaves[0])}: the captured step takes one batch size (drop_last=True)")
         for path, t, t1 in zip(b.paths, b.leaves, first.leaves):
             if (t.dtype, t.shape[1:]) != (t1.dtype, t1.shape[1:]):  # ... and one shape: its graph's
                 what = "" if path == "the batch" else f"'s {path}"
-                raise ValueError(f"DataLoader: batch {b.number}{what} is {_kind(t)}, batch 1{what} {_kind(t1)}: "
-                                 "the captured step takes one shape and dtype (pad to one length)")
+                raise DataError(f"DataLoader: batch {b.number}{what} is {_kind(t)}, batch 1{what} {_kind(t1)}: "
+                                "the captured step takes one shape and dtype (pad to one length)")
 
 
 def _kind(t):
