@@ -13,9 +13,9 @@ are bit-identical for any thread count.
 
 The block is also timed in mixed precision as we train in it (``mixed_precision`` with
 ``fp16_type: bfloat16``: weights, the block's output and its gradients rounded to bfloat16, every
-product on bfloat16 operands with float32 accumulation; docs/design.md sections 2 and 5) against
-PyTorch's CPU mixed precision, ``torch.autocast`` in bfloat16 (its float16 autocast on this CPU took
-2.5 s a block).
+product on bfloat16 operands with float32 accumulation; docs/design/numerics.md "Products in
+bfloat16" and "Mixed precision") against PyTorch's CPU mixed precision, ``torch.autocast`` in
+bfloat16 (its float16 autocast on this CPU took 2.5 s a block).
 
 ``--profile`` also says where the block's time goes: ours by function (cProfile's own time of
 each, in the timing thread: ``gemm.matmul``'s BLAS calls show as its own time, or as a wait for its

@@ -17,7 +17,7 @@ MemoryX has every gradient sum (the part of the reduce not hidden behind the bac
 CS-2s' compute, ``roles.memoryx``); ``waiting`` the rest of the step (input, losses and norms to the
 coordinator, its control message). Every run's weights are also checked bit-identical across num_csx.
 Beside the wall clock: the simulated step of the emulated hardware, from the ranks' own simulated
-clocks in metrics.jsonl (wse_core.perf; docs/design.md section 8).
+clocks in metrics.jsonl (wse_core.perf; docs/design.md section 6).
 
 Then the SwarmX reduce alone (``messaging.Link.reduce`` at every node of the tree of the largest
 num_csx) against MPI_Reduce and MPI_Allreduce on the same ranks and buffer sizes, in one mpiexec.

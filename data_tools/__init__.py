@@ -2,4 +2,4 @@
 
 # Here rather than in lmdata so that the command line can offer them without importing h5py.
 COMPRESSIONS = ("gzip", "lzf", "none")
-DEFAULT_COMPRESSION = "none"  # measured by `wse bench input`: see docs/design.md section 10
+DEFAULT_COMPRESSION = "none"  # measured by `wse bench input`: see docs/design/data.md "Compression"

@@ -22,7 +22,7 @@ Verifying and loading share one check, so they give the same verdict and name th
 the index's metadata against ``metadata_sha256`` and its links against the tensor table, then each
 shard touched against its file SHA-256 (naming the damaged tensor where one is), then each tensor
 read against its own. Loading can reshard: any subset of parameters loads from whichever shards
-hold them, so a checkpoint written by 2 MemoryX ranks loads into 1 or 3. See docs/design.md section 4.
+hold them, so a checkpoint written by 2 MemoryX ranks loads into 1 or 3. See docs/design/checkpoints.md "Checkpoints".
 """
 import hashlib
 import io

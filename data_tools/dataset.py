@@ -7,7 +7,7 @@
 
 A stream position names one example for ever: the global batch of step t is positions
 [t*B, (t+1)*B), whichever input worker reads it, so the stream is the same for any number of
-CS-2s and workers and a run resumes exactly from its step (docs/design.md section 10).
+CS-2s and workers and a run resumes exactly from its step (docs/design/data.md "Reading").
 
 Order. The files are read in whole *chunks* (``chunk_rows`` examples, the HDF5 chunk our
 preprocessing writes). Epoch e visits every example once: in file order, or with ``shuffle`` the
@@ -30,7 +30,7 @@ from data_tools.lmdata import (DATA_PARAMS, array_data, chunk_rows, dataset_form
                                read_examples, read_meta, tensor_columns, tensor_data)
 from wse_core.data import chunk_ok
 
-WINDOW_CHUNKS = 64  # chunks shuffled together (64 MiB of examples): see docs/design.md section 10
+WINDOW_CHUNKS = 64  # chunks shuffled together (64 MiB of examples): see docs/design/data.md "Reading"
 
 
 class Dataset:

@@ -1,6 +1,6 @@
 """Files another process reads, written whole: to a temporary file beside the path, then renamed
 over it, so a reader (a rank, ``wse bench faults``, an eval script) finds the old file or the new
-one, never half of one (docs/design.md section 4)."""
+one, never half of one (docs/design/checkpoints.md "The run directory")."""
 import contextlib
 import os
 from pathlib import Path

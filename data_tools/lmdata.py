@@ -10,7 +10,7 @@ with their dtypes and shapes in ``data_params.json`` (``columns``). A directory 
 ``setup``) and ``read_meta`` reads both as one flat dict. We write chunks of about
 ``CHUNK_BYTES`` (many examples each) with a Fletcher-32 checksum, so a damaged byte is caught
 when read and named by its chunk's examples; files written by other tools in the same layout
-(no checksum, other chunking) are read and checked all the same (docs/design.md section 10).
+(no checksum, other chunking) are read and checked all the same (docs/design/data.md "Reading").
 """
 import contextlib
 import json
@@ -23,7 +23,8 @@ from data_tools import COMPRESSIONS, DEFAULT_COMPRESSION
 from data_tools.errors import DataError
 
 DATA_PARAMS = "data_params.json"
-CHUNK_BYTES = 1 << 20  # HDF5 chunk and read block: h5py's advice is 10 KiB..1 MiB; see section 10
+# HDF5 chunk and read block: h5py's advice is 10 KiB..1 MiB; see docs/design/data.md "Compression"
+CHUNK_BYTES = 1 << 20
 SLAB_BYTES = 8 << 20  # examples packed and written at once by preprocessing
 CHECK_BLOCK = 512  # examples read at once when checking a file that is not chunked
 

@@ -6,7 +6,7 @@ patterns, and ``stdlib``: the ``.py`` sources of this Python's standard library,
 that exists offline on every machine. The inputs are cut into jobs of about JOB_BYTES, tokenized
 by workers started once (``--processes``; a tokenizer.json encodes each job's documents as one
 batch), each document followed by the end-of-text id; files are packed and written off the
-tokenizing thread (docs/design.md section 10). The stream is cut into examples of
+tokenizing thread (docs/design/data.md "Preprocessing"). The stream is cut into examples of
 ``max_seq_length`` inputs whose labels are the inputs shifted by one: example i holds stream
 positions [i*S, i*S + S] so every token is predicted exactly once. The last example is padded
 (pad id = end-of-text, loss mask 0). Output does not depend on the number of processes.
@@ -37,8 +37,9 @@ from data_tools.files import write_text
 from data_tools.lmdata import (DATA_PARAMS, SLAB_BYTES, LMFileWriter, chunk_rows, h5_filters, write_array_file)
 from data_tools.tokenizers import get_tokenizer
 
-JOB_BYTES = 4 << 20  # input bytes per tokenizing job: see docs/design.md section 10
-FILE_BYTES = 64 << 20  # default examples per file: about this many bytes of int32 [n, 3, S]; section 10
+JOB_BYTES = 4 << 20  # input bytes per tokenizing job: see docs/design/data.md "Preprocessing"
+# Default examples per file: about this many bytes of int32 [n, 3, S]; see docs/design/data.md "Preprocessing"
+FILE_BYTES = 64 << 20
 
 
 def plan_jobs(files):
@@ -73,7 +74,7 @@ def _tokenize(job, spill=None):
 
     With ``spill`` (a path; pool workers) the ids go to that file and their count comes back
     instead: pickling every token through the pool's pipes to the main process and on to the
-    writing worker cost more than the tokenizing (docs/design.md section 10)."""
+    writing worker cost more than the tokenizing (docs/design/data.md "Preprocessing")."""
     docs, nbytes = [], 0
     for path, lo, hi in job:
         docs += read_documents(path, _worker["jsonl_key"], lo, hi)

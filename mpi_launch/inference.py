@@ -1,6 +1,6 @@
 """Generation on the emulated cluster: an inference job's plan, its ranks started under the
 launcher's watchdog, and ``ClusterEngine``, the generation Engine whose forward passes the CS-2
-ranks run (docs/design.md section 2, "Inference on the cluster"; the roles: ``mpi_launch.roles.inference``).
+ranks run (docs/design/inference.md "Inference on the cluster"; the roles: ``mpi_launch.roles.inference``).
 
 ``ClusterEngine(model, source, kind, num_csx=...)`` plans the job (``wse_core.perf.inference``
 chooses resident or streamed weights for ``max_streams`` sequences of the model's full length,

@@ -1,7 +1,7 @@
 """Messaging every role uses: a rank's ``Link`` (its communicator, the job's tag layout and how long
 it waits for a peer), waits that never spin, chunked relay and reduce, and the headers of tensors.
 
-Never spin (docs/design.md section 3): MPICH's blocking ``Wait``/``Recv`` busy-poll, and on an
+Never spin (docs/design/ranks.md "Never spin while waiting"): MPICH's blocking ``Wait``/``Recv`` busy-poll, and on an
 oversubscribed machine (8 ranks on 2 cores) a waiting rank then steals the core from the rank that
 computes. Every wait goes through ``poll``, the one backoff loop: it tests and sleeps between tests
 (50 us growing fourfold up to a ceiling, both the sleep and the deadline restarted on progress), so a rank
@@ -126,7 +126,7 @@ class Bells:
     """A doorbell for every rank of a job on one machine: a pipe each rank sleeps on (``wait``) and
     any peer writes a byte to (``ring``) after posting it a message (a SwarmX node also after taking a
     tensor from it). A waiting rank then wakes when something is there for it, not hundreds of times
-    a second to look (docs/design.md section 3). A bell only wakes: nothing depends on it being
+    a second to look (docs/design/ranks.md "Doorbells"). A bell only wakes: nothing depends on it being
     rung, a rank still tests at least every ``BELL_SLEEP``."""
 
     def __init__(self, read_fd, write_fds):
@@ -185,7 +185,7 @@ class Bells:
 
 
 class Lanes:
-    """Waits a rank runs side by side (docs/design.md section 3). A lane is a generator that yields
+    """Waits a rank runs side by side (docs/design/ranks.md "Lanes"). A lane is a generator that yields
     ``(test, what)`` for what it waits for next: ``test()`` returns None until that has come, then
     a value, which is sent back into the lane. ``advance`` takes whatever has come without waiting;
     ``wait`` polls (never spinning) until one lane has ended, the others moving meanwhile."""

@@ -30,7 +30,7 @@ class RankPlan:
     parent: dict = field(default_factory=dict)         # SwarmX or CS-2 rank -> parent SwarmX rank (root: None)
     unit_owner: list = field(default_factory=list)     # unit index -> MemoryX index
     unit_bytes: list = field(default_factory=list)
-    pipeline: bool = False  # one CS-2 rank that also keeps every weight and updates it (docs/design.md s. 9)
+    pipeline: bool = False  # one CS-2 rank that also keeps every weight and updates it (docs/design.md section 3)
 
     @property
     def world_size(self):

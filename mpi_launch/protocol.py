@@ -17,7 +17,7 @@ units and micro-batches, its largest unit's arrays) and checked against MPI's ``
 anything is sent; a tag outside it raises ``ProtocolError`` (a fixed layout of 256 units silently
 mixed messages up beyond that). A rank holds its layout in its ``messaging.Link``.
 
-Simulated time (docs/design.md section 8): every tensor of weights or gradients a rank sends is
+Simulated time (docs/design/time-model.md "The clock"): every tensor of weights or gradients a rank sends is
 preceded by a *header* to the same peer, ``{"first", "last", ...}`` (``wse_core.perf.clock``): the
 receiving end keeps the link's port, carries the tensor across it (``Port.carry``) and forwards the
 next header. Control messages and reports carry their sender's clock as ``t``; input data and
@@ -110,8 +110,8 @@ STEP = MappingProxyType({m.name: m for m in (
 )})
 
 
-#: The messages of a forward pass of an inference job (``mpi_launch.roles.inference``; docs/design.md
-#: section 2, "Inference on the cluster"), in the order a pass sends them. No simulated time rides on
+#: The messages of a forward pass of an inference job (``mpi_launch.roles.inference``;
+#: docs/design/inference.md "Inference on the cluster"), in the order a pass sends them. No simulated time rides on
 #: them: an inference job's latency is ``wse_core.perf.inference``'s model.
 INFER = MappingProxyType({m.name: m for m in (
     Message("pass", "coordinator", "every MemoryX and SwarmX node (weights streamed), or none (resident)",
@@ -214,7 +214,7 @@ class Rows:
 
 class RankEvent(enum.Enum):
     """What a rank tells the launcher's watchdog through its supervisor (``mpi_launch.supervisor``,
-    docs/design.md section 3): the value is the ``event`` field of the report's JSON line."""
+    docs/design/faults.md "Supervisors"): the value is the ``event`` field of the report's JSON line."""
     HELLO = "hello"            # the supervisor's first line: pid, host, the job's token
     MPI_UP = "mpi_up"          # MPI_Init done: the host's shared-memory segments are mapped
     READY = "ready"            # the role is built

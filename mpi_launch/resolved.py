@@ -1,4 +1,4 @@
-"""A run resolved once: the facts every floor derives from a validated spec (docs/design.md section 2).
+"""A run resolved once: the facts every floor derives from a validated spec (docs/design.md section 3).
 
 ``resolve(spec)`` builds the model, lays out the rank plan, chooses the execution strategy (refusing a
 micro-batch that does not fit a wafer: the wafer-fit rule, ``check_wafer``, lives here alone) and
@@ -114,7 +114,7 @@ def _strategy(spec, model):
 
 def check_wafer(model, batch_size, num_csx, micro_batch_size, seq_len, hw):
     """The wafer-fit rule: refuse, in one line saying what would fit, a micro-batch whose weight
-    streaming does not fit a CS-2's wafer (docs/design.md section 8, "Wafer memory"); ``micro_batch_size``
+    streaming does not fit a CS-2's wafer (docs/design/time-model.md "Wafer memory"); ``micro_batch_size``
     None asks for the largest that fits (``micro_batch_size: auto``), refused when not even one sample
     does. The micro-batch size that is taken."""
     w = streaming_wafer(model, micro_batch_size or 1, seq_len, hw)

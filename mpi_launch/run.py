@@ -3,8 +3,9 @@ job's model_dir, or an inference job's directory: ``mpi_launch.inference``).
 
 Under ``wse fit`` each rank first forks its supervisor (mpi_launch.supervisor), which reports to
 the launcher's watchdog how the rank is doing and how it ended. The rank then reads
-``MODEL_DIR/run.json`` (the validated params, the start step and the checkpoint to resume from),
-finds its role in the rank plan and runs it. An exception on any rank becomes one line, sent to
+``MODEL_DIR/run.json`` (the validated params, the run the launcher resolved from them,
+``mpi_launch.resolved.ResolvedRun.from_json``, the start step and the checkpoint to resume from),
+finds its role in that run's rank plan and runs it. An exception on any rank becomes one line, sent to
 the watchdog (which ends the job and names it) and written to the rank's log with its traceback.
 Run by hand, without a watchdog, a failing rank aborts the whole job itself (``MPI_Abort``).
 """

@@ -1,10 +1,11 @@
 """The run directory (``model_dir``): its layout, its lock, and preparing it for a run.
 
-Layout (docs/design.md section 4); no other module spells these names:
+Layout (docs/design/checkpoints.md "The run directory"); no other module spells these names:
 
     model_dir/
       .wse.lock               held (flock) by the launcher while a job runs; says which job
-      run.json                what every rank reads: validated params, start step, checkpoint;
+      run.json                what every rank reads: validated params, the resolved run (ResolvedRun.to_json:
+                              rank plan, strategy, micro-batches), start step, checkpoint;
                               and the numerics environment the launcher saw (wse_core.numerics)
       params.yaml             the resolved params (loads again with `wse fit` / `wse validate`)
       plan.json               the rank plan and memory estimates (`wse compile --json`)

@@ -17,9 +17,9 @@ Why a TCP connection: it works the same across hosts, and its end is a signal bo
 launcher dies or ends the job it closes the connection, and every supervisor kills its rank at
 once; when a supervisor vanishes (killed, host lost) the launcher sees the connection end. If the
 MPI proxy that started the supervisor dies, the supervisor learns it from its own
-``PR_SET_PDEATHSIG``, says so and takes its rank down. See docs/design.md section 3.
+``PR_SET_PDEATHSIG``, says so and takes its rank down. See docs/design/faults.md "Supervisors".
 
-The supervisor only sleeps in ``select``: it never spins (docs/design.md section 3).
+The supervisor only sleeps in ``select``: it never spins (docs/design/ranks.md "Never spin while waiting").
 """
 import json
 import os

@@ -22,7 +22,7 @@ on a loaded machine its supervisor may report first, but nothing in the job send
 Errors that only report a lost peer (``PeerLost``/``PeerTimeout``) are echoes.
 Ending the job closes every supervisor's connection (each kills its rank) and kills mpiexec's
 process group; a launcher that dies closes them just the same, so no rank outlives it.
-``launch`` (mpi_launch.launcher) runs mpiexec under a Watchdog. See docs/design.md section 3.
+``launch`` (mpi_launch.launcher) runs mpiexec under a Watchdog. See docs/design/faults.md "The watchdog".
 """
 import json
 import os

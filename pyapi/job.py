@@ -370,7 +370,7 @@ class Job:
         return result
 
     def submit(self, *, max_restarts=0, priority=0, name=None, socket=None):
-        """Queue the job on a running appliance (docs/design.md section 11); return its ``SubmittedJob``.
+        """Queue the job on a running appliance (docs/design/appliance.md); return its ``SubmittedJob``.
 
         The data is checked here first, as the submitting user. The job runs as that user, resumes
         from model_dir's latest checkpoint, and is restarted from its checkpoint after a fault up to

@@ -5,10 +5,10 @@ Model Zoo has written params in two layouts. The *flat* one (1.x to 2.3: section
 wse-cluster reads natively. The *trainer* one (2.3 on: ``trainer.init.{model, optimizer, schedulers,
 precision, loop, checkpoint, logging, callbacks, backend}``, ``trainer.fit.{train_dataloader,
 val_dataloader}``, ``trainer.validate``) is translated into it by ``flatten`` and written back by
-``to_trainer`` (``wse params convert``); docs/design.md section 5.
+``to_trainer`` (``wse params convert``); docs/design/params.md "Both layouts, one spec".
 
-``sort_keys`` then gives every key of a flat params dict its fate (docs/design.md, "every key has
-a fate"):
+``sort_keys`` then gives every key of a flat params dict its fate (docs/design/params.md "Every key
+has a fate"):
 
 - **honoured**: a key wse-cluster implements, under its own name or a Model Zoo alias (1.x
   ``beta1``/``beta2``/``epsilon``/``weight_decay_rate``, ``use_rms_norm``, ...), renamed in place;

@@ -63,7 +63,7 @@ def _name(key):
 
 
 def validate(raw):
-    """Check a params dict of either layout (docs/design.md section 5); return its ``RunSpec``.
+    """Check a params dict of either layout (docs/design/params.md "The params YAML"); return its ``RunSpec``.
 
     Every problem is gathered before anything is raised: a file with five unknown or unbuilt keys
     gets one ``ParamsError`` naming all five. Keys that only tune a real system are listed in one
@@ -196,7 +196,7 @@ def _check_consistency(p, report):
 
 
 def _resolve_micro_batch(p, report):
-    """Turn ``train_input.micro_batch_size`` into a number of samples (docs/design.md section 8,
+    """Turn ``train_input.micro_batch_size`` into a number of samples (docs/design/time-model.md
     "Micro-batching" and "Wafer memory"), one of the sizes that deal the batch evenly
     (``MicroBatches.even_sizes``): a number as given, or the next of those sizes up (said);
     ``none`` each CS-2's share; ``auto`` (or no key) the largest size whose micro-batch fits a wafer
@@ -235,7 +235,8 @@ def _resolve_micro_batch(p, report):
     t["micro_batch_size"] = best
     if best != per_csx:
         report.notes.append(f"train_input.micro_batch_size: {given or 'auto'} chose {best}: the largest that fits a "
-                            f"CS-2's wafer and deals its {per_csx} samples evenly (docs/design.md section 8)")
+                            f"CS-2's wafer and deals its {per_csx} samples evenly "
+                            '(docs/design/time-model.md "Wafer memory")')
 
 
 def demo_hint(dirs):
@@ -262,8 +263,8 @@ def parse_override(item):
 
 def _note_bits(p, report):
     """Say when the run's micro-batches are summed in an order of their own, so its weights will not have
-    the bits of the single-process reference nor of another num_csx (docs/design.md section 2, the
-    determinism contract (a); ``MicroBatches.sums_as_one``): `--num_csx 3` trains, but not as
+    the bits of the single-process reference nor of another num_csx (docs/design.md section 5, the
+    determinism contract, (a); ``MicroBatches.sums_as_one``): `--num_csx 3` trains, but not as
     1, 2 or 4 CS-2s do, and a user comparing them should not have to find that out."""
     t, r = p["train_input"], p["runconfig"]
     batches = MicroBatches(t["batch_size"], t["micro_batch_size"], r["num_csx"])
@@ -274,7 +275,7 @@ def _note_bits(p, report):
             f"{r['swarmx_fanout']}) sum the gradients in another order than one process: the weights' bits differ "
             "from the single-process reference's and from those of 1, 2 or 4 CS-2s (the same bits need a power of "
             "two of micro-batches per CS-2, and num_csx at most swarmx_fanout or both powers of two; "
-            "docs/design.md section 2)")
+            "docs/design.md section 5)")
 
 
 def apply_overrides(raw, overrides):

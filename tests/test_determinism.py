@@ -1,4 +1,4 @@
-"""The determinism contract (docs/design.md section 2): batch composition, the numerics environment,
+"""The determinism contract (docs/design.md section 5): batch composition, the numerics environment,
 and the kernels' parallel loops keeping each thread's variables its own.
 
 The contract's other claims are tested where their machinery is: num_csx in test_cluster.py and

@@ -283,7 +283,7 @@ def test_a_run_directory_stands_for_its_params_and_another_directory_is_named(tm
                                                    (3, 4, False)])
 def test_a_num_csx_whose_sums_are_its_own_is_said(num_csx, fanout, differ):
     """`--num_csx 3` trained without a word that its bits differ from 1, 2 and 4 CS-2s (docs/design.md
-    section 2, (a)): said in one warning when the params are validated, where num_csx and the
+    section 5, (a)): said in one warning when the params are validated, where num_csx and the
     micro-batch size are resolved; 1, 2, 4, and 3 under a SwarmX node of 4 children, are the reference's.
     `wse compile` prints it in its plan instead (and serving, `--inference`, does not train)."""
     raw = apply_overrides(BASE, ["train_input.batch_size=12", f"runconfig.num_csx={num_csx}",
@@ -297,7 +297,7 @@ def test_a_num_csx_whose_sums_are_its_own_is_said(num_csx, fanout, differ):
                      "gradients in another order than one process: the weights' bits differ from the "
                      "single-process reference's and from those of 1, 2 or 4 CS-2s (the same bits need a power of "
                      "two of micro-batches per CS-2, and num_csx at most swarmx_fanout or both powers of two; "
-                     "docs/design.md section 2)"] if differ else [])
+                     "docs/design.md section 5)"] if differ else [])
 
 
 #: A size beyond wse-cluster's bounds -> what its one line says (each value a step past its bound).

@@ -1,4 +1,4 @@
-"""A CS-2's wafer memory in weight streaming (docs/design.md section 8, "Wafer memory"): a limit that
+"""A CS-2's wafer memory in weight streaming (docs/design/time-model.md "Wafer memory"): a limit that
 admits what is known to have run on CS-2s and refuses what cannot, and ``micro_batch_size: auto |
 explore | none | N``."""
 import subprocess

@@ -1,8 +1,8 @@
 """The wafer: compiled performance core of wse-cluster (Cython + OpenMP) and its thin wrappers.
 
 Importing ``wse_core`` changes nothing in the calling process. ``configure_process()`` sets the
-process up the way the cluster's ranks and the ``wse`` command line run (docs/design.md
-section 3); call it first thing if you want the same behaviour in a script of your own.
+process up the way the cluster's ranks and the ``wse`` command line run (docs/design/numerics.md
+"The process"); call it first thing if you want the same behaviour in a script of your own.
 """
 import os
 import warnings

@@ -282,8 +282,8 @@ def _short(name):
 # -- Model Zoo's keys a spec has no field for -------------------------------------------------------
 
 class Zoo:
-    """The fate of a Model Zoo key a spec has no field for (docs/design.md section 5, "every key has a
-    fate"); a spec lists them in its ``ZOO`` mapping, beside its fields (whose fate is "honoured")."""
+    """The fate of a Model Zoo key a spec has no field for (docs/design/params.md "Every key has
+    a fate"); a spec lists them in its ``ZOO`` mapping, beside its fields (whose fate is "honoured")."""
 
     def __init__(self, fate, accepted=(), meaning=""):
         self.fate, self.accepted, self.meaning = fate, accepted, meaning

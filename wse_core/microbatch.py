@@ -3,8 +3,8 @@ micro-batches (``MicroBatches``), the order a micro-batch runs the model's units
 (``micro_batch_schedule``), and the one summation order of the project (``tree_reduce``).
 
 It sits on the bottom floor, below both what obeys it (the ranks, the reference step, the compiler's
-runner) and what times it (``wse_core.perf``), so the two cannot disagree (docs/design.md section 8,
-"Micro-batching").
+runner) and what times it (``wse_core.perf``), so the two cannot disagree (docs/design.md section 3;
+what it assumes of the hardware: docs/design/time-model.md "Micro-batching").
 
 The order of sums: a balanced pairwise tree over items in index order. A sum over micro-batches is
 ``tree_reduce(0, n, leaf, add)``: split [lo, hi) at ``(lo + hi) // 2``, sum each half, add left +

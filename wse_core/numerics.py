@@ -1,6 +1,6 @@
 """The numerics environment: what, besides the params, decides the bits a run computes.
 
-The determinism contract (docs/design.md section 2) holds within one numerics environment: the
+The determinism contract (docs/design.md section 5) holds within one numerics environment: the
 same numpy build, the same BLAS library, version and CPU kernel, and the same SIMD code paths of
 numpy. Thread counts are recorded but are not part of it (bits do not depend on them: tested).
 ``environment()`` is written to every ``run.json`` and checkpoint; ``differences`` says, in words,

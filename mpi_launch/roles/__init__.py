@@ -1,8 +1,8 @@
 """The roles of the weight-streaming cluster, one module and one class each, with a ``run()``
-(and the pipelined run's CS-2, ``pipeline``: docs/design.md section 9).
+(and the pipelined run's CS-2, ``pipeline``: docs/design.md section 3).
 
 One training step is the table ``mpi_launch.protocol.STEP``: every message, its sender and
-receiver, its tag, what it holds and the simulated time it carries (docs/design.md section 2 tells
+receiver, its tag, what it holds and the simulated time it carries (docs/design.md section 3 tells
 the step as a story). Each role's docstring names the rows it sends and receives.
 
 Every rank talks through its ``messaging.Link`` (``base.Role.link``): the communicator, the job's
@@ -10,7 +10,7 @@ tag layout and how long it waits for a peer. All sends are non-blocking and all 
 the link (``messaging.poll``: sleeps, never spins). Every sum follows ``wse_core.microbatch``'s tree, so the
 weights are bit-identical to the single-process reference step for num_csx = 1, 2, 4, ...
 (power-of-two fan-out). Every rank also keeps the emulated hardware's simulated time
-(``base.Role.clock``; docs/design.md section 8) by the table's clock rules.
+(``base.Role.clock``; docs/design/time-model.md "The clock") by the table's clock rules.
 """
 from mpi_launch.roles.coordinator import Coordinator
 from mpi_launch.roles.csx import CS2

@@ -1,8 +1,9 @@
 """What every role shares: ``BaseRole``, a rank's role in any job, training or inference (the rank's
 link, ``messaging.Link``: the communicator, the job's tag layout, how long it waits for a peer; the
 plan, the model, the log), and ``Role``, a role of a training job (the params, the step's
-micro-batches, the simulated clock with the ports of the links this rank keeps: docs/design.md
-section 8). An inference job's roles build on ``BaseRole`` too (``roles.inference.InferenceRole``)."""
+micro-batches, the simulated clock with the ports of the links this rank keeps:
+docs/design/time-model.md "The clock"). An inference job's roles build on ``BaseRole`` too
+(``roles.inference.InferenceRole``)."""
 import json
 import time
 
@@ -117,7 +118,7 @@ class Role(BaseRole):
         longest step this rank has seen (the first not counted) plus a checkpoint's write. A peer may
         be computing a whole step while this rank waits for it (the coordinator waits out every
         CS-2's forward pass for the losses); the longest step, not the last, because a checkpoint or
-        an evaluation makes some steps longer than others (docs/design.md section 3)."""
+        an evaluation makes some steps longer than others (docs/design/ranks.md "Peer timeouts")."""
         now = time.monotonic()
         if self._uncounted:
             self._uncounted -= 1

@@ -2,7 +2,7 @@
 
 Simulated time: its clock follows the losses and gradient norms it receives; it sends each step's
 control message at that time, so the gap between two control messages is a step of the emulated
-hardware (``sim_step_s`` in metrics.jsonl, with its parts; docs/design.md section 8).
+hardware (``sim_step_s`` in metrics.jsonl, with its parts; docs/design/time-model.md "The clock").
 
 Its messages (``mpi_launch.protocol``): it sends STEP["control"] and STEP["loss scale"], and
 receives STEP["loss"], STEP["norms"], STEP["step time"], STEP["shard"] and STEP["eval weights"]."""
@@ -289,7 +289,7 @@ class Evaluations:
     from the MemoryX servers, are evaluated on ``eval_input`` (``eval_steps`` batches) in a thread
     of the coordinator while training goes on; each result becomes a line of metrics.jsonl
     (``eval_loss``, ``eval_perplexity``, ``eval_accuracy``) and TensorBoard's eval/ scalars, in
-    step order. Not part of simulated time (docs/design.md section 5)."""
+    step order. Not part of simulated time (docs/design/params.md "Evaluation during training")."""
 
     def __init__(self, role, metrics, board):
         self.role, self.metrics, self.board = role, metrics, board

@@ -2,8 +2,8 @@
 (``wse_core.microbatch.micro_batch_schedule``: forward, then segment by segment a recompute from the
 checkpoint and the backward), as the weights stream through; sends each unit's gradients up.
 
-What the emulated CS-2 keeps of a micro-batch from its forward pass to its backward (docs/design.md
-section 8, "Micro-batching"): the input of every segment's first unit (the checkpoint) and the
+What the emulated CS-2 keeps of a micro-batch from its forward pass to its backward (docs/design/time-model.md
+"Micro-batching"): the input of every segment's first unit (the checkpoint) and the
 activations of the last segment; the other segments' are recomputed from their checkpoints, with
 their weights streamed again, before their backward. This rank's host keeps the whole micro-batch's
 activations instead (what its planned memory counts), so a recompute item costs the clock its
@@ -22,7 +22,7 @@ gradient's header is sent once that next item's header is in). The clock is a la
 (``messaging.Lanes``) that takes the headers as they come, behind the computing: an item waits
 for its weights' data only, so a CS-2 ahead of another is held back by it once a step, at the
 step's end, not at every segment (SwarmX sends a header once both CS-2s' gradients before it
-are in; docs/design.md section 3).
+are in; docs/design/ranks.md "Lanes").
 
 Its messages (``mpi_launch.protocol``): it receives STEP["data"], STEP["forward weights"],
 STEP["loss scale"], STEP["recompute weights"] and STEP["backward weights"], and sends STEP["loss"],

@@ -1,4 +1,4 @@
-"""The roles of an inference job (docs/design.md section 2, "Inference on the cluster"): the
+"""The roles of an inference job (docs/design/inference.md "Inference on the cluster"): the
 generation ``Engine`` on the coordinator, its forward passes on the CS-2s, the weights from MemoryX
 through the SwarmX tree. ``mpi_launch.inference`` plans and starts the job and talks to its
 coordinator. The machines have training's names with ``Inference`` before them
@@ -54,7 +54,7 @@ class InferenceRole(BaseRole):
 
     def pace(self, tokens=0):
         """Before a pass of ``tokens`` tokens (0: not known to this rank): how long this rank's waits in it
-        may last. Training's rule (``roles.base.Role.step_done``; docs/design.md section 3), a pass
+        may last. Training's rule (``roles.base.Role.step_done``; docs/design/ranks.md "Peer timeouts"), a pass
         for a step: ``--peer_timeout`` plus twice what the passes so far say this one takes, since a
         wait may span a peer's whole pass (the coordinator waits out the CS-2s' forward for the logits).
         Passes differ in size as steps do not (a 2,000-token prompt is prefilled in one; a decode

@@ -11,7 +11,7 @@ weights first leave in the next step, so the CS-2s compute the first units while
 are updated (unless the coordinator asked for a checkpoint or an evaluation of the step, or it is
 the last: then all at once); and a parameter's share of the gradient norm is taken as soon as its
 last gradient is in, while the backward pass goes on. Neither changes a bit: each parameter's
-update and sum of squares are the same arithmetic in any order (docs/design.md section 3).
+update and sum of squares are the same arithmetic in any order (docs/design/ranks.md "The update a unit at a time").
 
 Its messages (``mpi_launch.protocol``): it sends STEP["forward weights"], STEP["recompute weights"]
 and STEP["backward weights"] to the SwarmX root, in the order of

@@ -1,5 +1,5 @@
 """The CS-2 of a pipelined run: every layer stays on the wafer with its gradients and optimizer
-state, samples flow through the layers, and the update happens here (docs/design.md section 9).
+state, samples flow through the layers, and the update happens here (docs/design.md section 3).
 
 It is a MemoryX for all the weights that computes the step itself: the same forward, loss and
 backward as the reference step (``wse_core.nn.reference.accumulate``, the balanced tree over

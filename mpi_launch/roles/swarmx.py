@@ -8,7 +8,7 @@ each tensor's header goes on to the children (weights) or the parent (gradients)
 The headers, the weights and the gradients are three lanes (``messaging.Lanes``) run side by side:
 the weights go down as they come and the gradients up as both children's have landed, whatever
 the headers wait for, so a CS-2 ahead of the other is not held back by it before the step's end
-(docs/design.md section 3). Only the headers keep the order of the port.
+(docs/design/ranks.md "Lanes"). Only the headers keep the order of the port.
 
 Its messages (``mpi_launch.protocol``): it relays STEP["forward weights"], STEP["recompute weights"]
 and STEP["backward weights"] down and sums STEP["gradients"] up."""

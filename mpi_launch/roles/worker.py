@@ -3,14 +3,14 @@
 
 It sends STEP["data"] (``mpi_launch.protocol``). Its messages carry no simulated time: input is
 prefetched and small beside the weights, so the model takes it as there when a step starts
-(docs/design.md section 8).
+(docs/design/time-model.md "The walk").
 
 Sends are synchronous (``Issend``): one completes only once the CS-2 has posted the receive of that
 step, so a worker is at most ``AHEAD_STEPS`` steps ahead of the step its CS-2 computes (a slow read,
-a new file, does not stall the CS-2) and no further. With plain sends the micro-batches are small
-enough to go eagerly, and a worker ran thousands of steps ahead into its CS-2's queue of unexpected
-messages, which MPI searches on every receive: over TCP between two hosts step 0 took 36 s with
-``max_steps`` 30,000 (0.2 s with 3).
+a new file, does not stall the CS-2) and no further (docs/design.md section 2). With plain sends the
+micro-batches are small enough to go eagerly, and a worker ran thousands of steps ahead into its
+CS-2's queue of unexpected messages, which MPI searches on every receive: over TCP between two hosts
+step 0 took 36 s with ``max_steps`` 30,000 (0.2 s with 3).
 """
 import collections
 

@@ -1,7 +1,7 @@
 """The appliance: a service owning a pool of emulated CS-2s that queues, runs and restarts users' jobs.
 
 It sits above the Job it runs (``runner`` trains with ``pyapi.job.Job``), split by what each part does
-(docs/design.md section 11), after Slurm's controller and Ray's job service:
+(docs/design/appliance.md "The service"), after Slurm's controller and Ray's job service:
 
     service    the service: its state directory, the requests' handlers, ``python -m`` entry point
     server     transport: the unix socket, connections and their limits, the select loop

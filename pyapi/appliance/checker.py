@@ -5,7 +5,7 @@ the submitting user with ``RLIMIT_CPU`` ``CHECK_SECONDS`` and ``RLIMIT_AS`` ``CH
 what the service had mapped: no params, however built (sparsity masks of a huge layer, a billion
 input workers), take the service's time or memory, and the service answers others meanwhile. The
 child closes every descriptor it inherited but its answer pipe, dies with the service, and is
-reaped without blocking. docs/design.md section 11.
+reaped without blocking. docs/design/appliance.md "Requests".
 """
 import json
 import os

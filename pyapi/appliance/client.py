@@ -3,7 +3,7 @@
 The wire format is one JSON object per line over a unix socket: the client sends one request
 (``{"op": ..., ...}``) and reads replies until the service closes the connection; a reply with
 ``"error"`` is a refusal, one line. Who is asking is not in the request: the service reads the
-caller's uid from the socket itself (``SO_PEERCRED``). See docs/design.md section 11.
+caller's uid from the socket itself (``SO_PEERCRED``). See docs/design/appliance.md "Who is asking".
 """
 import json
 import os

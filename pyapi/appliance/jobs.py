@@ -1,5 +1,5 @@
 """A job's states: ``queued -> running -> done | failed | cancelled`` (``running -> queued`` when the
-service stops, and at its next start for jobs a killed service was running). docs/design.md section 11.
+service stops, and at its next start for jobs a killed service was running). docs/design/appliance.md "Jobs".
 
 The states travel as their values: in the jobs table's ``state`` column and in every reply.
 """

@@ -6,7 +6,7 @@ paths), in "/"; the runner enters the submitter's directory itself, as them, and
 keeps that directory off its import path. Every runner, root's service or a user's, gets the
 numerics variables of the shell that submitted the job (``wse_core.numerics``: BLAS kernel, thread
 counts) in place of the service's own, so a job through the appliance has the bits of ``wse fit``
-in that shell. docs/design.md section 11.
+in that shell. docs/design/appliance.md "Who is asking".
 """
 import errno
 import json

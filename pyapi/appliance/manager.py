@@ -1,4 +1,5 @@
-"""The job manager: jobs' transitions, their runners, restarts and progress (docs/design.md section 11).
+"""The job manager: jobs' transitions, their runners, restarts and progress
+(docs/design/appliance.md "A job's attempt").
 
 Every transition is written to the store before the service acts on it. A job's attempt is a
 runner process (``runner``; started by ``launch``) whose exit code is the verdict: 0 done;
@@ -216,7 +217,7 @@ class Manager:
         for job_id, deadline in list(self.deadlines.items()):
             if now > deadline and job_id in self.procs:
                 # The runner's session: the runner itself. Its ranks end when its watchdog's
-                # connections close, which its death does (docs/design.md section 3).
+                # connections close, which its death does (docs/design/faults.md "Supervisors").
                 self.say(f"job {job_id}: its runner did not end within {GRACE_SECONDS:g} s; killed")
                 try:
                     os.killpg(self.procs[job_id].pid, signal.SIGKILL)

@@ -1,6 +1,6 @@
 """The appliance's requests: one dataclass per operation, its fields checked on arrival.
 
-A request is one line of JSON, ``{"op": NAME, field: value, ...}`` (docs/design.md section 11).
+A request is one line of JSON, ``{"op": NAME, field: value, ...}`` (docs/design/appliance.md "Requests").
 ``parse`` reads the line and returns the operation's dataclass or raises ``RequestError`` with the
 one line the caller sees: an unknown field, a required one missing, a mistyped one (an int is not a
 bool, a bool is not an int), a value out of range, a path that is not absolute and printable. What

@@ -153,7 +153,7 @@ def main():
     if os.getppid() != orders["appliance_pid"]:
         print("the appliance ended before this job started")
         return 128 + signal.SIGTERM
-    try:  # as the user: the service starts the runner in "/" (docs/design.md section 11)
+    try:  # as the user: the service starts the runner in "/" (docs/design/appliance.md "Who is asking")
         os.chdir(orders["cwd"])
     except OSError as exc:
         print(f"error: cannot enter {orders['cwd']}: {exc.strerror}")

@@ -4,8 +4,8 @@ Queued jobs are considered by priority, then in order of submission (``Store.que
 job that fits may start ahead of one that does not. That overtaking is bounded: once
 ``MAX_OVERTAKES`` later jobs have started ahead of a waiting job, nothing behind it starts until it
 has, so the CS-2s it needs come free and a large job is never starved by a stream of small ones.
-Only root (or the owner of a user's appliance) may raise a job's priority above 0. docs/design.md
-section 11.
+Only root (or the owner of a user's appliance) may raise a job's priority above 0. docs/design/appliance.md
+"Scheduling".
 """
 
 #: How many later jobs may start ahead of a waiting job before it holds the pool for itself.

@@ -2,8 +2,8 @@
 
 One thread, one ``select``: the socket and its connections, the runners' exits (SIGCHLD through
 Python's wakeup fd), each runner's progress pipe and the params checkers' answers (both handed to
-the service), and a half-second tick while anything is pending. It never spins (docs/design.md
-section 3). A connection carries one request line and gets JSON lines back until the server
+the service), and a half-second tick while anything is pending. It never spins (docs/design/appliance.md
+"The service"). A connection carries one request line and gets JSON lines back until the server
 half-closes it; what a peer sends after its request is read and dropped, so a refused request still
 gets its answer. Lines over ``MAX_LINE`` are refused; a connection silent for ``IDLE_SECONDS``, or
 not taking its reply for as long, is closed, as is one that shuts its side while waiting (a client

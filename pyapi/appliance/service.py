@@ -12,7 +12,7 @@ Users: the caller of every request is the uid the kernel gives for the socket's 
 (``SO_PEERCRED``), never a name in the request. A user sees and controls only their own jobs;
 root sees all. A service run by root runs each job as the user who submitted it (their uid,
 groups, home, umask and directory), so a job reads and writes only where its user may; a service
-run by an ordinary user serves only that user. docs/design.md section 11.
+run by an ordinary user serves only that user. docs/design/appliance.md "Who is asking".
 """
 import argparse
 import codecs

@@ -7,7 +7,7 @@ as ``wse fit`` does (the launcher, the watchdog, hydra's mpiexec taking the allo
 and restarts from the latest checkpoint after a fault, up to ``--max_restarts`` times.
 ``wse jobs --slurm`` reads the state back with ``squeue`` (and ``sacct`` where Slurm keeps
 accounting); ``wse logs --slurm`` prints the job's output file; ``wse cancel --slurm`` is ``scancel``.
-Which user sees which job is Slurm's business. docs/design.md section 11.
+Which user sees which job is Slurm's business. docs/design/appliance.md "Beyond one machine: Slurm".
 
     python -m pyapi.appliance.slurm MODEL_DIR/slurm_job.yaml --max_restarts R   (inside sbatch)
 """

@@ -1,4 +1,4 @@
-"""The appliance's record of its jobs: one SQLite file in its state directory (docs/design.md section 11).
+"""The appliance's record of its jobs: one SQLite file in its state directory (docs/design/appliance.md "Jobs").
 
 Every change of a job's state is written here before the service acts on it, so a service that
 is killed and started again finds its queue as it was: queued jobs wait in the same order, and

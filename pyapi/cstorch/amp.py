@@ -3,7 +3,7 @@
 A run trains in mixed precision when the script called ``set_half_dtype`` (or ``use_bfloat16``)
 before the traced step was captured, or the traced step ran its forward inside ``autocast()``: the
 run's params get ``model.mixed_precision: true`` and ``fp16_type``, and the cluster computes as
-for its built-in families (docs/design.md section 5: weights streamed in the 16-bit format, the
+for its built-in families (docs/design/numerics.md "Mixed precision": weights streamed in the 16-bit format, the
 values units hand on and their gradients rounded to it, float32 master weights and loss). As on a
 real CSX, ``autocast()`` casts nothing itself; the CPU backend gives the cluster's bits (the same
 emulated rounding, not ``torch.autocast``). Otherwise the run trains in float32.

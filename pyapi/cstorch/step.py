@@ -146,8 +146,8 @@ def names_closures(fn):
     """Whether the traced step ``fn``'s own code names a step closure, a checkpoint closure or
     ``summarize_scalar`` (a global, a name it closes over, or an attribute such as
     ``cstorch.summarize_scalar``): then its Python runs every step, since it may call them on some
-    steps only. A closure reached only through another function is not seen (docs/design.md
-    section 2)."""
+    steps only. A closure reached only through another function is not seen (docs/design/compiler.md
+    "The front-end: pyapi.cstorch")."""
     code = getattr(fn, "__code__", None)
     if code is None:
         return False

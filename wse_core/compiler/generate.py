@@ -1,4 +1,4 @@
-"""Generation from a compiled PyTorch language model (docs/design.md section 2, "Inference: a compiled
+"""Generation from a compiled PyTorch language model (docs/design/inference.md "A compiled
 model"): ``Recompute(model, params)`` is a runner of ``wse_core.nn.generate.Engine`` for a
 ``TorchModel`` of token ids.
 

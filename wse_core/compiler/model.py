@@ -1,5 +1,5 @@
 """A compiled PyTorch model as a model family (``model.name: torch``): the streaming units the compiler
-made, run by the cluster like any family's (docs/design.md section 2, "The graph compiler").
+made, run by the cluster like any family's (docs/design/compiler.md "The family torch").
 
 ``save_program(graph, units, path)`` writes what the ranks need in one file: the units' fx modules
 (with the buffers and constants they hold), what each reads and hands on, the loss's reduction, the
@@ -23,7 +23,7 @@ reference step, checkpoints and the simulated clock run it unchanged:
   micro-batch's first sample, unit) (``runner.dropout_seed``), inside ``fork_rng``;
 - torch computes on one thread (``one_thread``): its reductions (a bias's gradient, LayerNorm's)
   give other bits on other thread counts, and a rank, the CPU backend's process and a test must
-  agree whatever their own settings (docs/design.md section 2, property (b)).
+  agree whatever their own settings (docs/design.md section 5, (b)).
 
 Batches come from the project's datasets, in one of their layouts: ``tensors`` (a column per
 input of the step, of its dtype and shape: what a ``pyapi.cstorch`` script's loader made), or for

@@ -7,7 +7,7 @@ unit's backward gives the gradients of its parameters and of those values, the l
 the unit that made them (added in reverse unit order when several units read one). Nothing
 accumulates in ``.grad``: that sum would be sequential, not the tree.
 
-Sums, in the orders the cluster will use (docs/design.md section 2): per unit, the micro-batch
+Sums, in the orders the cluster will use (docs/design.md section 3, "The tree sum"): per unit, the micro-batch
 gradients are summed as the balanced pairwise tree over micro-batch index (``wse_core.microbatch``), as
 CS-2s owning contiguous runs of micro-batches and SwarmX above them will; then a parameter several
 units read (a tied embedding) gets their sums added on its owner, from the last unit to the first.

@@ -1,4 +1,4 @@
-"""HDF5's Fletcher-32 checksum, to verify chunks read raw (docs/design.md section 10).
+"""HDF5's Fletcher-32 checksum, to verify chunks read raw (docs/design/data.md "Reading").
 
 The loader reads our uncompressed chunks with ``read_direct_chunk``, past HDF5's filter
 pipeline (its selection machinery costs more than the read), and checks each chunk here exactly

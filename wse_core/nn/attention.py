@@ -1,5 +1,5 @@
-"""Causal self-attention in blocks of query rows, which never computes the masked half (docs/design.md
-section 2, "Kernels").
+"""Causal self-attention in blocks of query rows, which never computes the masked half (docs/design/numerics.md
+"Attention").
 
 Query rows go ``BLOCK`` at a time: block [r0, r1) attends to keys [0, r1), so its scores are a
 [r1 - r0, r1] product, softmax'd as the last r1 - r0 of r1 positions (the diagonal part masked). A

@@ -1,5 +1,5 @@
 /* Dense products of bfloat16 operands with float32 accumulation: the products of a mixed-precision
-   run in bfloat16 (docs/design.md section 2, "Products in bfloat16").
+   run in bfloat16 (docs/design/numerics.md "Products in bfloat16").
 
    c[i, j] := sum over k of A(i, k) B(k, j), where A(i, k) = a[i*sai + k*sak] and B(k, j) =
    b[k*sbk + j*sbn] are float32 arrays read through any strides, each operand first rounded to

@@ -22,7 +22,7 @@ among them: OpenBLAS 0.3.31 gives other bits for a row of a 5-row and of a 15-ro
 6-11 than 0-5 of every 12 in a 128-row product (measured here). So a product whose rows are the
 tokens of samples is told the rows per sample (``sample_rows``) and is cut at the samples'
 boundaries too: a sample's rows meet BLAS in the same calls at the same places whatever else is
-in the batch, and its values do not depend on the batch (docs/design.md section 2). When the
+in the batch, and its values do not depend on the batch (docs/design.md section 5, (c)). When the
 sample length is a multiple of ``CHUNK_ROWS`` the calls are the ones an uncut product makes.
 
 Those chunks are the product's canonical calls, and its bits are theirs. Each call packs the
@@ -67,7 +67,7 @@ def products_in(fmt):
     """Within: ``matmul``'s float32 products take both operands rounded to ``fmt`` and accumulate
     exact products in float32 (``"bfloat16"``: ``_kernels.gemm_bf16``, AVX512-BF16's arithmetic; None:
     float32 operands through BLAS). A mixed-precision bfloat16 model computes its units inside one
-    (docs/design.md section 2, "Products in bfloat16")."""
+    (docs/design/numerics.md "Products in bfloat16")."""
     if fmt not in (None, "bfloat16"):
         raise ValueError(f"products_in: no {fmt} products (bfloat16 or None)")
     token = _products.set(fmt)

@@ -1,5 +1,5 @@
-"""Generation: next tokens of a language model from prompts, with a KV cache (docs/design.md
-section 2, "Inference").
+"""Generation: next tokens of a language model from prompts, with a KV cache (docs/design/inference.md
+"Generation").
 
 ``Engine`` batches continuously: sequences join at any step; each is prefilled alone (its
 prompt's positions through the units' ``infer`` in one step), then every unfinished sequence

@@ -46,7 +46,7 @@ def mup_scales(c, units):
 
 
 def decoder_initializers(c):
-    """Model Zoo's initializers of a decoder (docs/design.md section 5): the default is
+    """Model Zoo's initializers of a decoder (docs/design/models.md "Initializers"): the default is
     truncated_normal(0, initializer_range, +-2 std); ``initializer`` sets q/k/v and fc (and the
     residual projections, unless ``output_layer_initializer`` does); the residual projections'
     default is the default scaled by 1/sqrt(2 layers); ``embedding_initializer`` sets both

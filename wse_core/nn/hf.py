@@ -1,8 +1,8 @@
 """Hugging Face names and configs for gpt2/gpt3 (GPT2LMHeadModel) and llama (LlamaForCausalLM).
 
 ``to_hf(config, weights)`` gives ``(config.json dict, {hf_name: array})``; ``from_hf(config_json,
-tensors)`` gives ``(model config, weights)``; the round trip is exact (docs/design.md section 5).
-Plain numpy: transformers itself is needed only to load what this writes.
+tensors)`` gives ``(model config, weights)``; the round trip is exact (docs/design/checkpoints.md
+"Hugging Face in and out"). Plain numpy: transformers itself is needed only to load what this writes.
 
 - GPT-2: transformers' Conv1D keeps weights ``[in, out]``, so every projection is transposed.
 - llama: wse-cluster (as Model Zoo) rotates adjacent pairs of a head's q/k features, transformers

@@ -1,5 +1,5 @@
-"""The KV cache of the sequences being generated, and attention over it (docs/design.md section 2,
-"Inference").
+"""The KV cache of the sequences being generated, and attention over it (docs/design/inference.md
+"Generation").
 
 Each sequence has its own length and, per attention unit, its keys and values ``[kv heads, T, d]``
 for every position so far, in buffers sized once for the longest it may grow to. A step of

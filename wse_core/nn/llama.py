@@ -2,7 +2,7 @@
 
 As Model Zoo's ``llama`` (a GPT-2 model with ``norm_type: rmsnorm``, ``position_embedding_type:
 rotary``, ``nonlinearity: swiglu``, ``attention_module: multiquery_attention`` with
-``extra_attention_params.num_kv_groups``, and no biases); docs/design.md section 5.
+``extra_attention_params.num_kv_groups``, and no biases); docs/design/models.md "llama".
 
 Rotary positions rotate *adjacent pairs* (dims 2i, 2i+1 by angle t * theta^(-2i/d)), as Model Zoo
 and Meta's LLaMA do; Hugging Face's LlamaForCausalLM rotates the two halves instead, and

@@ -205,7 +205,7 @@ class Model:
         return {k: self.precision.format.round(v) for k, v in params.items()}
 
     def unit_forward(self, u, x, params, drop=None):
-        """Unit u's forward; its output leaves in the run's precision (docs/design.md section 5)."""
+        """Unit u's forward; its output leaves in the run's precision (docs/design/numerics.md "Mixed precision")."""
         with products_in(self.precision.products):
             y, saved = self.units[u].forward(x, params, drop)
         return self.precision.round_(y), saved
@@ -312,8 +312,8 @@ class LanguageModel(Model):
     def infer_units(self, params, x, kv, active, first, end, t):
         """Units ``first`` .. ``end`` - 1 of a generation step of ``t`` new positions: ``x`` is unit
         ``first``'s input (token ids for the first unit), the last unit's output is returned whole.
-        A CS-2 of the cluster runs its own units this way (docs/design.md section 2, "Inference on
-        the cluster"); ``infer`` runs them all."""
+        A CS-2 of the cluster runs its own units this way (docs/design/inference.md "Inference
+        on the cluster"); ``infer`` runs them all."""
         kv.begin(active, t)
         last = len(self.units) - 1
         for u in range(first, end):

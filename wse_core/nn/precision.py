@@ -5,13 +5,13 @@ with bias 2^(exp_bits-1) - 1, ``man_bits`` stored mantissa bits, subnormals, inf
 where IEEE 754 puts them, and round-to-nearest-even. float16 (5/10) and bfloat16 (8/7) are
 exactly that. cbfloat16 (Cerebras' format: 6 exponent and 9 mantissa bits) is emulated by the same
 rules; its bias, subnormals and rounding are **assumptions**: the public documents give only the
-bit split (docs/design.md section 5).
+bit split (docs/design/numerics.md "Mixed precision").
 
 Values are carried in float32 arrays holding numbers of the format (``Format.round``) and cross
 the wire as their 16-bit patterns (``encode``/``decode``: exact for such numbers), so a 16-bit
 run streams half the bytes of a float32 run.
 
-``Precision`` is what a run computes in (docs/design.md section 5): weights streamed in the 16-bit
+``Precision`` is what a run computes in (docs/design/numerics.md "Mixed precision"): weights streamed in the 16-bit
 format; every unit's output and input gradient rounded to it; every micro-batch weight gradient
 and every partial sum of gradients (on a CS-2, in SwarmX, at MemoryX) rounded to it after each
 float32 addition, the same additions in the same order whatever num_csx is. ``Precision(None)`` is

@@ -1,5 +1,5 @@
 """The compute model's constants, fitted to the fabric simulator's cycles and checked on sizes the
-fit did not see (docs/design.md section 8).
+fit did not see (docs/design/time-model.md "Calibration").
 
 GEMM (``wse_core.fabric.programs.stream_gemm``: X resident, W's rows streaming in from the west
 edge and multicast along the PE rows, partial sums reduced northward) on a W x H rectangle with

@@ -1,5 +1,5 @@
 """The simulated clock's two pieces, shared by the ranks (mpi_launch) and the analytical walk
-(``perf.step``), so both keep time by the same rules (docs/design.md section 8).
+(``perf.step``), so both keep time by the same rules (docs/design/time-model.md "The clock").
 
 A tensor crossing a link travels with a *header* ``(first, last)``: when its first chunk can start
 on this link, and when its last byte left the link before (None on the first link). A ``Port`` (one

@@ -6,7 +6,7 @@ Every constant says where it comes from: a public Cerebras document (the seeds o
 the figure. Any constant can be overridden from the params (``runconfig.hardware: {io_gbps: 600}``)
 or in Python (``Hardware(io_gbps=600)``); the model is only as good as these numbers, and says so.
 The precision is no constant of the hardware but the model's (``model.mixed_precision``): a run's
-``Hardware`` takes it from the model (``Hardware.for_model``). See docs/design.md section 8.
+``Hardware`` takes it from the model (``Hardware.for_model``). See docs/design/time-model.md "Hardware".
 """
 from dataclasses import asdict, dataclass, fields, replace
 
@@ -14,7 +14,7 @@ from wse_core.checks import Number, OneOf
 from wse_core.errors import ConfigError
 
 #: The systems a run may name, as the constants in which each differs from the CS-2 defaults of
-#: ``Hardware`` (docs/design.md section 8, "Systems"). The CS-3 (WSE-3), with its sources:
+#: ``Hardware`` (docs/design/time-model.md "Systems"). The CS-3 (WSE-3), with its sources:
 #: - 900,000 cores: Cerebras' WSE-3 datasheet; Argonne's CS system tutorial (SC24).
 #: - program rectangle 755 x 1170 PEs: the Cerebras SDK's examples compile for the CS-3 with
 #:   ``--arch=wse3 --fabric-dims=762,1172 --fabric-offsets=4,1``, and the program rectangle leaves
@@ -54,11 +54,11 @@ class Hardware:
     #: micro-batch's activations and weights in flight); the rest holds its code, fabric buffers and
     #: stack. **Assumption**: no public figure; 3/4.
     pe_memory_usable: float = 0.75
-    #: Clock, Hz: the factor the Cerebras SDK uses to turn PE cycles into seconds (DESIGN.md
-    #: section 8; Cerebras' csl-examples: "a PE runs with clock speed 850MHz"). Cerebras publishes no
+    #: Clock, Hz: the factor the Cerebras SDK uses to turn PE cycles into seconds (docs/design/time-model.md
+    #: "Hardware"; Cerebras' csl-examples: "a PE runs with clock speed 850MHz"). Cerebras publishes no
     #: clock of a running CS-2 (its 7.5 PF would need about 1.1 GHz at 4 fp16 lanes).
     clock_hz: float = 850e6
-    #: Multiply-adds per PE per cycle, fp16 and fp32 (DESIGN.md section 8: 4-wide fp16, 1-wide fp32
+    #: Multiply-adds per PE per cycle, fp16 and fp32 (docs/design/time-model.md "Hardware": 4-wide fp16, 1-wide fp32
     #: FMAC, the SDK's SIMD widths). The fabric
     #: simulator, which calibrates the compute model, runs fp32 one lane wide; fp16 divides the FMAC
     #: term of the calibrated formula by 4 (**assumption**: the rest of the formula is unchanged).
@@ -74,10 +74,10 @@ class Hardware:
     precision: str = "fp16"
     # -- a CS-2 system ---------------------------------------------------------------------------
     #: I/O bandwidth of one CS-2 into and out of the wafer, Gb/s each way. Source: the CS-2's
-    #: published 12 x 100 GbE system I/O (1.2 Tb/s), as DESIGN.md section 8 cites it.
+    #: published 12 x 100 GbE system I/O (1.2 Tb/s), as docs/design/time-model.md "Hardware" cites it.
     io_gbps: float = 1200.0
     # -- SwarmX ---------------------------------------------------------------------------------
-    #: Bandwidth of one SwarmX port, Gb/s: 100 GbE, as DESIGN.md section 8 cites it (seeds 002 and
+    #: Bandwidth of one SwarmX port, Gb/s: 100 GbE, as docs/design/time-model.md "Hardware" cites it (seeds 002 and
     #: 004 describe SwarmX as the broadcast/reduce network, without port speeds).
     swarmx_port_gbps: float = 100.0
     #: Ports between one SwarmX node and one child (a CS-2 or a lower node): a child gets the
@@ -85,7 +85,7 @@ class Hardware:
     #: the tree is built so every CS-2 can stream at its I/O rate).
     swarmx_ports_per_child: int = 12
     #: Fan-out of a SwarmX broadcast/reduce node (one 1:4, or two 1:2). Source: Cerebras' public
-    #: descriptions of SwarmX as DESIGN.md section 8 cites them (not in the seeds). A run's tree
+    #: descriptions of SwarmX as docs/design/time-model.md "Hardware" cites them (not in the seeds). A run's tree
     #: takes its fan-out from runconfig.swarmx_fanout; this is the scaling model's default.
     swarmx_fanout: int = 4
     #: Latency a wavelet of data takes through one SwarmX node (store, reduce, forward), seconds.

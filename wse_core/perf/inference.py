@@ -1,5 +1,5 @@
 """Serving a language model on the emulated hardware: time to first token, time per output token and
-tokens/s per user and for the batch (docs/design.md section 8, "Inference latency"). A model, like
+tokens/s per user and for the batch (docs/design/time-model.md "Inference latency"). A model, like
 the rest of ``perf``; the tokens themselves come from ``wse_core.nn.generate``.
 
 Memory. A sequence's KV cache holds 2 x layers x kv heads x head size x positions values (the

@@ -1,5 +1,5 @@
 """Memory: what each emulated rank holds (host memory of this emulator's processes, what
-``wse compile`` prints per rank) and what a CS-2's wafer would hold. See docs/design.md section 8."""
+``wse compile`` prints per rank) and what a CS-2's wafer would hold. See docs/design/time-model.md "Wafer memory"."""
 from dataclasses import asdict, dataclass
 
 from wse_core.microbatch import checkpoint_interval
@@ -61,7 +61,7 @@ def unit_output_floats(unit, samples, seq_len):
 
 @dataclass
 class WaferNeed:
-    """What one CS-2's wafer holds at once in weight streaming, bytes (docs/design.md section 8,
+    """What one CS-2's wafer holds at once in weight streaming, bytes (docs/design/time-model.md
     "Wafer memory"), against its usable SRAM."""
     micro_batch_size: int
     checkpoints: int            # boundary activations kept from forward to backward

@@ -1,5 +1,5 @@
 """Cost functions of the emulated hardware: what a streaming unit's compute, a transfer and a
-MemoryX update take, in seconds of the system we emulate (docs/design.md section 8).
+MemoryX update take, in seconds of the system we emulate (docs/design/time-model.md "Cost functions").
 
 Compute: every GEMM of a unit runs as ``stream_gemm`` maps it, scaled to the wafer: the contraction
 (K) split over the program rectangle's rows, the tokens (M) over its columns (column 0 is the edge

@@ -1,5 +1,5 @@
 """Pipelined execution on one wafer, as a model: where each layer goes, whether the model fits,
-and what a training step takes (docs/design.md section 9).
+and what a training step takes (docs/design/time-model.md "Pipelined mode").
 
 Placement. Every streaming unit (embedding, each block, the head) gets a region of PEs: first
 the PEs its memory needs (below), then more in proportion to its work, so that the slowest

@@ -1,5 +1,5 @@
 """The analytical walk of one weight-streaming training step: the time the emulated cluster takes,
-for any model, batch and number of CS-2s, without running anything (docs/design.md section 8).
+for any model, batch and number of CS-2s, without running anything (docs/design/time-model.md "The walk").
 
 It walks the step protocol the ranks run: the table ``mpi_launch.protocol.STEP`` (sender, receiver,
 tag, payload and simulated-clock rule of every message), whose rows it cites by name.
@@ -8,7 +8,7 @@ rules, which it follows through ``perf.clock.Port.carry`` as the ranks do, not i
 What the walk adds to the table:
 
 * A step is its micro-batches one after another, each through ``wse_core.microbatch.micro_batch_schedule``: forward,
-  then segment by segment a recompute and the backward (docs/design.md section 8, "Micro-batching").
+  then segment by segment a recompute and the backward (docs/design/time-model.md "Micro-batching").
 * Ports serialise what crosses them (each is busy until its last byte has left), in the order the
   ranks' programs send: the weights of each item of the schedule (STEP["forward weights"],
   STEP["recompute weights"], STEP["backward weights"]), the next item's before the
