@@ -83,7 +83,7 @@ def add_arguments(parser):
 def predict(run):
     """The walk's samples/s for ``run``, and the micro-batch it used."""
     from wse_core.microbatch import MicroBatches
-    from wse_core.nn import build_model
+    from wse_core.models import build_model
     from wse_core.perf import Hardware
     from wse_core.perf.memory import largest_micro_batch
     from wse_core.perf.step import walk_step

@@ -35,7 +35,8 @@ import numpy as np
 
 from bench.harness import machine, median_seconds, seconds, table
 from wse_core.errors import ConfigError, JobError
-from wse_core.nn import TransformerBlock, build_model, numpy_ops
+from wse_core.models import build_model
+from wse_core.nn import TransformerBlock, numpy_ops
 from wse_core.nn import ops as fused_ops
 from wse_core.nn.model import Model
 

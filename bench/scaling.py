@@ -46,7 +46,7 @@ def add_arguments(parser):
 
 
 def model_of(shape):
-    from wse_core.nn import build_model
+    from wse_core.models import build_model
 
     h, layers, heads, vocab = shape
     return build_model({"name": "gpt2", "vocab_size": vocab, "hidden_size": h, "num_hidden_layers": layers,

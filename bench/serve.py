@@ -52,7 +52,7 @@ def _model_dir(where, prompt_tokens, requests):
     from data_tools.checkpoint import save_checkpoint
     from data_tools.dataset import Dataset
     from data_tools.preprocess import preprocess_text
-    from wse_core.nn import build_model
+    from wse_core.models import build_model
 
     preprocess_text(["stdlib"], where / "data", prompt_tokens, progress=False)
     ds = Dataset(where / "data")

@@ -66,7 +66,8 @@ def _params(data, model_dir, num_csx, steps):
 def _reference(params, steps):
     """Median seconds of reference_step on the same model, data and batch (same first steps skipped)."""
     from data_tools.dataset import GlobalStream
-    from wse_core.nn import build_model, reference_step
+    from wse_core.models import build_model
+    from wse_core.nn import reference_step
     from wse_core.optim import make_optimizer
 
     model = build_model(params.model)

@@ -23,7 +23,7 @@ def read_hf(hf_dir):
     its architecture and its weights in our names; CheckpointError naming the file at fault."""
     from safetensors.numpy import load_file
 
-    from wse_core.nn import build_model
+    from wse_core.models import build_model
     from wse_core.nn.hf import from_hf as convert
 
     hf_dir = Path(hf_dir)
@@ -72,7 +72,7 @@ def to_hf(path, output):
     import yaml
     from safetensors.numpy import save_file
 
-    from wse_core.nn import build_model
+    from wse_core.models import build_model
 
     ckpt = Checkpoint(path)
     try:

@@ -84,7 +84,7 @@ def spec(model, source, kind, *, num_csx=1, num_wgt_servers=1, swarmx_fanout=2, 
 def plan_of(spec):
     """The rank plan of an inference job: the coordinator, MemoryX, the SwarmX tree, the CS-2s (no
     input workers: the prompts come from the coordinator)."""
-    from wse_core.nn import build_model
+    from wse_core.models import build_model
 
     model = build_model(spec["model"])
     return make_plan(num_csx=spec["num_csx"], num_wgt_servers=spec["num_wgt_servers"], num_workers_per_csx=0,
@@ -116,7 +116,7 @@ class ClusterEngine:
             run_dir = RunDir(self.dir)
             run_dir.logs.mkdir()
             self.spec["socket"], self.spec["log_dir"] = str(self.dir / SOCKET), str(self.log_dir)
-            write_text(run_dir.run_json, json.dumps({"inference": self.spec}, indent=1))
+            write_text(run_dir.run_json, json.dumps({"kind": "infer", "inference": self.spec}, indent=1))
             listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
             listener.bind(self.spec["socket"])
             listener.listen(1)

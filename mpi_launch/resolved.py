@@ -16,7 +16,8 @@ import numpy as np
 
 from wse_core.errors import PlanError
 from wse_core.microbatch import MicroBatches, share
-from wse_core.nn import Model, build_model
+from wse_core.models import build_model
+from wse_core.nn import Model
 from wse_core.perf import Hardware
 from wse_core.perf.memory import largest_micro_batch, rank_memory_bytes, streaming_wafer
 from wse_core.perf.pipeline import Placement, Region, choose

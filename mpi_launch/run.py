@@ -41,7 +41,7 @@ def main(argv=None):
     try:
         pid_file = run_dir.pid_file(comm.rank)
         write_text(pid_file, str(os.getpid()))  # a reader never sees half a pid
-        if "inference" in run:  # an inference job (mpi_launch.inference)
+        if run["kind"] == "infer":  # an inference job (mpi_launch.inference); else "train"
             from mpi_launch.inference import plan_of
             from mpi_launch.roles.inference import ROLES
 
@@ -62,7 +62,7 @@ def main(argv=None):
         from mpi_launch.messaging import Bells
 
         # Collective: every rank, before any role's own work. An inference job's roles poll without.
-        bells = None if "inference" in run else Bells.open(comm)
+        bells = None if run["kind"] == "infer" else Bells.open(comm)
         job = make(role, index)
         supervisor.report("ready")
         job.run()

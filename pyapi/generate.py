@@ -124,7 +124,7 @@ class Generator:
                 stops += [e for e in (eos if isinstance(eos, list) else [eos]) if e is not None and e not in stops]
             return cls(model, weights, tok, bos_id=config.get("bos_token_id"), source=str(path), kind="hf",
                        stop_ids=stops, why_no_tokenizer=why, home=path)
-        from wse_core.nn import build_model
+        from wse_core.models import build_model
 
         ckpt = Checkpoint(checkpoint_path if checkpoint_path is not None else path)
         params = yaml.safe_load(ckpt.params_yaml) or {}

@@ -231,7 +231,7 @@ class Job:
     @functools.cached_property
     def model(self):
         """The job's model (``wse_core.nn.Model``), built once."""
-        from wse_core.nn import build_model
+        from wse_core.models import build_model
 
         return self._model or build_model(self.params.model)
 

@@ -137,7 +137,7 @@ def _validate_flat(raw, report, problems):
             report.fates.setdefault(f"{section}.{_name(key)}", "honoured" if key in known else "refused: unknown key")
         out[section] = check_fields(cls, given, section, problems)
     if isinstance(raw.get("model"), dict):
-        from wse_core.nn import build_model
+        from wse_core.models import build_model
 
         try:
             report.model = build_model(raw["model"])  # the run's model, built once (mpi_launch.resolved)

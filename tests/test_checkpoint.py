@@ -14,7 +14,7 @@ import pytest
 
 from data_tools.checkpoint import Checkpoint, clean_up, recover_latest, save_checkpoint
 from data_tools.errors import CheckpointError
-from wse_core.nn import build_model
+from wse_core.models import build_model
 from wse_core.optim import AdamW
 
 GPT2 = {"name": "gpt2", "vocab_size": 61, "hidden_size": 16, "num_hidden_layers": 3, "num_heads": 2,

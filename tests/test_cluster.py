@@ -27,7 +27,8 @@ from mpi_launch.plan import PlanError
 from mpi_launch.resolved import describe, resolve
 from mpi_launch.rundir import RunDir
 from mpi_launch.supervisor import HOLD_ENV, MPI_UP
-from wse_core.nn import build_model, numpy_ops, reference_step
+from wse_core.models import build_model
+from wse_core.nn import numpy_ops, reference_step
 from wse_core.numerics import differences, environment
 from pyapi.params import validate
 from wse_core.optim import make_optimizer, make_schedule

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from mpi_launch.resolved import resolve
-from wse_core.nn import build_model
+from wse_core.models import build_model
 from wse_core.nn.gemm import CHUNK_ROWS
 
 FAMILIES = {

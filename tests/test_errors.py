@@ -133,7 +133,7 @@ def test_a_failed_inference_job_of_wse_generate_is_one_line(tmp_path, monkeypatc
     import mpi_launch.inference
     from data_tools.checkpoint import save_checkpoint
     from mpi_launch.inference import InferenceJobError
-    from wse_core.nn import build_model
+    from wse_core.models import build_model
 
     cfg = {"name": "gpt2", "vocab_size": 61, "hidden_size": 32, "num_hidden_layers": 2, "num_heads": 4,
            "filter_size": 48, "max_position_embeddings": 24}

@@ -10,7 +10,7 @@ import pytest
 import yaml
 
 from data_tools.checkpoint import save_checkpoint
-from wse_core.nn import build_model
+from wse_core.models import build_model
 from wse_core.nn.generate import Sampling, generate
 from wse_core.nn.kv import KVCache
 

@@ -12,7 +12,7 @@ import yaml
 from data_tools.checkpoint import Checkpoint, save_checkpoint
 from data_tools.errors import DataWarning
 from data_tools.hf import from_hf, to_hf
-from wse_core.nn import build_model
+from wse_core.models import build_model
 from wse_core.nn import hf as nn_hf
 
 torch = pytest.importorskip("torch")

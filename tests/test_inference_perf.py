@@ -11,7 +11,7 @@ import yaml
 from pyapi.cli import main
 from wse_core.fabric.programs.broadcast import broadcast
 from wse_core.fabric.programs.gemv import gemv
-from wse_core.nn import build_model
+from wse_core.models import build_model
 from wse_core.perf import Hardware
 from wse_core.perf.calibration import GEMV_CHECK
 from wse_core.perf.inference import _broadcast, _gemv, kv_bytes_per_sequence, serve

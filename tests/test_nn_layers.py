@@ -4,7 +4,9 @@ import math
 import numpy as np
 import pytest
 
-from wse_core.nn import Dense, Embedding, LMHead, TransformerBlock, build_model
+from wse_core.models import build_model
+
+from wse_core.nn import Dense, Embedding, LMHead, TransformerBlock
 from wse_core.nn.layers import ATTENTION_OUT_SITE, ATTENTION_SITE, MLP_OUT_SITE, DropoutKey
 from wse_core.nn.model import Model
 

@@ -146,7 +146,7 @@ def test_gradients_same_bits_for_any_thread_count(mixed):
     and in bfloat16 mixed precision, whose products are the kernels' own)."""
     code = """
 import hashlib, numpy as np
-from wse_core.nn import build_model
+from wse_core.models import build_model
 m = build_model(dict(name="gpt2", vocab_size=97, hidden_size=64, num_hidden_layers=2, num_heads=4,
                      max_position_embeddings=128MIXED))
 p = m.init_params(3)

@@ -49,7 +49,7 @@ def test_a_gemm_is_never_faster_than_its_flops_at_peak(shape, precision):
 
 
 def test_unit_costs_of_a_gpt_block():
-    from wse_core.nn import build_model
+    from wse_core.models import build_model
 
     model = build_model({"name": "gpt2", "vocab_size": 50257, "hidden_size": 2048, "num_hidden_layers": 24,
                          "num_heads": 16, "max_position_embeddings": 2048})
@@ -68,7 +68,7 @@ SHAPES = {"GPT-3 XL": (2048, 24, 16, 50257), "GPT-J 6B": (4096, 28, 16, 50400), 
 
 def gpt(shape, seq=2048):
     """A published GPT shape, in mixed precision as Cerebras trains them (the walk times it at fp16)."""
-    from wse_core.nn import build_model
+    from wse_core.models import build_model
 
     h, layers, heads, vocab = shape
     return build_model({"name": "gpt2", "vocab_size": vocab, "hidden_size": h, "num_hidden_layers": layers,
@@ -82,7 +82,7 @@ def test_a_run_is_timed_at_its_models_precision(fp16_type):
     in any 16-bit format 2 bytes on the fp16 lanes, and their weight-streaming steps differ."""
     from mpi_launch.resolved import describe, resolve
     from pyapi.params import validate
-    from wse_core.nn import build_model
+    from wse_core.models import build_model
 
     def compiled(**precision):
         model = {"name": "gpt2", "vocab_size": 257, "hidden_size": 64, "num_hidden_layers": 2, "num_heads": 2,

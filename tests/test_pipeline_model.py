@@ -8,7 +8,7 @@ import sys
 import pytest
 import yaml
 
-from wse_core.nn import build_model
+from wse_core.models import build_model
 from wse_core.perf import Hardware
 from wse_core.perf.pipeline import bytes_per_param, choose, place
 

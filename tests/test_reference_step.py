@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 
 from wse_core.microbatch import MicroBatches, tree_sum
-from wse_core.nn import accumulate, build_model, reference_step
+from wse_core.models import build_model
+from wse_core.nn import accumulate, reference_step
 from wse_core.optim import AdamW
 
 EOT = 256

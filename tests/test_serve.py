@@ -22,7 +22,7 @@ pytest.importorskip("aiohttp")
 from data_tools.checkpoint import save_checkpoint  # noqa: E402
 from data_tools.preprocess import preprocess_text  # noqa: E402
 from pyapi.generate import Generator  # noqa: E402
-from wse_core.nn import build_model  # noqa: E402
+from wse_core.models import build_model  # noqa: E402
 from wse_core.nn.generate import Sampling  # noqa: E402
 
 GPT2 = {"name": "gpt2", "vocab_size": 257, "hidden_size": 32, "num_hidden_layers": 2, "num_heads": 4,

@@ -144,7 +144,7 @@ def test_bad_operands_are_named():
 def test_sparse_model_equals_the_dense_model_with_masked_weights(cfg):
     """Loss and every gradient of a sparse model equal the dense model's whose weights are the
     sparse ones expanded with zeros (float64), the sparse gradient being the dense one at the nonzeros."""
-    from wse_core.nn import build_model
+    from wse_core.models import build_model
 
     sparse = build_model(cfg)
     dense = build_model({k: v for k, v in cfg.items() if not k.startswith("sparsity")})
@@ -173,7 +173,7 @@ def test_sparse_model_equals_the_dense_model_with_masked_weights(cfg):
 
 
 def test_bad_sparsity_is_named():
-    from wse_core.nn import build_model
+    from wse_core.models import build_model
 
     with pytest.raises(ValueError, match=r"model.sparsity: expected a number in \[0, 1\), got 1"):
         build_model({"name": "fc_mlp", "input_size": 4, "num_classes": 2, "sparsity": 1})

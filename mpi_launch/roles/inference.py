@@ -33,7 +33,7 @@ import numpy as np
 from mpi_launch import messaging as msg
 from mpi_launch.protocol import CONTROL, DATA, FWD_WEIGHTS, LOGITS, REPORT, Pass, Rows, Stop
 from mpi_launch.roles.base import BaseRole
-from wse_core.nn import build_model
+from wse_core.models import build_model
 
 
 class InferenceRole(BaseRole):

@@ -8,7 +8,7 @@ class InProcess:
     def __init__(self, params, start=0, resumed=None, loss_scale=None):
         from data_tools.dataset import GlobalStream
         from pyapi.params import validate
-        from wse_core.nn import build_model
+        from wse_core.models import build_model
         from wse_core.optim import make_schedule
         from wse_core.optim.loss_scale import LossScaler
 

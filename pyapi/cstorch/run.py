@@ -346,7 +346,7 @@ class Run:
         numerics."""
         from wse_core.compiler import partition
         from wse_core.compiler.model import save_program
-        from wse_core.nn import build_model
+        from wse_core.models import build_model
 
         import torch
 

@@ -2,9 +2,9 @@
 
 Modules: ``layers`` and ``llama``'s units (numerics), ``init`` (initializers), ``model`` (the base
 class, parameters and their memory), the families ``gpt``, ``llama``, ``mlp`` (each with its build
-from the params, on the shared ``checks``), ``families`` (``build_model``), ``reference`` (the step).
+from the params, on the shared ``checks``), ``reference`` (the step). ``wse_core.models.build_model``
+builds a model from the params.
 """
-from wse_core.nn.families import build_model
 from wse_core.nn.gpt import GPT2
 from wse_core.nn.layers import Dense, Embedding, LMHead, ParamSpec, TransformerBlock, Unit
 from wse_core.nn.llama import Llama
@@ -14,4 +14,4 @@ from wse_core.nn.reference import StepResult, accumulate, reference_step
 
 __all__ = ["Unit", "ParamSpec", "Embedding", "TransformerBlock", "LMHead", "Dense", "Model", "LanguageModel",
            "GPT2", "Llama", "Classifier",
-           "build_model", "StepResult", "accumulate", "reference_step"]
+           "StepResult", "accumulate", "reference_step"]

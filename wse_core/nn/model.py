@@ -1,7 +1,7 @@
 """The model base class: an ordered list of streaming units, the loss on the last one's output,
 parameters, their initialisation and memory, the units' passes in the run's precision; and
 ``LanguageModel``, the decoders' batch layout and loss. Families: ``gpt``, ``llama``, ``mlp``;
-``families.build_model`` builds one from the params' ``model`` section.
+``wse_core.models.build_model`` builds one from the params' ``model`` section.
 
 Batches are dicts of arrays whose first axis is the sample; each family (``GPT2``, ``Llama``:
 ``LanguageModel``; ``Classifier``) defines its own layout, loss and activation estimate.

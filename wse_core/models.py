@@ -1,7 +1,10 @@
 """The model families by the params' ``model.name``, and ``build_model``, which builds one.
 
 ``build_model({"name": "gpt2", "vocab_size": 257, ...})`` returns a ``Model``; unknown keys and
-bad values raise ``ValueError``/``TypeError`` naming the key (``model.num_heads: ...``).
+bad values raise a ``ConfigError`` (a ValueError; a ``ConfigTypeError`` for a value of the wrong type)
+naming the key (``model.num_heads: ...``). It sits above both ``wse_core.nn`` (the built-in families)
+and ``wse_core.compiler`` (the family ``torch``, a user's PyTorch model, whose units are ``nn``'s), so
+neither sub-package imports the other's way back (tests/test_imports.py).
 """
 import sys
 from collections.abc import Mapping
@@ -35,7 +38,7 @@ def build_model(cfg, ops=fused_ops):
     if not isinstance(cfg, Mapping):
         raise ConfigTypeError(f"model: expected a mapping, got {type(cfg).__name__}")
     name = cfg.get("name")
-    sys.audit("wse.build_model", name)  # how often a process builds its model (tests/test_resolved.py counts)
+    sys.audit("wse.build_model", name)  # how often a process builds its model (test_cluster.py counts)
     if isinstance(name, str) and name in FAMILIES:
         return FAMILIES[name](cfg, ops)
     raise ConfigError(f"model.name: unknown model {show(name)} ({did_you_mean(name, tuple(FAMILIES))})")
