@@ -65,7 +65,7 @@ def _weights(model_dir):
 
 def run(args):
     from data_tools.preprocess import preprocess_text
-    from pyapi.appliance.client import Client
+    from pyapi.client import Client
     from pyapi.job import Job
 
     with tempfile.TemporaryDirectory(prefix="wse-bench-appliance-") as work:

@@ -377,7 +377,7 @@ class Job:
         ``max_restarts`` times. ``socket``: the appliance's (default: ``$WSE_APPLIANCE_SOCKET``, this
         user's own appliance, then the machine's).
         """
-        from pyapi.appliance.client import Client
+        from pyapi.client import Client
 
         self._check_inputs()
         return Client(socket).submit(self.params, max_restarts=max_restarts, priority=priority, name=name)

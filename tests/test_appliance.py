@@ -21,7 +21,7 @@ import yaml
 
 from data_tools.checkpoint import Checkpoint
 from data_tools.preprocess import preprocess_text
-from pyapi.appliance.client import ApplianceError, Client
+from pyapi.client import ApplianceError, Client
 from pyapi.appliance.scheduler import MAX_OVERTAKES, pick
 from mpi_launch.launcher import job_processes
 from mpi_launch.rundir import RunDir

@@ -74,7 +74,7 @@ def test_the_old_names_are_the_kinds_or_subclasses_of_them():
     from mpi_launch import MPILaunchError
     from mpi_launch.inference import InferenceJobError
     from mpi_launch.plan import PlanError as PlanErrorOfPlan
-    from pyapi.appliance.errors import ApplianceError, RequestError
+    from pyapi.errors import ApplianceError, RequestError
     from pyapi.job import JobError as JobErrorOfJob
     from pyapi.params import ParamsError
     from wse_core.compiler import CompileError

@@ -15,8 +15,8 @@ import time
 from pathlib import Path
 
 from mpi_launch.supervisor import die_with_parent
-from pyapi.appliance.client import MAX_LINE
-from pyapi.appliance.errors import RequestError
+from pyapi.client import MAX_LINE
+from pyapi.errors import RequestError
 from pyapi.appliance.scheduler import cores_for
 
 #: The child that checks a submitted job's params: CPU seconds and bytes of address space it may use.

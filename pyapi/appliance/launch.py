@@ -19,7 +19,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from pyapi.appliance.client import SOCKET_ENV
+from pyapi.client import SOCKET_ENV
 from wse_core.checks import plural
 from wse_core.numerics import is_numerics_variable
 

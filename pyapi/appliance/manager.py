@@ -16,8 +16,8 @@ import signal
 import subprocess
 import time
 
-from pyapi.appliance.client import MAX_LINE
-from pyapi.appliance.jobs import ACTIVE, JobState
+from pyapi.client import MAX_LINE
+from pyapi.client import ACTIVE, JobState
 from pyapi.appliance.launch import TRANSIENT, exit_name, start_runner
 from pyapi.appliance.requests import printable
 from pyapi.appliance.runner import EXIT_BAD_INPUT, EXIT_JOB_FAILED

@@ -11,7 +11,7 @@ import dataclasses
 import json
 import os
 
-from pyapi.appliance.errors import RequestError
+from pyapi.errors import RequestError
 from wse_core.checks import Int
 from wse_core.numerics import ENV_NAMES, ENV_PREFIXES, is_numerics_variable
 

@@ -22,8 +22,8 @@ import stat
 import struct
 import time
 
-from pyapi.appliance.client import MAX_LINE, Client
-from pyapi.appliance.errors import ApplianceError, ApplianceRunning
+from pyapi.client import MAX_LINE, Client
+from pyapi.errors import ApplianceError, ApplianceRunning
 
 #: A connection that has not sent its request, or not taken its reply, within this many seconds is closed.
 IDLE_SECONDS = 30.0

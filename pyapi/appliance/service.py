@@ -28,9 +28,9 @@ from pathlib import Path
 
 from pyapi.appliance import requests
 from pyapi.appliance.checker import CHECK_SECONDS, Checker
-from pyapi.appliance.client import SOCKET_NAME, wait_for_socket
-from pyapi.appliance.errors import ApplianceError, ApplianceRunning, RequestError
-from pyapi.appliance.jobs import ACTIVE, JobState
+from pyapi.client import SOCKET_NAME, wait_for_socket
+from pyapi.errors import ApplianceError, ApplianceRunning, RequestError
+from pyapi.client import ACTIVE, JobState
 from pyapi.appliance.launch import SAFE_PATH
 from pyapi.appliance.manager import Manager
 from pyapi.appliance.requests import check_path, printable

@@ -20,7 +20,7 @@ import sys
 from pathlib import Path
 
 from mpi_launch.rundir import RunDir
-from pyapi.appliance.errors import ApplianceError
+from pyapi.errors import ApplianceError
 from wse_core.errors import ConfigError
 
 NAME_PREFIX = "wse-"

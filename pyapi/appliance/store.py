@@ -9,8 +9,8 @@ import json
 import sqlite3
 import time
 
-from pyapi.appliance.errors import ApplianceError
-from pyapi.appliance.jobs import JobState
+from pyapi.errors import ApplianceError
+from pyapi.client import JobState
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS jobs (

@@ -2,7 +2,7 @@
 import os
 import sys
 
-from pyapi.appliance.jobs import JobState
+from pyapi.client import JobState
 from pyapi.cli.options import job_args, overrides, print_json_or_lines
 
 SOCKET_HELP = ("the appliance's socket (default: $WSE_APPLIANCE_SOCKET, else this user's own appliance, else "
@@ -10,7 +10,7 @@ SOCKET_HELP = ("the appliance's socket (default: $WSE_APPLIANCE_SOCKET, else thi
 
 
 def _cmd_appliance_start(args):
-    from pyapi.appliance.client import default_state_dir
+    from pyapi.client import default_state_dir
     from wse_core.checks import plural
 
     state_dir = args.state_dir or default_state_dir()
@@ -33,7 +33,7 @@ def _cmd_appliance_start(args):
 def _cmd_appliance_stop(args):
     import time
 
-    from pyapi.appliance.client import ApplianceError, Client
+    from pyapi.client import ApplianceError, Client
     from pyapi.appliance.manager import GRACE_SECONDS
 
     client = Client(args.socket)
@@ -55,7 +55,7 @@ def _cmd_appliance_stop(args):
 
 
 def _cmd_appliance_status(args):
-    from pyapi.appliance.client import Client
+    from pyapi.client import Client
 
     print_json_or_lines(Client(args.socket).status(), args.json)
     return 0
@@ -113,7 +113,7 @@ def _cmd_jobs(args):
 
         jobs = slurm.jobs()
     else:
-        from pyapi.appliance.client import Client
+        from pyapi.client import Client
 
         jobs = Client(args.socket).jobs()
     if args.json:
@@ -142,7 +142,7 @@ def _cmd_logs(args):
 
         sys.stdout.write(slurm.logs(args.job))
         return 0
-    from pyapi.appliance.client import Client
+    from pyapi.client import Client
 
     client = Client(args.socket)
     if args.follow:
@@ -159,7 +159,7 @@ def _cmd_cancel(args):
         slurm.cancel(args.job)
         print(f"Slurm job {args.job}: cancel sent (scancel)")
         return 0
-    from pyapi.appliance.client import Client
+    from pyapi.client import Client
 
     job = Client(args.socket).cancel(args.job)
     print(f"job {args.job}: " + ("cancelled" if job["state"] == JobState.CANCELLED else

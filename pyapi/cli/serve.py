@@ -35,7 +35,7 @@ def _submit(args, given, api_key):
     import os
     import sys
 
-    from pyapi.appliance.client import Client
+    from pyapi.client import Client
     from wse_core.errors import ConfigError
 
     if args.api_key is not None:

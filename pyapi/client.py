@@ -1,19 +1,19 @@
-"""Talking to the appliance: where its socket is, one request per connection, and the job handle.
+"""The appliance's client side, below the Job (``Job.submit``) and the service (``pyapi.appliance``) alike:
+where the socket is, one request per connection, the job handle, and a job's states.
 
 The wire format is one JSON object per line over a unix socket: the client sends one request
 (``{"op": ..., ...}``) and reads replies until the service closes the connection; a reply with
 ``"error"`` is a refusal, one line. Who is asking is not in the request: the service reads the
 caller's uid from the socket itself (``SO_PEERCRED``). See docs/design/appliance.md "Who is asking".
 """
+import enum
 import json
 import os
 import socket
 import time
 from pathlib import Path
 
-from pyapi.appliance.errors import ApplianceError
-from pyapi.appliance.jobs import JobState
-from pyapi.errors import JobError
+from pyapi.errors import ApplianceError, JobError
 
 #: The socket of an appliance started by root, which serves every user of the machine.
 SYSTEM_STATE_DIR = Path("/var/lib/wse-appliance")
@@ -21,6 +21,34 @@ SOCKET_NAME = "appliance.sock"
 SOCKET_ENV = "WSE_APPLIANCE_SOCKET"
 #: A request line longer than this is refused (params files are a few KiB).
 MAX_LINE = 1 << 20
+
+
+# A job's states: ``queued -> running -> done | failed | cancelled`` (``running -> queued`` when the
+# service stops, and at its next start for jobs a killed service was running): docs/design/appliance.md
+# "Jobs". The states travel as their values: in the jobs table's ``state`` column and in every reply.
+
+
+class JobState(str, enum.Enum):
+    QUEUED = "queued"        # waiting for its CS-2s (or for the service to start again)
+    RUNNING = "running"      # an attempt's runner is alive (a restart stays running)
+    DONE = "done"
+    FAILED = "failed"        # its own input, or a fault after its restarts; its reason says which
+    CANCELLED = "cancelled"
+
+    def __str__(self):  # the value, in messages and f-strings (not "JobState.DONE")
+        return self.value
+
+    def __format__(self, spec):
+        return format(self.value, spec)
+
+    def is_terminal(self):
+        """Ended: nothing more happens to the job."""
+        return self in ENDED
+
+
+#: Holding or waiting for CS-2s: two of one user's active jobs may not share a model_dir.
+ACTIVE = (JobState.QUEUED, JobState.RUNNING)
+ENDED = (JobState.DONE, JobState.FAILED, JobState.CANCELLED)
 
 
 def user_state_dir():
