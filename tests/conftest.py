@@ -35,9 +35,9 @@ class Jobs:
 
         # SIGINT as a terminal's user gives it, whatever pytest inherited: a shell's background job
         # (`pytest &`) ignores it, and `wse fit` keeps an ignored signal ignored, as nohup's users expect.
+        kwargs.setdefault("preexec_fn", _default_sigint)
         return subprocess.Popen([sys.executable, "-m", "pyapi.cli", *map(str, args)], stdout=subprocess.PIPE,
-                                stderr=subprocess.PIPE, text=True, start_new_session=True,
-                                preexec_fn=_default_sigint, **kwargs)
+                                stderr=subprocess.PIPE, text=True, start_new_session=True, **kwargs)
 
     def run(self, *args, timeout=240, **kwargs):
         """Run to completion (a generous timeout that only a hang reaches); return a CompletedProcess.

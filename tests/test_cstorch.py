@@ -42,12 +42,12 @@ def train(tmp_path, kind, num_csx, steps=6, checkpoint_steps=3):
     return out, losses, cstorch.load(out / f"checkpoint_{steps}.h5")["model"]
 
 
-def test_the_tutorials_script_gives_the_same_bits_on_cpu_and_on_1_and_4_cs2s(tmp_path):
-    """(2 CS-2s against the CPU backend: the models' and mixed precision's tests.)"""
+def test_the_tutorials_script_gives_the_same_bits_on_cpu_and_on_4_cs2s(tmp_path):
+    """(2 CS-2s against the CPU backend: the models' and mixed precision's tests; 1 CS-2 against 4, a
+    compiled model's: test_compiler_cluster.py. The CPU backend runs 1 CS-2's step in this process.)"""
     import pyapi.cstorch as cstorch
 
-    (_, reference, weights), *others = (train(tmp_path, kind, n) for kind, n in
-                                        (("CPU", 1), ("CSX", 1), ("CSX", 4)))
+    (_, reference, weights), *others = (train(tmp_path, kind, n) for kind, n in (("CPU", 1), ("CSX", 4)))
     assert reference[-1] < reference[0]
     for out, losses, w in others:
         assert losses == reference, out
