@@ -14,6 +14,8 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
+from mpi_launch.plan import RankPlan, make_plan
+from mpi_launch.spec import RunSpec
 from wse_core.errors import PlanError
 from wse_core.microbatch import MicroBatches, share
 from wse_core.models import build_model
@@ -22,9 +24,6 @@ from wse_core.perf import Hardware
 from wse_core.perf.memory import largest_micro_batch, rank_memory_bytes, streaming_wafer
 from wse_core.perf.pipeline import Placement, Region, choose
 from wse_core.perf.step import walk_step
-
-from mpi_launch.plan import RankPlan, make_plan
-from mpi_launch.spec import RunSpec
 
 
 @dataclass(frozen=True)
@@ -67,14 +66,15 @@ class ResolvedRun:
                     parent={int(k): v for k, v in d["plan"]["parent"].items()})
         placement = {k: math.nan if v is None and k.endswith("_s") else v for k, v in d["placement"].items()}
         placement["regions"] = [Region(**dict(r, columns=tuple(r["columns"]))) for r in placement["regions"]]
-        return cls(spec, model or build_model(spec.model), RankPlan(**plan), d["strategy"], d["why"],
-                   Placement(**placement), MicroBatches(**d["micro_batches"]))
+        model = build_model(spec.model) if model is None else model
+        return cls(spec, model, RankPlan(**plan), d["strategy"], d["why"], Placement(**placement),
+                   MicroBatches(**d["micro_batches"]))
 
 
 def resolve(spec, model=None):
     """The ``ResolvedRun`` of a validated ``spec`` (``mpi_launch.spec.RunSpec``); ``model``: the spec's
     model when the caller built it already (params validation does)."""
-    model = model or build_model(spec.model)
+    model = build_model(spec.model) if model is None else model
     r, t = spec.runconfig, spec.train_input
     chosen, why, placement = _strategy(spec, model)
     plan = make_plan(num_csx=r.num_csx, num_wgt_servers=r.num_wgt_servers, num_workers_per_csx=r.num_workers_per_csx,

@@ -233,7 +233,7 @@ class Job:
         """The job's model (``wse_core.nn.Model``), built once."""
         from wse_core.models import build_model
 
-        return self._model or build_model(self.params.model)
+        return build_model(self.params.model) if self._model is None else self._model
 
     @functools.cached_property
     def resolved(self):
