@@ -212,9 +212,10 @@ class Rows:
     removed: list
 
 
-class RankEvent(enum.Enum):
+class RankEvent(str, enum.Enum):
     """What a rank tells the launcher's watchdog through its supervisor (``mpi_launch.supervisor``,
-    docs/design/faults.md "Supervisors"): the value is the ``event`` field of the report's JSON line."""
+    docs/design/faults.md "Supervisors"): the ``event`` field of the report's JSON line, which is the
+    member's value (a str enum: JSON writes it as its value)."""
     HELLO = "hello"            # the supervisor's first line: pid, host, the job's token
     MPI_UP = "mpi_up"          # MPI_Init done: the host's shared-memory segments are mapped
     READY = "ready"            # the role is built
@@ -224,6 +225,9 @@ class RankEvent(enum.Enum):
     CONTINUED = "continued"
     PROXY_LOST = "proxy_lost"  # the MPI proxy that started the supervisor died
     EXIT = "exit"              # the exit code, or the signal that killed the rank
+
+    def __str__(self):  # the value, in messages and f-strings
+        return self.value
 
 
 class ProtocolError(JobError):

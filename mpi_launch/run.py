@@ -12,6 +12,7 @@ Run by hand, without a watchdog, a failing rank aborts the whole job itself (``M
 import sys
 
 from mpi_launch import supervisor
+from mpi_launch.protocol import RankEvent
 from wse_core.errors import JobError
 
 #: Seconds a failed, supervised rank waits for the watchdog to end the job before aborting it itself.
@@ -34,7 +35,7 @@ def main(argv=None):
     run = run_dir.read_run()
     from mpi4py import MPI
 
-    supervisor.report(supervisor.MPI_UP)
+    supervisor.report(RankEvent.MPI_UP)
 
     comm = MPI.COMM_WORLD
     role, index = ("unknown", 0)
@@ -64,9 +65,9 @@ def main(argv=None):
         # Collective: every rank, before any role's own work. An inference job's roles poll without.
         bells = None if run["kind"] == "infer" else Bells.open(comm)
         job = make(role, index)
-        supervisor.report("ready")
+        supervisor.report(RankEvent.READY)
         job.run()
-        supervisor.report("done")
+        supervisor.report(RankEvent.DONE)
     except BaseException as exc:  # any failure ends the whole job, named in one line
         from mpi_launch.messaging import PeerLost, PeerTimeout
 
@@ -75,7 +76,7 @@ def main(argv=None):
         # A failed exchange with a peer is usually the echo of that peer's death, not the cause.
         kind = "peer" if isinstance(exc, (PeerLost, PeerTimeout)) else "cause"
         if supervisor.supervised():
-            supervisor.report("error", line=line, kind=kind)
+            supervisor.report(RankEvent.ERROR, line=line, kind=kind)
         sys.stderr.write(line + "\n")
         sys.stderr.flush()
         try:  # the traceback too, unless the disk is full: the line above is what matters

@@ -29,6 +29,8 @@ import socket
 import sys
 import time
 
+from mpi_launch.protocol import RankEvent
+
 CONTROL_ENV = "WSE_CONTROL"
 _PR_SET_PDEATHSIG = 1
 # What the supervisor receives when its MPI proxy dies: a signal nobody else sends (hydra itself
@@ -41,9 +43,6 @@ _CONNECT_SECONDS = 30.0
 _MAX_REPORT = 3000
 #: The shared-memory segments MPICH's ranks of one host map (unlinked by MPI_Finalize only).
 _SHM_PREFIX = "/dev/shm/mpich_shm_"
-#: The rank's report that MPI_Init is done: the supervisor reads the rank's mappings then (a rank
-#: that fails later, even importing its role, has its segment) and sends them to the watchdog.
-MPI_UP = "mpi_up"
 #: For tests of what only a moment of a job shows (a launcher killed between MPICH's segment and the
 #: rank's report of it): a supervised rank about to report this event stops itself first (SIGSTOP);
 #: its supervisor reports the stop as any other, and SIGCONT lets the rank go on.
@@ -63,8 +62,9 @@ def die_with_parent(sig):
 
 
 def report(event, **fields):
-    """From the rank: tell the launcher ``event`` (``MPI_UP``, ``ready``, ``done``, ``error``). A no-op
-    when unsupervised."""
+    """From the rank: tell the launcher ``event`` (a ``RankEvent``: MPI_UP, READY, DONE, ERROR). A no-op
+    when unsupervised. At MPI_UP the supervisor reads the rank's mappings (a rank that fails later,
+    even importing its role, has its shared-memory segment) and sends them to the watchdog."""
     if _report_fd is None:
         return
     if os.environ.get(HOLD_ENV) == event:
@@ -146,7 +146,7 @@ class Supervisor:
             signal.signal(sig, lambda *_: None)  # the wakeup fd carries the signal number
         self.parent = os.getppid()
         die_with_parent(_PARENT_GONE)
-        self.send({"event": "hello", "token": token, "pid": child, "supervisor": os.getpid(),
+        self.send({"event": RankEvent.HELLO, "token": token, "pid": child, "supervisor": os.getpid(),
                    "proxy": self.parent, "host": socket.gethostname()})
 
     def send(self, message):
@@ -172,7 +172,7 @@ class Supervisor:
                 message = json.loads(line)
             except ValueError:
                 continue
-            if message.get("event") == MPI_UP:  # the host's segment is mapped: the launcher learns it too
+            if message.get("event") == RankEvent.MPI_UP:  # the host's segment is mapped: the launcher learns it too
                 self.shm = _shm_files(self.child)
                 message["shm"] = sorted(self.shm)
             self.send(message)
@@ -199,7 +199,7 @@ class Supervisor:
                     if sig in _FORWARDED:
                         self._kill(sig, resume=sig != signal.SIGUSR1)
                     elif sig == _PARENT_GONE and os.getppid() != self.parent:
-                        self.send({"event": "proxy_lost"})
+                        self.send({"event": RankEvent.PROXY_LOST})
                         self._kill(signal.SIGKILL)
                 status = self.poll_child()
         # The rank is gone: what it wrote last (its error line) goes out before its exit.
@@ -210,7 +210,7 @@ class Supervisor:
             _unlink(self.shm)
         if os.WIFSIGNALED(status):
             sig = os.WTERMSIG(status)
-            self.send({"event": "exit", "signal": sig})
+            self.send({"event": RankEvent.EXIT, "signal": sig})
             self.sock.close()
             try:
                 signal.signal(sig, signal.SIG_DFL)
@@ -219,7 +219,7 @@ class Supervisor:
             os.kill(os.getpid(), sig)  # die the same way, so hydra sees what happened to the rank
             return 128 + sig
         code = os.WEXITSTATUS(status)
-        self.send({"event": "exit", "code": code})
+        self.send({"event": RankEvent.EXIT, "code": code})
         self.sock.close()
         return code
 
@@ -233,9 +233,9 @@ class Supervisor:
             if pid == 0:
                 return None
             if os.WIFSTOPPED(status):
-                self.send({"event": "stopped", "signal": os.WSTOPSIG(status)})
+                self.send({"event": RankEvent.STOPPED, "signal": os.WSTOPSIG(status)})
             elif os.WIFCONTINUED(status):
-                self.send({"event": "continued"})
+                self.send({"event": RankEvent.CONTINUED})
             else:
                 return status
 

@@ -34,6 +34,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 
+from mpi_launch.protocol import RankEvent
 from mpi_launch.supervisor import CONTROL_ENV
 
 #: Seconds to wait after an incident for others from the same moment, so the earliest is named.
@@ -268,7 +269,7 @@ class Watchdog:
             except ValueError:
                 continue
             if rank is None:  # the first message says who this is, with the job's token
-                if msg.get("event") != "hello" or msg.get("token") != self.token or msg.get("rank") not in self.ranks:
+                if msg.get("event") != RankEvent.HELLO or msg.get("token") != self.token or msg.get("rank") not in self.ranks:
                     sel.unregister(conn)
                     self._close(conn)
                     return
@@ -291,35 +292,35 @@ class Watchdog:
                 self.log.flush()
             except OSError as exc:  # the record stops there; the watching must not (a full disk ended it)
                 self.log_error, self.log = OSError(exc.errno, exc.strerror, getattr(self.log, "name", "")), None
-        if kind == "hello":
+        if kind == RankEvent.HELLO:
             s.pid, s.host, s.connected = msg.get("pid"), msg.get("host"), True
             s.processes = tuple(p for p in (msg.get("pid"), msg.get("supervisor"), msg.get("proxy")) if p)
-        elif kind == "mpi_up":
+        elif kind == RankEvent.MPI_UP:
             s.shm = tuple(msg.get("shm", ()))
-        elif kind == "ready":
+        elif kind == RankEvent.READY:
             s.ready = True
             if self.on_ready is not None and all(x.ready for x in self.ranks.values()):
                 on_ready, self.on_ready = self.on_ready, None
                 on_ready(time.time() - self._started)
-        elif kind == "done":
+        elif kind == RankEvent.DONE:
             s.done = True
             if rank == self.plan.coordinator:
                 self._coordinator_done = time.time()
-        elif kind == "error":
+        elif kind == RankEvent.ERROR:
             primary = msg.get("kind") != "peer"
             self._incident(t, primary, rank, msg.get("line", "failed"), named=True)
             if not primary:  # a peer gave up waiting: a stopped rank is the reason
                 for r, other in self.ranks.items():
                     if other.stopped_at is not None and not other.done:
                         self._stopped_incident(r, t)
-        elif kind == "stopped":
+        elif kind == RankEvent.STOPPED:
             s.stopped_at, s.stop_signal = t, msg.get("signal")
-        elif kind == "continued":
+        elif kind == RankEvent.CONTINUED:
             s.stopped_at = None
-        elif kind == "proxy_lost":
+        elif kind == RankEvent.PROXY_LOST:
             self._incident(t, True, rank, f"its MPI process manager (hydra_pmi_proxy) on {s.host} died",
                            external=True)
-        elif kind == "exit":
+        elif kind == RankEvent.EXIT:
             s.exited = True
             if "signal" in msg:
                 sig = msg["signal"]

@@ -26,7 +26,8 @@ from data_tools.preprocess import preprocess_text
 from mpi_launch.plan import PlanError
 from mpi_launch.resolved import describe, resolve
 from mpi_launch.rundir import RunDir
-from mpi_launch.supervisor import HOLD_ENV, MPI_UP
+from mpi_launch.protocol import RankEvent
+from mpi_launch.supervisor import HOLD_ENV
 from wse_core.models import build_model
 from wse_core.nn import numpy_ops, reference_step
 from wse_core.numerics import differences, environment
@@ -613,7 +614,7 @@ def test_nohup_keeps_a_job_through_the_hangup_it_ignores(tmp_path, data, jobs):
     to its end (the launcher took SIGHUP over and ended the job). Sent while every rank is held at
     start-up (WSE_TEST_HOLD), so the launcher is surely running the job; then they go on."""
     path, _ = params_file(tmp_path, data, 4, peer_timeout=300)
-    job = jobs.start("fit", path, "--num_csx", 2, env={**os.environ, HOLD_ENV: "ready"},
+    job = jobs.start("fit", path, "--num_csx", 2, env={**os.environ, HOLD_ENV: RankEvent.READY.value},
                      preexec_fn=lambda: signal.signal(signal.SIGHUP, signal.SIG_IGN))
     pids = held_ranks(job, RunDir(tmp_path / "model"))
     job.send_signal(signal.SIGHUP)
@@ -627,7 +628,7 @@ def test_a_launcher_killed_during_start_up_leaves_no_shared_memory(tmp_path, dat
     """SIGKILL of `wse fit` once MPICH has made its segment and before any rank reported it (every rank
     held there, WSE_TEST_HOLD=mpi_up): the supervisors, which outlive the launcher, remove it."""
     path, _ = params_file(tmp_path, data, 4, peer_timeout=300)
-    job = jobs.start("fit", path, "--num_csx", 2, env={**os.environ, HOLD_ENV: MPI_UP})
+    job = jobs.start("fit", path, "--num_csx", 2, env={**os.environ, HOLD_ENV: RankEvent.MPI_UP.value})
     shm = set()
     for pid in held_ranks(job, RunDir(tmp_path / "model")).values():
         with open(f"/proc/{pid}/maps") as f:

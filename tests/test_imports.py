@@ -100,8 +100,8 @@ FLOORS = {
                  {"optim", "sparse"}, {"nn"}, {"perf"}, {"compiler"}, {"models"}],
     "data_tools": [{"errors", "files"}, {"checkpoint", "documents", "lmdata"}, {"tokenizers"},
                    {"dataset", "hf", "preprocess"}],
-    "mpi_launch": [{"hello", "mpiexec", "plan", "protocol", "spec", "supervisor"}, {"messaging", "resolved", "watchdog"},
-                   {"launcher", "rundir"}, {"inference", "roles"}, {"run"}],
+    "mpi_launch": [{"hello", "mpiexec", "plan", "protocol", "spec"}, {"messaging", "resolved", "supervisor"},
+                   {"rundir", "watchdog"}, {"launcher"}, {"inference", "roles"}, {"run"}],
     "pyapi": [{"doctor", "errors", "generate", "modelzoo", "openai_api", "plot"}, {"client", "params", "serve"},
               {"job"}, {"appliance", "cstorch", "demo"}, {"cli"}],
 }
