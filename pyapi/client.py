@@ -14,6 +14,8 @@ import time
 from pathlib import Path
 
 from pyapi.errors import ApplianceError, JobError
+# wse_core.numerics (numpy) and mpi_launch.rundir (data_tools.files) are imported where they are used:
+# `wse --help` imports this module and must load neither (tests/test_cli.py).
 
 #: The socket of an appliance started by root, which serves every user of the machine.
 SYSTEM_STATE_DIR = Path("/var/lib/wse-appliance")

@@ -15,7 +15,13 @@ import time
 
 import yaml
 
+from data_tools.documents import stdlib_sources
+from pyapi.generate import Generator
+from pyapi.job import Job, JobError
 from pyapi.params import DEMO_DIR  # where it writes: the examples' params read its data from there
+from pyapi.params import validate
+from wse_core.checks import plural
+# data_tools.lmdata and data_tools.preprocess (h5py) are imported where the demo's data is prepared.
 #: One source file in this many is held out of training for evaluation: sources spread over the whole
 #: library (about 2%, 16 of 799 files in Python 3.11), so the eval loss is that of unseen code like the
 #: training code. The training data itself would flatter the model, and all 197,000 of its examples
@@ -41,9 +47,7 @@ def prepare():
     """The demo's data (training and held-out) and its params.yaml, in DEMO_DIR; the data is reused
     when both parts are there."""
     from data_tools.lmdata import DATA_PARAMS
-    from data_tools.documents import stdlib_sources
     from data_tools.preprocess import preprocess_text
-    from wse_core.checks import plural
 
     data, eval_data = DEMO_DIR / "data", DEMO_DIR / "eval_data"
     print(f"wse demo: 1/2 preprocessing the standard library's Python sources into {data}/, every "
@@ -62,9 +66,6 @@ def prepare():
 
 
 def main():
-    from pyapi.job import Job, JobError
-    from pyapi.params import validate
-
     t0 = time.perf_counter()
     prepare()
     data, model_dir = DEMO_DIR / "data", DEMO_DIR / "model"
@@ -99,8 +100,6 @@ SAMPLE = {"prompt": "def ", "max_new_tokens": 60, "temperature": 0.7, "seed": 0}
 
 def show_sample(model_dir):
     """Print what the trained model writes, and the command that writes it again."""
-    from pyapi.generate import Generator
-
     text = Generator.load(model_dir).generate(SAMPLE["prompt"], SAMPLE["max_new_tokens"],
                                               temperature=SAMPLE["temperature"], seed=SAMPLE["seed"])[0].text
     print(f"  what it writes (`wse generate {model_dir} --prompt {SAMPLE['prompt']!r} --temperature "

@@ -5,6 +5,8 @@ import platform
 import sys
 
 from mpi_launch import MPILaunchError, find_mpiexec, run_mpi
+# Each check imports what it examines, inside it: a broken piece (numpy, the kernels, h5py) is reported
+# by its own check instead of ending `wse doctor` with a traceback.
 
 HELLO_TIMEOUT_S = 60
 

@@ -14,7 +14,12 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from data_tools.errors import DataError
 from wse_core.errors import ConfigError
+# Imported where used: the kernels (wse_core.models, wse_core.nn.generate), after configure_process();
+# torch (wse_core.compiler.generate), for compiled models alone; h5py and yaml (data_tools.checkpoint,
+# tokenizers, hf), for loading a checkpoint; mpi_launch.inference, looked up when a cluster engine starts
+# (tests replace its ClusterEngine).
 
 #: Tokens a prompt gets when none are asked (fewer when the model holds fewer positions).
 DEFAULT_NEW_TOKENS = 64
@@ -103,7 +108,6 @@ class Generator:
         import yaml
 
         from data_tools.checkpoint import Checkpoint
-        from data_tools.errors import DataError
         from data_tools.tokenizers import data_tokenizer, get_tokenizer
 
         path = Path(source)

@@ -17,10 +17,20 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
-from pyapi import params as params_mod
+from data_tools.errors import DataError
+from mpi_launch.launcher import Output, launch
+from mpi_launch.mpiexec import check_capacity, job_command
+from mpi_launch.rundir import RunDir
+from pyapi import params as params_mod, plot
+from pyapi.client import Client
 from pyapi.errors import JobError  # also pyapi.job.JobError, the name users know (see pyapi/errors.py)
 from wse_core.checks import plural
 from wse_core.errors import ConfigError
+from wse_core.perf import Hardware
+from wse_core.perf.inference import serve
+# Imported where used: the kernels (wse_core.models, wse_core.nn, mpi_launch.resolved, data_tools.dataset),
+# which load after configure_process() (wse_core/__init__.py), never on `from pyapi import Job`; and h5py
+# (data_tools.checkpoint), for validate() alone.
 
 
 @dataclass
@@ -199,8 +209,6 @@ class InferenceReport:
 def _draw_loss(run_dir, stream):
     """The run's loss.png, from every step of its metrics.jsonl (a resumed run's earlier ones too), and a
     line saying where it is (``stream``: an ``Output``)."""
-    from pyapi import plot
-
     try:
         plot.save(plot.loss_figure([run_dir.path]), run_dir.loss_png)
     except Exception as exc:  # the steps are trained and checkpointed: a picture is not worth failing them for
@@ -271,9 +279,6 @@ class Job:
 
     def _compile_inference(self, batch, prompt_tokens, new_tokens):
         """``compile(inference=True)``: the data is not read to serve, so not checked."""
-        from wse_core.perf import Hardware
-        from wse_core.perf.inference import serve
-
         model = self.model
         most = model.config.get("max_position_embeddings", 2)
         prompt = prompt_tokens if prompt_tokens is not None else min(128, most // 2)
@@ -293,8 +298,6 @@ class Job:
         The command runs the job as it stands, without the launcher's watchdog: put it in a batch
         script, or run it by hand.
         """
-        from mpi_launch.rundir import RunDir
-
         self._check_inputs()
         cmd, _ = self._command(hostfile, None)
         with RunDir(self.model_dir).lock("wse fit --dry-run") as run_dir:
@@ -304,7 +307,6 @@ class Job:
         return cmd
 
     def _command(self, hostfile, cores):
-        from mpi_launch.mpiexec import check_capacity, job_command
         from mpi_launch.resolved import check_host_memory
 
         plan = self.resolved.plan
@@ -327,9 +329,6 @@ class Job:
         SIGINT or SIGHUP to this process end the job's ranks and raise
         ``mpi_launch.launcher.JobInterrupted`` (when called from the main thread).
         """
-        from mpi_launch.launcher import Output, launch
-        from mpi_launch.rundir import RunDir
-
         stream = Output.of(sys.stdout if stream is None else stream)
         self._check_inputs()
         cmd, plan = self._command(hostfile, cores)
@@ -377,8 +376,6 @@ class Job:
         ``max_restarts`` times. ``socket``: the appliance's (default: ``$WSE_APPLIANCE_SOCKET``, this
         user's own appliance, then the machine's).
         """
-        from pyapi.client import Client
-
         self._check_inputs()
         return Client(socket).submit(self.params, max_restarts=max_restarts, priority=priority, name=name)
 
@@ -391,7 +388,6 @@ class Job:
         ``stream`` (a file) is told what is evaluated once the checks have passed: it can take a while.
         """
         from data_tools.checkpoint import Checkpoint
-        from wse_core.checks import plural
         from wse_core.nn.reference import evaluate
 
         e = self.params.eval_input
@@ -433,7 +429,6 @@ class Job:
         """Fail before any work starts if ``section``'s data cannot feed the model; return the Dataset
         (of evaluation data; training data, which may be a mixture, is checked as its stream)."""
         from data_tools.dataset import Dataset, GlobalStream
-        from data_tools.errors import DataError
 
         t = getattr(self.params, section)
         mixture = getattr(t, "mixture", None)

@@ -31,6 +31,7 @@ from dataclasses import fields
 from mpi_launch.spec import SECTIONS
 from wse_core.checks import plural, show
 from wse_core.errors import ConfigError
+# wse_core.nn.config is imported where used: it loads the kernels, which come after configure_process().
 
 #: Activations of gated feed-forward layers: llama's (swiglu), not built for gpt2.
 LLAMA_NONLINEARITIES = ("swiglu", "geglu", "reglu", "relu", "silu", "leaky_relu")

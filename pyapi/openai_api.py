@@ -17,6 +17,7 @@ from aiohttp import web
 from wse_core.checks import Bool, Check, Constraint, Int, Number, Text, default_of, did_you_mean, key, show
 from wse_core.errors import ConfigError, ConfigTypeError
 from wse_core.nn.generate import GREEDY, Sampling
+# jinja2 (optional: chat templates only) is imported where a template is rendered.
 
 
 # -- errors ----------------------------------------------------------------------------------------

@@ -21,11 +21,15 @@ from pathlib import Path
 
 import yaml
 
+from mpi_launch.rundir import RunDir
 from mpi_launch.spec import SECTIONS, RunSpec
 from pyapi import modelzoo
 from wse_core.checks import check_fields, did_you_mean, plural, show
 from wse_core.errors import ConfigError, PlanError
 from wse_core.microbatch import MicroBatches, share
+from wse_core.perf import Hardware
+# wse_core.models and mpi_launch.resolved are imported where used: they load the kernels, which come after
+# configure_process() (wse_core/__init__.py), never on importing the params.
 
 #: Values (scalars, lists, mappings; an alias counted each time it is used) a params document may
 #: expand to: a real one has a few hundred; an alias bomb has billions.
@@ -203,7 +207,6 @@ def _resolve_micro_batch(p, report):
     in weight streaming, the share itself whenever it fits (a pipelined run keeps the share);
     ``explore`` as ``auto``, for ``wse compile`` only, which then prints every candidate."""
     from mpi_launch.resolved import check_wafer
-    from wse_core.perf import Hardware
 
     t, r = p["train_input"], p["runconfig"]
     per_csx = share(t["batch_size"], r["num_csx"])
@@ -363,8 +366,6 @@ def _check_node(root, where):
 def params_file(path):
     """The params file ``path`` names: itself, or a run directory's resolved params (its params.yaml, which
     loads again: `wse validate runs/x` evaluates the run as it ran); a ParamsError for another directory."""
-    from mpi_launch.rundir import RunDir
-
     p = Path(path)
     if not p.is_dir():
         return p

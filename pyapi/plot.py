@@ -14,6 +14,7 @@ from data_tools.files import replacing
 from mpi_launch.rundir import RunDir
 from wse_core.checks import plural
 from wse_core.errors import ConfigError, DataError
+# matplotlib (heavy, and only for pictures) is imported inside the functions that draw.
 
 
 def read_run(path):

@@ -12,12 +12,19 @@ import os
 import resource
 import signal
 import time
+import warnings
 from pathlib import Path
 
+from mpi_launch.inference import plan_of, spec
+from mpi_launch.mpiexec import check_capacity
 from mpi_launch.supervisor import die_with_parent
+from pyapi.appliance.requests import check_path
 from pyapi.client import MAX_LINE
 from pyapi.errors import RequestError
 from pyapi.appliance.scheduler import cores_for
+from pyapi.generate import Generator
+from pyapi.params import validate
+# mpi_launch.resolved and pyapi.serve are imported where used: they load the kernels (and aiohttp).
 
 #: The child that checks a submitted job's params: CPU seconds and bytes of address space it may use.
 CHECK_SECONDS = 60
@@ -53,11 +60,7 @@ def umask_of(pid):
 
 def check_params(raw, pool_csx, cores):
     """In the checker child: the validated params and what the service needs of them, or the error."""
-    import warnings
-
-    from mpi_launch.mpiexec import check_capacity
     from mpi_launch.resolved import resolve
-    from pyapi.params import validate
 
     if isinstance(raw, dict) and set(raw) == {"serve"}:
         return check_serve(raw["serve"], pool_csx, cores)
@@ -83,10 +86,6 @@ def check_serve(serve, pool_csx, cores):
     """In the checker child: a serve job (``pyapi.serve`` on an inference job of ``num_csx`` CS-2s),
     its model loaded and its inference job planned as the submitter; its "model_dir" is the model's
     directory (one job of a user serves it at a time)."""
-    from mpi_launch.inference import plan_of, spec
-    from mpi_launch.mpiexec import check_capacity
-    from pyapi.appliance.requests import check_path
-    from pyapi.generate import Generator
     from pyapi.serve import Limits
 
     if not isinstance(serve, dict):

@@ -15,6 +15,16 @@ import sys
 import threading
 import time
 
+from mpi_launch import MPILaunchError
+from mpi_launch.inference import InferenceJobError
+from mpi_launch.launcher import JobInterrupted
+from mpi_launch.rundir import RunDir, RunDirBusy
+from mpi_launch.supervisor import die_with_parent
+from pyapi.job import Job, JobError
+from pyapi.params import RunSpec
+from wse_core import configure_process
+# pyapi.serve is imported in serve(): it loads the kernels (and aiohttp), after main()'s configure_process().
+
 #: The job cannot run as given (params, data, permissions): restarting would fail the same way.
 EXIT_BAD_INPUT = 2
 #: A rank failed (the watchdog's one line was printed last): a restart from the checkpoint may succeed.
@@ -25,8 +35,6 @@ LOCK_WAIT_SECONDS = 60.0
 
 
 def _wait_for_lock(model_dir):
-    from mpi_launch.rundir import RunDir, RunDirBusy
-
     deadline = time.monotonic() + LOCK_WAIT_SECONDS
     while True:
         try:
@@ -93,7 +101,6 @@ def serve(orders, *, cores=None):
     the last line and return ``(exit code, that line)``: 128 + SIGTERM once stopped (a serve job
     has no end of its own), EXIT_BAD_INPUT when it cannot start as given, EXIT_JOB_FAILED when its
     inference job cannot start."""
-    from mpi_launch.inference import InferenceJobError
     from pyapi.serve import Limits, Server
 
     try:
@@ -116,12 +123,6 @@ def attempt(params, *, cores=None, hostfile=None, progress_fd=None):
     """Train ``params`` (a validated flat dict) as ``wse fit`` does; print the outcome as the last
     line and return ``(exit code, that line)``: 0, EXIT_BAD_INPUT, EXIT_JOB_FAILED or 128 + signal.
     With ``progress_fd``, report progress on it as the job goes (``_Progress``)."""
-    from mpi_launch import MPILaunchError
-    from mpi_launch.rundir import RunDir
-    from mpi_launch.launcher import JobInterrupted
-    from pyapi.job import Job, JobError
-    from pyapi.params import RunSpec
-
     job = Job(RunSpec.from_dict(params))
     progress = None if progress_fd is None else _Progress(RunDir(job.model_dir).metrics, progress_fd)
     try:
@@ -144,8 +145,6 @@ def attempt(params, *, cores=None, hostfile=None, progress_fd=None):
 
 
 def main():
-    from mpi_launch.supervisor import die_with_parent
-
     orders = json.load(sys.stdin)
     # The service owns the job: if it dies, the job stops (SIGTERM ends the ranks cleanly) and
     # the service, started again, resumes it from its checkpoint.
@@ -158,8 +157,6 @@ def main():
     except OSError as exc:
         print(f"error: cannot enter {orders['cwd']}: {exc.strerror}")
         return EXIT_BAD_INPUT
-    from wse_core import configure_process
-
     configure_process()
     if "serve" in orders["params"]:
         return serve(orders["params"]["serve"], cores=orders["cores"])[0]

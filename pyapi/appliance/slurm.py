@@ -19,9 +19,15 @@ import subprocess
 import sys
 from pathlib import Path
 
+import yaml
+
 from mpi_launch.rundir import RunDir
+from pyapi.appliance.runner import EXIT_JOB_FAILED, attempt
 from pyapi.errors import ApplianceError
+from pyapi.params import load
+from wse_core import configure_process
 from wse_core.errors import ConfigError
+from wse_core.numerics import numerics_variables
 
 NAME_PREFIX = "wse-"
 _FIELDS = ("id", "name", "state", "user", "elapsed", "comment")
@@ -66,10 +72,6 @@ def script(job, *, world_size, max_restarts, name, numerics=None):
 
 def submit(job, *, max_restarts=0, name=None):
     """Check ``job``, write its params and script into model_dir, ``sbatch`` it; return (Slurm id, script path)."""
-    import yaml
-
-    from wse_core.numerics import numerics_variables
-
     if not 0 <= max_restarts <= 100:
         raise ConfigError(f"--max_restarts: expected 0..100, got {max_restarts}")
     job._check_inputs()
@@ -173,10 +175,6 @@ def _hostfile(model_dir):
 
 def main(argv=None):
     """Inside the allocation: train, restarting from the latest checkpoint after a fault."""
-    from pyapi.appliance.runner import EXIT_JOB_FAILED, attempt
-    from pyapi.params import load
-    from wse_core import configure_process
-
     p = argparse.ArgumentParser(prog="python -m pyapi.appliance.slurm")
     p.add_argument("params")
     p.add_argument("--max_restarts", type=int, default=0)

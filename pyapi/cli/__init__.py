@@ -27,6 +27,8 @@ import sys
 
 from pyapi.cli import appliance, checkpoint, data, doctor, fabric, generate, params, plot, serve, train
 from pyapi.cli.options import Parser
+# What a command runs (pyapi.job, pyapi.params, wse_core, data_tools, ...) is imported inside its function:
+# `wse --help` imports every module here and must load no numerics (tests/test_cli.py).
 
 #: The subcommands in the order `wse --help` lists them.
 _COMMANDS = (doctor.add_doctor, doctor.add_demo, train.add_fit, appliance.add_appliance, appliance.add_submit,

@@ -4,6 +4,8 @@ import sys
 
 from pyapi.client import JobState
 from pyapi.cli.options import job_args, overrides, print_json_or_lines
+# What a command runs (pyapi.job, pyapi.params, wse_core, data_tools, ...) is imported inside its function:
+# `wse --help` imports every module here and must load no numerics (tests/test_cli.py).
 
 SOCKET_HELP = ("the appliance's socket (default: $WSE_APPLIANCE_SOCKET, else this user's own appliance, else "
                "/var/lib/wse-appliance/appliance.sock)")

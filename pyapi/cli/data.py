@@ -3,6 +3,8 @@ import argparse
 
 from data_tools import COMPRESSIONS, DEFAULT_COMPRESSION
 from pyapi.cli.options import print_json_or_lines
+# What a command runs (pyapi.job, pyapi.params, wse_core, data_tools, ...) is imported inside its function:
+# `wse --help` imports every module here and must load no numerics (tests/test_cli.py).
 
 
 def _cmd_data_preprocess(args):

@@ -1,4 +1,6 @@
 """`wse doctor` and `wse demo`: the two commands that need no files of their own."""
+# What a command runs (pyapi.job, pyapi.params, wse_core, data_tools, ...) is imported inside its function:
+# `wse --help` imports every module here and must load no numerics (tests/test_cli.py).
 
 
 def _cmd_doctor(args):

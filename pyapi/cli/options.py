@@ -1,6 +1,8 @@
 """What several commands share: the command line's parser (its one spelling rule for options), a training
 job's arguments, the runconfig overrides they make, and output as JSON or aligned lines."""
 import argparse
+# What a command runs (pyapi.job, pyapi.params, wse_core, data_tools, ...) is imported inside its function:
+# `wse --help` imports every module here and must load no numerics (tests/test_cli.py).
 
 
 class Parser(argparse.ArgumentParser):

@@ -2,6 +2,8 @@
 import sys
 
 from pyapi.cli.options import PARAMS_HELP
+# What a command runs (pyapi.job, pyapi.params, wse_core, data_tools, ...) is imported inside its function:
+# `wse --help` imports every module here and must load no numerics (tests/test_cli.py).
 
 
 def _cmd_params_convert(args):

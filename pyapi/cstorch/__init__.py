@@ -23,6 +23,12 @@ function returns what the step returns as the cluster finishes it, and the model
 weights when the executor ends. What is not built is refused in one line naming it
 (docs/user-guide.md, "Your own PyTorch model").
 """
+
+import contextlib
+import importlib.machinery
+
+import numpy as np
+
 try:
     import torch  # noqa: F401
 except ImportError:
@@ -49,8 +55,6 @@ __all__ = ["Backend", "ClusterConfig", "amp", "backend", "backends", "checkpoint
 
 def from_numpy(array):
     """A tensor of a numpy array (sharing its memory; a read-only array is copied first)."""
-    import numpy as np
-
     return torch.from_numpy(array if array.flags.writeable else np.array(array))
 
 
@@ -91,8 +95,6 @@ def make_constant(tensor):
 
 def name_scope(name, raw=False):
     """Names the ops of a block on a real system (for its debugging tools); nothing here."""
-    import contextlib
-
     return contextlib.nullcontext()
 
 
@@ -105,8 +107,6 @@ def manual_seed(seed):
 def __getattr__(name):
     """Cerebras' other modules and functions (sparse, ...): one line naming them. A submodule of this
     package not imported yet is imported (``from pyapi.cstorch import run``)."""
-    import importlib.machinery
-
     if name.startswith("_"):
         raise AttributeError(name)
     if importlib.machinery.PathFinder.find_spec(f"{__name__}.{name}", __path__) is not None:

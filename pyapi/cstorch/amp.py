@@ -15,6 +15,8 @@ none.
 """
 import contextlib
 
+import torch
+
 from pyapi.cstorch import step as step_mod
 from pyapi.cstorch.errors import not_built, refusing
 from pyapi.cstorch.step import recording
@@ -95,8 +97,6 @@ class GradScaler:
 
 def _format(dtype, who="cstorch.amp.set_half_dtype"):
     """The format name of a half dtype: "float16", "bfloat16", "cbfloat16" or torch.float16 / torch.bfloat16."""
-    import torch
-
     if isinstance(dtype, str) and dtype in ("float16", "bfloat16", "cbfloat16"):
         return dtype
     if isinstance(dtype, torch.dtype) and dtype in (torch.float16, torch.bfloat16):
@@ -106,8 +106,6 @@ def _format(dtype, who="cstorch.amp.set_half_dtype"):
 
 
 def _torch_dtype(fmt):
-    import torch
-
     return torch.bfloat16 if fmt == "bfloat16" else torch.float16  # cbfloat16's proxy is float16, as Cerebras'
 
 
@@ -147,8 +145,6 @@ def mixed_precision():
 
 def get_floating_point_dtype(default=None):
     """The half dtype in mixed precision, else ``default`` (torch.float32)."""
-    import torch
-
     return get_half_dtype() if mixed_precision() else (default or torch.float32)
 
 
@@ -171,8 +167,6 @@ def optimizer_step(loss, optimizer, grad_scaler, max_gradient_norm=None, max_gra
     """Cerebras' whole update in one call, inside the traced step: the scaled loss's backward, the
     clipping (``max_gradient_norm``: the global L2 norm), the scaler's step and update; as
     Cerebras' own, it calls ``backward()`` itself."""
-    import torch
-
     if not isinstance(loss, torch.Tensor):
         raise ValueError(f"cstorch.amp.optimizer_step: loss: expected a tensor, got {type(loss).__name__}")
     if not isinstance(grad_scaler, GradScaler):

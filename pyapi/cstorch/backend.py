@@ -3,6 +3,9 @@ import sys
 from dataclasses import asdict
 from pathlib import Path
 
+import torch
+
+from pyapi.cstorch import amp
 from pyapi.cstorch.distributed import ClusterConfig, CSConfig
 from pyapi.cstorch.errors import not_built
 from wse_core.errors import ConfigError
@@ -103,8 +106,6 @@ def backend(backend_type=None, *, artifact_dir=None, cluster_config=None, num_cs
         print(f"cstorch.backend: {', '.join(tuning)}: taken, and meaningless on the emulated cluster (nothing is "
               "compiled for a wafer)", file=sys.stderr)
     if mixed_precision:
-        from pyapi.cstorch import amp
-
         amp.set_half_dtype(amp.get_half_dtype_str())  # the half dtype set, float16 if none
     if cluster_config is None:
         cluster_config = ClusterConfig(num_csx=1 if num_csx is None else num_csx)  # the params check the value
@@ -132,8 +133,6 @@ def _say_ignored(config, who):
 
 def current_torch_device():
     """The torch device of the script's tensors: the CPU (the emulated CS-2s take them from there)."""
-    import torch
-
     return torch.device("cpu")
 
 
@@ -166,8 +165,6 @@ def compile(model, backend=None):
     """Prepare ``model`` (a torch.nn.Module) for ``backend`` (default: the current one; a name: the
     current one if of that kind, else a new one). As on a real system nothing is compiled yet: the
     graph is captured on the traced step's first call."""
-    import torch
-
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"cstorch.compile: expected a torch.nn.Module, got {type(model).__name__}")
     if isinstance(backend, str):  # the backend of that kind made already, or a new one (as Cerebras')

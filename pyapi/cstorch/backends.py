@@ -7,6 +7,8 @@ AttributeError, as on a real system) with no effect here: nothing is compiled fo
 """
 import copy
 
+from pyapi.cstorch.errors import not_built
+
 
 #: Assigning it to a flag gives the flag its default back (``cstorch.backends.DEFAULT``).
 DEFAULT = object()
@@ -88,8 +90,6 @@ def flagged_micro_batch_size():
     if value in (None, "auto"):
         return None
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        from pyapi.cstorch.errors import not_built
-
         raise not_built(f"cstorch.backends.csx.performance.micro_batch_size = {value!r}",
                         "an integer >= 1, or \"auto\"")
     return value

@@ -1,5 +1,8 @@
 """How a traced step's call is made of its step's batch (``Call``), and the module whose forward is the
 step, which the compiler exports (``traced_module``)."""
+import torch
+from torch.utils._pytree import keystr, tree_flatten_with_path, tree_unflatten
+
 from pyapi.cstorch.errors import not_built
 from pyapi.cstorch.step import handed, recording
 
@@ -8,8 +11,6 @@ def traced_module(fn, model, call):
     """The module whose forward is the user's traced step on the batch's tensors it reads (``call``:
     ``Call``), returning (its loss, the tensors it hands to Python) (its class made here: torch is
     imported late)."""
-    import torch
-
     class TracedStep(torch.nn.Module):
         def __init__(self):
             super().__init__()
@@ -34,9 +35,6 @@ class Call:
     the graph; ``inputs``: the indices the graph takes, in order."""
 
     def __init__(self, name, args, kwargs, batch):
-        import torch
-        from torch.utils._pytree import keystr, tree_flatten_with_path
-
         pairs, self.spec = tree_flatten_with_path((args, kwargs))
         self.name, self.slots, self.constants = name, [], []
         by_id = {id(t): i for i, t in enumerate(batch.leaves)}
@@ -56,14 +54,10 @@ class Call:
         """The tensors of ``batch`` the graph takes, as it takes them: int32 widened to int64 (a CS-2
         takes int32 class targets and token ids, which torch's CPU losses refuse; the values are the
         same)."""
-        import torch
-
         return [t.to(torch.int64) if t.dtype == torch.int32 else t for t in (batch.leaves[k] for k in self.inputs)]
 
     def arguments(self, inputs):
         """(args, kwargs) of the step with the graph's ``inputs`` in their places."""
-        from torch.utils._pytree import tree_unflatten
-
         of = dict(zip(self.inputs, inputs))
         constants = iter(self.constants)
         return tree_unflatten([of[k] if k is not None else next(constants) for k in self.slots], self.spec)

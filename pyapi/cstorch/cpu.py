@@ -1,5 +1,9 @@
 """The CPU backend's steps: the single-process reference's, on the run's dataset."""
 
+from pyapi.params import validate
+# The kernels (data_tools.dataset, wse_core.models, wse_core.optim, wse_core.nn) are imported where used:
+# importing the package (cerebras.pytorch) loads none of them.
+
 
 class InProcess:
     """The CPU backend: the reference's steps (``wse_core.nn.reference``) on the run's dataset, as the
@@ -7,7 +11,6 @@ class InProcess:
 
     def __init__(self, params, start=0, resumed=None, loss_scale=None):
         from data_tools.dataset import GlobalStream
-        from pyapi.params import validate
         from wse_core.models import build_model
         from wse_core.optim import make_schedule
         from wse_core.optim.loss_scale import LossScaler

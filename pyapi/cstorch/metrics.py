@@ -9,6 +9,8 @@ The sums of a training step's micro-batches are added by the cluster as the loss
 """
 import math
 
+import torch
+
 from pyapi.cstorch import step as step_mod
 from pyapi.cstorch.errors import refusing
 
@@ -63,8 +65,6 @@ _accumulate._every_step = True  # a metric's statistics are added on every step,
 
 
 def _weights(labels, weights):
-    import torch
-
     return torch.ones_like(labels, dtype=torch.float32) if weights is None else weights.to(torch.float32)
 
 
@@ -105,8 +105,6 @@ class MeanMetric(Metric):
     STATE = ("sum", "weight")
 
     def statistics(self, value, weight=1.0, dtype=None):
-        import torch
-
         value = value.to(torch.float32)
         w = torch.as_tensor(weight, dtype=torch.float32)
         return (value * w).sum(), torch.ones_like(value).mul(w).sum()

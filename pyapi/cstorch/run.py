@@ -29,15 +29,25 @@ import sys
 import threading
 
 import numpy as np
+import torch
 import yaml
 
+from data_tools.checkpoint import Checkpoint, CheckpointWriter
 from data_tools.files import write_text
+from data_tools.lmdata import DATA_PARAMS, write_tensors_file
 from pyapi.cstorch.backends import flagged_micro_batch_size
 from pyapi.cstorch.call import Call, traced_module
 from pyapi.cstorch.cpu import InProcess
 from pyapi.cstorch.errors import JobError, not_built
 from pyapi.cstorch.step import handed, names_closures, ops_of, record, run_closures, with_values
+from pyapi.job import Job
+from pyapi.params import validate
+from wse_core.checks import plural
+from wse_core.compiler import CompileError, capture, partition
 from wse_core.errors import ConfigError, DataError
+from wse_core.numerics import environment
+# Imported where used: the kernels (wse_core.compiler.model, wse_core.models, wse_core.optim,
+# mpi_launch.resolved), which importing the package does not load; tensorboardX (optional).
 
 #: Seconds between looks at the job's metrics while a step is awaited (a sleep, not a spin: the
 #: ranks need the cores).
@@ -57,8 +67,6 @@ def _buffers_kept(model):
     """The model's buffers as they were before the block: running the step's Python to capture or
     check it (BatchNorm's ``num_batches_tracked += 1``) must not change the model's state, which the
     cluster's steps alone move."""
-    import torch
-
     saved = [(b, b.detach().clone()) for b in model.buffers()]
     try:
         yield
@@ -120,8 +128,6 @@ class Run:
             else:
                 rec, out = self.template
         if not self.backend.is_e2e_execution:  # nothing ran: NaN (or 0) values, no closure
-            import torch
-
             return with_values(out, {id(t): torch.full(t.shape, float("nan"), dtype=t.dtype) if t.is_floating_point()
                                      else torch.zeros(t.shape, dtype=t.dtype)
                                      for t in [rec.loss, *handed(rec, out)] if t is not None})
@@ -139,8 +145,6 @@ class Run:
             raise not_built(f"{fn.__name__}: at step {step} it hands Python {len(tensors)} tensors (returned, or "
                             f"given to step closures and summaries), at step 1 {len(values)}",
                             "the same tensors on every step: return them, and give closures what it returns")
-        import torch
-
         real = {id(t): torch.as_tensor(v, dtype=t.dtype) for t, v in zip(tensors, values)}
         if rec.loss is not None:
             real[id(rec.loss)] = torch.tensor(loss, dtype=torch.float32)
@@ -163,8 +167,6 @@ class Run:
         """The model's BatchNorms' running statistics after a step of ``micro_batches``: r = (1 - m)^M r
         + the step's combined statistics (``loss.combination``'s "ema"), as M updates of eager
         PyTorch; ``num_batches_tracked`` counts the micro-batches."""
-        import torch
-
         with torch.no_grad():
             for (path, momentum, _, _), mean, var in zip(self.batch_norms, stats[0::2], stats[1::2]):
                 bn = self.user_model.get_submodule(path.removeprefix("model.model."))
@@ -189,9 +191,6 @@ class Run:
         return rec, out
 
     def _start(self, fn):
-        import torch
-
-        from wse_core.compiler import CompileError, capture, partition
         from wse_core.compiler.model import save_program
 
         if not self.backend.models:
@@ -253,7 +252,6 @@ class Run:
         self.scaler = rec.scaler
         scale = self.scaler.resumed_state() if self.start and self.scaler is not None else None
         if self.scaler is not None:  # follows the cluster's loss scaler step by step (``step``)
-            from pyapi.params import validate
             from wse_core.optim.loss_scale import LossScaler
 
             self.loss_scaler = LossScaler.from_params(validate(self.params).optimizer, rec.fp16_type)
@@ -289,9 +287,6 @@ class Run:
         return {"train_input": train, "model": model, "optimizer": optimizer, "runconfig": runconfig}
 
     def _start_job(self):
-        from pyapi.job import Job
-        from pyapi.params import validate
-
         job = Job(validate(self.params))
         target = self.backend.appliance
         # Queued on the appliance here, in this thread: a refusal (no appliance, a bad request) is the
@@ -325,8 +320,6 @@ class Run:
                   f"as {len(graph.outputs)} output(s); nothing ran", flush=True)
         elif self.backend.compile_only:
             from mpi_launch.resolved import describe, resolve
-            from pyapi.params import validate
-            from wse_core.checks import plural
 
             d = describe(resolve(validate(self.params)))
             sim, plan = d["simulated"], d["plan"]
@@ -344,11 +337,8 @@ class Run:
         forward pass over the step's batch in this process, as the cluster's own evaluations run on
         the host (``Job.validate``, the coordinator's ``Evaluations``): the same units, the same
         numerics."""
-        from wse_core.compiler import partition
         from wse_core.compiler.model import save_program
         from wse_core.models import build_model
-
-        import torch
 
         for path, m in self.user_model.named_modules():
             if isinstance(m, torch.nn.modules.batchnorm._BatchNorm) and m.training and m.track_running_stats:
@@ -437,14 +427,10 @@ class Run:
             self._advance_cpu(step)
             weights, state = self.cpu.params, self.cpu.state
         else:
-            from data_tools.checkpoint import Checkpoint
-
             path = self.model_dir / f"checkpoint_{step}"
             self._await(lambda: (path / "index.h5").exists(), f"the checkpoint of step {step}")
             weights, state = Checkpoint(path).load()
         _load_into(self.user_model, weights)
-        import torch
-
         self.optimizer.state = {self.param_of[n]: {"step": torch.tensor(float(step)),
                                                    **{k: torch.from_numpy(np.array(v)) for k, v in st.items()}}
                                 for n, st in state.items()}
@@ -454,7 +440,6 @@ class Run:
     def _resumed_state(self):
         """(weights, optimizer state) by name of the step the run resumes from: the model's and the
         optimizer's loaded ones."""
-        from pyapi.params import validate
         from wse_core.compiler.model import load_program
 
         names = validate(self.params).optimizer.optimizer().state_names
@@ -532,9 +517,6 @@ def _resumed_step(optimizer, checkpoint_steps):
 
 def _write_checkpoint(model_dir, step, weights, state, loss_scale=None):
     """The run's first checkpoint, of the step it resumes from: the job resumes from ``latest``."""
-    from data_tools.checkpoint import CheckpointWriter
-    from wse_core.numerics import environment
-
     model_dir.mkdir(parents=True, exist_ok=True)
     writer = CheckpointWriter(model_dir, step).prepare()
     writer.commit([writer.write_shard(0, weights, state)], numerics=environment(), loss_scale=loss_scale)
@@ -553,8 +535,6 @@ def _check_trained(model, optimizer):
 
 def _load_into(model, weights):
     """Copy the run's weights (named "model.<name>", by owner) into the user's module."""
-    import torch
-
     own = dict(model.named_parameters())
     with torch.no_grad():
         for name, w in weights.items():
@@ -564,8 +544,6 @@ def _load_into(model, weights):
 def _write_dataset(data, batches, call):
     """The batches' tensors the step reads (``Call.graph_inputs``), in order, as one file of the
     project's ``tensors`` layout, with its data_params.json."""
-    from data_tools.lmdata import DATA_PARAMS, write_tensors_file
-
     rows = [call.graph_inputs(b) for b in batches]
     columns = [np.concatenate([r[i].detach().cpu().numpy() for r in rows]) for i in range(len(call.inputs))]
     write_tensors_file(data / "data-00000.h5", columns)

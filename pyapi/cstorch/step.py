@@ -18,6 +18,12 @@ that step's weights.
 import contextlib
 import functools
 
+import torch
+import torch.nn.utils.clip_grad as clip_grad
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves, tree_map
+
 from pyapi.cstorch.errors import not_built
 
 
@@ -54,9 +60,6 @@ def recording():
 @contextlib.contextmanager
 def record(fn):
     """Run the traced step ``fn``'s Python for capture: gradients and updates are the cluster's to make."""
-    import torch
-    import torch.nn.utils.clip_grad as clip_grad
-
     global _recording
     rec = Recording(half_dtype)  # set_half_dtype before the capture; autocast() in the step may set it too
     saved = torch.Tensor.backward, torch.nn.utils.clip_grad_norm_, torch.Tensor.item
@@ -105,11 +108,6 @@ def ops_of(fn, args, kwargs):
     untouched): (the aten ops it runs, name, output shape and the Python numbers it takes, in order:
     what a graph captured from it holds; its recording: the step closures it called, with their
     arguments, and its loss; what it returned)."""
-    import torch
-    from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.utils._python_dispatch import TorchDispatchMode
-    from torch.utils._pytree import tree_leaves
-
     class Ops(TorchDispatchMode):
         def __init__(self):
             super().__init__()
@@ -131,9 +129,6 @@ def ops_of(fn, args, kwargs):
 def handed(rec, out):
     """The tensors a run of the traced step hands to Python, in order: those its step closures and
     summaries were given, then those it returned; each once, the loss (``rec.loss``) left out."""
-    import torch
-    from torch.utils._pytree import tree_leaves
-
     seen, found = {id(rec.loss)} if rec.loss is not None else set(), []
     for leaf in [x for _, args, kwargs in rec.closures for x in tree_leaves((args, kwargs))] + tree_leaves(out):
         if isinstance(leaf, torch.Tensor) and id(leaf) not in seen:
@@ -160,9 +155,6 @@ def names_closures(fn):
 def with_values(value, values):
     """``value`` (a nest) with each tensor replaced by its step's value: ``values`` maps id(tensor)
     to it (the loss's and the handed tensors' of the run that made ``value``)."""
-    import torch
-    from torch.utils._pytree import tree_map
-
     return tree_map(lambda x: values[id(x)] if isinstance(x, torch.Tensor) else x, value)
 
 

@@ -15,8 +15,9 @@ from pathlib import Path
 
 import h5py
 import numpy as np
+import torch
 
-from data_tools.checkpoint import intact, metadata_sha256, tensor_entry
+from data_tools.checkpoint import Checkpoint, intact, metadata_sha256, tensor_entry
 from data_tools.errors import CheckpointError
 from data_tools.files import replacing
 from wse_core.errors import DataError
@@ -30,8 +31,6 @@ HDF5_SIGNATURE = b"\x89HDF\r\n\x1a\n"
 
 def save(state, path):
     """Write ``state`` (a dict) to ``path``, as ``torch.save`` would, in HDF5."""
-    import torch
-
     tensors, rest = {}, []
 
     def walk(path, value):
@@ -63,12 +62,8 @@ def load(path, map_location=None, **kwargs):
     """The state ``save`` wrote, or ``{"model": weights, "optimizer": state, "global_step": n}`` of a
     checkpoint of the cluster (a ``checkpoint_<step>`` directory, or a run's model_dir: its latest),
     or what ``torch.load`` reads of a file that is not HDF5 (``kwargs`` are its)."""
-    import torch
-
     p = Path(path)
     if p.is_dir():
-        from data_tools.checkpoint import Checkpoint
-
         ckpt = Checkpoint(p)
         weights, opt_state = ckpt.load()
         # a compiled model's parameters are named as its module's, under "model." (the traced step's)

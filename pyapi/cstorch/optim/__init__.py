@@ -18,6 +18,8 @@ or the loop's end). ``load_state_dict`` of one makes the next run resume from it
 ``step`` is where it starts (``pyapi.cstorch.run``); the hyper-parameters stay the constructor's
 (a dynamic loss scale resumes from its GradScaler's loaded state).
 """
+import inspect
+
 from pyapi.cstorch import step as step_mod
 from pyapi.cstorch.errors import not_built, refusing
 from pyapi.cstorch.optim import lr_scheduler  # noqa: F401
@@ -162,8 +164,6 @@ def configure_optimizer(optimizer_type, params, **kwargs):
     """Cerebras' 2.0-2.3 factory: the optimizer named ``optimizer_type`` (any case) over ``params``,
     from a flat config (``learning_rate`` a number: its ``lr``; a schedule: ``lr`` is the
     scheduler's; ``beta1``/``beta2``: ``betas``; ``weight_decay_rate``: ``weight_decay``)."""
-    import inspect
-
     classes = {c.__name__.lower(): c for c in (SGD, Adam, AdamW)}
     cls = classes.get(str(optimizer_type).lower())
     if cls is None:

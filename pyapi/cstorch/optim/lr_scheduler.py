@@ -6,6 +6,7 @@ of the step, so a resumed run needs nothing else of it); after each step the opt
 hold the next step's rate, as torch's do (``get_last_lr``)."""
 from pyapi.cstorch.errors import not_built, refusing
 from wse_core.errors import DataError
+# wse_core.optim is imported where used: it loads the kernels, which importing the package does not.
 
 
 class LRScheduler:

@@ -11,14 +11,19 @@ streamer, as the appliance's input workers make it, and step t's global batch is
 shares in CS-2 order, each from the streamer of that CS-2 whose turn it is (worker t mod
 ``num_workers_per_csx``).
 """
+import itertools
 import sys
 import time
 
 import torch  # pyapi.cstorch needs it (its __init__ says so): SyntheticDataset is a torch dataset
+from torch.utils._pytree import keystr, tree_flatten_with_path, tree_map, tree_unflatten
 
-from pyapi.cstorch import step as step_mod
+from pyapi.cstorch import distributed, step as step_mod
+from pyapi.cstorch.backend import backend
 from pyapi.cstorch.errors import not_built, refusing
 from wse_core.errors import ConfigError, DataError, PlanError
+# pyapi.cstorch.run (the job: pyapi.job, pyapi.params, yaml) is imported when an executor runs, not with
+# the package.
 
 
 class DataLoader:
@@ -60,10 +65,6 @@ class SyntheticDataset(torch.utils.data.IterableDataset):
         self.sample_spec, self.num_samples = sample_spec, num_samples
 
     def __iter__(self):
-        import itertools
-
-        from torch.utils._pytree import tree_map
-
         for i in itertools.count() if self.num_samples is None else range(self.num_samples):
             yield tree_map(lambda leaf: leaf.clone() if isinstance(leaf, torch.Tensor) else leaf(i), self.sample_spec)
 
@@ -226,7 +227,6 @@ class DataExecutor:
         return self.num_steps
 
     def __iter__(self):
-        from pyapi.cstorch.backend import backend
         from pyapi.cstorch.run import Run
 
         if step_mod._executor is not None:
@@ -256,8 +256,6 @@ class DataExecutor:
     def _batches(self, current):
         """The run's global batches: the loader's as the user node makes them, or, for a loader that
         asks the streamer API on a CSX backend, the streamers' shares put together."""
-        from pyapi.cstorch import distributed
-
         with distributed.watching() as asked:
             made = self.dataloader.batches(self.num_steps)
         batches = [Batch(b, i) for i, b in enumerate(made, 1)]
@@ -273,8 +271,6 @@ class DataExecutor:
         CS-2 order, from its worker t mod W (streamer c W + w). A streamer whose batches are the whole
         batch (a loader that shards whole batches over the streamers, ``get_streaming_rank`` /
         ``num_streamers``) takes its turn: step t's batch is streamer t mod S's."""
-        from pyapi.cstorch import distributed
-
         n, w_count = config.num_csx, config.workers
         if size < n:
             raise PlanError(f"DataLoader: batches of {size} samples cannot feed {n} CS-2s")
@@ -308,8 +304,6 @@ class Batch:
     their key paths: ``[0]``, ``['input_ids']``), which the run writes and the graph takes."""
 
     def __init__(self, value, number, whose="batch"):
-        from torch.utils._pytree import keystr, tree_flatten_with_path
-
         self.value, self.number = value, number
         pairs, self.spec = tree_flatten_with_path(value)
         self.paths = [keystr(path) or "the batch" for path, _ in pairs]
@@ -330,8 +324,6 @@ class Batch:
     @classmethod
     def joined(cls, parts, number):
         """The CS-2s' shares of one step, in CS-2 order, as one batch."""
-        from torch.utils._pytree import tree_unflatten
-
         first = parts[0]
         for p in parts[1:]:
             if p.spec != first.spec:

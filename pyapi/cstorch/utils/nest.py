@@ -1,5 +1,6 @@
 """``cstorch.utils.nest``: visiting and mapping the leaves of nested lists, tuples and dicts (a
 batch, a state dict), each with its scope: the keys and indices (as text) that lead to it."""
+import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from pyapi.cstorch.errors import refusing
@@ -26,8 +27,6 @@ def visit_structure(data_structure, select_fn, strict=False, scope=None):
 
 def visit_torch_tensors(data_structure, strict=False, scope=None):
     """``visit_structure`` of the tensors."""
-    import torch
-
     yield from visit_structure(data_structure, lambda x: isinstance(x, torch.Tensor), strict, scope)
 
 
@@ -40,8 +39,6 @@ def map_structure(map_fn, data_structure, select_fn, scope=None):
 
 def map_torch_tensors(map_fn, data_structure, scope=None):
     """``map_structure`` of the tensors."""
-    import torch
-
     return map_structure(map_fn, data_structure, lambda x: isinstance(x, torch.Tensor), scope)
 
 

@@ -5,6 +5,8 @@ one, and to the run's own, ``model_dir/train``)."""
 import time
 from pathlib import Path
 
+import torch
+
 from data_tools.files import replacing
 from pyapi.cstorch import step as step_mod
 from pyapi.cstorch.errors import refusing
@@ -33,8 +35,6 @@ class SummaryWriter(_Writer or object):
         return self.logdir
 
     def add_tensor(self, name, tensor, step):
-        import torch
-
         where = Path(self.logdir) / "tensors" / name
         where.mkdir(parents=True, exist_ok=True)
         with replacing(where / f"{int(step)}.pt") as tmp:  # a reader never sees half a file
