@@ -11,7 +11,6 @@
     handle.status(); handle.wait(); handle.metrics(); handle.cancel()
 """
 import functools
-import json
 import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
@@ -227,13 +226,13 @@ class Job:
         self._model = model
 
     @classmethod
-    def from_yaml(cls, path, *, num_csx=None, model_dir=None, overrides=None):
-        overrides = list(overrides or [])
-        if num_csx is not None:
-            overrides.append(f"runconfig.num_csx={num_csx}")
-        if model_dir is not None:
-            overrides.append(f"runconfig.model_dir={json.dumps(str(model_dir))}")
-        spec, report = params_mod.load(path, overrides, with_report=True)
+    def from_yaml(cls, path, *, num_csx=None, execution_strategy=None, model_dir=None, overrides=None):
+        """The job of a params file (or a run's model_dir): ``overrides`` (``key.path=value`` strings, as
+        ``--set``), then ``num_csx``, ``execution_strategy`` and ``model_dir`` as given (the runconfig keys)."""
+        given = {"num_csx": num_csx, "execution_strategy": execution_strategy,
+                 "model_dir": None if model_dir is None else str(model_dir)}
+        spec, report = params_mod.load(path, overrides, values={f"runconfig.{k}": v for k, v in given.items()
+                                                                if v is not None}, with_report=True)
         return cls(spec, model=report.model)
 
     @functools.cached_property

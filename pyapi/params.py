@@ -77,16 +77,17 @@ def validate(raw):
     return spec
 
 
-def check(raw, where="params", overrides=(), *, compile_only=False):
+def check(raw, where="params", overrides=(), *, values=None, compile_only=False):
     """``validate``, also returning the ``KeyReport`` (each key's fate, and the notes). ``overrides``
     (``key.path=value``) may use either layout's paths: ``trainer.init.model.hidden_size=64`` or
-    ``model.hidden_size=64`` on a file of the trainer layout. ``compile_only``: the params are laid
+    ``model.hidden_size=64`` on a file of the trainer layout. ``values``: {flat ``key.path``: value}
+    set after them, as given (``wse fit --num_csx 2`` is the int 2, not YAML text to parse again). ``compile_only``: the params are laid
     out, not run (``wse compile``), so ``micro_batch_size: explore`` is allowed, and the keys accepted
     without effect are listed (one warning): said where a file is looked at, not again by every command
     that runs it (a Model Zoo file has them in every run; ``wse params keys`` lists them too)."""
     report = modelzoo.KeyReport()
     report.compile_only = compile_only
-    flat, problems = _flat(raw, report, list(overrides or ()))
+    flat, problems = _flat(raw, report, list(overrides or ()), values)
     try:
         spec = _validate_flat(flat, report, problems)
     finally:  # what was inferred is said even when the file is refused: it explains the refusal
@@ -97,7 +98,7 @@ def check(raw, where="params", overrides=(), *, compile_only=False):
     return spec, report
 
 
-def _flat(raw, report, overrides):
+def _flat(raw, report, overrides, values=None):
     if not isinstance(raw, dict):
         raise ParamsError(f"params: expected a mapping of sections, got {type(raw).__name__}")
     problems = []
@@ -114,7 +115,7 @@ def _flat(raw, report, overrides):
     elif len(ours) != len(overrides):
         raise ParamsError(f"--set {_name(next(o for o in overrides if o not in ours))}: this file has the "
                           "flat layout (train_input, model, optimizer, runconfig), not trainer")
-    return modelzoo.sort_keys(apply_overrides(raw, ours), report), problems
+    return modelzoo.sort_keys(apply_overrides(raw, ours, values), report), problems
 
 
 def _validate_flat(raw, report, problems):
@@ -281,8 +282,9 @@ def _note_bits(p, report):
             "docs/design.md section 5)")
 
 
-def apply_overrides(raw, overrides):
-    """Apply ``key.path=value`` strings (values parsed as YAML) to a copy of ``raw``."""
+def apply_overrides(raw, overrides, values=None):
+    """Apply ``key.path=value`` strings (values parsed as YAML), then ``values`` ({``key.path``: value},
+    values as given: a command line's own options, which its parser has typed already), to a copy of ``raw``."""
     if not isinstance(raw, dict):
         raise ParamsError(f"params: expected a mapping of sections, got {type(raw).__name__}")
     raw = copy.deepcopy(raw)
@@ -292,15 +294,21 @@ def apply_overrides(raw, overrides):
             value = parse_yaml(text, f"--set {_name(item)}")
         except yaml.YAMLError as exc:
             raise ParamsError(f"--set {_name(item)}: value is not valid YAML ({getattr(exc, 'problem', exc)})") from None
-        node = raw
-        for part in parts[:-1]:
-            if node.get(part) is None:  # absent, or an empty section (``train_input:``)
-                node[part] = {}
-            node = node[part]
-            if not isinstance(node, dict):
-                raise ParamsError(f"--set {_name(item)}: {part} is not a section")
-        node[parts[-1]] = value
+        _set(raw, parts, value, f"--set {_name(item)}")
+    for path, value in (values or {}).items():
+        _set(raw, path.split("."), value, path)
     return raw
+
+
+def _set(raw, parts, value, where):
+    node = raw
+    for part in parts[:-1]:
+        if node.get(part) is None:  # absent, or an empty section (``train_input:``)
+            node[part] = {}
+        node = node[part]
+        if not isinstance(node, dict):
+            raise ParamsError(f"{where}: {part} is not a section")
+    node[parts[-1]] = value
 
 
 def parse_yaml(text, where):
@@ -424,9 +432,9 @@ def _read_bytes(p):
     return data
 
 
-def load(path, overrides=None, *, compile_only=False, with_report=False):
+def load(path, overrides=None, *, values=None, compile_only=False, with_report=False):
     """Read, override and validate a params YAML file of either layout (or a run directory's): its ``RunSpec``
     (with ``with_report``, also the ``KeyReport``, which holds the model the validation built)."""
     path = params_file(path)
-    spec, report = check(read(path), str(path), overrides, compile_only=compile_only)
+    spec, report = check(read(path), str(path), overrides, values=values, compile_only=compile_only)
     return (spec, report) if with_report else spec

@@ -82,7 +82,7 @@ class Service:
                             sel=self.server.sel, say=self.say, guarded=self.guarded)
         # The checker children fork from this process: they find these already imported.
         import mpi_launch.mpiexec  # noqa: F401
-        import mpi_launch.plan  # noqa: F401
+        import mpi_launch.resolved  # noqa: F401
         import pyapi.params  # noqa: F401
         import wse_core.nn  # noqa: F401
 

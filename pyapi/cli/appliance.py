@@ -3,7 +3,7 @@ import os
 import sys
 
 from pyapi.client import JobState
-from pyapi.cli.options import job_args, overrides, print_json_or_lines
+from pyapi.cli.options import job_args, print_json_or_lines
 # What a command runs (pyapi.job, pyapi.params, wse_core, data_tools, ...) is imported inside its function:
 # `wse --help` imports every module here and must load no numerics (tests/test_cli.py).
 
@@ -67,7 +67,8 @@ def _cmd_submit(args):
     from pyapi.job import Job
     from wse_core.errors import ConfigError
 
-    job = Job.from_yaml(args.params, model_dir=args.model_dir, overrides=overrides(args))
+    job = Job.from_yaml(args.params, overrides=args.set, num_csx=args.num_csx,
+                        execution_strategy=args.execution_strategy, model_dir=args.model_dir)
     if args.slurm:
         from pyapi.appliance import slurm
 

@@ -78,13 +78,11 @@ def job_args(parser, model_dir=True):
     parser.add_argument("--set", action="append", metavar="KEY.PATH=VALUE", help="override a params value (repeatable)")
 
 
-def overrides(args):
-    """--set, plus the options that are shorthands for a runconfig key."""
-    out = list(args.set or [])
-    for key in ("num_csx", "execution_strategy"):
-        if getattr(args, key, None) is not None:
-            out.append(f"runconfig.{key}={getattr(args, key)}")
-    return out
+def runconfig_values(args):
+    """The options that are shorthands for a runconfig key, as parsed (``params.check``'s ``values``: set
+    after --set, so the shorthand wins)."""
+    return {f"runconfig.{key}": getattr(args, key) for key in ("num_csx", "execution_strategy", "model_dir")
+            if getattr(args, key, None) is not None}
 
 
 def print_json_or_lines(obj, as_json):

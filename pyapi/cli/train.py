@@ -1,7 +1,7 @@
 """`wse fit`, `wse validate` and `wse compile`: a training job's params, trained, evaluated or laid out."""
 import sys
 
-from pyapi.cli.options import job_args, overrides
+from pyapi.cli.options import job_args, runconfig_values
 # What a command runs (pyapi.job, pyapi.params, wse_core, data_tools, ...) is imported inside its function:
 # `wse --help` imports every module here and must load no numerics (tests/test_cli.py).
 
@@ -16,12 +16,13 @@ def _cmd_compile(args):
     if args.inference:
         if args.plot:
             raise ConfigError("--plot: draws the training's layout, not with --inference")
-        job, explore = Job(params.load(args.params, overrides(args), compile_only=True)), False
+        job, explore = Job(params.load(args.params, args.set, values=runconfig_values(args), compile_only=True)), False
     else:
         for flag in ("batch", "prompt_tokens", "new_tokens"):
             if getattr(args, flag) is not None:
                 raise ConfigError(f"--{flag}: only with --inference")
-        spec, keys = params.check(params.read(args.params), str(args.params), overrides(args), compile_only=True)
+        spec, keys = params.check(params.read(args.params), str(args.params), args.set, values=runconfig_values(args),
+                                  compile_only=True)
         job, explore = Job(spec), keys.micro_batch_mode == "explore"  # the file asks for every size
     report = job.compile(explore=explore, inference=args.inference, batch=args.batch,
                          prompt_tokens=args.prompt_tokens, new_tokens=args.new_tokens)
@@ -41,7 +42,8 @@ def _cmd_fit(args):
     from mpi_launch.launcher import JobInterrupted
     from pyapi.job import Job, JobError
 
-    job = Job.from_yaml(args.params, model_dir=args.model_dir, overrides=overrides(args))
+    job = Job.from_yaml(args.params, overrides=args.set, num_csx=args.num_csx,
+                        execution_strategy=args.execution_strategy, model_dir=args.model_dir)
     if args.dry_run:
         print(" ".join(job.command(checkpoint_path=args.checkpoint_path, hostfile=args.hostfile)))
         return 0
