@@ -361,7 +361,7 @@ class Campaign:
         while time.monotonic() < deadline:
             for d in sorted(glob.glob("/tmp/wse-infer-*"), key=os.path.getmtime, reverse=True):
                 try:
-                    rank = plan_of(json.loads(RunDir(d).run_json.read_text())["inference"]).csx[0]
+                    rank = plan_of(RunDir(d).read_run()["inference"]).csx[0]
                     return int(RunDir(d).pid_file(rank).read_text())
                 except (OSError, ValueError, KeyError):
                     continue  # a job still starting (or gone): look again

@@ -81,12 +81,12 @@ def spec(model, source, kind, *, num_csx=1, num_wgt_servers=1, swarmx_fanout=2, 
             "startup_timeout": startup_timeout}, latency
 
 
-def plan_of(spec):
+def plan_of(spec, model=None):
     """The rank plan of an inference job: the coordinator, MemoryX, the SwarmX tree, the CS-2s (no
-    input workers: the prompts come from the coordinator)."""
+    input workers: the prompts come from the coordinator). ``model``: the spec's, when built already."""
     from wse_core.models import build_model
 
-    model = build_model(spec["model"])
+    model = build_model(spec["model"]) if model is None else model
     return make_plan(num_csx=spec["num_csx"], num_wgt_servers=spec["num_wgt_servers"], num_workers_per_csx=0,
                      swarmx_fanout=spec["swarmx_fanout"], unit_bytes=model.unit_bytes())
 

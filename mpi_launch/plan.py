@@ -82,6 +82,13 @@ class RankPlan:
         d["roles"] = [role for role, _ in self.roles()]
         return d
 
+    @classmethod
+    def from_json(cls, d):
+        """The plan ``to_json`` wrote (its derived keys, world_size and roles, left out)."""
+        d = {k: v for k, v in d.items() if k not in ("world_size", "roles")}
+        return cls(**dict(d, children={int(k): v for k, v in d["children"].items()},
+                          parent={int(k): v for k, v in d["parent"].items()}))
+
 
 def param_owners(unit_params, unit_owner):
     """The MemoryX index that owns each parameter: the owner of the first unit that uses it (a tied

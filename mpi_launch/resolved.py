@@ -8,6 +8,7 @@ once and writes ``ResolvedRun.to_json()`` into run.json; each rank reads it back
 instead of deriving their own. `wse compile` (``describe``), the host-memory check and the appliance
 read the same object.
 """
+import functools
 import math
 import os
 from dataclasses import asdict, dataclass
@@ -22,7 +23,7 @@ from wse_core.models import build_model
 from wse_core.nn import Model
 from wse_core.perf import Hardware
 from wse_core.perf.memory import largest_micro_batch, rank_memory_bytes, streaming_wafer
-from wse_core.perf.pipeline import Placement, Region, choose
+from wse_core.perf.pipeline import Placement, choose
 from wse_core.perf.step import walk_step
 
 
@@ -39,8 +40,9 @@ class ResolvedRun:
     placement: Placement
     batches: MicroBatches
 
-    @property
+    @functools.cached_property
     def hardware(self):
+        """The hardware the run is timed on (``runconfig.hardware`` at the model's precision)."""
         return Hardware.for_model(self.model, self.spec.runconfig.hardware)
 
     @property
@@ -49,26 +51,25 @@ class ResolvedRun:
 
     def to_json(self):
         """What run.json keeps of it, as JSON gives it back (the spec is beside it, under "params"; the
-        model is rebuilt): string keys, lists, and None for a placement's times that are NaN (it does not fit)."""
-        plan = asdict(self.plan)
-        plan["children"] = {str(k): v for k, v in plan["children"].items()}
-        plan["parent"] = {str(k): v for k, v in plan["parent"].items()}
-        placement = asdict(self.placement)
-        placement = {k: None if isinstance(v, float) and math.isnan(v) else v for k, v in placement.items()}
-        placement["regions"] = [dict(r, columns=list(r["columns"])) for r in placement["regions"]]
-        return {"plan": plan, "strategy": self.strategy, "why": self.why, "placement": placement,
-                "micro_batches": asdict(self.batches)}
+        model is rebuilt): lists for tuples, and null for the times of a placement that does not fit
+        (NaN, which strict JSON has no word for)."""
+        return _as_json({"plan": self.plan.to_json(), "strategy": self.strategy, "why": self.why,
+                         "placement": self.placement.to_dict(), "micro_batches": asdict(self.batches)})
 
     @classmethod
     def from_json(cls, d, spec, model=None):
         """The run the launcher resolved (``to_json``), with ``model`` (built from the spec if not given)."""
-        plan = dict(d["plan"], children={int(k): v for k, v in d["plan"]["children"].items()},
-                    parent={int(k): v for k, v in d["plan"]["parent"].items()})
-        placement = {k: math.nan if v is None and k.endswith("_s") else v for k, v in d["placement"].items()}
-        placement["regions"] = [Region(**dict(r, columns=tuple(r["columns"]))) for r in placement["regions"]]
         model = build_model(spec.model) if model is None else model
-        return cls(spec, model, RankPlan(**plan), d["strategy"], d["why"], Placement(**placement),
-                   MicroBatches(**d["micro_batches"]))
+        return cls(spec, model, RankPlan.from_json(d["plan"]), d["strategy"], d["why"],
+                   Placement.from_dict(d["placement"]), MicroBatches(**d["micro_batches"]))
+
+
+def _as_json(x):
+    if isinstance(x, dict):
+        return {k: _as_json(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_as_json(v) for v in x]
+    return None if isinstance(x, float) and math.isnan(x) else x
 
 
 def resolve(spec, model=None):

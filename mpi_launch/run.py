@@ -32,7 +32,6 @@ def main(argv=None):
 
     configure_process()
     run_dir = RunDir(argv[0])
-    run = run_dir.read_run()
     from mpi4py import MPI
 
     supervisor.report(RankEvent.MPI_UP)
@@ -42,12 +41,18 @@ def main(argv=None):
     try:
         pid_file = run_dir.pid_file(comm.rank)
         write_text(pid_file, str(os.getpid()))  # a reader never sees half a pid
+        run = run_dir.read_run()
+        if "kind" not in run:  # a command line printed (wse fit --dry-run) before an upgrade
+            raise JobError(f"{run_dir.run_json}: written by an older wse-cluster: prepare the run again "
+                           "(wse fit, or wse fit --dry-run for a new command)")
         if run["kind"] == "infer":  # an inference job (mpi_launch.inference); else "train"
             from mpi_launch.inference import plan_of
             from mpi_launch.roles.inference import ROLES
+            from wse_core.models import build_model
 
-            plan = plan_of(run["inference"])
-            make = lambda role, index: ROLES[role](comm, plan, run["inference"], run_dir, index)  # noqa: E731
+            model = build_model(run["inference"]["model"])
+            plan = plan_of(run["inference"], model)
+            make = lambda role, index: ROLES[role](comm, plan, run["inference"], run_dir, index, model)  # noqa: E731
         else:
             from mpi_launch.resolved import ResolvedRun
             from mpi_launch.roles import ROLES

@@ -101,6 +101,7 @@ class Watchdog:
         self.listener = socket.create_server(("127.0.0.1" if hostfile is None else "", 0), backlog=1024)
         self.port = self.listener.getsockname()[1]
         self.ranks = {r: RankState() for r in range(plan.world_size)}
+        self._roles = plan.roles()   # (role, index) of each rank, made once: a fault names its rank from it
         self.incidents = []
         self.verdict = None          # the one line, once the job has been ended for a fault
         self.ended_at = None         # time.time() when the job was ended (faults after it are casualties)
@@ -269,7 +270,8 @@ class Watchdog:
             except ValueError:
                 continue
             if rank is None:  # the first message says who this is, with the job's token
-                if msg.get("event") != RankEvent.HELLO or msg.get("token") != self.token or msg.get("rank") not in self.ranks:
+                if (msg.get("event") != RankEvent.HELLO or msg.get("token") != self.token
+                        or msg.get("rank") not in self.ranks):
                     sel.unregister(conn)
                     self._close(conn)
                     return
@@ -350,7 +352,7 @@ class Watchdog:
         if quiet and any(i.rank == rank for i in self.incidents):
             return
         if not named:
-            role, index = self.plan.role_of(rank)
+            role, index = self._roles[rank]
             where = f" on {self.ranks[rank].host}" if len(self.hosts()) > 1 and self.ranks[rank].host else ""
             text = f"rank {rank} ({role} {index}){where}: {text}"
         with self._lock:

@@ -19,7 +19,6 @@ from data_tools.documents import stdlib_sources
 from pyapi.generate import Generator
 from pyapi.job import Job, JobError
 from pyapi.params import DEMO_DIR  # where it writes: the examples' params read its data from there
-from pyapi.params import validate
 from wse_core.checks import plural
 # data_tools.lmdata and data_tools.preprocess (h5py) are imported where the demo's data is prepared.
 #: One source file in this many is held out of training for evaluation: sources spread over the whole
@@ -74,7 +73,7 @@ def main():
     print("wse demo: 2/2 training a 4-layer GPT-2 on 2 CS-2s (1 MemoryX, SwarmX, 2 input workers): "
           f"`wse fit {DEMO_DIR / 'params.yaml'}`", flush=True)
     try:
-        result = Job(validate(PARAMS)).fit()
+        result = Job.from_dict(PARAMS).fit()
     except JobError as exc:
         print(f"wse demo: {exc}")
         return 1

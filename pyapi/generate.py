@@ -1,4 +1,4 @@
-"""Text from a trained model: ``wse generate`` and ``pyapi.Generator`` (docs/user-guide.md,
+"""Text from a trained model: ``wse generate`` and ``pyapi.generate.Generator`` (docs/user-guide.md,
 "Generating text").
 
 ``Generator.load(SOURCE)`` reads a model from a model_dir (its latest checkpoint), a checkpoint

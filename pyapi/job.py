@@ -235,6 +235,13 @@ class Job:
                                                                 if v is not None}, with_report=True)
         return cls(spec, model=report.model)
 
+    @classmethod
+    def from_dict(cls, raw):
+        """The job of a params mapping (either layout), validated (``pyapi.params.check``) with the model the
+        validation builds kept, so it is not built again."""
+        spec, report = params_mod.check(raw)
+        return cls(spec, model=report.model)
+
     @functools.cached_property
     def model(self):
         """The job's model (``wse_core.nn.Model``), built once."""

@@ -1,7 +1,7 @@
 """The params YAML: its schema, validation with errors that name the key path, and overrides.
 
 Sections and keys follow Model Zoo where they exist. ``model`` is checked by
-``wse_core.nn.build_model`` (which knows the models); everything else here. Every error is a
+``wse_core.models.build_model`` (which knows the models); everything else here. Every error is a
 ``ParamsError`` whose message starts with the key path: ``optimizer.learning_rate: expected a
 number or a list of schedulers, got 'fast'``. A key whose default is null may be given as null
 (the default), so the resolved ``params.yaml`` a run writes loads again.

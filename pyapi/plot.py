@@ -85,7 +85,7 @@ def save(fig, path):
 
 
 def compile_figure(d):
-    """What `wse compile --plot` draws of ``d`` (``mpi_launch.plan.describe``): the run as it will
+    """What `wse compile --plot` draws of ``d`` (``mpi_launch.resolved.describe``): the run as it will
     execute, the pipelined placement on one wafer or weight streaming's cluster and step."""
     if d["execution_strategy"] == "pipeline":
         return _pipelined(d)

@@ -132,7 +132,7 @@ def test_the_resolved_run_the_ranks_read_from_run_json_is_the_launchers(override
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # auto's choice of micro-batch, said
         run = resolve(validate(apply_overrides(BASE, overrides)))
-    d = json.loads(json.dumps(run.to_json()))
+    d = json.loads(json.dumps(run.to_json(), allow_nan=False))  # strict JSON
     assert d == run.to_json()
     back = ResolvedRun.from_json(d, run.spec, run.model)
     for name in ("plan", "strategy", "why", "batches"):

@@ -7,10 +7,11 @@ docs/design/time-model.md "The clock"). An inference job's roles build on ``Base
 import json
 import time
 
+import numpy as np
 
 from mpi_launch import messaging as msg
 from mpi_launch.plan import param_owners
-from mpi_launch.protocol import Layout
+from mpi_launch.protocol import DATA, Layout
 from mpi_launch.rundir import LineLog, RunDir
 
 
@@ -56,7 +57,6 @@ class Role(BaseRole):
     clock, and how long a peer may stay silent (``step_done``)."""
 
     def __init__(self, comm, resolved, run, index, bells=None):
-        from wse_core.perf import Hardware
         from wse_core.perf.clock import Clock
         from wse_core.perf.step import stream_bytes
 
@@ -73,7 +73,7 @@ class Role(BaseRole):
         layout = self.layout(self.n_micro)
         # Simulated time: the hardware (at the model's precision), this rank's clock, and the bytes
         # each unit streams.
-        self.hw = Hardware.for_model(self.model, params.runconfig.hardware)
+        self.hw = resolved.hardware
         self.clock = Clock()
         self.unit_stream_bytes = stream_bytes(self.model, self.hw.bytes_per_value)
         # How long a peer may stay silent (step_done): until a step has set the pace, as long as
@@ -96,6 +96,17 @@ class Role(BaseRole):
     def round_size(self, m, csx=None):
         lo, hi = self.round_range(m, csx)
         return hi - lo
+
+    def post_micro_batches(self, workers, seq_len):
+        """Receives posted for this CS-2's micro-batch of every round (STEP["data"]: round m from input
+        worker m mod their count): (each round's arrays, the requests to wait for)."""
+        raw, reqs = [], []
+        for m in range(self.n_micro):
+            a = [np.empty(shape, dtype) for shape, dtype in self.model.example_layout(self.round_size(m), seq_len)]
+            raw.append(a)
+            reqs += [self.comm.Irecv(x, source=workers[m % len(workers)], tag=self.link.tag(DATA, m, i))
+                     for i, x in enumerate(a)]
+        return raw, reqs
 
     def port(self, gbps):
         """A port of a link this rank keeps (see wse_core.perf.clock): its chunk is CHUNK_FLOATS elements

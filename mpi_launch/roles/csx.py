@@ -35,7 +35,7 @@ from typing import Any, Optional
 import numpy as np
 
 from mpi_launch.messaging import Lanes
-from mpi_launch.protocol import (CONTROL, DATA, FWD_WEIGHTS, GRADS, LOSS, REPORT, STEP_TIME, WEIGHTS_PHASE, LossReport,
+from mpi_launch.protocol import (CONTROL, FWD_WEIGHTS, GRADS, LOSS, REPORT, STEP_TIME, WEIGHTS_PHASE, LossReport,
                                  StepTime)
 from mpi_launch.roles.base import Role
 
@@ -114,12 +114,8 @@ class CS2(Role):
     def _take_data(self, step):
         """Every round's micro-batch from the input workers, the first item's weights posted meanwhile;
         returns the micro-batches' arrays, and the first weights with their requests."""
-        link, w, workers = self.link, self.plan.num_workers_per_csx, self._workers
-        data_reqs, raw = [], []
-        for m in range(self.n_micro):
-            a = [np.empty(shape, dtype) for shape, dtype in self.model.example_layout(self.round_size(m), self._seq)]
-            raw.append(a)
-            data_reqs += [self.comm.Irecv(x, source=workers[m % w], tag=link.tag(DATA, m, i)) for i, x in enumerate(a)]
+        link, workers = self.link, self._workers
+        raw, data_reqs = self.post_micro_batches(workers, self._seq)
         weights, wreqs = link.irecv_arrays(self.unit_layout(0), self._parent, FWD_WEIGHTS, 0)
         link.wait_all(data_reqs, f"input workers {workers} (micro-batches of step {step})")
         return raw, weights, wreqs

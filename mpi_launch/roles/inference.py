@@ -33,15 +33,14 @@ import numpy as np
 from mpi_launch import messaging as msg
 from mpi_launch.protocol import CONTROL, DATA, FWD_WEIGHTS, LOGITS, REPORT, Pass, Rows, Stop
 from mpi_launch.roles.base import BaseRole
-from wse_core.models import build_model
 
 
 class InferenceRole(BaseRole):
     """What every rank of an inference job shares besides ``BaseRole``: the job's spec
     (``mpi_launch.inference.spec``), its placement, and the pace of its passes."""
 
-    def __init__(self, comm, plan, spec, run_dir, index):
-        super().__init__(comm, plan, build_model(spec["model"]), run_dir, index)
+    def __init__(self, comm, plan, spec, run_dir, index, model):
+        super().__init__(comm, plan, model, run_dir, index)
         self.spec = spec
         self.streamed = spec["placement"] == "streamed"
         layout = self.layout(1)

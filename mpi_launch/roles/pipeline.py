@@ -18,7 +18,7 @@ import time
 
 import numpy as np
 
-from mpi_launch.protocol import (CONTROL, DATA, LOSS, NORMS, REPORT, STEP_TIME, Control, LossReport, LossScale, Norms,
+from mpi_launch.protocol import (CONTROL, LOSS, NORMS, REPORT, STEP_TIME, Control, LossReport, LossScale, Norms,
                                  StepTime)
 from mpi_launch.roles.memoryx import MemoryX
 
@@ -66,12 +66,8 @@ class PipelinedCS2(MemoryX):
         from wse_core.optim import sum_of_squares
 
         model, tag, coordinator, clock = self.model, self.link.tag, self.plan.coordinator, self.clock
-        workers, w = self.plan.workers[0], self.plan.num_workers_per_csx
-        raw, reqs = [], []
-        for m in range(self.n_micro):
-            a = [np.empty(shape, dtype) for shape, dtype in model.example_layout(self.round_size(m), self._seq)]
-            raw.append(a)
-            reqs += [self.comm.Irecv(x, source=workers[m % w], tag=tag(DATA, m, i)) for i, x in enumerate(a)]
+        workers = self.plan.workers[0]
+        raw, reqs = self.post_micro_batches(workers, self._seq)
         self.link.wait_all(reqs, f"input workers {workers} (micro-batches of step {step})")
         t_data = time.perf_counter() - t0
         batch = model.batch_of([np.concatenate([r[i] for r in raw]) for i in range(len(raw[0]))])

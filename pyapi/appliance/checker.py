@@ -1,6 +1,6 @@
 """Checking a submission's params in a child forked for it, as the caller, under rlimits.
 
-``pyapi.params.validate`` as for a file, then the plan and ``check_capacity``, in a child running as
+``pyapi.params.check`` as for a file, then the plan and ``check_capacity``, in a child running as
 the submitting user with ``RLIMIT_CPU`` ``CHECK_SECONDS`` and ``RLIMIT_AS`` ``CHECK_MEMORY`` beyond
 what the service had mapped: no params, however built (sparsity masks of a huge layer, a billion
 input workers), take the service's time or memory, and the service answers others meanwhile. The
@@ -23,7 +23,7 @@ from pyapi.client import MAX_LINE
 from pyapi.errors import RequestError
 from pyapi.appliance.scheduler import cores_for
 from pyapi.generate import Generator
-from pyapi.params import validate
+from pyapi.params import check
 # mpi_launch.resolved and pyapi.serve are imported where used: they load the kernels (and aiohttp).
 
 #: The child that checks a submitted job's params: CPU seconds and bytes of address space it may use.
@@ -66,11 +66,11 @@ def check_params(raw, pool_csx, cores):
         return check_serve(raw["serve"], pool_csx, cores)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the submitter's own check showed them
-        spec = validate(raw)
+        spec, report = check(raw)
     r = spec.runconfig
     if r.num_csx > pool_csx:
         return {"error": f"runconfig.num_csx: {r.num_csx} CS-2s asked, the appliance has {pool_csx}"}
-    check_capacity(resolve(spec).plan, cores=cores_for(r.num_csx, pool_csx, cores))
+    check_capacity(resolve(spec, report.model).plan, cores=cores_for(r.num_csx, pool_csx, cores))
     return {"params": spec.to_dict(), "num_csx": r.num_csx, "max_steps": r.max_steps,
             "model_dir": str(r.model_dir)}
 

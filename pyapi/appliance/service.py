@@ -81,9 +81,7 @@ class Service:
         self.jobs = Manager(self.store, pool_csx=num_csx, cores=self.cores, owner=self.owner, logs_dir=self.logs_dir,
                             sel=self.server.sel, say=self.say, guarded=self.guarded)
         # The checker children fork from this process: they find these already imported.
-        import mpi_launch.mpiexec  # noqa: F401
-        import mpi_launch.resolved  # noqa: F401
-        import pyapi.params  # noqa: F401
+        import mpi_launch.resolved  # noqa: F401  (the checker imports it only inside its check)
         import wse_core.nn  # noqa: F401
 
         self.jobs.recover()

@@ -13,17 +13,15 @@ def _cmd_compile(args):
     from pyapi.job import Job
     from wse_core.errors import ConfigError
 
-    if args.inference:
-        if args.plot:
-            raise ConfigError("--plot: draws the training's layout, not with --inference")
-        job, explore = Job(params.load(args.params, args.set, values=runconfig_values(args), compile_only=True)), False
-    else:
-        for flag in ("batch", "prompt_tokens", "new_tokens"):
-            if getattr(args, flag) is not None:
-                raise ConfigError(f"--{flag}: only with --inference")
-        spec, keys = params.check(params.read(args.params), str(args.params), args.set, values=runconfig_values(args),
-                                  compile_only=True)
-        job, explore = Job(spec), keys.micro_batch_mode == "explore"  # the file asks for every size
+    if args.inference and args.plot:
+        raise ConfigError("--plot: draws the training's layout, not with --inference")
+    for flag in ("batch", "prompt_tokens", "new_tokens"):
+        if not args.inference and getattr(args, flag) is not None:
+            raise ConfigError(f"--{flag}: only with --inference")
+    spec, keys = params.load(args.params, args.set, values=runconfig_values(args), compile_only=True,
+                             with_report=True)
+    job = Job(spec, model=keys.model)  # the model the validation built
+    explore = not args.inference and keys.micro_batch_mode == "explore"  # the file asks for every size
     report = job.compile(explore=explore, inference=args.inference, batch=args.batch,
                          prompt_tokens=args.prompt_tokens, new_tokens=args.new_tokens)
     if args.plot:  # drawn before anything is printed: with --json as well, whose output is the JSON alone

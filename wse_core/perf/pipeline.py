@@ -25,7 +25,7 @@ every region at once on its own weights (``UPDATE_OPS_PER_PARAM`` operations per
 each PE's FMAC lanes). The samples stream in over the CS-2's I/O meanwhile.
 """
 import math
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field, fields, replace
 
 import numpy as np
 
@@ -82,6 +82,15 @@ class Placement:
         d = asdict(self)
         d["regions"] = [dict(asdict(r), need_bytes=r.need_bytes) for r in self.regions]
         return d
+
+    @classmethod
+    def from_dict(cls, d):
+        """The placement ``to_dict`` wrote, through JSON too: a region's need_bytes (derived) left out,
+        and a time written as null (a NaN) taken back as NaN."""
+        regions = [Region(**dict({k: v for k, v in r.items() if k != "need_bytes"}, columns=tuple(r["columns"])))
+                   for r in d["regions"]]
+        times = {f.name: math.nan for f in fields(cls) if f.type is float and d.get(f.name) is None}
+        return cls(**dict(d, regions=regions, **times))
 
 
 def place(model, *, micro_batch_size, micro_batches, seq_len=None, n_states=2, hw=None):
