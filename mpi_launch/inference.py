@@ -2,7 +2,7 @@
 launcher's watchdog, and ``ClusterEngine``, the generation Engine whose forward passes the CS-2
 ranks run (docs/design/inference.md "Inference on the cluster"; the roles: ``mpi_launch.roles.inference``).
 
-``ClusterEngine(model, source, kind, num_csx=...)`` plans the job (``wse_core.perf.inference``
+``ClusterEngine(model, source, source_format, num_csx=...)`` plans the job (``wse_core.perf.inference``
 chooses resident or streamed weights for ``max_streams`` sequences of the model's full length,
 and refuses in one line a batch whose KV caches do not fit), writes its spec to a private
 directory, starts the ranks, and answers ``add``/``cancel``/``step``/``busy`` as
@@ -56,7 +56,7 @@ class InferenceJobError(JobError):
     RuntimeError)."""
 
 
-def spec(model, source, kind, *, num_csx=1, num_wgt_servers=1, swarmx_fanout=2, max_streams=16, placement=None,
+def spec(model, source, source_format, *, num_csx=1, num_wgt_servers=1, swarmx_fanout=2, max_streams=16, placement=None,
          hw=None, peer_timeout=PEER_TIMEOUT, startup_timeout=120):
     """(the job's spec, the ``perf.inference.Latency`` that placed it): ``max_streams`` sequences of the
     model's full length on ``num_csx`` CS-2s; ValueError in one line when they do not fit.
@@ -75,7 +75,7 @@ def spec(model, source, kind, *, num_csx=1, num_wgt_servers=1, swarmx_fanout=2, 
     latency = serve(model, batch=max_streams, prompt_tokens=capacity - 1, new_tokens=1, num_csx=num_csx, hw=hw,
                     placement=placement)
     wafers = latency.detail.get("wafers", [0] * len(model.units))
-    return {"model": model.config, "source": str(Path(source).resolve()), "kind": kind, "num_csx": num_csx,
+    return {"model": model.config, "source": str(Path(source).resolve()), "format": source_format, "num_csx": num_csx,
             "num_wgt_servers": num_wgt_servers, "swarmx_fanout": swarmx_fanout, "placement": latency.placement,
             "wafers": list(wafers), "max_streams": max_streams, "peer_timeout": peer_timeout,
             "startup_timeout": startup_timeout}, latency
@@ -96,11 +96,11 @@ class ClusterEngine:
     job's logs go if it fails (``keep``). ``stream``: where the launcher's lines go (ranks ready;
     default: nowhere). ``options``: ``spec``'s. Use as a context manager, or ``close()``."""
 
-    def __init__(self, model, source, kind, *, log_dir, stream=None, cores=None, **options):
+    def __init__(self, model, source, source_format, *, log_dir, stream=None, cores=None, **options):
         from mpi_launch.launcher import launch
 
         self.model = model
-        self.spec, self.latency = spec(model, source, kind, **options)
+        self.spec, self.latency = spec(model, source, source_format, **options)
         self.plan = plan_of(self.spec)
         check_capacity(self.plan, cores=cores)
         self.log_dir = Path(log_dir).absolute()

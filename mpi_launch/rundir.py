@@ -217,7 +217,7 @@ class RunDir:
             changed = _check_numerics(ckpt, numerics, resolved.spec.runconfig.allow_numerics_change)
         self.truncate_metrics(start)
         params = resolved.spec
-        run = {"kind": "train", "params": params.to_dict(), "resolved": resolved.to_json(), "start_step": start,
+        run = {"kind": params.kind, "params": params.to_dict(), "resolved": resolved.to_json(), "start_step": start,
                "checkpoint": ckpt_dir, "numerics": numerics, "numerics_changed": changed, "recovered": recovered}
         # every rank, the appliance and `wse bench faults` read them while the job starts: whole files
         write_text(self.run_json, json.dumps(run, indent=1))

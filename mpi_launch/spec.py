@@ -286,6 +286,7 @@ class RunSpec:
     params layout, which ``pyapi.params.validate`` takes back unchanged (the resolved ``params.yaml``
     of a run)."""
 
+    kind: ClassVar[str] = "train"  # the job kind (run.json's "kind"; the appliance's requests.JOB_KINDS)
     train_input: TrainInput
     model: MappingProxyType
     optimizer: OptimizerSpec

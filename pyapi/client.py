@@ -149,10 +149,10 @@ class Client:
         return SubmittedJob(self, reply["job"]["id"], model_dir)
 
     def submit_serve(self, serve, *, max_restarts=0, priority=0, name=None):
-        """Queue a serve job (``wse serve --submit``: the fields of ``checker.SERVE_FIELDS``); return its
+        """Queue a serve job (``wse serve --submit``: the fields of ``requests.ServeSpec``); return its
         ``SubmittedJob``. It holds its CS-2s until cancelled."""
         model = Path(serve["model"]).absolute()
-        reply = self.request("submit", params={"serve": dict(serve, model=str(model))}, cwd=os.getcwd(),
+        reply = self.request("submit", kind="serve", params=dict(serve, model=str(model)), cwd=os.getcwd(),
                              max_restarts=max_restarts, priority=priority, name=name or f"serve {model.name}")
         return SubmittedJob(self, reply["job"]["id"], model)
 

@@ -82,7 +82,7 @@ class Generator:
     """A model ready to generate: its weights, its tokenizer (or None: prompts of token ids only),
     the token a text follows (``bos_id``) and those that end one (``stop_ids``)."""
 
-    def __init__(self, model, weights, tokenizer=None, *, bos_id=None, stop_ids=(), source="", kind=None,
+    def __init__(self, model, weights, tokenizer=None, *, bos_id=None, stop_ids=(), source="", source_format=None,
                  why_no_tokenizer="", home=None):
         if getattr(model, "family", None) == "torch":  # a compiled PyTorch model (wse_core.compiler.generate)
             from wse_core.compiler.generate import Recompute
@@ -98,7 +98,7 @@ class Generator:
         else:
             self.capacity, self.vocab_size = model.config["max_position_embeddings"], model.config["vocab_size"]
         self.model, self.weights, self.tokenizer = model, weights, tokenizer
-        self.bos_id, self.stop_ids, self.source, self.kind = bos_id, tuple(stop_ids), source, kind
+        self.bos_id, self.stop_ids, self.source, self.source_format = bos_id, tuple(stop_ids), source, source_format
         self.why_no_tokenizer = why_no_tokenizer
         self.home = Path(home if home is not None else source)  # the directory named to ``load``
 
@@ -126,7 +126,7 @@ class Generator:
                 except (OSError, ValueError):
                     continue
                 stops += [e for e in (eos if isinstance(eos, list) else [eos]) if e is not None and e not in stops]
-            return cls(model, weights, tok, bos_id=config.get("bos_token_id"), source=str(path), kind="hf",
+            return cls(model, weights, tok, bos_id=config.get("bos_token_id"), source=str(path), source_format="hf",
                        stop_ids=stops, why_no_tokenizer=why, home=path)
         from wse_core.models import build_model
 
@@ -143,9 +143,9 @@ class Generator:
                 raise DataError("its params name no train_input.data_dir")
             tok, eos, _, _ = data_tokenizer([dirs] if isinstance(dirs, str) else dirs)
         except DataError as exc:
-            return cls(model, weights, source=str(ckpt.dir), kind="checkpoint",
+            return cls(model, weights, source=str(ckpt.dir), source_format="checkpoint",
                        why_no_tokenizer=f"{ckpt.dir}: no tokenizer: {exc}", home=path)
-        return cls(model, weights, tok, bos_id=eos, stop_ids=(eos,), source=str(ckpt.dir), kind="checkpoint",
+        return cls(model, weights, tok, bos_id=eos, stop_ids=(eos,), source=str(ckpt.dir), source_format="checkpoint",
                    home=path)
 
     def engine(self, num_csx=None, **options):
@@ -164,13 +164,13 @@ class Generator:
             return Engine(self.model, runner=self._recompute.fresh())
         if num_csx is None:
             return Engine(self.model, self.weights)
-        if self.kind is None:
+        if self.source_format is None:
             raise ConfigError(f"{self.source or 'this model'}: a model given as weights in memory runs in this process "
                               "only; load it from a checkpoint or a Hugging Face directory to run it on CS-2s")
         from mpi_launch.inference import LOGS, ClusterEngine
 
         options = {"log_dir": self.home / LOGS, **{k: v for k, v in options.items() if v is not None}}
-        return ClusterEngine(self.model, self.source, self.kind, num_csx=num_csx, **options)
+        return ClusterEngine(self.model, self.source, self.source_format, num_csx=num_csx, **options)
 
     def encode(self, prompt):
         """A prompt's ids: a text through the tokenizer, after ``bos_id``; a list of ids as given."""

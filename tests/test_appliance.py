@@ -155,7 +155,8 @@ def test_a_submission_carrying_other_variables_or_bad_values_is_refused_in_one_l
 
 
 def test_a_job_table_of_the_first_version_is_read_and_extended(tmp_path):
-    """A state directory written before the umask column: its jobs read back (umask 0o077), new ones add."""
+    """A state directory written before the umask column: its jobs read back (umask 0o077), a serve job
+    of then (params {"serve": fields}) with its kind and its fields, new ones add."""
     import sqlite3
 
     from pyapi.appliance.store import Store
@@ -172,13 +173,18 @@ def test_a_job_table_of_the_first_version_is_read_and_extended(tmp_path):
     db.execute("INSERT INTO jobs (uid, gid, user, name, params, cwd, model_dir, num_csx, max_steps, priority, "
                "max_restarts, state, restarts, submitted, started) VALUES (0, 0, 'root', 'ran', '{}', '/', '/r', 1, 3, "
                "0, 1, 'queued', 1, 0, 0)")
+    db.execute("INSERT INTO jobs (uid, gid, user, name, params, cwd, model_dir, num_csx, max_steps, priority, "
+               "max_restarts, state, submitted) VALUES (0, 0, 'root', 'srv', '{\"serve\": {\"model\": \"/s\", "
+               "\"port\": 0}}', '/', '/s', 1, 0, 0, 0, 'queued', 0)")
     db.commit()
     db.close()
     store = Store(tmp_path / "jobs.sqlite")
     assert store.get(1)["umask"] == 0o077 and store.queue()[0]["name"] == "old"
     assert store.get(1)["attempts"] == 0 and store.get(2)["attempts"] == 2  # its next runner is attempt 3
     assert store.get(1)["numerics"] is None  # not sent: its runner gets what that version gave it
-    new = store.add(uid=0, gid=0, user="root", name="new", params={}, cwd="/", umask=0o022, model_dir="/n", num_csx=1,
+    assert [(j["kind"], j["params"]) for j in store.jobs()] == [("train", {}), ("train", {}),
+                                                                 ("serve", {"model": "/s", "port": 0})]
+    new = store.add(uid=0, gid=0, user="root", name="new", kind="train", params={}, cwd="/", umask=0o022, model_dir="/n", num_csx=1,
                     max_steps=3, priority=0, max_restarts=0, numerics={"OMP_NUM_THREADS": "1"})
     assert store.get(new)["umask"] == 0o022 and store.get(new)["numerics"] == {"OMP_NUM_THREADS": "1"}
 

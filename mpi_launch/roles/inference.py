@@ -289,7 +289,7 @@ class InferenceCS2(InferenceRole):
 
 def _load(spec, names):
     """The float32 master weights ``names`` of the job's source: a checkpoint, or a Hugging Face directory."""
-    if spec["kind"] == "hf":
+    if spec["format"] == "hf":
         from data_tools.hf import read_hf
 
         weights = read_hf(spec["source"])[1]

@@ -18,7 +18,7 @@ from pathlib import Path
 from mpi_launch.inference import plan_of, spec
 from mpi_launch.mpiexec import check_capacity
 from mpi_launch.supervisor import die_with_parent
-from pyapi.appliance.requests import check_path
+from pyapi.appliance.requests import ServeSpec
 from pyapi.client import MAX_LINE
 from pyapi.errors import RequestError
 from pyapi.appliance.scheduler import cores_for
@@ -58,12 +58,13 @@ def umask_of(pid):
     return 0o077
 
 
-def check_params(raw, pool_csx, cores):
-    """In the checker child: the validated params and what the service needs of them, or the error."""
+def check_params(kind, raw, pool_csx, cores):
+    """In the checker child: a submitted job of ``kind`` (``requests.JOB_KINDS``) as the store keeps it
+    ({"kind", "params", "num_csx", "max_steps", "model_dir"}), or {"error": line}."""
     from mpi_launch.resolved import resolve
 
-    if isinstance(raw, dict) and set(raw) == {"serve"}:
-        return check_serve(raw["serve"], pool_csx, cores)
+    if kind == "serve":
+        return check_serve(raw, pool_csx, cores)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the submitter's own check showed them
         spec, report = check(raw)
@@ -71,54 +72,34 @@ def check_params(raw, pool_csx, cores):
     if r.num_csx > pool_csx:
         return {"error": f"runconfig.num_csx: {r.num_csx} CS-2s asked, the appliance has {pool_csx}"}
     check_capacity(resolve(spec, report.model).plan, cores=cores_for(r.num_csx, pool_csx, cores))
-    return {"params": spec.to_dict(), "num_csx": r.num_csx, "max_steps": r.max_steps,
+    return {"kind": spec.kind, "params": spec.to_dict(), "num_csx": r.num_csx, "max_steps": r.max_steps,
             "model_dir": str(r.model_dir)}
 
 
-#: A serve job's fields (``wse serve --submit``): name -> (JSON types, required).
-SERVE_FIELDS = {"model": (str, True), "checkpoint_path": (str, False), "num_csx": (int, True), "host": (str, True),
-                "port": (int, True), "placement": (str, False), "max_streams": (int, False),
-                "max_tokens": (int, False), "max_prompt_tokens": (int, False), "peer_timeout": (int, False),
-                "log_dir": (str, False)}
-
-
-def check_serve(serve, pool_csx, cores):
-    """In the checker child: a serve job (``pyapi.serve`` on an inference job of ``num_csx`` CS-2s),
-    its model loaded and its inference job planned as the submitter; its "model_dir" is the model's
-    directory (one job of a user serves it at a time)."""
+def check_serve(raw, pool_csx, cores):
+    """In the checker child: a serve job (a ``ServeSpec``), its model loaded and its inference job
+    planned as the submitter; its "model_dir" is the model's directory (one job of a user serves it at
+    a time), its "max_steps" 0 (it has no steps: it serves until cancelled)."""
     from pyapi.serve import Limits
 
-    if not isinstance(serve, dict):
-        return {"error": "serve: expected an object"}
-    unknown = sorted(set(serve) - set(SERVE_FIELDS))
-    if unknown:
-        return {"error": f"serve: unknown field {unknown[0]!r}"}
-    for name, (kind, required) in SERVE_FIELDS.items():
-        value = serve.get(name)
-        if value is None:
-            if required:
-                return {"error": f"serve.{name}: required"}
-        elif not isinstance(value, kind) or isinstance(value, bool):
-            return {"error": f"serve.{name}: expected {kind.__name__}, got {type(value).__name__}"}
-    model = check_path(serve["model"], "serve.model")
-    if serve.get("log_dir") is not None:
-        serve = dict(serve, log_dir=check_path(serve["log_dir"], "serve.log_dir"))
-    num_csx = serve["num_csx"]
-    if not 1 <= num_csx <= pool_csx:
-        return {"error": f"--num_csx: {num_csx} CS-2s asked, the appliance has {pool_csx}"}
-    if not 0 <= serve["port"] < 65536:
-        return {"error": f"--port: expected a port in [0, 65535], got {serve['port']}"}
-    gen = Generator.load(model, serve.get("checkpoint_path"))
+    try:
+        serve = ServeSpec.from_fields(raw)
+    except RequestError as exc:
+        return {"error": f"serve: {exc}"}
+    if not 1 <= serve.num_csx <= pool_csx:
+        return {"error": f"--num_csx: {serve.num_csx} CS-2s asked, the appliance has {pool_csx}"}
+    gen = Generator.load(serve.model, serve.checkpoint_path)
     if getattr(gen.model, "family", None) == "torch":
         return {"error": "a compiled PyTorch model generates in its own process only (its graph has no KV cache "
                          "to place on the wafers): serve it with `wse serve` without --submit"}
     if gen.tokenizer is None:
         return {"error": f"{gen.why_no_tokenizer}: the server answers in text, so it needs the model's tokenizer"}
-    limits = Limits.given(serve).resolved(gen.capacity)
-    job, _ = spec(gen.model, gen.source, gen.kind, num_csx=num_csx, max_streams=limits.max_streams,
-                  **{k: serve[k] for k in ("placement", "peer_timeout") if serve.get(k) is not None})
-    check_capacity(plan_of(job), cores=cores_for(num_csx, pool_csx, cores))
-    return {"params": {"serve": dict(serve, model=model)}, "num_csx": num_csx, "max_steps": 0, "model_dir": model}
+    params = serve.to_dict()
+    limits = Limits.given(params).resolved(gen.capacity)
+    job, _ = spec(gen.model, gen.source, gen.source_format, num_csx=serve.num_csx, max_streams=limits.max_streams,
+                  **{k: params[k] for k in ("placement", "peer_timeout") if k in params})
+    check_capacity(plan_of(job), cores=cores_for(serve.num_csx, pool_csx, cores))
+    return {"kind": serve.kind, "params": params, "num_csx": serve.num_csx, "max_steps": 0, "model_dir": serve.model}
 
 
 class Check:
@@ -190,7 +171,7 @@ class Checker:
                 resource.setrlimit(resource.RLIMIT_CPU, (CHECK_SECONDS, CHECK_SECONDS))
                 limit = _mapped_bytes() + CHECK_MEMORY  # beyond what the service had mapped already
                 resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
-                out = check_params(request.params, self.pool_csx, self.cores)
+                out = check_params(request.kind, request.params, self.pool_csx, self.cores)
             except MemoryError:
                 out = {"error": f"the params check needed more than its {CHECK_MEMORY >> 30} GiB of memory"}
             except BaseException as exc:

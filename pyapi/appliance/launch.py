@@ -60,7 +60,7 @@ def start_runner(job, *, attempt, cores, owner, log_path, progress_fd):
 
     Raises what Popen raises (OSError, ValueError, SubprocessError) and KeyError for an account gone;
     an OSError whose errno is in ``TRANSIENT`` is the machine's, the others the job's."""
-    orders = {"params": job["params"], "cores": cores, "cwd": job["cwd"], "appliance_pid": os.getpid(),
+    orders = {"kind": job["kind"], "params": job["params"], "cores": cores, "cwd": job["cwd"], "appliance_pid": os.getpid(),
               "progress_fd": progress_fd}
     env, as_user = runner_env(job, owner)
     with open(log_path, "ab") as log, tempfile.TemporaryFile() as stdin:

@@ -62,7 +62,7 @@ class Manager:
 
     # -- what a job record shows ---------------------------------------------------------------
     def public(self, job):
-        keys = ("id", "name", "user", "state", "num_csx", "priority", "max_restarts", "restarts", "max_steps",
+        keys = ("id", "name", "kind", "user", "state", "num_csx", "priority", "max_restarts", "restarts", "max_steps",
                 "model_dir", "submitted", "started", "ended", "reason", "step", "loss", "sim_seconds")
         out = {k: job[k] for k in keys}
         out.update(self.progress.get(job["id"], {}))
@@ -194,14 +194,14 @@ class Manager:
             self.end(job, JobState.CANCELLED, f"cancelled by {cancelled_by} while running")
         elif self.stopping and interrupted:
             self.requeue(job_id, "interrupted when the appliance stopped; " +
-                         ("resumes from its latest checkpoint" if job["max_steps"] else "serves again at its next start"))
+                         ("serves again at its next start" if job["kind"] == "serve" else "resumes from its latest checkpoint"))
         else:
             why = line if code == EXIT_JOB_FAILED else f"its runner ended with {exit_name(code)}"
             if job["restarts"] >= job["max_restarts"]:
                 self.end(job, JobState.FAILED, why)
                 return
             n = job["restarts"] + 1
-            resume = " from the latest checkpoint" if job["max_steps"] else ""  # a serve job has none
+            resume = "" if job["kind"] == "serve" else " from the latest checkpoint"  # a serve job has none
             self.log(job_id, f"== restart {n} of {job['max_restarts']}{resume} after: {why}\n")
             self.say(f"job {job_id}: failed ({why}); restart {n} of {job['max_restarts']}")
             if self.stopping:  # it restarts when the appliance is started again

@@ -10,6 +10,7 @@ service's handler (``service.py``).
 import dataclasses
 import json
 import os
+from typing import ClassVar
 
 from pyapi.errors import RequestError
 from wse_core.checks import Int
@@ -90,11 +91,18 @@ class Status(Request):
     """The pool, its free CS-2s and its queue."""
 
 
+#: The kinds of job the appliance runs: "train" (``wse fit --submit``: params as ``pyapi.params``
+#: checks them) and "serve" (``wse serve --submit``: a ``ServeSpec``).
+JOB_KINDS = ("train", "serve")
+
+
 @dataclasses.dataclass
 class Submit(Request):
-    """Queue a job: params, the submitter's directory and numerics variables; checked then as the caller."""
+    """Queue a job: its kind and params, the submitter's directory and numerics variables; checked then
+    as the caller."""
     params: dict = _field(dict)
     cwd: str = _field(str)
+    kind: str = _field(str, "train")         # one of JOB_KINDS
     max_restarts: int = _field(int, 0)       # 0..100
     priority: int = _field(int, 0)           # -1000..1000; above 0 only for root (or the service's owner)
     name: str = _field(str, "job")           # printable, at most 64 characters
@@ -106,10 +114,42 @@ class Submit(Request):
             Int(-1000, 1000)(self.priority, "priority")
         except ValueError as exc:
             raise RequestError(str(exc)) from None
+        if self.kind not in JOB_KINDS:
+            raise RequestError(f"kind: expected one of {', '.join(JOB_KINDS)}, got {printable(self.kind, 40)!r}")
         self.name = printable(self.name, 64).strip() or "job"
         self.cwd = check_path(self.cwd, "cwd")
         if self.numerics is not None:
             check_numerics(self.numerics)
+
+
+@dataclasses.dataclass
+class ServeSpec(Request):
+    """A serve job's params (``wse serve --submit``): ``pyapi.serve.Server`` on an inference job of
+    ``num_csx`` CS-2s, serving ``host``:``port`` until cancelled. The checker then loads the model
+    and plans its job as the submitter (``checker.check_serve``)."""
+    kind: ClassVar[str] = "serve"
+    model: str = _field(str)
+    num_csx: int = _field(int)
+    host: str = _field(str)
+    port: int = _field(int)
+    checkpoint_path: str = _field(str, None)
+    placement: str = _field(str, None)
+    max_streams: int = _field(int, None)
+    max_tokens: int = _field(int, None)
+    max_prompt_tokens: int = _field(int, None)
+    peer_timeout: int = _field(int, None)
+    log_dir: str = _field(str, None)
+
+    def check(self):
+        self.model = check_path(self.model, "model")
+        if self.log_dir is not None:
+            self.log_dir = check_path(self.log_dir, "log_dir")
+        if not 0 <= self.port < 65536:
+            raise RequestError(f"--port: expected a port in [0, 65535], got {self.port}")
+
+    def to_dict(self):
+        """The fields that are set, as the job's params in the store."""
+        return {k: v for k, v in dataclasses.asdict(self).items() if v is not None}
 
 
 @dataclasses.dataclass

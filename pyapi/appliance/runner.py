@@ -15,14 +15,13 @@ import sys
 import threading
 import time
 
-from mpi_launch import MPILaunchError
-from mpi_launch.inference import InferenceJobError
 from mpi_launch.launcher import JobInterrupted
 from mpi_launch.rundir import RunDir, RunDirBusy
 from mpi_launch.supervisor import die_with_parent
 from pyapi.job import Job, JobError
 from pyapi.params import RunSpec
 from wse_core import configure_process
+from wse_core.errors import WseError
 # pyapi.serve is imported in serve(): it loads the kernels (and aiohttp), after main()'s configure_process().
 
 #: The job cannot run as given (params, data, permissions): restarting would fail the same way.
@@ -111,9 +110,9 @@ def serve(orders, *, cores=None):
         server.run(orders["host"], orders["port"], on_ready=lambda url: print(
             f"serving {server.name} on {url} ({server.describe()})", flush=True))
         code, line = 128 + signal.SIGTERM, f"stopped serving {server.name}"
-    except InferenceJobError as exc:
+    except JobError as exc:  # its inference job (InferenceJobError), or its launch
         code, line = EXIT_JOB_FAILED, str(exc)
-    except (ValueError, TypeError, OSError) as exc:
+    except (WseError, OSError) as exc:  # as the command line: a bug's ValueError keeps its traceback
         code, line = EXIT_BAD_INPUT, f"error: {exc}"
     print(line, flush=True)
     return code, line
@@ -135,7 +134,7 @@ def attempt(params, *, cores=None, hostfile=None, progress_fd=None):
         code, line = EXIT_JOB_FAILED, str(exc)
     except JobInterrupted as exc:
         code, line = 128 + exc.signal, f"interrupted by {exc}: the job's ranks were stopped"
-    except (ValueError, TypeError, OSError, MPILaunchError) as exc:
+    except (WseError, OSError) as exc:  # as the command line: a bug's ValueError keeps its traceback
         code, line = EXIT_BAD_INPUT, f"error: {exc}"
     finally:
         if progress is not None and progress.is_alive():
@@ -158,8 +157,8 @@ def main():
         print(f"error: cannot enter {orders['cwd']}: {exc.strerror}")
         return EXIT_BAD_INPUT
     configure_process()
-    if "serve" in orders["params"]:
-        return serve(orders["params"]["serve"], cores=orders["cores"])[0]
+    if orders["kind"] == "serve":
+        return serve(orders["params"], cores=orders["cores"])[0]
     return attempt(orders["params"], cores=orders["cores"], progress_fd=orders["progress_fd"])[0]
 
 

@@ -242,7 +242,7 @@ class Service:
                 raise RequestError(f"runconfig.model_dir: {model_dir} is the model_dir of your job {other['id']} "
                                    f"({other['state']}); use another")
         job_id = self.store.add(uid=account.pw_uid, gid=account.pw_gid, user=account.pw_name, name=req.name,
-                                params=checked["params"], cwd=req.cwd, umask=check.umask, model_dir=model_dir,
+                                kind=checked["kind"], params=checked["params"], cwd=req.cwd, umask=check.umask, model_dir=model_dir,
                                 num_csx=checked["num_csx"], max_steps=checked["max_steps"], priority=req.priority,
                                 max_restarts=req.max_restarts, numerics=req.numerics)
         self.say(f"job {job_id}: submitted by {account.pw_name}: {checked['num_csx']} CS-2s, {model_dir}")

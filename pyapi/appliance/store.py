@@ -19,7 +19,8 @@ CREATE TABLE IF NOT EXISTS jobs (
     gid           INTEGER NOT NULL,
     user          TEXT    NOT NULL,
     name          TEXT    NOT NULL,
-    params        TEXT    NOT NULL,   -- the validated flat params (JSON): what the runner trains
+    kind          TEXT    NOT NULL,   -- "train" or "serve" (requests.JOB_KINDS)
+    params        TEXT    NOT NULL,   -- the validated params (JSON): what the runner trains, or serves
     cwd           TEXT    NOT NULL,   -- the submitter's directory: relative data paths resolve here
     umask         INTEGER NOT NULL,   -- the submitter's: the job's files get the modes theirs would
     model_dir     TEXT    NOT NULL,
@@ -48,15 +49,19 @@ _ADDED = {
     # NULL: the runner gets what the version that queued the job gave it (the service's own).
     "numerics": "TEXT",
     "attempts": "INTEGER NOT NULL DEFAULT 0",
+    "kind": "TEXT NOT NULL DEFAULT 'train'",
 }
 #: What an added column holds for the rows of an earlier version, from what they do hold.
-_DERIVED = {"attempts": "restarts + (started IS NOT NULL)"}  # at least: starts after a stop were not counted
+_DERIVED = {"attempts": "restarts + (started IS NOT NULL)",  # at least: starts after a stop were not counted
+            # Before version 4, a serve job's params were {"serve": its fields}: the only params with that key.
+            "kind": "CASE WHEN json_type(params, '$.serve') = 'object' THEN 'serve' ELSE 'train' END"}
 #: The table's version, in SQLite's user_version: 0 for tables made before it was kept (their
-#: columns are added, as any earlier version's), 2 with the numerics column, 3 with attempts. A
+#: columns are added, as any earlier version's), 2 with the numerics column, 3 with attempts, 4 with
+#: kind (and a serve job's params its fields, no longer wrapped in {"serve": ...}). A
 #: newer table is refused: its rows may need what this code does not know (a column it would not fill).
-VERSION = 3
+VERSION = 4
 
-_FIELDS = ("id", "uid", "gid", "user", "name", "params", "cwd", "umask", "model_dir", "num_csx", "max_steps",
+_FIELDS = ("id", "uid", "gid", "user", "name", "kind", "params", "cwd", "umask", "model_dir", "num_csx", "max_steps",
            "priority", "max_restarts", "state", "restarts", "attempts", "overtaken", "submitted", "started", "ended",
            "pid", "reason", "step", "loss", "sim_seconds", "numerics")
 
@@ -99,6 +104,8 @@ class Store:
                                  "--state_dir")
         for column in set(added) & set(_DERIVED):
             self.db.execute(f"UPDATE jobs SET {column} = {_DERIVED[column]}")
+        if "kind" in added:
+            self.db.execute("UPDATE jobs SET params = json_extract(params, '$.serve') WHERE kind = 'serve'")
         self.db.execute(f"PRAGMA user_version = {VERSION}")
 
     def close(self):

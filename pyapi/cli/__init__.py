@@ -23,7 +23,9 @@ nothing heavy at import time, so `wse --help` stays quick (tests/test_cli.py).
 """
 import importlib.metadata
 import os
+import select
 import sys
+import warnings
 
 from pyapi.cli import appliance, checkpoint, data, doctor, fabric, generate, params, plot, serve, train
 from pyapi.cli.options import Parser
@@ -99,8 +101,6 @@ def _open_closed_std_fds():
 def _stdout_gone():
     """Whether standard output's reader has gone: a pipe's reader closed it (POLLERR), a socket's
     peer shut it (POLLHUP)."""
-    import select
-
     try:
         poll = select.poll()
         poll.register(sys.stdout.fileno(), 0)
@@ -119,7 +119,6 @@ def _main(argv):
         parser.print_help()
         return 0
     args, extra = parser.parse_known_args(argv)  # parse_args, but for what a --set's mistake leaves over
-    import warnings
 
     from data_tools.errors import DataWarning
     from mpi_launch.launcher import OutputLost

@@ -1,6 +1,8 @@
 """`wse appliance start|stop|status` and the commands on its jobs: `wse submit`, `jobs`, `logs`, `cancel`."""
+import json
 import os
 import sys
+import time
 
 from pyapi.client import JobState
 from pyapi.cli.options import job_args, print_json_or_lines
@@ -33,8 +35,6 @@ def _cmd_appliance_start(args):
 
 
 def _cmd_appliance_stop(args):
-    import time
-
     from pyapi.client import ApplianceError, Client
     from pyapi.appliance.manager import GRACE_SECONDS
 
@@ -109,8 +109,6 @@ def _fmt(x, spec, empty="-"):
 
 
 def _cmd_jobs(args):
-    import json
-
     if args.slurm:
         from pyapi.appliance import slurm
 
@@ -128,7 +126,8 @@ def _cmd_jobs(args):
     print(f"{'ID':>5}  {'STATE':<10} {'USER':<10} {'CS-2':>4} {'STEP':>9} {'LOSS':>8} {'SIM ms':>8} {'WALL s':>8} "
           f"{'RESTARTS':>8}  NAME")
     for j in jobs:
-        step = f"{j['step']}/{j['max_steps']}" if j.get("max_steps") else _fmt(j.get("step"), "")
+        trains = j.get("kind", "train") == "train"  # Slurm's jobs are training jobs, and carry no kind
+        step = f"{j['step']}/{j['max_steps']}" if trains and j.get("max_steps") else _fmt(j.get("step"), "")
         print(f"{j['id']:>5}  {j['state']:<10} {j['user']:<10} {_fmt(j['num_csx'], '>4')} {step:>9} "
               f"{_fmt(j.get('loss'), '8.4f'):>8} {_fmt(j.get('sim_seconds') and j['sim_seconds'] * 1e3, '8.4g'):>8} "
               f"{_fmt(j.get('wall_seconds'), '8.1f'):>8} {_fmt(j.get('restarts'), '>8')}  {j['name']}")

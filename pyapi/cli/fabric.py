@@ -1,13 +1,13 @@
 """`wse fabric run`: a reference program on the simulated PE mesh, checked against numpy."""
+import json
+import time
+
 from pyapi.cli.options import print_json_or_lines
 # What a command runs (pyapi.job, pyapi.params, wse_core, data_tools, ...) is imported inside its function:
 # `wse --help` imports every module here and must load no numerics (tests/test_cli.py).
 
 
 def _cmd_fabric_run(args):
-    import json
-    import time
-
     import numpy as np
 
     from wse_core.fabric.programs import PROGRAMS

@@ -1,12 +1,12 @@
 """`wse generate`: text from a trained model (pyapi.generate)."""
+import json
+import sys
+
 # What a command runs (pyapi.job, pyapi.params, wse_core, data_tools, ...) is imported inside its function:
 # `wse --help` imports every module here and must load no numerics (tests/test_cli.py).
 
 
 def _cmd_generate(args):
-    import json
-    import sys
-
     from pyapi.generate import Generator
     from wse_core.checks import plural
     from wse_core.errors import ConfigError

@@ -1,6 +1,7 @@
 """What several commands share: the command line's parser (its one spelling rule for options), a training
 job's arguments, the runconfig overrides they make, and output as JSON or aligned lines."""
 import argparse
+import json
 # What a command runs (pyapi.job, pyapi.params, wse_core, data_tools, ...) is imported inside its function:
 # `wse --help` imports every module here and must load no numerics (tests/test_cli.py).
 
@@ -86,8 +87,6 @@ def runconfig_values(args):
 
 
 def print_json_or_lines(obj, as_json):
-    import json
-
     if as_json:
         print(json.dumps(obj, indent=2))
     else:

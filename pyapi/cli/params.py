@@ -1,5 +1,8 @@
 """`wse params convert|keys`: Model Zoo params files in the other layout, and each key's fate."""
+import json
 import sys
+import warnings
+from pathlib import Path
 
 from pyapi.cli.options import PARAMS_HELP
 # What a command runs (pyapi.job, pyapi.params, wse_core, data_tools, ...) is imported inside its function:
@@ -27,8 +30,6 @@ def _cmd_params_convert(args):
         layout = "trainer (trainer.init, trainer.fit)"
     text = yaml.safe_dump(out, sort_keys=False)
     if args.output:
-        from pathlib import Path
-
         Path(args.output).write_text(text)
         print(f"wrote {args.output} ({layout} layout)")
     else:
@@ -37,9 +38,6 @@ def _cmd_params_convert(args):
 
 
 def _cmd_params_keys(args):
-    import json
-    import warnings
-
     from pyapi.params import ParamsError, check, read
 
     with warnings.catch_warnings():

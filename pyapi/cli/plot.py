@@ -1,11 +1,11 @@
 """`wse plot`: the loss curves of one or more runs, on the same axes."""
+from pathlib import Path
+
 # What a command runs (pyapi.job, pyapi.params, wse_core, data_tools, ...) is imported inside its function:
 # `wse --help` imports every module here and must load no numerics (tests/test_cli.py).
 
 
 def _cmd_plot(args):
-    from pathlib import Path
-
     from mpi_launch.rundir import RunDir
     from pyapi import plot
 

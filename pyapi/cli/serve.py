@@ -1,13 +1,13 @@
 """`wse serve`: a trained model behind an OpenAI-compatible HTTP API (pyapi.serve)."""
+import importlib.util
+import os
+import sys
+
 # What a command runs (pyapi.job, pyapi.params, wse_core, data_tools, ...) is imported inside its function:
 # `wse --help` imports every module here and must load no numerics (tests/test_cli.py).
 
 
 def _cmd_serve(args):
-    import importlib.util
-    import os
-    import sys
-
     from wse_core.errors import ConfigError
 
     if importlib.util.find_spec("aiohttp") is None:
@@ -34,9 +34,6 @@ def _cmd_serve(args):
 
 def _submit(args, given, api_key):
     """``wse serve --submit``: the server as a job of the appliance, holding its CS-2s until cancelled."""
-    import os
-    import sys
-
     from pyapi.client import Client
     from wse_core.errors import ConfigError
 

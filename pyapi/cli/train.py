@@ -1,5 +1,7 @@
 """`wse fit`, `wse validate` and `wse compile`: a training job's params, trained, evaluated or laid out."""
+import json
 import sys
+from pathlib import Path
 
 from pyapi.cli.options import job_args, runconfig_values
 # What a command runs (pyapi.job, pyapi.params, wse_core, data_tools, ...) is imported inside its function:
@@ -7,8 +9,6 @@ from pyapi.cli.options import job_args, runconfig_values
 
 
 def _cmd_compile(args):
-    import json
-
     from pyapi import params
     from pyapi.job import Job
     from wse_core.errors import ConfigError
@@ -35,8 +35,6 @@ def _cmd_compile(args):
 
 
 def _cmd_fit(args):
-    from pathlib import Path
-
     from mpi_launch.launcher import JobInterrupted
     from pyapi.job import Job, JobError
 
@@ -70,8 +68,6 @@ def _cmd_fit(args):
 
 
 def _cmd_validate(args):
-    import json
-
     from pyapi.job import Job
 
     job = Job.from_yaml(args.params, model_dir=args.model_dir, overrides=args.set)

@@ -1,6 +1,5 @@
 """The CPU backend's steps: the single-process reference's, on the run's dataset."""
 
-from pyapi.params import validate
 # The kernels (data_tools.dataset, wse_core.models, wse_core.optim, wse_core.nn) are imported where used:
 # importing the package (cerebras.pytorch) loads none of them.
 
@@ -9,13 +8,13 @@ class InProcess:
     """The CPU backend: the reference's steps (``wse_core.nn.reference``) on the run's dataset, as the
     cluster's ranks compute them: the same bits."""
 
-    def __init__(self, params, start=0, resumed=None, loss_scale=None):
+    def __init__(self, spec, start=0, resumed=None, loss_scale=None):
         from data_tools.dataset import GlobalStream
         from wse_core.models import build_model
         from wse_core.optim import make_schedule
         from wse_core.optim.loss_scale import LossScaler
 
-        self.spec = validate(params)
+        self.spec = spec
         self.model = build_model(self.spec.model)
         o, t = self.spec.optimizer, self.spec.train_input
         self.seed = self.spec.runconfig.seed

@@ -91,7 +91,7 @@ class Run:
         self.dir = root / f"run_{n}"
         self.started, self.thread, self.failure, self.cpu, self.handle, self.fn = False, None, None, None, None, None
         self.start = 0  # the step the run resumes from (the optimizer's loaded state's)
-        self.params = None  # a training run's params (``_params``)
+        self.spec = None  # a training run's params (``_params``), validated once
         self.model_dir = self.dir / "model"
         self.losses = {}
         self._metrics = (None, 0)  # (inode, bytes read) of the job's metrics.jsonl
@@ -242,8 +242,9 @@ class Run:
                      groups={name: by_tensor[id(p)] for name, p in graph.params.items()})
         self.optimizer, self.param_of = optimizer, dict(graph.params)
         self.start = _resumed_step(optimizer, self.executor.checkpoint_steps)
-        self.params = self._params(str(program), rec)
-        write_text(self.dir / "params.yaml", yaml.safe_dump(self.params, sort_keys=False))
+        params = self._params(str(program), rec)
+        write_text(self.dir / "params.yaml", yaml.safe_dump(params, sort_keys=False))
+        self.spec = validate(params)
         self.started = True
         if not self.backend.is_e2e_execution:
             self._dry(graph)
@@ -254,7 +255,7 @@ class Run:
         if self.scaler is not None:  # follows the cluster's loss scaler step by step (``step``)
             from wse_core.optim.loss_scale import LossScaler
 
-            self.loss_scaler = LossScaler.from_params(validate(self.params).optimizer, rec.fp16_type)
+            self.loss_scaler = LossScaler.from_params(self.spec.optimizer, rec.fp16_type)
             self.loss_scaler.load(scale)
             self.scaler.cluster_state = self.loss_scaler.state()
         if self.backend.is_csx:
@@ -262,7 +263,7 @@ class Run:
                 _write_checkpoint(self.model_dir, self.start, *resumed, scale)
             self._start_job()
         else:
-            self.cpu = InProcess(self.params, self.start, resumed, scale)
+            self.cpu = InProcess(self.spec, self.start, resumed, scale)
 
     def _params(self, program, rec):
         optimizer = rec.optimizers[0].spec()
@@ -287,7 +288,7 @@ class Run:
         return {"train_input": train, "model": model, "optimizer": optimizer, "runconfig": runconfig}
 
     def _start_job(self):
-        job = Job(validate(self.params))
+        job = Job(self.spec)
         target = self.backend.appliance
         # Queued on the appliance here, in this thread: a refusal (no appliance, a bad request) is the
         # loop's error at once; the thread then waits for the job's end, as it waits for a job of its own.
@@ -315,13 +316,13 @@ class Run:
     def _dry(self, graph):
         """A compile (the plan and its checks, ``wse compile``'s) or a validation (the capture): said in a
         line; nothing runs."""
-        if self.params is None:  # an evaluation step: nothing to plan
+        if self.spec is None:  # an evaluation step: nothing to plan
             print(f"cstorch: {'compiled' if self.backend.compile_only else 'validated'}: the evaluation step captured "
                   f"as {len(graph.outputs)} output(s); nothing ran", flush=True)
         elif self.backend.compile_only:
             from mpi_launch.resolved import describe, resolve
 
-            d = describe(resolve(validate(self.params)))
+            d = describe(resolve(self.spec))
             sim, plan = d["simulated"], d["plan"]
             print(f"cstorch: compiled: {plural(len(d['model']['units']), 'streaming unit')}, "
                   f"{plural(plan['num_csx'], 'CS-2')}, "
@@ -442,15 +443,15 @@ class Run:
         optimizer's loaded ones."""
         from wse_core.compiler.model import load_program
 
-        names = validate(self.params).optimizer.optimizer().state_names
-        weights = {n: w.numpy() for n, w in load_program(self.params["model"]["program"])["weights"].items()}
+        names = self.spec.optimizer.optimizer().state_names
+        weights = {n: w.numpy() for n, w in load_program(self.spec.model["program"])["weights"].items()}
         state = {}
         for n, p in self.param_of.items():
             st = self.optimizer.state.get(p, {})
             missing = [k for k in names if k not in st]
             if missing:
                 raise DataError(f"optimizer.load_state_dict: the state of model.{n.removeprefix('model.')} has no "
-                                f"{missing[0]!r} (a {self.params['optimizer']['optimizer_type']} resumes from one)")
+                                f"{missing[0]!r} (a {self.spec.optimizer.optimizer_type} resumes from one)")
             state[n] = {k: np.ascontiguousarray(st[k].detach().cpu().numpy(), dtype=np.float32) for k in names}
         return weights, state
 
