@@ -122,7 +122,11 @@ def check_wafer(model, batch_size, num_csx, micro_batch_size, seq_len, hw):
     w = streaming_wafer(model, micro_batch_size or 1, seq_len, hw)
     if micro_batch_size is not None and w.fits:
         return micro_batch_size
-    best = largest_micro_batch(model, MicroBatches.even_sizes(batch_size, num_csx), seq_len, hw)
+    sizes = MicroBatches.even_sizes(batch_size, num_csx)
+    # auto prefers the sizes whose micro-batches are halvings of the batch (MicroBatches.aligned): their
+    # bits are every other such size's (docs/design.md section 5, (a)).
+    halvings = [b for b in sizes if MicroBatches(batch_size, b, num_csx).aligned]
+    best = largest_micro_batch(model, halvings, seq_len, hw) or largest_micro_batch(model, sizes, seq_len, hw)
     if micro_batch_size is None:
         if best is not None:
             return best
@@ -200,6 +204,8 @@ def describe(run):
                                num_wgt_servers=r.num_wgt_servers, swarmx_fanout=r.swarmx_fanout,
                                hw=hw, batch_size=run.batches.batch_size).to_dict(),
         "bit_identical_to_reference": run.batches.sums_as_one(r.swarmx_fanout),
+        "batch_invariant": model.batch_dependent is None and run.batches.sample_tree(r.swarmx_fanout),
+        "micro_batch_size": run.batches.size, "batch_dependent": model.batch_dependent,
         "execution_strategy": run.strategy, "why": run.why, "pipeline": run.placement.to_dict(),
     }
 

@@ -62,6 +62,9 @@ class CompileReport(Mapping):
     why: str                          # the line that says why that strategy
     pipeline: dict                    # the run pipelined on one CS-2: fits, why, step_s, regions (the layers' PEs)
     micro_batches: list = None        # with explore: each size that deals the batch evenly, its wafer need and speed
+    batch_invariant: bool = False     # the step's bits are the tree over its samples: any num_csx and micro-batch size
+    micro_batch_size: int = None      # the micro-batch size taken
+    batch_dependent: str = None       # why the model's sums depend on the micro-batch (None: they do not)
 
     @property
     def step_s(self):
@@ -94,12 +97,20 @@ class CompileReport(Mapping):
 
     def lines(self):
         """The lines `wse compile` prints."""
-        exact = "yes" if self.bit_identical_to_reference else (
-            "no (the micro-batches per CS-2 must be a power of two, and num_csx at most swarmx_fanout or both powers "
-            "of two)")
-        return [*self._cluster_lines(), *self._step_lines(), *self._explore_lines(),
-                f"bit-identical to the single-process reference: {exact}", *self._pipeline_lines(),
-                f"execution strategy: {self.why}"]
+        return [*self._cluster_lines(), *self._step_lines(), *self._explore_lines(), self._bits_line(),
+                *self._pipeline_lines(), f"execution strategy: {self.why}"]
+
+    def _bits_line(self):
+        """What the run's bits are the same as (docs/design.md section 5, (a))."""
+        if self.batch_invariant:
+            return "bits: the same for any num_csx and micro-batch size (every sum a tree over the batch's samples)"
+        if not self.bit_identical_to_reference:
+            return ("bits: of this layout alone (the same bits need a power of two of micro-batches per CS-2, and "
+                    "num_csx at most swarmx_fanout or both powers of two)")
+        why = self.batch_dependent or (f"its {self.micro_batches_per_csx * self.plan['num_csx']} micro-batches are "
+                                       "not halvings of the batch; a power of two of them are")
+        return (f"bits: the single-process reference's at micro_batch_size {self.micro_batch_size}, and another "
+                f"micro-batch size's differ ({why})")
 
     def _cluster_lines(self):
         plan, m = self.plan, self.model

@@ -280,6 +280,11 @@ def _note_bits(p, report):
             "from the single-process reference's and from those of 1, 2 or 4 CS-2s (the same bits need a power of "
             "two of micro-batches per CS-2, and num_csx at most swarmx_fanout or both powers of two; "
             "docs/design.md section 5)")
+    elif not batches.aligned:
+        report.notes.append(
+            f"train_input.micro_batch_size: {batches.size} makes {batches.count} micro-batches, which are not halvings "
+            "of the batch: the weights' bits are the single-process reference's at this size, but differ from "
+            "other micro-batch sizes' (a power of two of micro-batches keeps them; docs/design.md section 5)")
 
 
 def apply_overrides(raw, overrides, values=None):

@@ -68,10 +68,10 @@ def one_line(proc):
     return proc.stderr.strip().splitlines()[-1]
 
 
-def reference(p, steps, results=None, num_csx=1):
+def reference(p, steps, results=None, num_csx=1, micro_batch_size=None):
     """Weights and optimizer state after `steps` single-process reference steps on the same data
     (each step's StepResult appended to ``results``), the batch laid out for ``num_csx`` CS-2s (which
-    changes nothing when it divides evenly)."""
+    changes nothing when it divides evenly), in micro-batches of ``micro_batch_size`` (default: p's)."""
     model = build_model(p["model"])
     seed = p["runconfig"].get("seed", 0)
     params = model.init_params(seed)
@@ -87,7 +87,7 @@ def reference(p, steps, results=None, num_csx=1):
     for t in range(steps):
         ex = stream.read(t * t_in["batch_size"], t_in["batch_size"])
         batch = model.batch_of(ex)
-        r = reference_step(model, params, state, opt, batch, micro_batch_size=t_in["micro_batch_size"],
+        r = reference_step(model, params, state, opt, batch, micro_batch_size=micro_batch_size or t_in["micro_batch_size"],
                            step=t + 1, lr=schedule(t), max_gradient_norm=o["max_gradient_norm"], seed=seed,
                            scaler=scaler, lr_factors=model.lr_factors(o.get("adjust_learning_rate")),
                            num_csx=num_csx)
@@ -98,12 +98,14 @@ def reference(p, steps, results=None, num_csx=1):
     return params, state, losses
 
 
-def fit_matches_reference(jobs, tmp_path, path, p, num_csx, steps=STEPS, results=None, env=None):
+def fit_matches_reference(jobs, tmp_path, path, p, num_csx, steps=STEPS, results=None, env=None,
+                          micro_batch_size=None):
     """`wse fit` of ``path`` on ``num_csx`` CS-2s ends with the reference's weights, optimizer state and
-    losses (``p``: the flat params the file holds); returns the finished process and the metrics."""
+    losses (``p``: the flat params the file holds; the reference's micro-batches ``micro_batch_size``,
+    default p's); returns the finished process and the metrics."""
     proc = jobs.run("fit", path, "--num_csx", num_csx, env=env)
     assert proc.returncode == 0, proc.stderr
-    params, state, losses = reference(p, steps, results, num_csx)
+    params, state, losses = reference(p, steps, results, num_csx, micro_batch_size)
     assert_bits(tmp_path / "model", params, state)
     metrics = RunDir(tmp_path / "model").read_metrics()
     assert [m["loss"] for m in metrics] == losses
@@ -138,9 +140,9 @@ def test_auto_takes_the_micro_batch_that_fits_the_wafer_and_trains_with_the_refe
 @pytest.mark.parametrize("batch_size", [10, 9])
 def test_a_batch_that_does_not_divide_is_dealt_evenly_with_the_references_bits(tmp_path, data, jobs, batch_size):
     """Any batch runs, as on Cerebras' clusters from release 2.3: each of 2 CS-2s computes
-    ceil(ceil(B / 2) / 3) = 2 micro-batches, the samples dealt to the four as evenly as they go (10 as
-    3, 3, 2, 2; 9 as 3, 2, 2, 2: one CS-2 gets 5 samples, the other 4); the bits are the reference
-    step's on that layout."""
+    ceil(ceil(B / 2) / 3) = 2 micro-batches, the four the batch halved twice (10 as 2, 3, 2, 3; 9 as
+    2, 2, 2, 3: the second CS-2 computes the micro-batches 1 and 3); the bits are the reference
+    step's."""
     path, p = params_file(tmp_path, data)
     p["train_input"].update(batch_size=batch_size, micro_batch_size=3)
     path.write_text(yaml.safe_dump(p))
@@ -150,10 +152,12 @@ def test_a_batch_that_does_not_divide_is_dealt_evenly_with_the_references_bits(t
 
 @pytest.mark.parametrize("num_csx,workers", [(1, 1), (2, 2), (4, 1)])
 def test_bit_identical_to_the_reference(tmp_path, data, jobs, num_csx, workers):
-    """Weights and optimizer state after 3 steps equal the single-process reference, bit for bit. The
-    run is resolved once: the launcher builds the model once, and each rank once (it obeys the plan in
-    run.json), counted by the audit event ``build_model`` raises."""
-    path, p = params_file(tmp_path, data, num_workers_per_csx=workers)
+    """With the default micro-batch size (auto: a CS-2's whole share, 8, 4 or 2 samples), weights and
+    optimizer state after 3 steps equal the single-process reference's in micro-batches of one sample,
+    bit for bit: the same bits for any num_csx. The run is resolved once: the launcher builds the model
+    once, and each rank once (it obeys the plan in run.json), counted by the audit event ``build_model``
+    raises."""
+    path, p = params_file(tmp_path, data, micro_batch_size="auto", num_workers_per_csx=workers)
     hook, builds = tmp_path / "hook", tmp_path / "builds.txt"
     hook.mkdir()
     (hook / "sitecustomize.py").write_text(
@@ -164,7 +168,7 @@ def test_bit_identical_to_the_reference(tmp_path, data, jobs, num_csx, workers):
         "            f.write(f'{os.getpid()} {sys.argv[0]}\\n')\n"
         "sys.addaudithook(count)\n")
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(hook), os.environ.get("PYTHONPATH")])))
-    _, metrics = fit_matches_reference(jobs, tmp_path, path, p, num_csx, env=env)
+    _, metrics = fit_matches_reference(jobs, tmp_path, path, p, num_csx, env=env, micro_batch_size=1)
     assert (tmp_path / "model" / "plan.json").exists() and any((tmp_path / "model" / "logs").iterdir())
     assert_clock_agrees_with_the_walk(metrics, p, num_csx)
     per_process = collections.Counter(builds.read_text().splitlines())

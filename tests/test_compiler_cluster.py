@@ -11,6 +11,7 @@ torch = pytest.importorskip("torch")
 from data_tools.checkpoint import Checkpoint  # noqa: E402
 from data_tools.preprocess import preprocess_arrays, preprocess_text  # noqa: E402
 from wse_core.compiler import capture, partition  # noqa: E402
+from pyapi.job import Job  # noqa: E402
 from wse_core.compiler.model import save_program  # noqa: E402
 
 
@@ -64,6 +65,10 @@ def test_a_compiled_torch_mlp_has_the_same_bits_on_1_and_4_cs2s(jobs, tmp_path, 
     assert l1 == l4 and len(l1) == 4
     for name in w1:
         assert np.array_equal(w1[name], w4[name]), name
+    # torch's kernels sum over a micro-batch's rows: the bits hold at one micro-batch size, and `wse compile` says so
+    assert ("bits: the single-process reference's at micro_batch_size 2, and another micro-batch size's differ (a "
+            "PyTorch model's units run torch's own kernels, whose sums span the micro-batch)"
+            in Job.from_yaml(tmp_path / "m1.yaml").compile().lines())
 
 
 def test_a_compiled_torch_mlp_trains_as_eager_pytorch_does(jobs, tmp_path, arrays):

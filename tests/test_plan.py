@@ -85,6 +85,34 @@ def test_wse_compile_counts_agree_with_their_nouns(tmp_path, num_csx, said):
         assert part in proc.stdout, (part, proc.stdout)
 
 
+SAME = "bits: the same for any num_csx and micro-batch size (every sum a tree over the batch's samples)"
+
+
+@pytest.mark.parametrize("overrides,line", [
+    ((), SAME),
+    (("train_input.batch_size=12", "train_input.micro_batch_size=2", "runconfig.num_csx=1"),
+     "bits: the single-process reference's at micro_batch_size 2, and another micro-batch size's differ (its 6 "
+     "micro-batches are not halvings of the batch; a power of two of them are)"),
+    (("runconfig.num_csx=3", "train_input.batch_size=12"),
+     "bits: of this layout alone (the same bits need a power of two of micro-batches per CS-2, and num_csx at most "
+     "swarmx_fanout or both powers of two)"),
+    (("model.name=fc_mlp", "model.input_size=4", "model.hidden_sizes=[8]", "model.num_classes=3"), SAME),
+])
+def test_wse_compile_says_what_the_bits_are_the_same_as(overrides, line):
+    """The default layout of a language model or an MLP has the bits of the tree over its samples, for any
+    num_csx and micro-batch size; each way that can fail is said (docs/design.md section 5, (a); a
+    PyTorch model's: test_compiler_cluster.py)."""
+    from pyapi.job import Job
+    from pyapi.params import apply_overrides, validate
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        raw = dict(BASE, model={}) if "model.name=fc_mlp" in overrides else BASE
+        report = Job(validate(apply_overrides(raw, list(overrides)))).compile()
+    assert line in report.lines(), report.lines()
+    assert report.batch_invariant == (line == SAME)
+
+
 def test_a_run_whose_ranks_this_machine_cannot_hold_is_refused_before_they_start(tmp_path):
     """A batch of 2^20 samples: `auto` took a micro-batch of half of it, and the CS-2 ranks died of a
     MemoryError once started. Their memory (`wse compile`'s per-rank figures) beyond this machine's is

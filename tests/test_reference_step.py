@@ -92,9 +92,14 @@ def test_tied_embedding_gradient_is_the_sum():
 
 
 def test_a_batch_is_dealt_to_its_micro_batches_as_evenly_as_it_goes():
+    """A power of two of micro-batches are the batch halved again and again (sizes within one of each
+    other, and nodes of the tree over samples); another count, the first B mod count one larger."""
     assert MicroBatches(8, 2).ranges == MicroBatches(8, 2, num_csx=4).ranges == [(0, 2), (2, 4), (4, 6), (6, 8)]
     assert MicroBatches(6, 4).ranges == [(0, 3), (3, 6)]                        # 2 rounds of at most 4
-    assert MicroBatches(9, 3, num_csx=2).ranges == [(0, 3), (3, 5), (5, 7), (7, 9)]
+    assert MicroBatches(9, 3, num_csx=2).ranges == [(0, 2), (2, 4), (4, 6), (6, 9)]
+    assert MicroBatches(10, 4).ranges == [(0, 4), (4, 7), (7, 10)]              # 3: not halvings
+    assert MicroBatches(9, 3, num_csx=2).aligned and not MicroBatches(10, 4).aligned
+    assert MicroBatches(12, 3, num_csx=4).aligned and not MicroBatches(12, 4).aligned
     assert MicroBatches.even_sizes(673, 2)[-4:] == [85, 113, 169, 337]              # Cerebras' own example
     for args, match in [((6, 7), "micro_batch_size: 7 is not between 1 and the 6 samples of a CS-2"),
                         ((6, 1, 7), "batch_size: 6 samples cannot feed 7 CS-2s"),
@@ -105,6 +110,73 @@ def test_a_batch_is_dealt_to_its_micro_batches_as_evenly_as_it_goes():
     batch = next(lm_batches(stdlib_tokens(), 6, 32))
     loss, tokens, _, _ = accumulate(model, model.init_params(0), batch, micro_batch_size=4)
     assert tokens == 6 * 32 and loss > 0
+
+
+LLAMA = {"name": "llama", "vocab_size": 257, "hidden_size": 32, "num_hidden_layers": 2, "num_heads": 4,
+         "filter_size": 48, "max_position_embeddings": 32, "attention_module": "multiquery_attention",
+         "extra_attention_params": {"num_kv_groups": 2}, "share_embedding_weights": False}
+
+
+def train(cfg, micro_batch_size, batch_size=16, steps=2):
+    """(losses, weights' bytes) of ``steps`` reference steps (dropout on where ``cfg`` has it; a
+    sample's tokens partly masked out)."""
+    model = build_model(cfg)
+    params = model.init_params(seed=0)
+    opt = AdamW(lr=1e-3, weight_decay=0.01)
+    state = {k: opt.init_state(v) for k, v in params.items()}
+    losses = []
+    for t, batch in zip(range(1, steps + 1), lm_batches(stdlib_tokens(), batch_size, 32)):
+        batch["loss_mask"][3, :5] = 0
+        losses.append(reference_step(model, params, state, opt, batch, micro_batch_size=micro_batch_size, step=t,
+                                     seed=1, max_gradient_norm=1.0).loss)
+    return losses, b"".join(params[k].tobytes() for k in model.param_names)
+
+
+@pytest.mark.parametrize("cfg", [
+    dict(TINY_GPT2, dropout_rate=0.1, attention_dropout_rate=0.1),
+    dict(TINY_GPT2, mixed_precision=True, fp16_type="bfloat16"),
+    dict(TINY_GPT2, mixed_precision=True, fp16_type="float16"),
+    dict(TINY_GPT2, sparsity=0.5),
+    dict(LLAMA, dropout_rate=0.1, mixed_precision=True, fp16_type="bfloat16"),
+], ids=["gpt2-dropout", "gpt2-bfloat16", "gpt2-float16", "gpt2-sparse", "llama-gqa-bfloat16-dropout"])
+def test_the_weights_have_the_same_bits_for_any_micro_batch_size(cfg):
+    """Every sum over samples is the tree over the batch's samples (wse_core.nn.sample_tree), so micro-batches
+    of 1, 2, 4, 8 and 16 samples of a batch of 16 train to the same bits, losses included; so do 3, 6
+    and 12 of a batch of 12 (the sizes `auto` takes on 4, 2 and 1 CS-2s), halvings of it too."""
+    first = train(cfg, 1)
+    for size in (2, 4, 8, 16):
+        assert train(cfg, size) == first, size
+    twelve = train(cfg, 12, batch_size=12)
+    assert train(cfg, 6, batch_size=12) == twelve and train(cfg, 3, batch_size=12) == twelve
+
+
+@pytest.mark.parametrize("cfg", [{"activation": "relu"}, {"activation": "gelu", "sparsity": 0.5}], ids=["relu", "gelu-sparse"])
+def test_an_mlps_weights_have_the_same_bits_for_any_micro_batch_size(cfg):
+    """fc_mlp, whose sample is one row: each row's products are its own calls, so its weights too are the
+    tree over samples' for micro-batches of 1, 2, 4, 8 and 16 samples."""
+    model = build_model({"name": "fc_mlp", "input_size": 24, "hidden_sizes": [40, 16], "num_classes": 5, **cfg})
+    rng = np.random.default_rng(0)
+    batches = [{"features": rng.standard_normal((16, 24)).astype(np.float32),
+                "labels": rng.integers(0, 5, 16).astype(np.int32)} for _ in range(2)]
+
+    def run(size):
+        params = model.init_params(seed=0)
+        opt = AdamW(lr=1e-2)
+        state = {k: opt.init_state(v) for k, v in params.items()}
+        losses = [reference_step(model, params, state, opt, b, micro_batch_size=size, step=t).loss
+                  for t, b in enumerate(batches, 1)]
+        return losses, b"".join(params[k].tobytes() for k in model.param_names)
+
+    first = run(1)
+    assert all(run(size) == first for size in (2, 4, 8, 16))
+
+
+def test_micro_batches_that_are_not_halvings_of_the_batch_have_bits_of_their_own():
+    """Three micro-batches of 4 in a batch of 12 are not nodes of the tree over its samples (it halves
+    12 into 6 and 6): the step's sums, in another order, differ in their last bits; `wse compile` and
+    the params' notes say so (test_cli.py)."""
+    assert not MicroBatches(12, 4).aligned
+    assert train(TINY_GPT2, 4, batch_size=12, steps=1)[1] != train(TINY_GPT2, 12, batch_size=12, steps=1)[1]
 
 
 def test_batch_errors_name_the_key():

@@ -66,10 +66,34 @@ class MicroBatches:
 
     @cached_property
     def ranges(self):
-        """[(lo, hi), ...] of every micro-batch, in the global batch's order."""
-        size, extra = divmod(self.batch_size, self.count)
-        bounds = [j * size + min(j, extra) for j in range(self.count + 1)]
+        """[(lo, hi), ...] of every micro-batch, in the global batch's order. A power of two of them
+        are the nodes of the tree over samples at their depth (``aligned``: the batch halved at
+        ``(lo + hi) // 2``, again and again), which differ in size by at most one as an even dealing
+        does; any other count, an even dealing, the first B mod count one sample larger."""
+        n, count = self.batch_size, self.count
+        if count & (count - 1) == 0:
+            def halve(lo, hi, parts):
+                mid = (lo + hi) // 2
+                return [(lo, hi)] if parts == 1 else halve(lo, mid, parts // 2) + halve(mid, hi, parts // 2)
+
+            return halve(0, n, count)
+        size, extra = divmod(n, count)
+        bounds = [j * size + min(j, extra) for j in range(count + 1)]
         return list(zip(bounds[:-1], bounds[1:]))
+
+    @cached_property
+    def aligned(self):
+        """Whether ``tree_reduce`` over these micro-batches, each the tree over its own samples, is the
+        tree over the batch's samples: each split of the micro-batches at ``(lo + hi) // 2`` falls on
+        its samples' split (``wse_core.nn.sample_tree``)."""
+        def check(lo, hi):
+            if hi - lo == 1:
+                return True
+            mid = (lo + hi) // 2
+            first, end = self.ranges[lo][0], self.ranges[hi - 1][1]
+            return self.ranges[mid][0] == (first + end) // 2 and check(lo, mid) and check(mid, hi)
+
+        return check(0, self.count)
 
     def index(self, round_, csx):
         """The global batch's micro-batch that CS-2 ``csx`` computes in round ``round_``."""
@@ -89,6 +113,12 @@ class MicroBatches:
 
         return self.num_csx == 1 or pow2(self.rounds) and (
             self.num_csx <= swarmx_fanout or pow2(self.num_csx) and pow2(swarmx_fanout))
+
+    def sample_tree(self, swarmx_fanout):
+        """Whether the step's sums are the tree over the batch's samples, whose bits no micro-batch size
+        nor num_csx changes (docs/design.md section 5, (a)): the cluster sums as one process does, and
+        the micro-batches are that tree's nodes."""
+        return self.sums_as_one(swarmx_fanout) and self.aligned
 
     @staticmethod
     def even_sizes(batch_size, num_csx=1):

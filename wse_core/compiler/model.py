@@ -136,6 +136,7 @@ class TorchModel(Model):
     """A compiled PyTorch model (``model.name: torch``): see the module's docstring."""
 
     family = "torch"
+    batch_dependent = "a PyTorch model's units run torch's own kernels, whose sums span the micro-batch"
 
     def __init__(self, config, program):
         self.program = program

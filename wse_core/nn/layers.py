@@ -24,6 +24,7 @@ import numpy as np
 from wse_core.nn import attention
 from wse_core.nn import ops as fused_ops
 from wse_core.nn.gemm import matmul
+from wse_core.nn.sample_tree import embedding_grad, sample_sum, samples_of, weight_product
 
 
 @dataclass(frozen=True)
@@ -121,18 +122,43 @@ def linear_forward(x, w, b, structure=None, sample_rows=None):
 
 
 def linear_backward(dy, x, w, ops, structure=None, sample_rows=None):
-    """Gradients of y = x @ w.T + b: returns (dx, dw, db); for a sparse w, dw holds only its nonzeros."""
+    """Gradients of y = x @ w.T + b: returns (dx, dw, db); for a sparse w, dw holds only its nonzeros.
+    dw and db are trees over the samples of ``sample_rows`` rows (``sample_tree``); without it, one
+    sum over all rows."""
+    t = dy.shape[0] if sample_rows is None else sample_rows
     if structure is None:
-        return matmul(dy, w, sample_rows), matmul(dy.T, x), ops.column_sum(dy)
+        dw, db = sample_sum(samples_of(dy.shape[0], t), lambda s: (
+            matmul(dy[s * t:(s + 1) * t].T, x[s * t:(s + 1) * t]), ops.column_sum(dy[s * t:(s + 1) * t])))
+        return matmul(dy, w, sample_rows), dw, db
     from wse_core.sparse import sddmm, spmm
 
     a = structure.with_data(w)
-    dyt, xt = np.ascontiguousarray(dy.T), np.ascontiguousarray(x.T)
+    dyt = np.ascontiguousarray(dy.T)
     # dx^T = W^T dy^T: spmm on W^T's pattern (kept by the structure) adds the same terms in the same
     # order as spmm_t(W, dy^T), bit for bit, and runs with spmm's register blocking.
     pattern, perm = structure.transpose_pattern()
     dx = np.ascontiguousarray(spmm(pattern.with_data(np.ascontiguousarray(w[perm])), dyt).T)
-    return dx, sddmm(a, dyt, xt), ops.column_sum(dy)
+    dw, db = sample_sum(samples_of(dy.shape[0], t), lambda s: (
+        sddmm(a, np.ascontiguousarray(dy[s * t:(s + 1) * t].T), np.ascontiguousarray(x[s * t:(s + 1) * t].T)),
+        ops.column_sum(dy[s * t:(s + 1) * t])))
+    return dx, dw, db
+
+
+def norm_backward(backward, dy, x, t, *stats):
+    """(dx, *weight gradients) of a row-wise norm over token-major ``x`` whose kernel ``backward(dy, x,
+    *stats)`` returns (dx, dweight, ...): run a sample at a time (a row's dx is its own; the weights'
+    gradients are trees over samples, ``sample_tree``). ``stats``: the norm's weight, then per-row
+    arrays (mean, rstd) sliced with the rows."""
+    weight, rows_stats = stats[0], stats[1:]
+    dx = np.empty_like(x)
+
+    def leaf(s):
+        lo, hi = s * t, (s + 1) * t
+        out = backward(np.ascontiguousarray(dy[lo:hi]), x[lo:hi], weight, *(r[lo:hi] for r in rows_stats))
+        dx[lo:hi] = out[0]
+        return out[1:]
+
+    return (dx, *sample_sum(samples_of(x.shape[0], t), leaf))
 
 
 class Unit:
@@ -198,11 +224,12 @@ class Embedding(Unit):
         if self.scale != 1.0:
             dy = dy * dy.dtype.type(self.scale)
         b, t, c = dy.shape
-        dwte = self.ops.embedding_backward(ids.reshape(-1), dy.reshape(b * t, c), self.vocab_size)
+        dy = np.ascontiguousarray(dy)
+        dwte = embedding_grad(ids, dy.reshape(b * t, c), self.vocab_size, self.ops.embedding_backward)
         if not self.positions:
             return None, {"wte.weight": dwte}
         dwpe = np.zeros((self.max_positions, c), dy.dtype)
-        dwpe[:t] = dy.sum(axis=0)  # numpy adds the b slices in order: deterministic
+        dwpe[:t] = sample_sum(b, lambda s: (dy[s].copy(),))[0]
         return None, {"wte.weight": dwte, "wpe.weight": dwpe}
 
 
@@ -326,8 +353,8 @@ class TransformerBlock(Unit):
         dact = self._lin_back(dout if masks[2] is None else dout * masks[2], act, params, "mlp.proj", t, g)
         dpre = ops.gelu_backward(pre, dact, self.exact_gelu)
         dln2 = self._lin_back(dpre, ln2, params, "mlp.fc", t, g)
-        dmid, g[p + "ln_2.weight"], g[p + "ln_2.bias"] = ops.layernorm_backward(
-            dln2, mid, params[p + "ln_2.weight"], mu2, rs2)
+        dmid, g[p + "ln_2.weight"], g[p + "ln_2.bias"] = norm_backward(
+            ops.layernorm_backward, dln2, mid, t, params[p + "ln_2.weight"], mu2, rs2)
         dmid += dout
         # Attention
         datt = self._lin_back(dmid if masks[1] is None else dmid * masks[1], att, params, "attn.proj", t, g)
@@ -335,8 +362,8 @@ class TransformerBlock(Unit):
         attention.backward(_heads(datt, b, t, nh, hd)[0], q, k, v, probs, scale, ops, masks[0],
                            grads=_heads(dqkv, b, t, nh, hd))
         dln1 = self._lin_back(dqkv, ln1, params, "attn.qkv", t, g)
-        dx, g[p + "ln_1.weight"], g[p + "ln_1.bias"] = ops.layernorm_backward(
-            dln1, x2, params[p + "ln_1.weight"], mu1, rs1)
+        dx, g[p + "ln_1.weight"], g[p + "ln_1.bias"] = norm_backward(
+            ops.layernorm_backward, dln1, x2, t, params[p + "ln_1.weight"], mu1, rs1)
         dx += dmid
         return dx.reshape(b, t, c), g
 
@@ -391,9 +418,9 @@ class LMHead(Unit):
             d2 = d2 * d2.dtype.type(self.logits_scale)
         g = {}
         dln = matmul(d2, params[self.weight], sample_rows=t)
-        g[self.weight] = matmul(d2.T, ln)
-        dx, g["ln_f.weight"], g["ln_f.bias"] = self.ops.layernorm_backward(
-            dln, x2, params["ln_f.weight"], mu, rs)
+        g[self.weight] = weight_product(d2, ln, t)
+        dx, g["ln_f.weight"], g["ln_f.bias"] = norm_backward(
+            self.ops.layernorm_backward, dln, x2, t, params["ln_f.weight"], mu, rs)
         return dx.reshape(b, t, self.hidden), g
 
 
@@ -416,11 +443,13 @@ class Dense(Unit):
     def param_specs(self):
         return dict(self.specs)
 
+    # A sample is one row: each row's products are its own BLAS calls, so a row's values and its part
+    # of the weights' gradients do not depend on its micro-batch (``sample_tree``).
     def forward(self, x, params, drop=None):
         w, b = params[self.p + "weight"], params[self.p + "bias"]
         if self.activation is None:
-            return linear_forward(x, w, b, self.structure), (x, None)
-        pre = matmul_wt(x, w, self.structure)
+            return linear_forward(x, w, b, self.structure, sample_rows=1), (x, None)
+        pre = matmul_wt(x, w, self.structure, sample_rows=1)
         if self.activation == "relu":
             y = self.ops.bias_relu_forward(pre, b)
         else:
@@ -434,5 +463,5 @@ class Dense(Unit):
             dy = self.ops.relu_backward(pre, dy.copy())
         elif self.activation in ("gelu", "gelu_new"):
             dy = self.ops.gelu_backward(pre, dy.copy(), self.activation == "gelu")
-        dx, dw, db = linear_backward(dy, x, params[self.p + "weight"], self.ops, self.structure)
+        dx, dw, db = linear_backward(dy, x, params[self.p + "weight"], self.ops, self.structure, sample_rows=1)
         return dx, {self.p + "weight": dw, self.p + "bias": db}

@@ -28,8 +28,9 @@ from wse_core.nn.config import LlamaConfig
 from wse_core.nn.gemm import matmul
 from wse_core.nn.gpt import decoder_initializers, mup_scales
 from wse_core.nn.layers import (ATTENTION_OUT_SITE, ATTENTION_SITE, MLP_OUT_SITE, Embedding, ParamSpec, Unit,
-                                fixed_spec)
+                                fixed_spec, norm_backward)
 from wse_core.nn.model import LanguageModel
+from wse_core.nn.sample_tree import weight_product
 
 
 def rotary_frequencies(rotary_dim, theta, scaling=None):
@@ -191,19 +192,19 @@ class LlamaBlock(Unit):
         dout = np.ascontiguousarray(dy).reshape(b * t, c)
         # SwiGLU
         ddown = dout if masks[2] is None else dout * masks[2]
-        g[p + "mlp.down.weight"] = matmul(ddown.T, m)
+        g[p + "mlp.down.weight"] = weight_product(ddown, m, t)
         dm = matmul(ddown, params[p + "mlp.down.weight"], sample_rows=t)
         du = dm * s
         sig = 1.0 / (1.0 + np.exp(-a))
         da = dm * u * (sig * (1.0 + a * (1.0 - sig)))
-        g[p + "mlp.gate.weight"], g[p + "mlp.up.weight"] = matmul(da.T, n2), matmul(du.T, n2)
+        g[p + "mlp.gate.weight"], g[p + "mlp.up.weight"] = weight_product(da, n2, t), weight_product(du, n2, t)
         dn2 = (matmul(da, params[p + "mlp.gate.weight"], sample_rows=t)
                + matmul(du, params[p + "mlp.up.weight"], sample_rows=t))
-        dmid, g[p + "norm_2.weight"] = rms_norm_backward(dn2, mid, params[p + "norm_2.weight"], r2)
+        dmid, g[p + "norm_2.weight"] = norm_backward(rms_norm_backward, dn2, mid, t, params[p + "norm_2.weight"], r2)
         dmid += dout
         # Attention
         dproj = dmid if masks[1] is None else dmid * masks[1]
-        g[p + "attn.proj.weight"] = matmul(dproj.T, att)
+        g[p + "attn.proj.weight"] = weight_product(dproj, att, t)
         datt = self._heads(matmul(dproj, params[p + "attn.proj.weight"], sample_rows=t), b, t, nh)
         dq, dkf, dvf = attention.backward(datt, q, kf, vf, probs, self.attention_scale, self.ops, masks[0])
         dq = self.rotary.apply(dq, inverse=True)
@@ -214,9 +215,9 @@ class LlamaBlock(Unit):
         dn1 = 0
         for d, key in zip(flat, ("q", "k", "v")):
             name = p + f"attn.{key}.weight"
-            g[name] = matmul(d.T, n1)
+            g[name] = weight_product(d, n1, t)
             dn1 = dn1 + matmul(d, params[name], sample_rows=t)
-        dx, g[p + "norm_1.weight"] = rms_norm_backward(dn1, x2, params[p + "norm_1.weight"], r1)
+        dx, g[p + "norm_1.weight"] = norm_backward(rms_norm_backward, dn1, x2, t, params[p + "norm_1.weight"], r1)
         dx += dmid
         return dx.reshape(b, t, c), g
 
@@ -256,9 +257,9 @@ class RMSHead(Unit):
         d2 = np.ascontiguousarray(dy).reshape(b * t, v)
         if self.logits_scale != 1.0:
             d2 = d2 * d2.dtype.type(self.logits_scale)
-        g = {self.weight: matmul(d2.T, n)}
+        g = {self.weight: weight_product(d2, n, t)}
         dn = matmul(d2, params[self.weight], sample_rows=t)
-        dx, g["norm_f.weight"] = rms_norm_backward(dn, x2, params["norm_f.weight"], r)
+        dx, g["norm_f.weight"] = norm_backward(rms_norm_backward, dn, x2, t, params["norm_f.weight"], r)
         return dx.reshape(b, t, self.hidden), g
 
 

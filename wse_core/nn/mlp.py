@@ -10,6 +10,7 @@ class Classifier(Model):
     """fc_mlp: batches of float ``features`` ``[B, input_size]`` and int32 ``labels`` ``[B]`` (every sample counts)."""
 
     family = "fc_mlp"
+    batch_dependent = None  # a sample is one row, its products its own (layers.Dense)
 
     def activation_floats(self, samples, seq_len=None):
         c = self.config
@@ -40,7 +41,8 @@ class Classifier(Model):
         return int(np.count_nonzero(np.argmax(y, axis=-1) == batch["labels"]))
 
     def _cross_entropy(self, y, batch):
-        loss_sum, dy = self.ops.cross_entropy(y, np.ascontiguousarray(batch["labels"]), np.ones(y.shape[0], np.int32))
+        loss_sum, dy = self.ops.cross_entropy(y, np.ascontiguousarray(batch["labels"]), np.ones(y.shape[0], np.int32),
+                                              sample_rows=1)
         return loss_sum, y.shape[0], dy
 
 

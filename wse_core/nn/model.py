@@ -15,6 +15,7 @@ from wse_core.nn import ops as fused_ops
 from wse_core.nn.init import draw
 from wse_core.nn.gemm import products_in
 from wse_core.nn.precision import Precision
+from wse_core.nn.sample_tree import sums_in
 
 
 #: Model Zoo's learning-rate adjustment groups (``optimizer.adjust_learning_rate``); decoder_kernel is
@@ -32,6 +33,10 @@ class Model:
 
     family = "model"
     is_lm = False
+    #: Why the family's sums over a micro-batch's samples depend on the micro-batch (its bits change with
+    #: micro_batch_size, so with num_csx under ``auto``), or None: they do not (``nn.sample_tree``; docs/design.md
+    #: section 5, (a)).
+    batch_dependent = "a family of its own"
 
     def __init__(self, config, units, ops=fused_ops):
         self.config, self.units, self.ops = dict(config), list(units), ops
@@ -213,7 +218,8 @@ class Model:
     def unit_backward(self, u, dy, saved, params):
         """Unit u's backward; its input gradient and weight gradients in the run's precision."""
         # A loss scale too big overflows: it is detected later.
-        with np.errstate(over="ignore", invalid="ignore"), products_in(self.precision.products):
+        with np.errstate(over="ignore", invalid="ignore"), products_in(self.precision.products), \
+                sums_in(self.precision):
             dx, grads = self.units[u].backward(dy, saved, params)
         for g in grads.values():
             self.precision.round_(g)
@@ -250,6 +256,7 @@ class LanguageModel(Model):
     (T <= max_position_embeddings), stored as ``[n, 3, T]``; masked next-token cross-entropy."""
 
     is_lm = True
+    batch_dependent = None  # every weight's gradient and the loss are trees over samples
 
     def example_layout(self, n, seq_len=None):
         return [((n, 3, seq_len or self.config["max_position_embeddings"]), np.int32)]
@@ -332,7 +339,7 @@ class LanguageModel(Model):
         b, t, v = y.shape
         mask = np.ascontiguousarray(batch["loss_mask"]).reshape(-1)
         loss_sum, dy = self.ops.cross_entropy(y.reshape(b * t, v), np.ascontiguousarray(batch["labels"]).reshape(-1),
-                                              mask)
+                                              mask, sample_rows=t)
         return loss_sum, int(np.count_nonzero(mask)), dy.reshape(b, t, v)
 
     def activation_floats(self, samples, seq_len=None):

@@ -7,6 +7,8 @@ import math
 
 import numpy as np
 
+from wse_core.nn.sample_tree import loss_sum
+
 GELU_C = math.sqrt(2.0 / math.pi)
 
 
@@ -81,7 +83,7 @@ def causal_softmax_backward(probs, dprobs, scale):
     return dprobs
 
 
-def cross_entropy(logits, labels, mask):
+def cross_entropy(logits, labels, mask, sample_rows=None):
     rows = np.arange(logits.shape[0])
     shifted = logits - logits.max(axis=1, keepdims=True)
     lse = np.log(np.exp(shifted).sum(axis=1))
@@ -90,7 +92,7 @@ def cross_entropy(logits, labels, mask):
     probs[rows, labels] -= 1.0
     probs *= (mask != 0)[:, None]
     logits[...] = probs
-    return float(losses.astype(np.float64).sum()), logits
+    return loss_sum(losses.astype(np.float64), sample_rows), logits
 
 
 def embedding_backward(ids, dy, num_embeddings):

@@ -8,6 +8,7 @@ import numpy as np
 
 from wse_core.checks import FLOAT_DTYPES
 from wse_core.nn import _kernels
+from wse_core.nn.sample_tree import loss_sum
 
 
 def _float(name, x, ndim, dtype=None):
@@ -135,11 +136,12 @@ def causal_softmax_backward(probs, dprobs, scale):
     return dprobs
 
 
-def cross_entropy(logits, labels, mask):
+def cross_entropy(logits, labels, mask, sample_rows=None):
     """Masked softmax cross-entropy over rows of 2-D ``logits``.
 
-    Returns (loss_sum, dlogits): the float64 sum of the masked-in rows' losses and the gradient
-    of that sum. ``dlogits`` overwrites ``logits``.
+    Returns (loss_sum, dlogits): the float64 sum of the masked-in rows' losses (the tree over samples
+    of ``sample_rows`` rows, ``sample_tree.loss_sum``) and the gradient of that sum. ``dlogits``
+    overwrites ``logits``.
     """
     _float("logits", logits, 2)
     rows, vocab = logits.shape
@@ -151,7 +153,7 @@ def cross_entropy(logits, labels, mask):
         raise ValueError(f"labels: id {int(labels[r])} at row {r} is outside the vocabulary [0, {vocab})")
     losses = np.empty(rows, np.float64)
     _kernels.cross_entropy(logits, labels, mask, logits, losses)
-    return float(losses.sum()), logits
+    return loss_sum(losses, sample_rows), logits
 
 
 def embedding_backward(ids, dy, num_embeddings):
