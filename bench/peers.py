@@ -1,6 +1,6 @@
 """The same GPT-2 trained by `wse fit` on 1, 2 and 4 CS-2s, against PyTorch in one process and DDP, in one run.
 
-    wse bench peers [--json PATH] [--steps K] [--num_csx 1,2,4] [--model small|124m]
+    wse bench peers [--json PATH] [--steps K] [--num_csx 1,2,4] [--model small|124m] [--micro_batch_size N]
 
 ``small`` is ``wse bench stream``'s GPT-2 (hidden 256, 4 layers, 4 heads, sequence 128, byte
 vocabulary; 3.3M parameters), ``124m`` GPT-2 small's shape (hidden 768, 12 layers, 12 heads, 1,024
@@ -8,7 +8,8 @@ positions, its 50,257-token vocabulary) on sequences of 256, both with GPT-2's t
 batch 16 for both, on the
 standard-library corpus (byte tokens), the same batches in the same order on every side.
 
-The wse side is ``wse fit`` with ``micro_batch_size: auto``, AdamW (lr 1e-3, weight decay 0.01) and
+The wse side is ``wse fit`` with ``micro_batch_size: auto`` (or ``--micro_batch_size``: micro-batches
+as the hardware runs them, each streaming the weights again), AdamW (lr 1e-3, weight decay 0.01) and
 gradients clipped to norm 1; a step's time is the cluster's own (metrics.jsonl). The baselines,
 each in a clean process with PyTorch's defaults (``bench._torch_peers``): transformers'
 GPT2LMHeadModel of the same shape with the same optimizer and clipping, in one process on 2
@@ -41,6 +42,7 @@ def add_arguments(parser):
     parser.add_argument("--steps", type=int, default=10, help=f"training steps per run (the first {SKIP} are skipped)")
     parser.add_argument("--num_csx", default="1,2,4", help="comma-separated CS-2 counts")
     parser.add_argument("--model", choices=sorted(MODELS), default="small", help="the GPT-2's size")
+    parser.add_argument("--micro_batch_size", default="auto", help="the wse runs' micro-batch size (default: auto)")
 
 
 def _hf_config(m):
@@ -76,7 +78,7 @@ def _torch(src, tmp, mode):
     return json.loads(dst.read_text())["seconds"][SKIP:]
 
 
-def _wse(data, model, tmp, num_csx, steps):
+def _wse(data, model, tmp, num_csx, steps, micro_batch_size):
     """Step seconds of ``wse fit`` on ``num_csx`` CS-2s (metrics.jsonl), the skipped steps dropped."""
     from mpi_launch.rundir import RunDir
     from pyapi.job import Job
@@ -84,7 +86,8 @@ def _wse(data, model, tmp, num_csx, steps):
 
     model_dir = Path(tmp) / f"csx{num_csx}"
     params = validate({
-        "train_input": {"data_dir": str(data), "batch_size": BATCH, "micro_batch_size": "auto", "shuffle": False},
+        "train_input": {"data_dir": str(data), "batch_size": BATCH, "micro_batch_size": micro_batch_size,
+                        "shuffle": False},
         "model": {"name": "gpt2", **{k: v for k, v in model.items() if k != "seq"}},
         "optimizer": {"optimizer_type": "AdamW", "learning_rate": 1e-3, "weight_decay": 0.01,
                       "max_gradient_norm": 1.0},
@@ -95,6 +98,16 @@ def _wse(data, model, tmp, num_csx, steps):
         Job(params).fit(stream=out)
     metrics = RunDir(model_dir).read_metrics()
     return [m["step_seconds"] for m in metrics[SKIP:]], params.train_input.micro_batch_size
+
+
+def _micro_batch_size(text):
+    """``--micro_batch_size``: "auto" or a positive integer (the params check its range)."""
+    if text == "auto":
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise ConfigError(f"--micro_batch_size: expected auto or an integer, got {text!r}") from None
 
 
 def run(args):
@@ -118,7 +131,7 @@ def run(args):
             torch_times[mode] += _torch(src, tmp, mode)
         for n in counts:
             print(f"wse fit with num_csx={n} ...", file=sys.stderr, flush=True)
-            times, mbs = _wse(data, model, tmp, n, args.steps)
+            times, mbs = _wse(data, model, tmp, n, args.steps, _micro_batch_size(args.micro_batch_size))
             result["runs"][f"wse {n}"] = {"step_s": statistics.median(times), "num_csx": n, "micro_batch_size": mbs}
         for mode in torch_times:
             print(f"PyTorch {mode} again ...", file=sys.stderr, flush=True)

@@ -206,6 +206,7 @@ def describe(run):
         "bit_identical_to_reference": run.batches.sums_as_one(r.swarmx_fanout),
         "batch_invariant": model.batch_dependent is None and run.batches.sample_tree(r.swarmx_fanout),
         "micro_batch_size": run.batches.size, "batch_dependent": model.batch_dependent,
+        "lowering": model.lowering() if hasattr(model, "lowering") else None,
         "execution_strategy": run.strategy, "why": run.why, "pipeline": run.placement.to_dict(),
     }
 

@@ -65,6 +65,7 @@ class CompileReport(Mapping):
     batch_invariant: bool = False     # the step's bits are the tree over its samples: any num_csx and micro-batch size
     micro_batch_size: int = None      # the micro-batch size taken
     batch_dependent: str = None       # why the model's sums depend on the micro-batch (None: they do not)
+    lowering: dict = None             # a compiled PyTorch model's: the FLOPs and ops left to torch
 
     @property
     def step_s(self):
@@ -97,8 +98,16 @@ class CompileReport(Mapping):
 
     def lines(self):
         """The lines `wse compile` prints."""
-        return [*self._cluster_lines(), *self._step_lines(), *self._explore_lines(), self._bits_line(),
-                *self._pipeline_lines(), f"execution strategy: {self.why}"]
+        return [*self._cluster_lines(), *self._lowering_lines(), *self._step_lines(), *self._explore_lines(),
+                self._bits_line(), *self._pipeline_lines(), f"execution strategy: {self.why}"]
+
+    def _lowering_lines(self):
+        """A compiled PyTorch model's: how much of its work runs on the kernels."""
+        if not self.lowering:
+            return []
+        left = self.lowering["torch_ops"]
+        return [f"kernels: {1 - self.lowering['torch_flops']:.1%} of the FLOPs lowered to the wafer's kernels"
+                + (f"; left to torch: {', '.join(left)}" if left else "")]
 
     def _bits_line(self):
         """What the run's bits are the same as (docs/design.md section 5, (a))."""

@@ -13,6 +13,7 @@ pass of the captured length: no KV cache, which is the price of running the user
 was captured.
 """
 import copy
+import operator
 from dataclasses import replace
 
 import numpy as np
@@ -34,6 +35,8 @@ def logits_unit(unit):
     graph = module.graph
     out = next(n for n in graph.nodes if n.op == "output")
     node = out.args[0][0]
+    if node.target is operator.getitem:  # a lowered loss's value (lower.py): the op is its first argument
+        node = node.args[0]
     node = next((a for a in node.args if isinstance(a, torch.fx.Node)), None)
     while node is not None and node.op == "call_function" and any(k in str(node.target) for k in PASS_THROUGH):
         node = next((a for a in node.args if isinstance(a, torch.fx.Node)), None)

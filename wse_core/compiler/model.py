@@ -42,6 +42,7 @@ import numpy as np
 import torch
 
 from wse_core.compiler.loss import Loss
+from wse_core.compiler.lower import concrete as _concrete, draws, lower
 from wse_core.compiler import runner
 from wse_core.compiler.runner import dropout_seed
 from wse_core.errors import ConfigError, DataError
@@ -49,8 +50,8 @@ from wse_core.nn.layers import ParamSpec
 from wse_core.nn.model import Model
 from wse_core.perf.model import UnitWork
 
-#: The program file's format: a file of another format is refused by name, not misread.
-FORMAT = 2
+#: The program file's format: a file of another format is refused by name, not misread (3: units lowered).
+FORMAT = 3
 #: The targets of masked-out tokens of an ``lm`` dataset (torch's losses ignore -100 by default).
 IGNORE_INDEX = -100
 
@@ -63,11 +64,12 @@ def save_program(graph, units, path, groups=None, layout=None):
     layout = layout or _layout(graph.inputs)
     # Shapes and work are read off the graphs' metadata now: an fx module's pickle drops it.
     shapes = {p: tuple(t.shape) for p, t in graph.params.items()}
-    random = any(_draws(node) for u in units for node in u.module.graph.nodes)
+    random = any(draws(node) for u in units for node in u.module.graph.nodes)
     costs = [{"shapes": {p: shapes[p] for p in u.params}, "handed_bytes": u.boundary_bytes, **_work(u, shapes)}
              for u in units]
+    lowering = [lower(u) for u in units]  # last: it rewrites the graphs whose ops the costs read
     torch.save({"format": FORMAT, "layout": layout, "inputs": graph.inputs, "outputs": graph.outputs, "units": units,
-                "costs": costs,
+                "costs": costs, "lowering": lowering,
                 "random": random,
                 "groups": {n: (float(f), bool(d)) for n, (f, d) in (groups or {}).items()},
                 "example_samples": len(graph.example[0]),
@@ -136,10 +138,13 @@ class TorchModel(Model):
     """A compiled PyTorch model (``model.name: torch``): see the module's docstring."""
 
     family = "torch"
-    batch_dependent = "a PyTorch model's units run torch's own kernels, whose sums span the micro-batch"
 
     def __init__(self, config, program):
         self.program = program
+        # Why its sums span a micro-batch (an op left to torch that sums over the batch), or None: the
+        # lowered units' sums are trees over samples (``lower.report``).
+        reasons = [r for unit in program["lowering"] for r in unit["batch_dependent"]]
+        self.batch_dependent = reasons[0] if reasons else None
         self.torch_units = program["units"]
         self.layout = program["layout"]
         self.is_lm = self.layout == "lm"
@@ -151,6 +156,15 @@ class TorchModel(Model):
         super().__init__(config, [_Streamed(u.name, cost, program["example_samples"], self.groups)
                                   for u, cost in zip(self.torch_units, program["costs"])])
         self.initial = {n: w.numpy() for n, w in weights.items()}
+
+    def lowering(self):
+        """What runs on the kernels: {"torch_flops": the share of the step's FLOPs left to torch,
+        "torch_ops": the ops left to torch, by name} (``lower.report``, summed over the units)."""
+        reports = self.program["lowering"]
+        lowered = sum(r["flops"]["lowered"] for r in reports)
+        left = sum(r["flops"]["torch"] for r in reports)
+        ops = sorted({op for r in reports for op in r["torch"]})
+        return {"torch_flops": left / (lowered + left) if lowered + left else 0.0, "torch_ops": ops}
 
     # -- parameters ---------------------------------------------------------------------------
 
@@ -400,31 +414,6 @@ class _Streamed:
                         elementwise=round(c["elementwise"] * s))
 
 
-#: aten ops that draw from the default generator without naming one in their schema.
-_RANDOM = {"rand", "randn", "randint", "rand_like", "randn_like", "randint_like", "randperm", "bernoulli",
-           "multinomial", "normal", "uniform", "exponential", "poisson", "rrelu", "rrelu_with_noise",
-           "cauchy", "geometric", "log_normal", "random"}
-_DROPOUT = {torch.ops.aten.dropout.default, torch.ops.aten.native_dropout.default,
-            torch.ops.aten.feature_dropout.default, torch.ops.aten.alpha_dropout.default}
-
-
-def _draws(node):
-    """Whether ``node`` draws from torch's generator when it runs: an op whose schema takes one
-    (rand, bernoulli, normal_, uniform_, rrelu with training, ...), or dropout at a rate above 0
-    (its schema names none; it draws from the default one) in training (eval mode's is the identity)."""
-    if node.op != "call_function":
-        return False
-    if node.target in _DROPOUT:
-        rate = node.args[1] if len(node.args) > 1 else node.kwargs.get("p", 0.5)
-        train = node.args[2] if len(node.args) > 2 else node.kwargs.get("train", True)
-        return train is not False and not (isinstance(rate, (int, float)) and rate == 0)
-    schema = getattr(node.target, "_schema", None)
-    if schema is None:
-        return False
-    return schema.name.split("::")[-1].rstrip("_") in _RANDOM or any("Generator" in str(a.type)
-                                                                   for a in schema.arguments)
-
-
 _LINEAR = {torch.ops.aten.linear.default, torch.ops.aten.mm.default, torch.ops.aten.addmm.default}
 _CONV = {torch.ops.aten.conv1d.default, torch.ops.aten.conv2d.default, torch.ops.aten.conv3d.default,
          torch.ops.aten.convolution.default}
@@ -443,14 +432,14 @@ def _work(unit, shapes):
         w = next((weights[a] for a in node.all_input_nodes if a in weights), None)
         if node.target in _LINEAR and w is not None:
             k, n = (w[1], w[0]) if node.target is torch.ops.aten.linear.default else (w[0], w[1])
-            gemms.append((int(out.numel() // n), int(k), int(n)))
+            gemms.append((_concrete(out.numel()) // n, int(k), int(n)))
         elif node.target in _CONV and w is not None:  # [out channels, in channels / groups, *kernel]
-            gemms.append((int(out.numel() // w[0]), math.prod(w[1:]), int(w[0])))
+            gemms.append((_concrete(out.numel()) // w[0], math.prod(w[1:]), int(w[0])))
         elif node.target in (torch.ops.aten.bmm.default, torch.ops.aten.matmul.default,
                              torch.ops.aten.scaled_dot_product_attention.default):
-            macs += int(_activation_macs(node))  # int(): the example's value of a symbolic size
+            macs += _activation_macs(node)
         elif isinstance(out, torch.Tensor) and out.is_floating_point():
-            elementwise += int(out.numel())
+            elementwise += _concrete(out.numel())
     return {"gemms": gemms, "other_macs": macs, "elementwise": elementwise}
 
 
@@ -458,5 +447,5 @@ def _activation_macs(node):
     """Multiply-adds of a product of two activations (attention's)."""
     a, b = (x.meta["val"] for x in node.all_input_nodes[:2])
     if node.target is torch.ops.aten.scaled_dot_product_attention.default:  # q [.., T, d], k [.., S, d]
-        return 2 * a.numel() * b.shape[-2]
-    return a.numel() * b.shape[-1]
+        return 2 * _concrete(a.numel()) * _concrete(b.shape[-2])
+    return _concrete(a.numel()) * _concrete(b.shape[-1])

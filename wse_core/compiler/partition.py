@@ -145,10 +145,12 @@ def _build(graph, nodes, unit_of, names):
         for a, (kind, _) in sources.items():
             if kind != "const":
                 env[a] = g.placeholder(a.name)
+                env[a].meta["val"] = a.meta.get("val")  # its symbolic shape: what lowering reads (lower.py)
         for a, (kind, value) in sources.items():
             if kind == "const":  # a buffer or constant: an attribute of the unit's module
                 attrs[f"const_{a.name}"] = value
                 env[a] = g.get_attr(f"const_{a.name}")
+                env[a].meta["val"] = a.meta.get("val")
         for node in members[u]:
             env[node] = g.node_copy(node, env.__getitem__)
             if node.op == "get_attr":  # a higher-order op's body (torch.no_grad, autocast regions)

@@ -1,0 +1,572 @@
+"""Lowering: a unit's heavy aten ops run on the wafer's kernels (``wse_core.nn``), with their backward.
+
+``lower(unit)`` rewrites a partitioned unit's graph in place: each node of an op the kernels do
+becomes a call of this module's function for it, whose forward and backward are ``wse_core.nn``'s
+kernels (a ``torch.autograd.Function``): the weight products (``aten.linear``, and ``aten.addmm``
+of a weight, GPT-2's ``Conv1D``), ``aten.layer_norm``, ``aten.embedding``, causal
+``aten.scaled_dot_product_attention`` and ``aten.cross_entropy_loss``; and the elementwise
+``add``/``sub``/``mul``/``div`` whose operand is broadcast over the batch (a bias, a norm's weight,
+a position embedding), whose backward is a sum over the batch. The rest (reshapes, elementwise
+glue) runs in torch. What decides the bits is fixed at lowering, from the graph's symbolic shapes:
+a tensor whose first dimension is the batch (``k * batch``: ``k`` rows a sample) has its weight
+gradients and other sums over samples made as the tree over samples (``wse_core.nn.sample_tree``),
+so a sample's part does not depend on its micro-batch. A node it cannot lower so (another dtype, a
+layout with the batch elsewhere) keeps torch's op; ``report`` names the ops left to torch, their
+share of the unit's work, and those whose sums span a micro-batch (docs/design/compiler.md
+"Lowering").
+
+The functions take the original op's arguments plus keyword constants; the rewritten graph pickles
+with the program (``save_program``), naming this module's functions, so ranks load it as written.
+"""
+import math
+import operator
+from typing import Optional
+
+import numpy as np
+import torch
+from torch import Tensor, fx
+
+from wse_core.nn import attention
+from wse_core.nn import ops as kernels
+from wse_core.nn.gemm import matmul
+from wse_core.nn.sample_tree import embedding_grad, sample_sum, samples_of
+
+aten = torch.ops.aten
+
+
+def _np(t):
+    """A float32 tensor's values as a C-contiguous numpy array (no copy when it is one already)."""
+    t = t.detach()
+    return (t if t.is_contiguous() else t.contiguous()).numpy()
+
+
+def _rows_of(n_rows, t):
+    """Rows a sample: ``t`` when given and whole, else every row one sample's (sums over them all)."""
+    return t if t and n_rows % t == 0 else max(n_rows, 1)
+
+
+def _needs(ctx, n):
+    return getattr(ctx, "needs_input_grad", None) or (True,) * n
+
+
+# -- weight products ------------------------------------------------------------------------------
+
+@torch.library.custom_op("wse::product", mutates_args=())
+def product(x: Tensor, weight: Tensor, bias: Optional[Tensor], rows_per_sample: Optional[int], in_out: bool) -> Tensor:
+    """x @ W^T + b (``aten.linear``: W [out, in]) or b + x @ W (``aten.addmm`` of a weight: W [in, out]),
+    on the rows of x; its backward's dW and db are trees over samples of ``rows_per_sample`` rows."""
+    x2 = _np(x).reshape(-1, x.shape[-1])
+    wn = _np(weight)
+    wt = wn if in_out else wn.T
+    y = matmul(x2, wt, _rows_of(x2.shape[0], rows_per_sample), None if bias is None else _np(bias))
+    return torch.from_numpy(y).reshape(*x.shape[:-1], wt.shape[1])
+
+
+@product.register_fake
+def _(x, weight, bias, rows_per_sample, in_out):
+    return x.new_empty(*x.shape[:-1], weight.shape[1] if in_out else weight.shape[0])
+
+
+def _product_context(ctx, inputs, output):
+    x, weight, bias, t, in_out = inputs
+    ctx.save_for_backward(x, weight)
+    ctx.t, ctx.in_out, ctx.has_bias = t, in_out, bias is not None
+
+
+def _product_backward(ctx, g):
+    x, w = ctx.saved_tensors
+    in_out = ctx.in_out
+    x2 = _np(x).reshape(-1, x.shape[-1])
+    g2 = _np(g).reshape(-1, g.shape[-1])
+    t = _rows_of(x2.shape[0], ctx.t)
+    wn = _np(w)
+    dx = torch.from_numpy(matmul(g2, wn.T if in_out else wn, t)).reshape(x.shape) if _needs(ctx, 5)[0] else None
+
+    def leaf(s):
+        gs, xs = g2[s * t:(s + 1) * t], x2[s * t:(s + 1) * t]
+        return matmul(xs.T, gs) if in_out else matmul(gs.T, xs), kernels.column_sum(gs)
+
+    dw, db = sample_sum(samples_of(g2.shape[0], t), leaf)
+    return dx, torch.from_numpy(dw), torch.from_numpy(db) if ctx.has_bias else None, None, None
+
+
+product.register_autograd(_product_backward, setup_context=_product_context)
+
+
+# -- layer norm -----------------------------------------------------------------------------------
+
+@torch.library.custom_op("wse::layer_norm", mutates_args=())
+def layer_norm(x: Tensor, weight: Tensor, bias: Tensor, eps: float,
+               rows_per_sample: Optional[int]) -> tuple[Tensor, Tensor, Tensor]:
+    """LayerNorm over the last axis: (y, mean, rstd); the weight's and bias's gradients are trees over samples."""
+    y, mean, rstd = kernels.layernorm_forward(_np(x).reshape(-1, x.shape[-1]), _np(weight), _np(bias), eps)
+    return torch.from_numpy(y).reshape(x.shape), torch.from_numpy(mean), torch.from_numpy(rstd)
+
+
+@layer_norm.register_fake
+def _(x, weight, bias, eps, rows_per_sample):
+    rows = x.numel() // x.shape[-1]
+    return x.new_empty(x.shape), x.new_empty(rows), x.new_empty(rows)
+
+
+def _layer_norm_context(ctx, inputs, output):
+    x, weight, _, _, t = inputs
+    ctx.save_for_backward(x, weight, output[1], output[2])
+    ctx.t = t
+
+
+def _layer_norm_backward(ctx, g, _mean, _rstd):
+    from wse_core.nn.layers import norm_backward
+
+    x, w, mean, rstd = ctx.saved_tensors
+    x2 = _np(x).reshape(-1, x.shape[-1])
+    dx, dw, db = norm_backward(kernels.layernorm_backward, _np(g).reshape(x2.shape), x2, _rows_of(x2.shape[0], ctx.t),
+                               _np(w), _np(mean), _np(rstd))
+    return torch.from_numpy(dx).reshape(x.shape), torch.from_numpy(dw), torch.from_numpy(db), None, None
+
+
+layer_norm.register_autograd(_layer_norm_backward, setup_context=_layer_norm_context)
+
+
+# -- embedding ------------------------------------------------------------------------------------
+
+@torch.library.custom_op("wse::embedding", mutates_args=())
+def embedding(weight: Tensor, indices: Tensor, padding_idx: int, batch_leading: bool) -> Tensor:
+    """A table lookup; its gradient the tree over samples of each sample's rows (``batch_leading``:
+    the indices' first dimension is the batch)."""
+    return torch.from_numpy(_np(weight)[indices.numpy()])
+
+
+@embedding.register_fake
+def _(weight, indices, padding_idx, batch_leading):
+    return weight.new_empty(*indices.shape, weight.shape[1])
+
+
+def _embedding_context(ctx, inputs, output):
+    weight, indices, padding_idx, batch_leading = inputs
+    ctx.save_for_backward(indices)
+    ctx.rows, ctx.padding_idx, ctx.batch_leading = weight.shape[0], padding_idx, batch_leading
+
+
+def _embedding_backward(ctx, g):
+    (ids,) = ctx.saved_tensors
+    flat = np.ascontiguousarray(ids.numpy().reshape(-1), np.int32)
+    g2 = np.array(_np(g).reshape(flat.size, -1))  # a copy: padding rows are zeroed
+    if ctx.padding_idx >= 0:
+        g2[flat == ctx.padding_idx] = 0.0  # torch's rule: the padding row takes no gradient
+    b = ids.shape[0] if ctx.batch_leading and ids.dim() >= 1 and ids.shape[0] else 1
+    dw = embedding_grad(flat.reshape(b, -1), g2, ctx.rows, kernels.embedding_backward)
+    return torch.from_numpy(dw), None, None, None
+
+
+embedding.register_autograd(_embedding_backward, setup_context=_embedding_context)
+
+
+# -- attention ------------------------------------------------------------------------------------
+
+def _is_causal(mask, length):
+    """A boolean mask [.., L, L] that is the causal one in every sample and head."""
+    if mask is None or mask.dtype != torch.bool or tuple(mask.shape[-2:]) != (length, length):
+        return False
+    return bool(torch.equal(mask, torch.ones(length, length, dtype=torch.bool).tril().expand(mask.shape)))
+
+
+@torch.library.custom_op("wse::attention", mutates_args=())
+def attention_(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor], is_causal: bool,
+               scale: Optional[float]) -> tuple[Tensor, Tensor]:
+    """``aten.scaled_dot_product_attention`` without dropout: (out, probs). Causal (``is_causal``, or a
+    boolean causal mask as transformers builds it), it runs on the kernels, each (sample, head) its
+    own products; otherwise torch's, and ``probs`` is empty (its backward is torch's)."""
+    causal = is_causal and attn_mask is None or not is_causal and _is_causal(attn_mask, q.shape[-2])
+    if not causal or q.dim() != 4 or q.shape != k.shape or q.shape != v.shape:
+        out = aten.scaled_dot_product_attention.default(q, k, v, attn_mask, 0.0, is_causal, scale=scale)
+        return out.contiguous(), q.new_empty(0)
+    out, probs = attention.forward(_np(q), _np(k), _np(v), _scale(q, scale), kernels)
+    return torch.from_numpy(out), torch.from_numpy(probs)
+
+
+def _scale(q, scale):
+    return 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+
+
+@attention_.register_fake
+def _(q, k, v, attn_mask, is_causal, scale):
+    return q.new_empty(*q.shape[:-1], v.shape[-1]), q.new_empty(0)
+
+
+def _attention_context(ctx, inputs, output):
+    q, k, v, mask, is_causal, scale = inputs
+    ctx.save_for_backward(q, k, v, output[1], *(() if mask is None else (mask,)))
+    ctx.is_causal, ctx.scale = is_causal, scale
+
+
+def _attention_backward(ctx, g, _probs):
+    q, k, v, probs, *mask = ctx.saved_tensors
+    if probs.numel():
+        dq, dk, dv = attention.backward(_np(g), _np(q), _np(k), _np(v), _np(probs), _scale(q, ctx.scale), kernels)
+        return torch.from_numpy(dq), torch.from_numpy(dk), torch.from_numpy(dv), None, None, None
+    with torch.enable_grad():  # torch's attention: its backward, recomputed (no dropout: the same values)
+        qkv = [t.detach().requires_grad_() for t in (q, k, v)]
+        out = aten.scaled_dot_product_attention.default(*qkv, mask[0] if mask else None, 0.0, ctx.is_causal,
+                                                        scale=ctx.scale)
+        grads = torch.autograd.grad(out, qkv, g)
+    return *grads, None, None, None
+
+
+attention_.register_autograd(_attention_backward, setup_context=_attention_context)
+
+
+# -- the loss -------------------------------------------------------------------------------------
+
+@torch.library.custom_op("wse::cross_entropy", mutates_args=())
+def cross_entropy(logits: Tensor, target: Tensor, mean: bool, ignore_index: int,
+                  rows_per_sample: Optional[int]) -> tuple[Tensor, Tensor]:
+    """Cross-entropy of 2-D logits and class targets, mean or sum: (loss, the gradient of the sum). The
+    sum is the tree over samples (``sample_tree.loss_sum``)."""
+    x = np.array(_np(logits))  # the kernel writes the gradient over it
+    labels = target.numpy().reshape(-1)
+    mask = (labels != ignore_index).astype(np.int32)
+    loss_sum, dlogits = kernels.cross_entropy(x, np.where(mask != 0, labels, 0).astype(np.int32), mask,
+                                              sample_rows=_rows_of(x.shape[0], rows_per_sample))
+    n = int(mask.sum())
+    value = (loss_sum / n if n else float("nan")) if mean else loss_sum  # a mean over none: NaN, as torch's
+    return torch.tensor(value, dtype=torch.float32), torch.from_numpy(dlogits)
+
+
+@cross_entropy.register_fake
+def _(logits, target, mean, ignore_index, rows_per_sample):
+    return logits.new_empty(()), logits.new_empty(logits.shape)
+
+
+def _cross_entropy_context(ctx, inputs, output):
+    _, target, mean, ignore_index, _ = inputs
+    ctx.save_for_backward(output[1])
+    ctx.divisor = int((target != ignore_index).sum()) if mean else 1
+
+
+def _cross_entropy_backward(ctx, g, _d):
+    # The gradient of the sum times g / n: a tail seeded with n (times a power-of-two loss scale) gives
+    # every token's gradient whatever its micro-batch holds (``model.TorchModel.loss``).
+    (dlogits,) = ctx.saved_tensors
+    factor = float(g) / ctx.divisor if ctx.divisor else 0.0
+    return dlogits * factor, None, None, None, None
+
+
+cross_entropy.register_autograd(_cross_entropy_backward, setup_context=_cross_entropy_context)
+
+
+# -- elementwise ops with an operand broadcast over the batch --------------------------------------
+
+_BINARY = {"add": aten.add.Tensor, "sub": aten.sub.Tensor, "mul": aten.mul.Tensor, "div": aten.div.Tensor}
+
+
+@torch.library.custom_op("wse::broadcast", mutates_args=())
+def broadcast(a: Tensor, b: Tensor, op: str, batched: int) -> Tensor:
+    """``aten.<op>.Tensor(a, b)`` where operand ``batched`` has the batch first and the other is
+    broadcast over it (a bias, a norm's weight, a position table): the broadcast one's gradient is the
+    tree over samples of each sample's slice reduced to its shape."""
+    return _BINARY[op](a, b).contiguous()
+
+
+@broadcast.register_fake
+def _(a, b, op, batched):
+    return _BINARY[op](a, b)
+
+
+def _broadcast_context(ctx, inputs, output):
+    a, b, op, batched = inputs
+    ctx.save_for_backward(a, b)
+    ctx.op, ctx.batched = op, batched
+
+
+def _broadcast_backward(ctx, g):
+    a, b = ctx.saved_tensors
+    grads = [None, None]
+    for i, x in enumerate((a, b)):
+        local = _local_grad(ctx.op, i, a, b, g)  # g times d out / d x, at the output's shape (elementwise)
+        if i == ctx.batched:
+            grads[i] = local.sum_to_size(x.shape) if local.shape != x.shape else local
+        else:
+            grads[i] = torch.from_numpy(sample_sum(local.shape[0], lambda s: (
+                np.array(local[s:s + 1].sum_to_size(x.shape).numpy(), np.float32),))[0])
+    return grads[0], grads[1], None, None
+
+
+def _local_grad(op, i, a, b, g):
+    if op in ("add", "sub"):
+        return g if i == 0 or op == "add" else -g
+    if op == "mul":
+        return g * (b if i == 0 else a)
+    return g / b if i == 0 else -g * a / (b * b)
+
+
+broadcast.register_autograd(_broadcast_backward, setup_context=_broadcast_context)
+
+
+#: aten ops that draw from the default generator without naming one in their schema.
+_RANDOM = {"rand", "randn", "randint", "rand_like", "randn_like", "randint_like", "randperm", "bernoulli",
+           "multinomial", "normal", "uniform", "exponential", "poisson", "rrelu", "rrelu_with_noise",
+           "cauchy", "geometric", "log_normal", "random"}
+_DROPOUT = {aten.dropout.default, aten.native_dropout.default,
+            aten.feature_dropout.default, aten.alpha_dropout.default}
+
+
+def draws(node):
+    """Whether ``node`` draws from torch's generator when it runs: an op whose schema takes one
+    (rand, bernoulli, normal_, uniform_, rrelu with training, ...), or dropout at a rate above 0
+    (its schema names none; it draws from the default one) in training (eval mode's is the identity)."""
+    if node.op != "call_function":
+        return False
+    if node.target in _DROPOUT:
+        rate = node.args[1] if len(node.args) > 1 else node.kwargs.get("p", 0.5)
+        train = node.args[2] if len(node.args) > 2 else node.kwargs.get("train", True)
+        return train is not False and not (isinstance(rate, (int, float)) and rate == 0)
+    schema = getattr(node.target, "_schema", None)
+    if schema is None:
+        return False
+    return schema.name.split("::")[-1].rstrip("_") in _RANDOM or any("Generator" in str(a.type)
+                                                                   for a in schema.arguments)
+
+
+
+# -- the rewrite ----------------------------------------------------------------------------------
+
+_BY_TARGET = {v: k for k, v in _BINARY.items()}
+#: Ops that compute nothing (views, sizes, metadata): neither lowered nor work left to torch.
+_FREE = {"view", "reshape", "_unsafe_view", "transpose", "permute", "t", "unsqueeze", "squeeze", "expand", "slice",
+         "select", "split", "split_with_sizes", "unflatten", "flatten", "contiguous", "clone", "alias", "detach",
+         "sym_size", "_assert_tensor_metadata", "to", "getitem", "lift_fresh_copy", "unbind", "chunk"}
+_SCHEMAS = {  # an aten op's arguments, by name, with their defaults
+    aten.linear.default: (("input", None), ("weight", None), ("bias", None)),
+    aten.addmm.default: (("self", None), ("mat1", None), ("mat2", None), ("beta", 1), ("alpha", 1)),
+    aten.layer_norm.default: (("input", None), ("normalized_shape", None), ("weight", None), ("bias", None),
+                              ("eps", 1e-5), ("cudnn_enable", True)),
+    aten.embedding.default: (("weight", None), ("indices", None), ("padding_idx", -1), ("scale_grad_by_freq", False),
+                             ("sparse", False)),
+    aten.scaled_dot_product_attention.default: (("query", None), ("key", None), ("value", None), ("attn_mask", None),
+                                                ("dropout_p", 0.0), ("is_causal", False), ("scale", None),
+                                                ("enable_gqa", False)),
+    aten.cross_entropy_loss.default: (("self", None), ("target", None), ("weight", None), ("reduction", 1),
+                                      ("ignore_index", -100), ("label_smoothing", 0.0)),
+}
+
+
+def _arguments(node):
+    """The node's arguments by name, defaults filled in (``_SCHEMAS``)."""
+    names = _SCHEMAS[node.target]
+    out = {name: default for name, default in names}
+    out.update(zip((n for n, _ in names), node.args))
+    out.update(node.kwargs)
+    return out
+
+
+def _float32(*nodes):
+    return all(isinstance(_val(n), torch.Tensor) and _val(n).dtype == torch.float32 for n in nodes)
+
+
+def _lowering(node):
+    """(custom op, its arguments, whether it returns a tuple whose first item is the value) that runs
+    ``node`` on the kernels, or None: torch keeps it."""
+    if node.target in _BY_TARGET and len(node.args) == 2 and not node.kwargs:
+        batched = _broadcast_operand(node)
+        return None if batched is None else (broadcast, (*node.args, _BY_TARGET[node.target], batched), False)
+    if node.target not in _SCHEMAS:
+        return None
+    a = _arguments(node)
+    t = node.target
+    if t is aten.linear.default and _float32(a["input"], a["weight"]) and _val(a["weight"]).dim() == 2 \
+            and (a["bias"] is None or _float32(a["bias"])):
+        return product, (a["input"], a["weight"], a["bias"], rows_per_sample(_val(a["input"])), False), False
+    if t is aten.addmm.default and a["beta"] == 1 and a["alpha"] == 1 and _float32(a["self"], a["mat1"], a["mat2"]) \
+            and _val(a["self"]).dim() == 1:
+        return product, (a["mat1"], a["mat2"], a["self"], rows_per_sample(_val(a["mat1"])), True), False
+    if t is aten.layer_norm.default and a["weight"] is not None and a["bias"] is not None \
+            and len(a["normalized_shape"]) == 1 and _float32(a["input"], a["weight"], a["bias"]):
+        return layer_norm, (a["input"], a["weight"], a["bias"], float(a["eps"]),
+                            rows_per_sample(_val(a["input"]))), True
+    if t is aten.embedding.default and not a["scale_grad_by_freq"] and not a["sparse"] and _float32(a["weight"]):
+        return embedding, (a["weight"], a["indices"], a["padding_idx"], _batch_first(_val(a["indices"]))), False
+    if t is aten.scaled_dot_product_attention.default and a["dropout_p"] == 0.0 and not a["enable_gqa"] \
+            and _float32(a["query"], a["key"], a["value"]):
+        return attention_, (a["query"], a["key"], a["value"], a["attn_mask"], a["is_causal"], a["scale"]), True
+    if t is aten.cross_entropy_loss.default and a["weight"] is None and a["label_smoothing"] == 0.0 \
+            and a["reduction"] in (1, 2) and _float32(a["self"]) and _val(a["self"]).dim() == 2 \
+            and _val(a["target"]).dim() == 1 and not _val(a["target"]).is_floating_point():
+        return cross_entropy, (a["self"], a["target"], a["reduction"] == 1, a["ignore_index"],
+                               rows_per_sample(_val(a["self"]))), True
+    return None
+
+
+def lower(unit):
+    """Rewrite ``unit``'s graph (its fx module, in place, while it holds its symbolic shapes: before
+    ``save_program`` writes it) to run the ops the kernels do; return ``report(unit)``."""
+    graph = unit.module.graph
+    for node in list(graph.nodes):
+        if node.op != "call_function":
+            continue
+        how = _lowering(node)
+        if how is None:
+            continue
+        op, args, tupled = how
+        with graph.inserting_after(node):
+            new = graph.call_function(op._opoverload, args)
+            new.meta.update(node.meta)
+            new.meta["wse_lowered"] = node.target
+            if tupled:
+                with graph.inserting_after(new):
+                    value = graph.call_function(operator.getitem, (new, 0))
+                value.meta["val"] = node.meta.get("val")
+            else:
+                value = new
+        node.replace_all_uses_with(value)
+        graph.erase_node(node)
+    graph.lint()
+    unit.module.recompile()
+    return report(unit)
+
+
+def _val(node):
+    return node.meta.get("val") if isinstance(node, fx.Node) else None
+
+
+def rows_per_sample(val):
+    """Rows a sample of a tensor whose first dimension is the batch (``k * batch``), its rows the
+    product of all dimensions but the last: ``k`` times the middle ones. None: the batch is not first
+    (or the shape is not symbolic in it)."""
+    if not isinstance(val, torch.Tensor) or val.dim() < 1 or not isinstance(val.shape[0], torch.SymInt):
+        return None
+    expr = val.shape[0].node.expr
+    if len(expr.free_symbols) != 1 or any(isinstance(d, torch.SymInt) for d in val.shape[1:]):
+        return None
+    k = expr / next(iter(expr.free_symbols))
+    if not k.is_Integer or int(k) < 1:
+        return None
+    return int(k) * math.prod(int(d) for d in val.shape[1:-1])
+
+
+def _batch_first(val):
+    return rows_per_sample(val) is not None
+
+
+def _has_batch(val):
+    """A tensor with the batch in its shape, anywhere (a symbolic dimension)."""
+    return isinstance(val, torch.Tensor) and any(isinstance(d, torch.SymInt) for d in val.shape)
+
+
+def _broadcast_operand(node):
+    """The index of the operand with the batch first when the other is broadcast over it (a weight, a
+    position table), else None."""
+    vals = [_val(a) for a in node.args]
+    out = _val(node)
+    if not all(isinstance(v, torch.Tensor) and v.is_floating_point() for v in (*vals, out)) or not _batch_first(out):
+        return None
+    first = [_batch_first(v) and v.dim() == out.dim() for v in vals]
+    if first.count(True) != 1:
+        return None
+    other = vals[first.index(False)]
+    if other.dim() == out.dim() and not (isinstance(other.shape[0], int) and other.shape[0] == 1):
+        return None
+    return first.index(True)
+
+
+def _name(target):
+    return getattr(target, "__name__", str(target)).split(".")[0]
+
+
+def report(unit):
+    """What the lowering of ``unit`` did: {"lowered": {op: count}, "torch": {op: count} (ops that compute,
+    left to torch), "flops": {"lowered": n, "torch": n} (the example micro-batch's forward), "torch_flops":
+    the share of the unit's FLOPs left to torch, "batch_dependent": [one line per op whose sums span a
+    micro-batch]}."""
+    lowered, left, reasons = {}, {}, []
+    flops = {"lowered": 0, "torch": 0}
+    trained = _trained(unit)
+    for node in unit.module.graph.nodes:
+        if node.op != "call_function":
+            continue
+        original = node.meta.get("wse_lowered")
+        name = _name(original or node.target)
+        if original is not None:
+            lowered[name] = lowered.get(name, 0) + 1
+            flops["lowered"] += _lowered_flops(node)
+            operand = node.args[1] if name == "embedding" else node.args[0]
+            if name != "scaled_dot_product_attention" and _has_batch(_val(operand)) and not _batch_first(_val(operand)):
+                reasons.append(f"{unit.name}: {name} of a tensor whose first dimension is not the batch")
+            continue
+        work = _flops(node.target, node)
+        if name in _FREE or not isinstance(_val(node), torch.Tensor):  # a view, or a size or tuple
+            continue
+        left[name] = left.get(name, 0) + 1
+        flops["torch"] += work
+        reason = "draws its random numbers for the whole micro-batch" if draws(node) else _spans_batch(node, trained)
+        if reason:
+            reasons.append(f"{unit.name}: {name} {reason} (left to torch)")
+    total = flops["lowered"] + flops["torch"]
+    return {"lowered": lowered, "torch": left, "flops": flops, "torch_flops": flops["torch"] / total if total else 0.0,
+            "batch_dependent": reasons}
+
+
+def _trained(unit):
+    """The unit's nodes whose values depend on a weight it reads, or on a value an earlier unit handed
+    on that is not per sample: what a gradient flows into."""
+    kinds = dict(zip((n for n in unit.module.graph.nodes if n.op == "placeholder"), unit.inputs))
+    out = set()
+    for node in unit.module.graph.nodes:
+        if node.op == "placeholder":
+            kind = kinds[node][0]
+            if kind == "param" or kind == "value" and not _batch_first(_val(node)):
+                out.add(node)
+        elif any(a in out for a in node.all_input_nodes):
+            out.add(node)
+    return out
+
+
+def _spans_batch(node, trained):
+    """Why ``node``, run by torch, sums over a micro-batch: it broadcasts a trained tensor over the
+    batch (its backward sums over it) or reduces the batch away; None: neither."""
+    out = _val(node)
+    if not isinstance(out, torch.Tensor) or not out.is_floating_point():
+        return None
+    ins = [(a, _val(a)) for a in node.all_input_nodes]
+    floats = [(a, v) for a, v in ins if isinstance(v, torch.Tensor) and v.is_floating_point()]
+    if _batch_first(out) and any(a in trained and not _batch_first(v) for a, v in floats):
+        return "broadcasts a weight over the batch"
+    if not _batch_first(out) and any(_batch_first(v) for _, v in floats):
+        return "sums over the batch"
+    return None
+
+
+def _flops(target, node):
+    """Multiply-adds x 2 of a product (a weight's, attention's, a convolution's) from the node's
+    shapes; an element operation per output element otherwise."""
+    out = _val(node)
+    if not isinstance(out, torch.Tensor):
+        return 0
+    numel = concrete(out.numel())
+    if target in (aten.linear.default, aten.addmm.default, aten.mm.default, aten.bmm.default, aten.matmul.default):
+        inner = _val(node.args[1] if target is aten.addmm.default else node.args[0])
+        return 2 * numel * concrete(inner.shape[-1]) if isinstance(inner, torch.Tensor) else numel
+    if target is aten.scaled_dot_product_attention.default:
+        q, k = _val(node.args[0]), _val(node.args[1])
+        return 4 * concrete(q.numel()) * concrete(k.shape[-2])
+    if "conv" in _name(target):
+        w = _val(node.args[1])
+        return 2 * numel * math.prod(concrete(d) for d in w.shape[1:]) if isinstance(w, torch.Tensor) else numel
+    return numel
+
+
+def _lowered_flops(node):
+    """``_flops`` of a lowered node: a product's and attention's from their operands' shapes."""
+    out = _val(node)
+    numel = concrete(out.numel()) if isinstance(out, torch.Tensor) else 0
+    if node.target is torch.ops.wse.product.default:
+        return 2 * numel * concrete(_val(node.args[0]).shape[-1])
+    if node.target is torch.ops.wse.attention.default:
+        return 4 * concrete(_val(node.args[0]).numel()) * concrete(_val(node.args[1]).shape[-2])
+    return numel
+
+
+def concrete(n):
+    """A size's value on the example: a symbolic one's hint (``int()`` of it would fix the symbol to it for
+    every later reader of the graph's shapes)."""
+    return int(n.node.hint) if isinstance(n, torch.SymInt) else int(n)
