@@ -220,7 +220,7 @@ kind, num_csx, out = sys.argv[1], int(sys.argv[2]), sys.argv[3]
 torch.manual_seed(0)
 g = torch.Generator().manual_seed(1)
 {model}
-backend = cstorch.backend(kind, num_csx=num_csx, micro_batch_size=8)   # one micro-batch a CS-2 on two
+backend = cstorch.backend(kind, num_csx=num_csx)   # micro-batches of 16 on the CPU, of 8 on two CS-2s: the same bits
 compiled = cstorch.compile(model, backend)
 optimizer = cstorch.optim.AdamW(model.parameters(), lr=1e-2)
 
@@ -286,8 +286,10 @@ def eager_run(code, call, make_optimizer, losses):
 
 @pytest.mark.parametrize("name", sorted(set(MODELS) - {"cnn"}))
 def test_models_a_user_brings_train_on_two_cs2s_with_the_bits_of_cpu_and_eager_pytorchs_losses(tmp_path, name):
-    """On 2 CS-2s, the bits of the CPU backend (which are 1 CS-2's: the tutorial's test), and eager
-    PyTorch's losses. (The CNN's: the parameter groups' test, which trains it so.)"""
+    """On 2 CS-2s, the bits of the CPU backend (which are 1 CS-2's: the tutorial's test), each with the
+    default micro-batch size (16 samples on the CPU, 8 on each CS-2: the lowered units' sums are trees
+    over samples), and eager PyTorch's losses. (The CNN's: the parameter groups' test, which trains it
+    so.)"""
     code, call = MODELS[name]
     if "transformers" in code:
         pytest.importorskip("transformers")

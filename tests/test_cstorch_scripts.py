@@ -680,7 +680,9 @@ def test_a_sites_resnet_with_batchnorm_trains_on_two_cs2s_as_eager_pytorch_accum
         assert losses[step] == pytest.approx(total, rel=1e-5), step
     final = cstorch.load(tmp_path / "final.mdl")["model"]
     for name, value in model.state_dict().items():
-        torch.testing.assert_close(final[name].to(value.dtype), value, rtol=1e-4, atol=1e-5, msg=name)
+        # The convolutions' weight gradients are trees over samples (lower.py), eager's one batched sum: in
+        # float32 through BatchNorm and momentum they part by up to 2.0e-5 in 4 steps (measured).
+        torch.testing.assert_close(final[name].to(value.dtype), value, rtol=1e-4, atol=5e-5, msg=name)
     assert int(final["layers.0.bn1.num_batches_tracked"]) == 4 * m
 
 

@@ -32,6 +32,8 @@ from wse_core.nn.gemm import matmul
 from wse_core.nn.sample_tree import embedding_grad, sample_sum, samples_of
 
 aten = torch.ops.aten
+#: The name a unit hands a lowered loss's float64 sum on by: the loss's, and this.
+SUM = ":sum"
 
 
 def _np(t):
@@ -52,42 +54,63 @@ def _needs(ctx, n):
 # -- weight products ------------------------------------------------------------------------------
 
 @torch.library.custom_op("wse::product", mutates_args=())
-def product(x: Tensor, weight: Tensor, bias: Optional[Tensor], rows_per_sample: Optional[int], in_out: bool) -> Tensor:
+def product(x: Tensor, weight: Tensor, bias: Optional[Tensor], rows_per_sample: Optional[int], in_out: bool,
+            outer: int) -> Tensor:
     """x @ W^T + b (``aten.linear``: W [out, in]) or b + x @ W (``aten.addmm`` of a weight: W [in, out]),
-    on the rows of x; its backward's dW and db are trees over samples of ``rows_per_sample`` rows."""
-    x2 = _np(x).reshape(-1, x.shape[-1])
+    on the rows of x; its backward's dW and db are trees over samples of ``rows_per_sample`` rows.
+    ``outer`` > 1: x's rows are ``outer`` runs of the batch (a sequence-first layout, as
+    ``nn.MultiheadAttention`` makes): they are taken a sample at a time, and the result laid out as x."""
     wn = _np(weight)
     wt = wn if in_out else wn.T
+    x2 = _by_sample(x, rows_per_sample, outer)
     y = matmul(x2, wt, _rows_of(x2.shape[0], rows_per_sample), None if bias is None else _np(bias))
-    return torch.from_numpy(y).reshape(*x.shape[:-1], wt.shape[1])
+    return _as_laid_out(torch.from_numpy(y), x, rows_per_sample, outer)
+
+
+def _by_sample(x, t, outer):
+    """x's rows, 2-D and sample-major (a copy when x's are ``outer`` > 1 runs of the batch)."""
+    x2 = _np(x).reshape(-1, x.shape[-1])
+    if outer <= 1:
+        return x2
+    b = x2.shape[0] // t
+    return np.ascontiguousarray(x2.reshape(outer, b, t // outer, x2.shape[1]).transpose(1, 0, 2, 3)).reshape(-1, x2.shape[1])
+
+
+def _as_laid_out(y2, x, t, outer):
+    """Rows ``y2`` (sample-major) laid out as x's rows are (``_by_sample``'s inverse), x's shape but the last."""
+    if outer > 1:
+        b = y2.shape[0] // t
+        y2 = y2.reshape(b, outer, t // outer, y2.shape[1]).permute(1, 0, 2, 3).contiguous()
+    return y2.reshape(*x.shape[:-1], y2.shape[-1])
 
 
 @product.register_fake
-def _(x, weight, bias, rows_per_sample, in_out):
+def _(x, weight, bias, rows_per_sample, in_out, outer):
     return x.new_empty(*x.shape[:-1], weight.shape[1] if in_out else weight.shape[0])
 
 
 def _product_context(ctx, inputs, output):
-    x, weight, bias, t, in_out = inputs
+    x, weight, bias, t, in_out, outer = inputs
     ctx.save_for_backward(x, weight)
-    ctx.t, ctx.in_out, ctx.has_bias = t, in_out, bias is not None
+    ctx.t, ctx.in_out, ctx.has_bias, ctx.outer = t, in_out, bias is not None, outer
 
 
 def _product_backward(ctx, g):
     x, w = ctx.saved_tensors
-    in_out = ctx.in_out
-    x2 = _np(x).reshape(-1, x.shape[-1])
-    g2 = _np(g).reshape(-1, g.shape[-1])
+    in_out, outer = ctx.in_out, ctx.outer
+    x2 = _by_sample(x, ctx.t, outer)  # a sample's rows together, as the forward took them
+    g2 = _by_sample(g, ctx.t, outer)
     t = _rows_of(x2.shape[0], ctx.t)
     wn = _np(w)
-    dx = torch.from_numpy(matmul(g2, wn.T if in_out else wn, t)).reshape(x.shape) if _needs(ctx, 5)[0] else None
+    dx = _as_laid_out(torch.from_numpy(matmul(g2, wn.T if in_out else wn, t)), x, ctx.t, outer) \
+        if _needs(ctx, 6)[0] else None
 
     def leaf(s):
         gs, xs = g2[s * t:(s + 1) * t], x2[s * t:(s + 1) * t]
         return matmul(xs.T, gs) if in_out else matmul(gs.T, xs), kernels.column_sum(gs)
 
     dw, db = sample_sum(samples_of(g2.shape[0], t), leaf)
-    return dx, torch.from_numpy(dw), torch.from_numpy(db) if ctx.has_bias else None, None, None
+    return dx, torch.from_numpy(dw), torch.from_numpy(db) if ctx.has_bias else None, None, None, None
 
 
 product.register_autograd(_product_backward, setup_context=_product_context)
@@ -220,9 +243,10 @@ attention_.register_autograd(_attention_backward, setup_context=_attention_conte
 
 @torch.library.custom_op("wse::cross_entropy", mutates_args=())
 def cross_entropy(logits: Tensor, target: Tensor, mean: bool, ignore_index: int,
-                  rows_per_sample: Optional[int]) -> tuple[Tensor, Tensor]:
-    """Cross-entropy of 2-D logits and class targets, mean or sum: (loss, the gradient of the sum). The
-    sum is the tree over samples (``sample_tree.loss_sum``)."""
+                  rows_per_sample: Optional[int]) -> tuple[Tensor, Tensor, Tensor]:
+    """Cross-entropy of 2-D logits and class targets, mean or sum: (loss, the gradient of the sum, the
+    sum in float64). The sum is the tree over samples (``sample_tree.loss_sum``): what the step's loss
+    adds up (``model.TorchModel.loss``), the same whatever the micro-batch."""
     x = np.array(_np(logits))  # the kernel writes the gradient over it
     labels = target.numpy().reshape(-1)
     mask = (labels != ignore_index).astype(np.int32)
@@ -230,12 +254,13 @@ def cross_entropy(logits: Tensor, target: Tensor, mean: bool, ignore_index: int,
                                               sample_rows=_rows_of(x.shape[0], rows_per_sample))
     n = int(mask.sum())
     value = (loss_sum / n if n else float("nan")) if mean else loss_sum  # a mean over none: NaN, as torch's
-    return torch.tensor(value, dtype=torch.float32), torch.from_numpy(dlogits)
+    return (torch.tensor(value, dtype=torch.float32), torch.from_numpy(dlogits),
+            torch.tensor(loss_sum, dtype=torch.float64))
 
 
 @cross_entropy.register_fake
 def _(logits, target, mean, ignore_index, rows_per_sample):
-    return logits.new_empty(()), logits.new_empty(logits.shape)
+    return logits.new_empty(()), logits.new_empty(logits.shape), logits.new_empty((), dtype=torch.float64)
 
 
 def _cross_entropy_context(ctx, inputs, output):
@@ -244,7 +269,7 @@ def _cross_entropy_context(ctx, inputs, output):
     ctx.divisor = int((target != ignore_index).sum()) if mean else 1
 
 
-def _cross_entropy_backward(ctx, g, _d):
+def _cross_entropy_backward(ctx, g, _d, _sum):
     # The gradient of the sum times g / n: a tail seeded with n (times a power-of-two loss scale) gives
     # every token's gradient whatever its micro-batch holds (``model.TorchModel.loss``).
     (dlogits,) = ctx.saved_tensors
@@ -253,6 +278,48 @@ def _cross_entropy_backward(ctx, g, _d):
 
 
 cross_entropy.register_autograd(_cross_entropy_backward, setup_context=_cross_entropy_context)
+
+
+# -- convolution ----------------------------------------------------------------------------------
+
+@torch.library.custom_op("wse::conv2d", mutates_args=())
+def conv2d(x: Tensor, weight: Tensor, bias: Optional[Tensor], stride: list[int], padding: list[int],
+           dilation: list[int], groups: int) -> Tensor:
+    """torch's ``conv2d``, a sample at a time (no kernel of the wafer's does it here): a sample's values
+    are its own, and the weight's and bias's gradients are trees over samples."""
+    return torch.cat([aten.conv2d.default(x[s:s + 1], weight, bias, stride, padding, dilation, groups)
+                      for s in range(x.shape[0])])
+
+
+@conv2d.register_fake
+def _(x, weight, bias, stride, padding, dilation, groups):
+    return aten.conv2d.default(x, weight, bias, stride, padding, dilation, groups)
+
+
+def _conv2d_context(ctx, inputs, output):
+    x, weight, bias, stride, padding, dilation, groups = inputs
+    ctx.save_for_backward(x, weight)
+    ctx.args, ctx.has_bias = (stride, padding, dilation, groups), bias is not None
+
+
+def _conv2d_backward(ctx, g):
+    x, w = ctx.saved_tensors
+    stride, padding, dilation, groups = ctx.args
+    dx = torch.empty_like(x)
+    mask = [True, True, ctx.has_bias]
+
+    def leaf(s):
+        dxs, dws, dbs = aten.convolution_backward.default(g[s:s + 1].contiguous(), x[s:s + 1], w,
+                                                          [w.shape[0]] if ctx.has_bias else None, stride, padding,
+                                                          dilation, False, [0, 0], groups, mask)
+        dx[s:s + 1] = dxs
+        return (dws.numpy().copy(), *((dbs.numpy().copy(),) if ctx.has_bias else ()))
+
+    sums = sample_sum(x.shape[0], leaf)
+    return dx, torch.from_numpy(sums[0]), torch.from_numpy(sums[1]) if ctx.has_bias else None, None, None, None, None
+
+
+conv2d.register_autograd(_conv2d_backward, setup_context=_conv2d_context)
 
 
 # -- elementwise ops with an operand broadcast over the batch --------------------------------------
@@ -348,6 +415,8 @@ _SCHEMAS = {  # an aten op's arguments, by name, with their defaults
                                                 ("enable_gqa", False)),
     aten.cross_entropy_loss.default: (("self", None), ("target", None), ("weight", None), ("reduction", 1),
                                       ("ignore_index", -100), ("label_smoothing", 0.0)),
+    aten.conv2d.default: (("input", None), ("weight", None), ("bias", None), ("stride", [1, 1]), ("padding", [0, 0]),
+                          ("dilation", [1, 1]), ("groups", 1)),
 }
 
 
@@ -364,11 +433,11 @@ def _float32(*nodes):
     return all(isinstance(_val(n), torch.Tensor) and _val(n).dtype == torch.float32 for n in nodes)
 
 
-def _lowering(node):
+def _lowering(node, batch):
     """(custom op, its arguments, whether it returns a tuple whose first item is the value) that runs
     ``node`` on the kernels, or None: torch keeps it."""
     if node.target in _BY_TARGET and len(node.args) == 2 and not node.kwargs:
-        batched = _broadcast_operand(node)
+        batched = _broadcast_operand(node, batch)
         return None if batched is None else (broadcast, (*node.args, _BY_TARGET[node.target], batched), False)
     if node.target not in _SCHEMAS:
         return None
@@ -376,16 +445,18 @@ def _lowering(node):
     t = node.target
     if t is aten.linear.default and _float32(a["input"], a["weight"]) and _val(a["weight"]).dim() == 2 \
             and (a["bias"] is None or _float32(a["bias"])):
-        return product, (a["input"], a["weight"], a["bias"], rows_per_sample(_val(a["input"])), False), False
+        rows, outer = batch.product_layout(a["input"])
+        return product, (a["input"], a["weight"], a["bias"], rows, False, outer), False
     if t is aten.addmm.default and a["beta"] == 1 and a["alpha"] == 1 and _float32(a["self"], a["mat1"], a["mat2"]) \
             and _val(a["self"]).dim() == 1:
-        return product, (a["mat1"], a["mat2"], a["self"], rows_per_sample(_val(a["mat1"])), True), False
+        rows, outer = batch.product_layout(a["mat1"])
+        return product, (a["mat1"], a["mat2"], a["self"], rows, True, outer), False
     if t is aten.layer_norm.default and a["weight"] is not None and a["bias"] is not None \
             and len(a["normalized_shape"]) == 1 and _float32(a["input"], a["weight"], a["bias"]):
         return layer_norm, (a["input"], a["weight"], a["bias"], float(a["eps"]),
-                            rows_per_sample(_val(a["input"]))), True
+                            batch.rows(a["input"])), True
     if t is aten.embedding.default and not a["scale_grad_by_freq"] and not a["sparse"] and _float32(a["weight"]):
-        return embedding, (a["weight"], a["indices"], a["padding_idx"], _batch_first(_val(a["indices"]))), False
+        return embedding, (a["weight"], a["indices"], a["padding_idx"], batch.first(a["indices"])), False
     if t is aten.scaled_dot_product_attention.default and a["dropout_p"] == 0.0 and not a["enable_gqa"] \
             and _float32(a["query"], a["key"], a["value"]):
         return attention_, (a["query"], a["key"], a["value"], a["attn_mask"], a["is_causal"], a["scale"]), True
@@ -393,18 +464,26 @@ def _lowering(node):
             and a["reduction"] in (1, 2) and _float32(a["self"]) and _val(a["self"]).dim() == 2 \
             and _val(a["target"]).dim() == 1 and not _val(a["target"]).is_floating_point():
         return cross_entropy, (a["self"], a["target"], a["reduction"] == 1, a["ignore_index"],
-                               rows_per_sample(_val(a["self"]))), True
+                               batch.rows(a["self"])), True
+    if t is aten.conv2d.default and batch.first(a["input"]) and _val(a["input"]).dim() == 4 \
+            and _float32(a["input"], a["weight"]) and (a["bias"] is None or _float32(a["bias"])):
+        pairs = [list(v) if isinstance(v, (list, tuple)) else [v, v] for v in (a["stride"], a["padding"], a["dilation"])]
+        return conv2d, (a["input"], a["weight"], a["bias"], *pairs, a["groups"]), False
     return None
 
 
-def lower(unit):
+def lower(unit, known=None):
     """Rewrite ``unit``'s graph (its fx module, in place, while it holds its symbolic shapes: before
-    ``save_program`` writes it) to run the ops the kernels do; return ``report(unit)``."""
+    ``save_program`` writes it) to run the ops the kernels do; return ``report``'s. ``known``: the
+    batch dimension of each of the step's values, by name (``batch_dims`` of the whole step: what a
+    unit reads from another is laid out as it was made)."""
+    batch = _Batch(unit, known)
     graph = unit.module.graph
+    sums = {}  # a lowered loss's value node -> the node of its float64 sum
     for node in list(graph.nodes):
         if node.op != "call_function":
             continue
-        how = _lowering(node)
+        how = _lowering(node, batch)
         if how is None:
             continue
         op, args, tupled = how
@@ -412,55 +491,157 @@ def lower(unit):
             new = graph.call_function(op._opoverload, args)
             new.meta.update(node.meta)
             new.meta["wse_lowered"] = node.target
+            value = new
             if tupled:
                 with graph.inserting_after(new):
                     value = graph.call_function(operator.getitem, (new, 0))
                 value.meta["val"] = node.meta.get("val")
-            else:
-                value = new
+            if op is cross_entropy:
+                with graph.inserting_after(value):
+                    sums[value] = graph.call_function(operator.getitem, (new, 2))
+        batch.dims[new] = batch.dims[value] = batch.dims.get(node)  # later nodes read the new one
         node.replace_all_uses_with(value)
         graph.erase_node(node)
+    out = next(n for n in graph.nodes if n.op == "output")
+    extra = {name + SUM: sums[n] for n, name in zip(out.args[0], unit.outputs) if n in sums}
+    if extra:  # the unit hands each loss's sum on too: "<loss>:sum"
+        out.args = ((*out.args[0], *extra.values()),)
     graph.lint()
     unit.module.recompile()
-    return report(unit)
+    batch.dims = batch_dims(graph, known)  # the rewritten graph's nodes
+    return {**report(unit, batch), "sums": list(extra)}
 
 
 def _val(node):
     return node.meta.get("val") if isinstance(node, fx.Node) else None
 
 
-def rows_per_sample(val):
-    """Rows a sample of a tensor whose first dimension is the batch (``k * batch``), its rows the
-    product of all dimensions but the last: ``k`` times the middle ones. None: the batch is not first
-    (or the shape is not symbolic in it)."""
-    if not isinstance(val, torch.Tensor) or val.dim() < 1 or not isinstance(val.shape[0], torch.SymInt):
-        return None
-    expr = val.shape[0].node.expr
-    if len(expr.free_symbols) != 1 or any(isinstance(d, torch.SymInt) for d in val.shape[1:]):
-        return None
-    k = expr / next(iter(expr.free_symbols))
-    if not k.is_Integer or int(k) < 1:
-        return None
-    return int(k) * math.prod(int(d) for d in val.shape[1:-1])
+def _sym_dims(val):
+    return [i for i, d in enumerate(val.shape) if isinstance(d, torch.SymInt)] if isinstance(val, torch.Tensor) else []
 
 
-def _batch_first(val):
-    return rows_per_sample(val) is not None
+def _prefix(shape, dim):
+    return math.prod(int(d) for d in shape[:dim])
 
 
-def _has_batch(val):
-    """A tensor with the batch in its shape, anywhere (a symbolic dimension)."""
-    return isinstance(val, torch.Tensor) and any(isinstance(d, torch.SymInt) for d in val.shape)
+#: Reductions over a list of dimensions (``mean.dim``, ``sum.dim_IntList``, ...).
+_REDUCTIONS = {"mean", "sum", "amax", "amin", "prod", "var", "std", "logsumexp", "norm"}
+#: Ops that lay a value's elements out anew (the batch kept where the elements before it stay as many).
+_RESHAPES = {"view", "reshape", "_unsafe_view", "flatten", "unflatten", "unsqueeze", "squeeze", "expand"}
 
 
-def _broadcast_operand(node):
+def batch_dims(graph, known=None):
+    """{node: (d, outer) where dimension d of its value holds the batch, or None} over ``graph``, its
+    placeholders' from ``known`` (by name: the whole step's, for a unit's) or the batch first.
+    ``outer``: how many runs of the batch dimension d holds, one after the other ([L * B, E] made
+    from a sequence-first [L, B, E]: (0, L)); (d, 1): each sample's part of it one contiguous run
+    (sample-major). A reshape keeps the batch where the elements before it stay as many; a transpose
+    or permute moves it; other ops keep it where an input of the output's rank has it."""
+    dims = {}
+    for node in graph.nodes:
+        out = _val(node)
+        syms = _sym_dims(out)
+        if node.op in ("placeholder", "get_attr"):
+            dims[node] = known.get(node.name) if known is not None and node.name in known else \
+                ((0, 1) if syms == [0] else None)
+            continue
+        if node.op != "call_function":
+            continue
+        ins = [(a, dims.get(a)) for a in node.all_input_nodes if isinstance(_val(a), torch.Tensor)]
+        src, d = next(((a, b) for a, b in ins if b is not None), (None, None))
+        name = _name(node.target)
+        b = None
+        if isinstance(out, (tuple, list)) or name == "getitem":
+            b = d  # a split's pieces, a tuple's item: the input's (checked by shape below)
+        elif len(syms) != 1:
+            b = None
+        elif src is None:  # made from sizes (arange, new_ones) or broadcast: a fresh batch dimension;
+            # from a value whose batch is not followed: none
+            b = None if any(_sym_dims(_val(a)) for a in node.all_input_nodes) else (syms[0], 1)
+        elif name in ("transpose", "t"):
+            d0, d1 = (node.args[1], node.args[2]) if name == "transpose" else (0, 1)
+            rank = _val(src).dim()
+            d0, d1 = d0 % rank, d1 % rank
+            b = ({d0: d1, d1: d0}.get(d[0], d[0]), d[1])
+        elif name == "permute":
+            b = ([p % _val(src).dim() for p in node.args[1]].index(d[0]), d[1])
+        elif name in _RESHAPES:
+            before = _prefix(_val(src).shape, d[0]) * d[1]  # elements' runs before each sample's part
+            prefix = _prefix(out.shape, syms[0])
+            outer = before // prefix if before % prefix == 0 else 0
+            coef = out.shape[syms[0]].node.expr / next(iter(out.shape[syms[0]].node.expr.free_symbols))
+            b = (syms[0], outer) if outer and coef.is_Integer and int(coef) % outer == 0 else None
+        elif name in ("select", "slice"):
+            dim = node.args[1] % _val(src).dim() if len(node.args) > 1 else 0
+            whole = name == "slice" and (len(node.args) < 3 or node.args[2] in (0, None)) \
+                and (len(node.args) < 4 or node.args[3] is None or isinstance(node.args[3], int)
+                     and node.args[3] >= 2 ** 62) and (len(node.args) < 5 or node.args[4] == 1)
+            b = d if whole or dim != d[0] else None
+            if b is not None and name == "select" and dim < b[0]:
+                b = (b[0] - 1, b[1])
+        elif name == "embedding":
+            b = dims.get(node.args[1])
+        elif name in _REDUCTIONS and len(node.args) > 1 and isinstance(node.args[1], (list, tuple)) \
+                and not (len(node.args) > 2 and node.args[2] is True or node.kwargs.get("keepdim")):
+            gone = [x % _val(src).dim() for x in node.args[1]]
+            b = None if d[0] in gone else (d[0] - sum(x < d[0] for x in gone), d[1])
+        else:
+            same = [bb for a, bb in ins if bb is not None and _val(a).dim() == out.dim()]
+            b = same[0] if same else None
+        if b is not None and not isinstance(out, (tuple, list)) and b[0] not in syms:
+            b = None
+        dims[node] = b
+    return dims
+
+
+class _Batch:
+    """Where the batch is in a unit's values (``batch_dims``), and what follows for its sums."""
+
+    def __init__(self, unit, known):
+        self.dims = batch_dims(unit.module.graph, known)
+
+    def first(self, node):
+        """Whether the value's batch is its first dimension, sample-major."""
+        return self.dims.get(node) == (0, 1)
+
+    def has(self, node):
+        return bool(_sym_dims(_val(node)))
+
+    def rows(self, node):
+        """Rows a sample of a value whose batch is first (its rows: all dimensions but the last), else None."""
+        val = _val(node)
+        if not self.first(node) or val.dim() < 1:
+            return None
+        expr = val.shape[0].node.expr
+        k = expr / next(iter(expr.free_symbols))
+        if len(expr.free_symbols) != 1 or not k.is_Integer or int(k) < 1:
+            return None
+        return int(k) * math.prod(int(d) for d in val.shape[1:-1])
+
+    def product_layout(self, node):
+        """(rows a sample, the runs of the batch its rows are: 1, sample-major; L, a sequence-first
+        layout's, as ``nn.MultiheadAttention`` makes inside ``nn.TransformerEncoderLayer``) of a
+        product's input; (None, 1) when its batch is not followed (one sum over all its rows)."""
+        val, where = _val(node), self.dims.get(node)
+        if where is None or where[0] >= val.dim() - 1:
+            return None, 1
+        d, runs = where
+        expr = val.shape[d].node.expr
+        coef = expr / next(iter(expr.free_symbols))
+        if len(expr.free_symbols) != 1 or not coef.is_Integer:
+            return None, 1
+        before = _prefix(val.shape, d)
+        return before * int(coef) * math.prod(int(x) for x in val.shape[d + 1:-1]), before * runs
+
+
+def _broadcast_operand(node, batch):
     """The index of the operand with the batch first when the other is broadcast over it (a weight, a
     position table), else None."""
     vals = [_val(a) for a in node.args]
     out = _val(node)
-    if not all(isinstance(v, torch.Tensor) and v.is_floating_point() for v in (*vals, out)) or not _batch_first(out):
+    if not all(isinstance(v, torch.Tensor) and v.is_floating_point() for v in (*vals, out)) or not batch.first(node):
         return None
-    first = [_batch_first(v) and v.dim() == out.dim() for v in vals]
+    first = [batch.first(a) and v.dim() == out.dim() for a, v in zip(node.args, vals)]
     if first.count(True) != 1:
         return None
     other = vals[first.index(False)]
@@ -473,14 +654,14 @@ def _name(target):
     return getattr(target, "__name__", str(target)).split(".")[0]
 
 
-def report(unit):
+def report(unit, batch):
     """What the lowering of ``unit`` did: {"lowered": {op: count}, "torch": {op: count} (ops that compute,
     left to torch), "flops": {"lowered": n, "torch": n} (the example micro-batch's forward), "torch_flops":
     the share of the unit's FLOPs left to torch, "batch_dependent": [one line per op whose sums span a
     micro-batch]}."""
     lowered, left, reasons = {}, {}, []
     flops = {"lowered": 0, "torch": 0}
-    trained = _trained(unit)
+    trained = _trained(unit, batch)
     for node in unit.module.graph.nodes:
         if node.op != "call_function":
             continue
@@ -490,7 +671,9 @@ def report(unit):
             lowered[name] = lowered.get(name, 0) + 1
             flops["lowered"] += _lowered_flops(node)
             operand = node.args[1] if name == "embedding" else node.args[0]
-            if name != "scaled_dot_product_attention" and _has_batch(_val(operand)) and not _batch_first(_val(operand)):
+            laid_out = node.target is torch.ops.wse.product.default and node.args[3] is not None
+            if name != "scaled_dot_product_attention" and batch.has(operand) and not batch.first(operand) \
+                    and not laid_out:
                 reasons.append(f"{unit.name}: {name} of a tensor whose first dimension is not the batch")
             continue
         work = _flops(node.target, node)
@@ -498,7 +681,7 @@ def report(unit):
             continue
         left[name] = left.get(name, 0) + 1
         flops["torch"] += work
-        reason = "draws its random numbers for the whole micro-batch" if draws(node) else _spans_batch(node, trained)
+        reason = "draws its random numbers for the whole micro-batch" if draws(node) else _spans_batch(node, trained, batch)
         if reason:
             reasons.append(f"{unit.name}: {name} {reason} (left to torch)")
     total = flops["lowered"] + flops["torch"]
@@ -506,7 +689,7 @@ def report(unit):
             "batch_dependent": reasons}
 
 
-def _trained(unit):
+def _trained(unit, batch):
     """The unit's nodes whose values depend on a weight it reads, or on a value an earlier unit handed
     on that is not per sample: what a gradient flows into."""
     kinds = dict(zip((n for n in unit.module.graph.nodes if n.op == "placeholder"), unit.inputs))
@@ -514,14 +697,14 @@ def _trained(unit):
     for node in unit.module.graph.nodes:
         if node.op == "placeholder":
             kind = kinds[node][0]
-            if kind == "param" or kind == "value" and not _batch_first(_val(node)):
+            if kind == "param" or kind == "value" and not batch.first(node):
                 out.add(node)
         elif any(a in out for a in node.all_input_nodes):
             out.add(node)
     return out
 
 
-def _spans_batch(node, trained):
+def _spans_batch(node, trained, batch):
     """Why ``node``, run by torch, sums over a micro-batch: it broadcasts a trained tensor over the
     batch (its backward sums over it) or reduces the batch away; None: neither."""
     out = _val(node)
@@ -529,9 +712,9 @@ def _spans_batch(node, trained):
         return None
     ins = [(a, _val(a)) for a in node.all_input_nodes]
     floats = [(a, v) for a, v in ins if isinstance(v, torch.Tensor) and v.is_floating_point()]
-    if _batch_first(out) and any(a in trained and not _batch_first(v) for a, v in floats):
+    if batch.first(node) and any(a in trained and not batch.first(a) for a, v in floats):
         return "broadcasts a weight over the batch"
-    if not _batch_first(out) and any(_batch_first(v) for _, v in floats):
+    if not batch.first(node) and any(batch.first(a) for a, _ in floats):
         return "sums over the batch"
     return None
 
@@ -563,6 +746,8 @@ def _lowered_flops(node):
         return 2 * numel * concrete(_val(node.args[0]).shape[-1])
     if node.target is torch.ops.wse.attention.default:
         return 4 * concrete(_val(node.args[0]).numel()) * concrete(_val(node.args[1]).shape[-2])
+    if node.target is torch.ops.wse.conv2d.default:
+        return 2 * numel * math.prod(concrete(d) for d in _val(node.args[1]).shape[1:])
     return numel
 
 

@@ -37,12 +37,13 @@ import contextlib
 import functools
 import math
 import os
+from dataclasses import replace
 
 import numpy as np
 import torch
 
 from wse_core.compiler.loss import Loss
-from wse_core.compiler.lower import concrete as _concrete, draws, lower
+from wse_core.compiler.lower import SUM, batch_dims, concrete as _concrete, draws, lower
 from wse_core.compiler import runner
 from wse_core.compiler.runner import dropout_seed
 from wse_core.errors import ConfigError, DataError
@@ -67,7 +68,9 @@ def save_program(graph, units, path, groups=None, layout=None):
     random = any(draws(node) for u in units for node in u.module.graph.nodes)
     costs = [{"shapes": {p: shapes[p] for p in u.params}, "handed_bytes": u.boundary_bytes, **_work(u, shapes)}
              for u in units]
-    lowering = [lower(u) for u in units]  # last: it rewrites the graphs whose ops the costs read
+    known = {node.name: b for node, b in batch_dims(graph.program.graph).items()}
+    lowering = [lower(u, known) for u in units]  # last: it rewrites the graphs whose ops the costs read
+    units = [replace(u, outputs=(*u.outputs, *r["sums"])) for u, r in zip(units, lowering)]
     torch.save({"format": FORMAT, "layout": layout, "inputs": graph.inputs, "outputs": graph.outputs, "units": units,
                 "costs": costs, "lowering": lowering,
                 "random": random,
@@ -150,7 +153,10 @@ class TorchModel(Model):
         self.is_lm = self.layout == "lm"
         self.columns = [(f"t{i}", _numpy_dtype(d), tuple(shape)) for i, (d, shape) in enumerate(program["inputs"])]
         self.loss_spec: Loss = self.torch_units[-1].loss  # None: an evaluation's program
-        self.step_outputs = set(program["outputs"])
+        # A lowered loss's float64 sum (lower.SUM), read by ``loss``: a step's output, never rounded.
+        self.loss_sum = self.loss_spec.value + SUM if self.loss_spec and self.loss_spec.value + SUM in \
+            self.torch_units[-1].outputs else None
+        self.step_outputs = set(program["outputs"]) | {self.loss_sum}
         weights = program["weights"]
         self.groups = program.get("groups", {})
         super().__init__(config, [_Streamed(u.name, cost, program["example_samples"], self.groups)
@@ -310,7 +316,10 @@ class TorchModel(Model):
             factor = float(n)
         if n == 0:  # every target ignored: the mean is 0/0; the micro-batch adds nothing
             return 0.0, 0, {"seed": torch.zeros_like(value)}
-        return float(value.detach()) * factor, n, {"seed": torch.full_like(value, factor * loss_scale)}
+        # The lowered loss's own sum, the tree over samples: the same whatever the micro-batch (a mean
+        # times its n would not be); else the mean times n.
+        total = float(y[self.loss_sum]) if self.loss_sum in y else float(value.detach()) * factor
+        return total, n, {"seed": torch.full_like(value, factor * loss_scale)}
 
     def loss_divisor(self, n_tokens, batch_size):
         return 1.0 if self.loss_spec.reduction == "sum" else n_tokens
