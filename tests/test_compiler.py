@@ -360,6 +360,7 @@ def test_a_compiled_model_in_mixed_precision_streams_and_hands_on_16_bit_values(
     weight a unit reads, every value it hands on or gets back as a gradient, every weight gradient is a
     number of the format; the loss is not rounded; the bits are those of the micro-batches one after the
     other (Model.forward_backward, the reference's); the loss is near float32's, not equal to it."""
+    from wse_core.compiler.lower import SUM
     from wse_core.compiler.model import TorchModel, load_program
     from wse_core.nn.layers import DropoutKey
     from wse_core.nn.precision import FORMATS
@@ -380,8 +381,8 @@ def test_a_compiled_model_in_mixed_precision_streams_and_hands_on_16_bit_values(
     for u in range(len(m.units)):  # each unit on every micro-batch
         xs, kept = zip(*[m.unit_forward(u, x, {p: weights[p] for p in m.unit_params[u]}, d) for x, d in zip(xs, drops)])
         saved.append(kept)
-        seen += [v.detach().numpy() for x in xs for k, v in x.items()
-                 if k not in ("input", tail) and isinstance(v, torch.Tensor) and v.is_floating_point()]
+        seen += [v.detach().numpy() for x in xs for k, v in x.items()  # the loss and its float64 sum: not rounded
+                 if k not in ("input", tail, tail + SUM) and isinstance(v, torch.Tensor) and v.is_floating_point()]
     assert all(fmt.round(x[tail].detach().numpy()) != x[tail].detach().numpy() for x in xs)  # float32, not rounded
     losses = [m.loss(x, b, 1024.0) for x, b in zip(xs, batches)]
     dys, grads = [dy for _, _, dy in losses], []
