@@ -521,3 +521,23 @@ def test_a_lowered_transformers_model_has_the_same_bits_for_any_micro_batch_size
     ids, labels = torch.from_numpy(ex[:, 0]).long(), torch.from_numpy(np.where(ex[:, 1] != 0, ex[:, 2], -100)).long()
     eager = F.cross_entropy(model(ids).logits.reshape(-1, 257), labels.reshape(-1)).item()
     assert first[0][0] == pytest.approx(eager, rel=1e-6)
+
+
+@pytest.mark.parametrize("layer,op", [
+    (lambda: nn.Dropout(0.1), "dropout draws its random numbers for the whole micro-batch (left to torch)"),
+    (lambda: nn.BatchNorm1d(16), "broadcasts a weight over the batch (left to torch)"),
+    (lambda: nn.PReLU(16), "prelu broadcasts a weight over the batch (left to torch)"),
+])
+def test_an_op_left_to_torch_that_sums_over_the_micro_batch_is_named(tmp_path, layer, op):
+    """Each way a lowered step can still sum over its micro-batch in torch (a dropout's mask drawn at once,
+    a BatchNorm's statistics, a weight a torch op broadcasts) is named: the model's batch_dependent, which
+    `wse compile`'s bits line and cstorch say."""
+    from wse_core.compiler.model import save_program
+    from wse_core.models import build_model
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), layer(), nn.Linear(16, 3))
+    graph = capture(model, (torch.randn(4, 8), torch.randint(0, 3, (4,))), nn.CrossEntropyLoss())
+    save_program(graph, partition(graph), tmp_path / "m.pt2", layout="tensors")
+    why = build_model({"name": "torch", "program": str(tmp_path / "m.pt2")}).batch_dependent
+    assert why is not None and why.endswith(op), why

@@ -579,9 +579,11 @@ def test_what_a_loop_cannot_do_is_one_line(tmp_path):
     assert len(losses) == 2 and losses[1] < losses[0]
 
 
-def test_an_evaluation_loop_gives_eager_pytorchs_eval_losses_of_the_trained_model(tmp_path):
+def test_an_evaluation_loop_gives_eager_pytorchs_eval_losses_of_the_trained_model(tmp_path, capsys):
     """A second executor whose traced step calls no backward nor optimizer evaluates the model as it
-    is after training (its mode: eval, so no dropout): each step's loss is eager PyTorch's."""
+    is after training (its mode: eval, so no dropout): each step's loss is eager PyTorch's. Training,
+    torch's dropout draws a micro-batch's mask at once: said in one line (its bits hold at one
+    micro-batch size)."""
     import json
 
     import pyapi.cstorch as cstorch
@@ -610,6 +612,10 @@ def test_an_evaluation_loop_gives_eager_pytorchs_eval_losses_of_the_trained_mode
         train_step(x, y)
     trained = [p.detach().clone() for p in model.parameters()]
     assert not torch.equal(initial[0], trained[0])  # the model holds the trained weights
+    said = [line for line in capsys.readouterr().out.splitlines() if "the same bits on every backend" in line]
+    assert len(said) == 1 and said[0].startswith("cstorch: the same bits on every backend at micro_batch_size 4 "
+                                                 "only: ") and said[0].endswith(
+        "dropout draws its random numbers for the whole micro-batch (left to torch)"), said
     with pytest.raises(ValueError, match=r"^evaluating a compiled model whose graph draws random numbers \(dropout in "
                                          r"training mode\): call model.eval\(\) before the evaluation loop$"):
         for x, y in cstorch.utils.data.DataExecutor(loader):

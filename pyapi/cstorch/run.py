@@ -246,6 +246,7 @@ class Run:
         write_text(self.dir / "params.yaml", yaml.safe_dump(params, sort_keys=False))
         self.spec = validate(params)
         self.started = True
+        self._say_bits()
         if not self.backend.is_e2e_execution:
             self._dry(graph)
             return
@@ -312,6 +313,16 @@ class Run:
 
         self.thread = threading.Thread(target=run, name="wse-cstorch-job", daemon=True)
         self.thread.start()
+
+    def _say_bits(self):
+        """One line when the step's bits depend on the micro-batch size: an op left to torch sums over
+        the micro-batch (docs/design/compiler.md "Lowering")."""
+        from wse_core.models import build_model  # loads the kernels: not when the package is imported
+
+        why = build_model(self.spec.model).batch_dependent
+        if why:
+            print(f"cstorch: the same bits on every backend at micro_batch_size {self.spec.train_input.micro_batch_size} "
+                  f"only: {why}", flush=True)
 
     def _dry(self, graph):
         """A compile (the plan and its checks, ``wse compile``'s) or a validation (the capture): said in a
