@@ -541,3 +541,55 @@ def test_an_op_left_to_torch_that_sums_over_the_micro_batch_is_named(tmp_path, l
     save_program(graph, partition(graph), tmp_path / "m.pt2", layout="tensors")
     why = build_model({"name": "torch", "program": str(tmp_path / "m.pt2")}).batch_dependent
     assert why is not None and why.endswith(op), why
+
+
+class _FlatBias(nn.Module):
+    """A bias added to the rows of [B * T, C] (samples of T rows each), then a mean over tokens."""
+
+    def __init__(self):
+        super().__init__()
+        self.w, self.b, self.head = nn.Linear(6, 6, bias=False), nn.Parameter(torch.randn(6)), nn.Linear(6, 3)
+
+    def forward(self, x):
+        b, t, c = x.shape
+        return self.head((self.w(x).reshape(-1, c) + self.b).reshape(b, t, c).mean(1))
+
+
+class _ClassToken(nn.Module):
+    """A learned token put before every sample's (ViT's class token): torch's expand sums its gradient."""
+
+    def __init__(self):
+        super().__init__()
+        self.cls, self.head = nn.Parameter(torch.randn(1, 1, 6)), nn.Linear(6, 3)
+
+    def forward(self, x):
+        return self.head(torch.cat([self.cls.expand(x.shape[0], -1, -1), x], dim=1).mean(1))
+
+
+@pytest.mark.parametrize("module,why", [(_FlatBias, None),
+                                        (_ClassToken, "head: expand broadcasts a weight over the batch (left to torch)")])
+def test_samples_of_several_rows_are_summed_as_samples_and_a_weight_expanded_over_the_batch_is_named(
+        tmp_path, module, why):
+    """A bias broadcast over [B * T, C]'s rows has its gradient summed a sample (T rows) at a time, so any
+    micro-batch size gives the same bits; a weight torch's expand copies over the batch is named."""
+    from wse_core.compiler.model import save_program
+    from wse_core.models import build_model
+    from wse_core.nn import reference_step
+    from wse_core.optim import AdamW
+
+    torch.manual_seed(0)
+    x, y = torch.randn(16, 3, 6), torch.randint(0, 3, (16,))
+    graph = capture(module(), (x, y), nn.CrossEntropyLoss())
+    save_program(graph, partition(graph), tmp_path / "m.pt2", layout="tensors")
+    model = build_model({"name": "torch", "program": str(tmp_path / "m.pt2")})
+    assert model.batch_dependent == why
+    if why is None:
+        def train(size):
+            params = model.init_params(0)
+            opt = AdamW(lr=1e-2)
+            state = {k: opt.init_state(v) for k, v in params.items()}
+            reference_step(model, params, state, opt, model.batch_of([x.numpy(), y.numpy()]), micro_batch_size=size,
+                           step=1)
+            return b"".join(params[k].tobytes() for k in model.param_names)
+
+        assert train(1) == train(2) == train(4) == train(16)

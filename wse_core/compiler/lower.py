@@ -1,22 +1,23 @@
 """Lowering: a unit's heavy aten ops run on the wafer's kernels (``wse_core.nn``), with their backward.
 
-``lower(unit)`` rewrites a partitioned unit's graph in place: each node of an op the kernels do
-becomes a call of this module's function for it, whose forward and backward are ``wse_core.nn``'s
-kernels (a ``torch.autograd.Function``): the weight products (``aten.linear``, and ``aten.addmm``
-of a weight, GPT-2's ``Conv1D``), ``aten.layer_norm``, ``aten.embedding``, causal
-``aten.scaled_dot_product_attention`` and ``aten.cross_entropy_loss``; and the elementwise
-``add``/``sub``/``mul``/``div`` whose operand is broadcast over the batch (a bias, a norm's weight,
-a position embedding), whose backward is a sum over the batch. The rest (reshapes, elementwise
-glue) runs in torch. What decides the bits is fixed at lowering, from the graph's symbolic shapes:
-a tensor whose first dimension is the batch (``k * batch``: ``k`` rows a sample) has its weight
-gradients and other sums over samples made as the tree over samples (``wse_core.nn.sample_tree``),
-so a sample's part does not depend on its micro-batch. A node it cannot lower so (another dtype, a
-layout with the batch elsewhere) keeps torch's op; ``report`` names the ops left to torch, their
-share of the unit's work, and those whose sums span a micro-batch (docs/design/compiler.md
+``lower(unit, known)`` rewrites a partitioned unit's graph in place: each node of an op the kernels
+do becomes a node of a custom op (``torch.ops.wse.*``, ``torch.library.custom_op``) whose forward
+and backward (``register_autograd``) are ``wse_core.nn``'s kernels: the weight products
+(``aten.linear``, and ``aten.addmm`` of a weight, GPT-2's ``Conv1D``), ``aten.layer_norm``,
+``aten.embedding``, causal ``aten.scaled_dot_product_attention``, ``aten.cross_entropy_loss``, the
+elementwise ``add``/``sub``/``mul``/``div`` whose operand is broadcast over the batch (a bias, a
+norm's weight, a position embedding), and ``aten.conv2d`` (torch's, a sample at a time). The rest
+(reshapes, elementwise glue) runs in torch.
+
+What decides the bits is fixed at lowering, from the graph's symbolic shapes: ``batch_dims`` follows
+the batch through the step, and every sum over samples of a lowered op (a weight's gradient, a
+norm's, an embedding's table, the loss) is the tree over samples (``wse_core.nn.sample_tree``), so a
+sample's part does not depend on its micro-batch. ``report`` names the ops left to torch, their
+share of the unit's work, and every op whose sums span a micro-batch (docs/design/compiler.md
 "Lowering").
 
-The functions take the original op's arguments plus keyword constants; the rewritten graph pickles
-with the program (``save_program``), naming this module's functions, so ranks load it as written.
+Custom ops, because a program's fx modules are pickled as their code and traced again when loaded:
+a custom op stays one node, where a Python function would be traced into.
 """
 import math
 import operator
@@ -154,21 +155,25 @@ layer_norm.register_autograd(_layer_norm_backward, setup_context=_layer_norm_con
 # -- embedding ------------------------------------------------------------------------------------
 
 @torch.library.custom_op("wse::embedding", mutates_args=())
-def embedding(weight: Tensor, indices: Tensor, padding_idx: int, batch_leading: bool) -> Tensor:
-    """A table lookup; its gradient the tree over samples of each sample's rows (``batch_leading``:
-    the indices' first dimension is the batch)."""
-    return torch.from_numpy(_np(weight)[indices.numpy()])
+def embedding(weight: Tensor, indices: Tensor, padding_idx: int, per_sample: int) -> Tensor:
+    """A table lookup; its gradient the tree over samples of each sample's table (``per_sample``: the
+    indices' first dimension is the batch, that many of its entries a sample; 0: it is not)."""
+    ids = indices.numpy()
+    if ids.size and (ids.min() < 0 or ids.max() >= weight.shape[0]):
+        bad = ids.min() if ids.min() < 0 else ids.max()
+        raise IndexError(f"embedding: id {int(bad)} is outside the table's {weight.shape[0]} rows")
+    return torch.from_numpy(_np(weight)[ids])
 
 
 @embedding.register_fake
-def _(weight, indices, padding_idx, batch_leading):
+def _(weight, indices, padding_idx, per_sample):
     return weight.new_empty(*indices.shape, weight.shape[1])
 
 
 def _embedding_context(ctx, inputs, output):
-    weight, indices, padding_idx, batch_leading = inputs
+    weight, indices, padding_idx, per_sample = inputs
     ctx.save_for_backward(indices)
-    ctx.rows, ctx.padding_idx, ctx.batch_leading = weight.shape[0], padding_idx, batch_leading
+    ctx.rows, ctx.padding_idx, ctx.per_sample = weight.shape[0], padding_idx, per_sample
 
 
 def _embedding_backward(ctx, g):
@@ -177,7 +182,8 @@ def _embedding_backward(ctx, g):
     g2 = np.array(_np(g).reshape(flat.size, -1))  # a copy: padding rows are zeroed
     if ctx.padding_idx >= 0:
         g2[flat == ctx.padding_idx] = 0.0  # torch's rule: the padding row takes no gradient
-    b = ids.shape[0] if ctx.batch_leading and ids.dim() >= 1 and ids.shape[0] else 1
+    k = ctx.per_sample
+    b = ids.shape[0] // k if k and ids.dim() >= 1 and ids.shape[0] % k == 0 else 1
     dw = embedding_grad(flat.reshape(b, -1), g2, ctx.rows, kernels.embedding_backward)
     return torch.from_numpy(dw), None, None, None
 
@@ -196,16 +202,17 @@ def _is_causal(mask, length):
 
 @torch.library.custom_op("wse::attention", mutates_args=())
 def attention_(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor], is_causal: bool,
-               scale: Optional[float]) -> tuple[Tensor, Tensor]:
-    """``aten.scaled_dot_product_attention`` without dropout: (out, probs). Causal (``is_causal``, or a
-    boolean causal mask as transformers builds it), it runs on the kernels, each (sample, head) its
-    own products; otherwise torch's, and ``probs`` is empty (its backward is torch's)."""
+               scale: Optional[float]) -> tuple[Tensor, Tensor, Tensor]:
+    """``aten.scaled_dot_product_attention`` without dropout: (out, probs, whether the kernels ran).
+    Causal (``is_causal``, or a boolean causal mask as transformers builds it: known only from its
+    values), it runs on the kernels, each (sample, head) its own products; otherwise torch's, whose
+    backward is then torch's (``probs`` unused)."""
     causal = is_causal and attn_mask is None or not is_causal and _is_causal(attn_mask, q.shape[-2])
     if not causal or q.dim() != 4 or q.shape != k.shape or q.shape != v.shape:
         out = aten.scaled_dot_product_attention.default(q, k, v, attn_mask, 0.0, is_causal, scale=scale)
-        return out.contiguous(), q.new_empty(0)
+        return out.contiguous(), q.new_empty(*q.shape[:-1], k.shape[-2]), torch.tensor(False)
     out, probs = attention.forward(_np(q), _np(k), _np(v), _scale(q, scale), kernels)
-    return torch.from_numpy(out), torch.from_numpy(probs)
+    return torch.from_numpy(out), torch.from_numpy(probs), torch.tensor(True)
 
 
 def _scale(q, scale):
@@ -214,18 +221,19 @@ def _scale(q, scale):
 
 @attention_.register_fake
 def _(q, k, v, attn_mask, is_causal, scale):
-    return q.new_empty(*q.shape[:-1], v.shape[-1]), q.new_empty(0)
+    return (q.new_empty(*q.shape[:-1], v.shape[-1]), q.new_empty(*q.shape[:-1], k.shape[-2]),
+            q.new_empty((), dtype=torch.bool))
 
 
 def _attention_context(ctx, inputs, output):
     q, k, v, mask, is_causal, scale = inputs
     ctx.save_for_backward(q, k, v, output[1], *(() if mask is None else (mask,)))
-    ctx.is_causal, ctx.scale = is_causal, scale
+    ctx.is_causal, ctx.scale, ctx.kernels = is_causal, scale, bool(output[2])
 
 
-def _attention_backward(ctx, g, _probs):
+def _attention_backward(ctx, g, _probs, _kernels):
     q, k, v, probs, *mask = ctx.saved_tensors
-    if probs.numel():
+    if ctx.kernels:
         dq, dk, dv = attention.backward(_np(g), _np(q), _np(k), _np(v), _np(probs), _scale(q, ctx.scale), kernels)
         return torch.from_numpy(dq), torch.from_numpy(dk), torch.from_numpy(dv), None, None, None
     with torch.enable_grad():  # torch's attention: its backward, recomputed (no dropout: the same values)
@@ -284,22 +292,23 @@ cross_entropy.register_autograd(_cross_entropy_backward, setup_context=_cross_en
 
 @torch.library.custom_op("wse::conv2d", mutates_args=())
 def conv2d(x: Tensor, weight: Tensor, bias: Optional[Tensor], stride: list[int], padding: list[int],
-           dilation: list[int], groups: int) -> Tensor:
-    """torch's ``conv2d``, a sample at a time (no kernel of the wafer's does it here): a sample's values
-    are its own, and the weight's and bias's gradients are trees over samples."""
-    return torch.cat([aten.conv2d.default(x[s:s + 1], weight, bias, stride, padding, dilation, groups)
-                      for s in range(x.shape[0])])
+           dilation: list[int], groups: int, per_sample: int) -> Tensor:
+    """torch's ``conv2d``, a sample (``per_sample`` images) at a time (no kernel of the wafer's does it
+    here): a sample's values are its own, and the weight's and bias's gradients are trees over samples."""
+    k = per_sample
+    return torch.cat([aten.conv2d.default(x[s * k:(s + 1) * k], weight, bias, stride, padding, dilation, groups)
+                      for s in range(x.shape[0] // k)]).contiguous()
 
 
 @conv2d.register_fake
-def _(x, weight, bias, stride, padding, dilation, groups):
-    return aten.conv2d.default(x, weight, bias, stride, padding, dilation, groups)
+def _(x, weight, bias, stride, padding, dilation, groups, per_sample):
+    return aten.conv2d.default(x, weight, bias, stride, padding, dilation, groups).contiguous()
 
 
 def _conv2d_context(ctx, inputs, output):
-    x, weight, bias, stride, padding, dilation, groups = inputs
+    x, weight, bias, stride, padding, dilation, groups, per_sample = inputs
     ctx.save_for_backward(x, weight)
-    ctx.args, ctx.has_bias = (stride, padding, dilation, groups), bias is not None
+    ctx.args, ctx.has_bias, ctx.per_sample = (stride, padding, dilation, groups), bias is not None, per_sample
 
 
 def _conv2d_backward(ctx, g):
@@ -308,15 +317,18 @@ def _conv2d_backward(ctx, g):
     dx = torch.empty_like(x)
     mask = [True, True, ctx.has_bias]
 
+    k = ctx.per_sample
+
     def leaf(s):
-        dxs, dws, dbs = aten.convolution_backward.default(g[s:s + 1].contiguous(), x[s:s + 1], w,
+        dxs, dws, dbs = aten.convolution_backward.default(g[s * k:(s + 1) * k].contiguous(), x[s * k:(s + 1) * k], w,
                                                           [w.shape[0]] if ctx.has_bias else None, stride, padding,
                                                           dilation, False, [0, 0], groups, mask)
-        dx[s:s + 1] = dxs
+        dx[s * k:(s + 1) * k] = dxs
         return (dws.numpy().copy(), *((dbs.numpy().copy(),) if ctx.has_bias else ()))
 
-    sums = sample_sum(x.shape[0], leaf)
-    return dx, torch.from_numpy(sums[0]), torch.from_numpy(sums[1]) if ctx.has_bias else None, None, None, None, None
+    sums = sample_sum(x.shape[0] // k, leaf)
+    return (dx, torch.from_numpy(sums[0]), torch.from_numpy(sums[1]) if ctx.has_bias else None,
+            None, None, None, None, None)
 
 
 conv2d.register_autograd(_conv2d_backward, setup_context=_conv2d_context)
@@ -328,22 +340,23 @@ _BINARY = {"add": aten.add.Tensor, "sub": aten.sub.Tensor, "mul": aten.mul.Tenso
 
 
 @torch.library.custom_op("wse::broadcast", mutates_args=())
-def broadcast(a: Tensor, b: Tensor, op: str, batched: int) -> Tensor:
+def broadcast(a: Tensor, b: Tensor, op: str, batched: int, per_sample: int) -> Tensor:
     """``aten.<op>.Tensor(a, b)`` where operand ``batched`` has the batch first and the other is
     broadcast over it (a bias, a norm's weight, a position table): the broadcast one's gradient is the
-    tree over samples of each sample's slice reduced to its shape."""
+    tree over samples (``per_sample`` entries of the first dimension each) of each sample's slice
+    reduced to its shape."""
     return _BINARY[op](a, b).contiguous()
 
 
 @broadcast.register_fake
-def _(a, b, op, batched):
-    return _BINARY[op](a, b)
+def _(a, b, op, batched, per_sample):
+    return _BINARY[op](a, b).contiguous()
 
 
 def _broadcast_context(ctx, inputs, output):
-    a, b, op, batched = inputs
+    a, b, op, batched, per_sample = inputs
     ctx.save_for_backward(a, b)
-    ctx.op, ctx.batched = op, batched
+    ctx.op, ctx.batched, ctx.per_sample = op, batched, per_sample
 
 
 def _broadcast_backward(ctx, g):
@@ -354,9 +367,10 @@ def _broadcast_backward(ctx, g):
         if i == ctx.batched:
             grads[i] = local.sum_to_size(x.shape) if local.shape != x.shape else local
         else:
-            grads[i] = torch.from_numpy(sample_sum(local.shape[0], lambda s: (
-                np.array(local[s:s + 1].sum_to_size(x.shape).numpy(), np.float32),))[0])
-    return grads[0], grads[1], None, None
+            k = ctx.per_sample
+            grads[i] = torch.from_numpy(sample_sum(local.shape[0] // k, lambda s: (
+                np.array(local[s * k:(s + 1) * k].sum_to_size(x.shape).numpy(), np.float32),))[0])
+    return grads[0], grads[1], None, None, None
 
 
 def _local_grad(op, i, a, b, g):
@@ -438,7 +452,8 @@ def _lowering(node, batch):
     ``node`` on the kernels, or None: torch keeps it."""
     if node.target in _BY_TARGET and len(node.args) == 2 and not node.kwargs:
         batched = _broadcast_operand(node, batch)
-        return None if batched is None else (broadcast, (*node.args, _BY_TARGET[node.target], batched), False)
+        return None if batched is None else (
+            broadcast, (*node.args, _BY_TARGET[node.target], batched, batch.per_sample(node.args[batched])), False)
     if node.target not in _SCHEMAS:
         return None
     a = _arguments(node)
@@ -456,7 +471,7 @@ def _lowering(node, batch):
         return layer_norm, (a["input"], a["weight"], a["bias"], float(a["eps"]),
                             batch.rows(a["input"])), True
     if t is aten.embedding.default and not a["scale_grad_by_freq"] and not a["sparse"] and _float32(a["weight"]):
-        return embedding, (a["weight"], a["indices"], a["padding_idx"], batch.first(a["indices"])), False
+        return embedding, (a["weight"], a["indices"], a["padding_idx"], batch.per_sample(a["indices"])), False
     if t is aten.scaled_dot_product_attention.default and a["dropout_p"] == 0.0 and not a["enable_gqa"] \
             and _float32(a["query"], a["key"], a["value"]):
         return attention_, (a["query"], a["key"], a["value"], a["attn_mask"], a["is_causal"], a["scale"]), True
@@ -468,7 +483,7 @@ def _lowering(node, batch):
     if t is aten.conv2d.default and batch.first(a["input"]) and _val(a["input"]).dim() == 4 \
             and _float32(a["input"], a["weight"]) and (a["bias"] is None or _float32(a["bias"])):
         pairs = [list(v) if isinstance(v, (list, tuple)) else [v, v] for v in (a["stride"], a["padding"], a["dilation"])]
-        return conv2d, (a["input"], a["weight"], a["bias"], *pairs, a["groups"]), False
+        return conv2d, (a["input"], a["weight"], a["bias"], *pairs, a["groups"], batch.per_sample(a["input"])), False
     return None
 
 
@@ -524,6 +539,9 @@ def _prefix(shape, dim):
     return math.prod(int(d) for d in shape[:dim])
 
 
+#: Ops that move, repeat or join entries along a dimension (``_acts_on`` says which).
+_REORDERS = {"cat", "flip", "roll", "index_select", "repeat", "gather", "scatter", "index", "sort", "argsort",
+             "narrow", "take_along_dim", "repeat_interleave", "stack"}
 #: Reductions over a list of dimensions (``mean.dim``, ``sum.dim_IntList``, ...).
 _REDUCTIONS = {"mean", "sum", "amax", "amin", "prod", "var", "std", "logsumexp", "norm"}
 #: Ops that lay a value's elements out anew (the batch kept where the elements before it stay as many).
@@ -551,13 +569,19 @@ def batch_dims(graph, known=None):
         src, d = next(((a, b) for a, b in ins if b is not None), (None, None))
         name = _name(node.target)
         b = None
-        if isinstance(out, (tuple, list)) or name == "getitem":
-            b = d  # a split's pieces, a tuple's item: the input's (checked by shape below)
+        if name == "getitem":
+            b = dims.get(node.args[0])  # a split's piece, a tuple's item: the tuple's (checked by shape below)
+        elif isinstance(out, (tuple, list)):  # a split's pieces: the input's, unless it splits the batch
+            at = node.args[1 if name == "unbind" else 2] if len(node.args) > (1 if name == "unbind" else 2) else 0
+            b = None if d is None or isinstance(at, int) and at % _val(src).dim() == d[0] else d
         elif len(syms) != 1:
             b = None
-        elif src is None:  # made from sizes (arange, new_ones) or broadcast: a fresh batch dimension;
-            # from a value whose batch is not followed: none
+        elif src is None:  # made from sizes (arange, new_ones) or a value broadcast over the batch (its
+            # copies, one a sample: an expand's backward sums them, which ``report`` names); from a value
+            # whose batch is not followed: none
             b = None if any(_sym_dims(_val(a)) for a in node.all_input_nodes) else (syms[0], 1)
+        elif name in _REORDERS and _acts_on(node, d[0]):
+            b = None  # samples moved, repeated or joined along the batch: not one run each
         elif name in ("transpose", "t"):
             d0, d1 = (node.args[1], node.args[2]) if name == "transpose" else (0, 1)
             rank = _val(src).dim()
@@ -594,6 +618,23 @@ def batch_dims(graph, known=None):
     return dims
 
 
+def _acts_on(node, dim):
+    """Whether a ``_REORDERS`` op moves, repeats or joins entries along dimension ``dim`` of its input (when
+    it cannot tell: yes)."""
+    name, args = _name(node.target), node.args
+    if name in ("cat", "stack"):
+        return (args[1] if len(args) > 1 else node.kwargs.get("dim", 0)) % max(1, _val(node).dim()) == dim
+    if name in ("flip", "roll"):
+        dims = args[1] if name == "flip" else (args[2] if len(args) > 2 else None)
+        return dims is None or dim in [x % _val(node).dim() for x in (dims if isinstance(dims, (list, tuple)) else [dims])]
+    if name in ("index_select", "gather", "narrow", "sort", "argsort", "take_along_dim"):
+        return len(args) < 2 or not isinstance(args[1], int) or args[1] % _val(node).dim() == dim
+    if name == "repeat":
+        repeats = args[1] if len(args) > 1 else None
+        return not isinstance(repeats, (list, tuple)) or dim >= len(repeats) or repeats[dim] != 1
+    return True
+
+
 class _Batch:
     """Where the batch is in a unit's values (``batch_dims``), and what follows for its sums."""
 
@@ -603,6 +644,14 @@ class _Batch:
     def first(self, node):
         """Whether the value's batch is its first dimension, sample-major."""
         return self.dims.get(node) == (0, 1)
+
+    def per_sample(self, node):
+        """Entries of the first dimension a sample has, of a value whose batch is first; 0 otherwise."""
+        if not self.first(node):
+            return 0
+        expr = _val(node).shape[0].node.expr
+        k = expr / next(iter(expr.free_symbols))
+        return int(k) if len(expr.free_symbols) == 1 and k.is_Integer and int(k) >= 1 else 0
 
     def has(self, node):
         return bool(_sym_dims(_val(node)))
@@ -639,7 +688,7 @@ def _broadcast_operand(node, batch):
     position table), else None."""
     vals = [_val(a) for a in node.args]
     out = _val(node)
-    if not all(isinstance(v, torch.Tensor) and v.is_floating_point() for v in (*vals, out)) or not batch.first(node):
+    if not all(isinstance(v, torch.Tensor) and v.dtype == torch.float32 for v in (*vals, out)) or not batch.first(node):
         return None
     first = [batch.first(a) and v.dim() == out.dim() for a, v in zip(node.args, vals)]
     if first.count(True) != 1:
@@ -670,13 +719,14 @@ def report(unit, batch):
         if original is not None:
             lowered[name] = lowered.get(name, 0) + 1
             flops["lowered"] += _lowered_flops(node)
-            operand = node.args[1] if name == "embedding" else node.args[0]
-            laid_out = node.target is torch.ops.wse.product.default and node.args[3] is not None
-            if name != "scaled_dot_product_attention" and batch.has(operand) and not batch.first(operand) \
-                    and not laid_out:
-                reasons.append(f"{unit.name}: {name} of a tensor whose first dimension is not the batch")
+            operand = node.args[1] if name == "embedding" else node.args[node.args[3]] if name in _BY_TARGET.values() \
+                else node.args[0]
+            if name != "scaled_dot_product_attention" and batch.has(operand) and not _followed(node):
+                reasons.append(f"{unit.name}: {name} of a tensor whose samples it cannot tell apart")
             continue
         work = _flops(node.target, node)
+        if name == "expand" and _spans_batch(node, trained, batch):  # its backward sums the copies
+            reasons.append(f"{unit.name}: expand broadcasts a weight over the batch (left to torch)")
         if name in _FREE or not isinstance(_val(node), torch.Tensor):  # a view, or a size or tuple
             continue
         left[name] = left.get(name, 0) + 1
@@ -687,6 +737,16 @@ def report(unit, batch):
     total = flops["lowered"] + flops["torch"]
     return {"lowered": lowered, "torch": left, "flops": flops, "torch_flops": flops["torch"] / total if total else 0.0,
             "batch_dependent": reasons}
+
+
+def _followed(node):
+    """Whether a lowered node's sums over samples are trees: it was told where its operand's samples are."""
+    op, args = node.target, node.args
+    if op is torch.ops.wse.product.default:
+        return args[3] is not None
+    if op in (torch.ops.wse.layer_norm.default, torch.ops.wse.cross_entropy.default):
+        return args[4] is not None
+    return args[-1] > 0  # embedding, conv2d, broadcast: the entries a sample has
 
 
 def _trained(unit, batch):

@@ -318,7 +318,7 @@ class TorchModel(Model):
             return 0.0, 0, {"seed": torch.zeros_like(value)}
         # The lowered loss's own sum, the tree over samples: the same whatever the micro-batch (a mean
         # times its n would not be); else the mean times n.
-        total = float(y[self.loss_sum]) if self.loss_sum in y else float(value.detach()) * factor
+        total = float(y[self.loss_sum].detach()) if self.loss_sum in y else float(value.detach()) * factor
         return total, n, {"seed": torch.full_like(value, factor * loss_scale)}
 
     def loss_divisor(self, n_tokens, batch_size):
