@@ -123,9 +123,11 @@ def check_wafer(model, batch_size, num_csx, micro_batch_size, seq_len, hw):
     if micro_batch_size is not None and w.fits:
         return micro_batch_size
     sizes = MicroBatches.even_sizes(batch_size, num_csx)
-    # auto prefers the sizes whose micro-batches are halvings of the batch (MicroBatches.aligned): their
-    # bits are every other such size's (docs/design.md section 5, (a)).
-    halvings = [b for b in sizes if MicroBatches(batch_size, b, num_csx).aligned]
+    # On a power of two of CS-2s, auto prefers the sizes whose micro-batches are halvings of the batch
+    # (MicroBatches.aligned): their bits are every other such size's (docs/design.md section 5, (a)).
+    # Another num_csx sums in an order of its own whatever the size: the largest that fits.
+    halvings = ([b for b in sizes if MicroBatches(batch_size, b, num_csx).aligned]
+                if num_csx & (num_csx - 1) == 0 else [])
     best = largest_micro_batch(model, halvings, seq_len, hw) or largest_micro_batch(model, sizes, seq_len, hw)
     if micro_batch_size is None:
         if best is not None:
