@@ -414,6 +414,19 @@ def test_importing_wse_core_does_not_import_torch():
         "ImportError: wse_core.compiler needs PyTorch: pip install -e '.[torch]'"
 
 
+def _trained(model, batch, micro_batch_size, lr, steps=2):
+    """(losses, the weights' bytes) of ``steps`` AdamW reference steps of a compiled ``model`` on ``batch``."""
+    from wse_core.nn import reference_step
+    from wse_core.optim import AdamW
+
+    params = model.init_params(0)
+    opt = AdamW(lr=lr)
+    state = {k: opt.init_state(v) for k, v in params.items()}
+    losses = [reference_step(model, params, state, opt, batch, micro_batch_size=micro_batch_size, step=t).loss
+              for t in range(1, steps + 1)]
+    return losses, b"".join(params[k].tobytes() for k in model.param_names)
+
+
 MLP = """
 model = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(64, 32), torch.nn.ReLU(), torch.nn.Linear(32, 10))
 x = torch.rand(128, 1, 8, 8, generator=g)
@@ -433,8 +446,6 @@ def test_a_lowered_user_model_has_the_same_bits_for_any_micro_batch_size(tmp_pat
 
     from wse_core.compiler.model import save_program
     from wse_core.models import build_model
-    from wse_core.nn import reference_step
-    from wse_core.optim import AdamW
 
     code, call = MODELS.get(name, (MLP, "compiled(inputs)"))
     if "transformers" in code:
@@ -449,17 +460,9 @@ def test_a_lowered_user_model_has_the_same_bits_for_any_micro_batch_size(tmp_pat
     assert lowered.batch_dependent is None, lowered.batch_dependent
     batch = lowered.batch_of([x.numpy(), y.numpy()])
 
-    def train(size):
-        params = lowered.init_params(0)
-        opt = AdamW(lr=1e-2)
-        state = {k: opt.init_state(v) for k, v in params.items()}
-        losses = [reference_step(lowered, params, state, opt, batch, micro_batch_size=size, step=t).loss
-                  for t in (1, 2)]
-        return losses, b"".join(params[k].tobytes() for k in lowered.param_names)
-
-    first = train(1)
+    first = _trained(lowered, batch, 1, lr=1e-2)
     for size in (2, 4, 8, 16):
-        assert train(size)[1] == first[1], size
+        assert _trained(lowered, batch, size, lr=1e-2)[1] == first[1], size
     out = model(x)
     assert first[0][0] == pytest.approx(loss_fn(out.logits if call.endswith(".logits") else out, y).item(), rel=1e-6)
 
@@ -484,8 +487,6 @@ def test_a_lowered_transformers_model_has_the_same_bits_for_any_micro_batch_size
     over samples a tree, so micro-batches of 1, 2, 4 and 8 train to the same weights; the step's loss
     is torch's within 1e-6."""
     from wse_core.models import build_model
-    from wse_core.nn import reference_step
-    from wse_core.optim import AdamW
 
     torch.manual_seed(0)
     if name == "gpt2":
@@ -507,17 +508,9 @@ def test_a_lowered_transformers_model_has_the_same_bits_for_any_micro_batch_size
     ex[2, 1, :5] = 0
     batch = lowered.batch_of([ex])
 
-    def train(size):
-        params = lowered.init_params(0)
-        opt = AdamW(lr=1e-3)
-        state = {k: opt.init_state(v) for k, v in params.items()}
-        losses = [reference_step(lowered, params, state, opt, batch, micro_batch_size=size, step=t).loss
-                  for t in (1, 2)]
-        return losses, b"".join(params[k].tobytes() for k in lowered.param_names)
-
-    first = train(1)
+    first = _trained(lowered, batch, 1, lr=1e-3)
     for size in (2, 4, 8):
-        assert train(size)[1] == first[1], size
+        assert _trained(lowered, batch, size, lr=1e-3)[1] == first[1], size
     ids, labels = torch.from_numpy(ex[:, 0]).long(), torch.from_numpy(np.where(ex[:, 1] != 0, ex[:, 2], -100)).long()
     eager = F.cross_entropy(model(ids).logits.reshape(-1, 257), labels.reshape(-1)).item()
     assert first[0][0] == pytest.approx(eager, rel=1e-6)
@@ -574,8 +567,6 @@ def test_samples_of_several_rows_are_summed_as_samples_and_a_weight_expanded_ove
     micro-batch size gives the same bits; a weight torch's expand copies over the batch is named."""
     from wse_core.compiler.model import save_program
     from wse_core.models import build_model
-    from wse_core.nn import reference_step
-    from wse_core.optim import AdamW
 
     torch.manual_seed(0)
     x, y = torch.randn(16, 3, 6), torch.randint(0, 3, (16,))
@@ -584,12 +575,6 @@ def test_samples_of_several_rows_are_summed_as_samples_and_a_weight_expanded_ove
     model = build_model({"name": "torch", "program": str(tmp_path / "m.pt2")})
     assert model.batch_dependent == why
     if why is None:
-        def train(size):
-            params = model.init_params(0)
-            opt = AdamW(lr=1e-2)
-            state = {k: opt.init_state(v) for k, v in params.items()}
-            reference_step(model, params, state, opt, model.batch_of([x.numpy(), y.numpy()]), micro_batch_size=size,
-                           step=1)
-            return b"".join(params[k].tobytes() for k in model.param_names)
-
-        assert train(1) == train(2) == train(4) == train(16)
+        batch = model.batch_of([x.numpy(), y.numpy()])
+        first = _trained(model, batch, 1, lr=1e-2, steps=1)
+        assert all(_trained(model, batch, size, lr=1e-2, steps=1) == first for size in (2, 4, 16))

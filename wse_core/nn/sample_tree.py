@@ -55,7 +55,7 @@ def sample_sum(n, leaf):
 def samples_of(rows, t):
     """The samples of a micro-batch of ``rows`` token rows, ``t`` a sample."""
     if t is None or rows % t:
-        raise ValueError(f"sample_sum: {rows} rows are not whole samples of {t} rows")
+        raise ValueError(f"{rows} rows are not whole samples of {t} rows")
     return rows // t
 
 
